@@ -1,0 +1,1 @@
+"""prefixcache: automatic prefix caching of LLM KV caches (vLLM-compatible)."""
