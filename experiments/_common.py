@@ -1,0 +1,294 @@
+"""Shared plumbing for the experiment scripts: provenance, work dirs, atomic output.
+
+Every result an experiment publishes must be traceable to the run that made it
+(STYLE habit 2): the resolved config, the seed, package versions, the git
+revision (and whether the tree was dirty), the hash algorithm and the cache
+state at the start of the measurement (cold or warm). ``provenance`` builds that
+record; ``AtomicJsonlWriter`` attaches it to every line it writes and only makes
+the output file appear once the run finished cleanly, so a crashed or rejected
+run never leaves a complete-looking file behind.
+
+Nothing here imports jax: versions are read from package metadata, so a
+host-only experiment stays host-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+CACHE_STATES = ("cold", "warm")
+
+# Packages whose versions are recorded; missing ones are recorded as None.
+_VERSIONED_PACKAGES = ("numpy", "jax", "jaxlib", "flax", "xxhash", "cbor2", "prefixcache")
+
+# The repository root (this file lives in <root>/experiments/).
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Converts a config-like object into plain JSON types.
+
+    Handles ``ml_collections.ConfigDict`` / ``FrozenConfigDict`` (anything with
+    ``to_dict``), dataclasses, mappings, tuples/lists/sets, numpy scalars and
+    arrays (via ``tolist``/``item``), ``pathlib.Path`` and non-finite floats
+    (written as strings, since JSON has no NaN). Unknown objects become
+    ``repr(obj)`` so provenance never fails a run.
+
+    Args:
+      obj: any value.
+
+    Returns:
+      A value made of dict/list/str/int/float/bool/None only.
+    """
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):  # ConfigDict
+        return to_jsonable(obj.to_dict())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((to_jsonable(v) for v in obj), key=repr)
+    if isinstance(obj, (pathlib.PurePath, bytes)):
+        return obj.hex() if isinstance(obj, bytes) else str(obj)
+    if hasattr(obj, "tolist"):  # numpy arrays and scalars
+        return to_jsonable(obj.tolist())
+    if hasattr(obj, "item"):
+        return to_jsonable(obj.item())
+    return repr(obj)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of python and the packages results depend on (None if absent)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_revision(repo: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The git commit of ``repo`` (default: this checkout) and a dirty flag.
+
+    Returns:
+      ``{"revision": str | None, "dirty": bool | None}``; both None outside a git
+      work tree or without git.
+    """
+    cwd = str(repo or _REPO_ROOT)
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+            timeout=10, check=True,
+        ).stdout.strip()
+        # NOTE: untracked files do not count as dirty: work dirs and caches live
+        # in the tree; a modified tracked file does.
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"revision": None, "dirty": None}
+    return {"revision": rev or None, "dirty": bool(status.strip())}
+
+
+def provenance(
+    config: Any,
+    *,
+    seed: int | None,
+    hash_algo: str | None = None,
+    cache_state: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The provenance record attached to every published result.
+
+    Args:
+      config: the resolved config (ConfigDict, dataclass, mapping or None).
+      seed: the run's seed (None when the run has no randomness).
+      hash_algo: the block hash algorithm used, if any.
+      cache_state: the prefix cache state at the start of the measurement,
+        ``"cold"`` or ``"warm"`` (None when not applicable).
+      extra: further JSON-able fields (e.g. the trace path); they may not
+        shadow the standard keys.
+
+    Returns:
+      A JSON-able dict with keys ``config``, ``seed``, ``versions``, ``git``,
+      ``hostname``, ``timestamp`` (UTC ISO 8601), ``hash_algo``, ``cache_state``
+      and the ``extra`` keys.
+
+    Raises:
+      ValueError: ``cache_state`` is not cold/warm/None, or ``extra`` shadows a
+        standard key.
+    """
+    if cache_state is not None and cache_state not in CACHE_STATES:
+        raise ValueError(f"cache_state must be one of {CACHE_STATES} or None, got {cache_state!r}")
+    record: dict[str, Any] = {
+        "config": to_jsonable(config),
+        "seed": None if seed is None else int(seed),
+        "versions": package_versions(),
+        "git": git_revision(),
+        "hostname": socket.gethostname(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hash_algo": hash_algo,
+        "cache_state": cache_state,
+    }
+    for key, value in (extra or {}).items():
+        if key in record:
+            raise ValueError(f"extra provenance key {key!r} shadows a standard key")
+        record[key] = to_jsonable(value)
+    return record
+
+
+def prepare_workdir(path: str | os.PathLike) -> pathlib.Path:
+    """Creates (if needed) and returns the experiment's output directory.
+
+    Raises:
+      ValueError: ``path`` is empty or exists and is not a directory.
+    """
+    if not str(path):
+        raise ValueError("workdir must be a non-empty path")
+    p = pathlib.Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"workdir {str(p)!r} exists and is not a directory")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def dumps_line(record: Mapping[str, Any]) -> str:
+    """One compact JSON line (the byte format of ``../shared/peers`` outputs)."""
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+class AtomicJsonlWriter:
+    """Writes a JSONL file that appears only when the writer exits cleanly.
+
+    Lines go to a temporary file in the destination's directory; on a clean
+    ``__exit__`` it is flushed, fsynced and renamed over ``path`` (atomic on
+    POSIX). On an exception the temporary file is deleted and ``path`` is left
+    exactly as it was (absent, or the previous complete output).
+
+    Invariant: a file at ``path`` written by this class is always complete.
+
+    Args:
+      path: destination file.
+      provenance: if given, every line is ``{**record, "provenance": provenance}``
+        so each line can be traced back on its own. Leave it None for outputs
+        that must be byte-identical across runs (e.g. replay's per-request file).
+    """
+
+    def __init__(self, path: str | os.PathLike, provenance: Mapping[str, Any] | None = None):
+        self.path = pathlib.Path(path)
+        if not str(path) or self.path.is_dir():
+            raise ValueError(f"output path {str(path)!r} is empty or a directory")
+        self._provenance = None if provenance is None else to_jsonable(provenance)
+        self._file = None
+        self._tmp_path: pathlib.Path | None = None
+        self.num_lines = 0
+
+    def __enter__(self) -> "AtomicJsonlWriter":
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=directory)
+        self._tmp_path = pathlib.Path(tmp)
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        return self
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Appends one record as a JSON line (with the provenance, if any)."""
+        if self._file is None:
+            raise ValueError("AtomicJsonlWriter.write called outside its `with` block")
+        if self._provenance is not None:
+            if "provenance" in record:
+                raise ValueError("record already has a 'provenance' key")
+            record = {**record, "provenance": self._provenance}
+        self._file.write(dumps_line(record))
+        self.num_lines += 1
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        f, tmp = self._file, self._tmp_path
+        self._file = self._tmp_path = None
+        try:
+            if exc_type is None:
+                f.flush()
+                os.fsync(f.fileno())
+            f.close()
+            if exc_type is None:
+                os.replace(tmp, self.path)
+                tmp = None
+        finally:
+            if tmp is not None and tmp.exists():
+                tmp.unlink()
+        return False  # never swallow the exception
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Writes one JSON document atomically (temp file + rename)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(to_jsonable(obj), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_plot(fig, path: str | os.PathLike, *, dpi: int = 120) -> pathlib.Path:
+    """Saves a matplotlib figure as PNG atomically and closes it.
+
+    Callers create figures with ``new_figure`` (Agg backend, no display needed).
+
+    Returns:
+      The path written.
+    """
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is slow to import)
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        plt.close(fig)
+    return path
+
+
+def new_figure(*args, **kwargs):
+    """``plt.subplots`` on the non-interactive Agg backend (headless-safe).
+
+    NOTE: selects Agg only when no backend has been chosen by the caller
+    (e.g. a notebook's inline backend is left alone).
+    """
+    import matplotlib  # noqa: PLC0415
+
+    if "MPLBACKEND" not in os.environ and "matplotlib.pyplot" not in __import__("sys").modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt.subplots(*args, **kwargs)
