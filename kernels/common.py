@@ -1,0 +1,102 @@
+"""Shared input validation and constants for the paged-attention kernels.
+
+All kernels in this package take the same arguments (the index-array contract of
+DESIGN.md):
+
+- `q: [num_tokens, num_q_heads, head_dim]` (f32 or bf16), ragged over sequences.
+- `kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]`, K of kv-head h at slot
+  2h, V at slot 2h+1.
+- `kv_lens: i32[max_num_seqs]`: KV tokens each sequence attends to after this step.
+- `page_indices: i32[max_num_seqs, pages_per_seq]`: the block table.
+- `cu_q_lens: i32[max_num_seqs + 1]`: cumulative query lengths.
+- `num_seqs: i32[1]`: live rows of the tables.
+
+Validation here is static (shapes, dtypes, static scalars) so it runs at trace time and
+never forces a device->host transfer.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# NOTE: a large finite negative number rather than -inf for masked logits, so that
+# a fully masked row yields exp(mask - mask) = 1 weights over zeroed V (output 0)
+# instead of NaN. Kernels additionally zero the weights of masked keys.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MIN_PAGE_SIZE = 8
+MAX_PAGE_SIZE = 128
+SUPPORTED_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                    sm_scale, sliding_window=None, soft_cap=None) -> None:
+  """Checks shapes, dtypes and static scalars of a paged-attention call.
+
+  Args: as `ragged_paged_attention_reference`.
+
+  Raises:
+    ValueError: naming the offending argument and its shape/dtype/value.
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+  if kv_pages.ndim != 4:
+    raise ValueError(
+        "kv_pages must be [num_pages, page_size, 2*num_kv_heads, head_dim], got shape "
+        f"{kv_pages.shape}")
+  _, num_q_heads, head_dim = q.shape
+  num_pages, page_size, num_combined, head_dim_kv = kv_pages.shape
+  if num_combined % 2 != 0 or num_combined == 0:
+    raise ValueError(
+        f"kv_pages.shape[2] = {num_combined} must be 2*num_kv_heads (K and V interleaved)")
+  num_kv_heads = num_combined // 2
+  if head_dim != head_dim_kv:
+    raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_pages has {head_dim_kv}")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"head_dim {head_dim} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+  if num_q_heads % num_kv_heads != 0:
+    raise ValueError(
+        f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+  if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+    raise ValueError(
+        f"page_size {page_size} out of the supported range [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]")
+  if num_pages < 1:
+    raise ValueError(f"kv_pages has no pages (shape {kv_pages.shape})")
+  q_dtype, kv_dtype = jnp.dtype(q.dtype), jnp.dtype(kv_pages.dtype)
+  if kv_dtype not in SUPPORTED_KV_DTYPES:
+    raise ValueError(f"kv_pages dtype {kv_dtype} not supported; expected float32 or bfloat16")
+  if q_dtype not in SUPPORTED_KV_DTYPES:
+    raise ValueError(f"q dtype {q_dtype} not supported; expected float32 or bfloat16")
+  # NOTE: bf16 q with f32 KV would silently upcast the cache reads; the only mixed
+  # combination allowed is f32 q over a bf16 cache (KV upcast inside the kernel).
+  if q_dtype == jnp.bfloat16 and kv_dtype == jnp.float32:
+    raise ValueError("q dtype bfloat16 with kv_pages dtype float32 is not supported; "
+                     "cast q to float32 or store the cache in bfloat16")
+  if page_indices.ndim != 2:
+    raise ValueError(
+        f"page_indices must be i32[max_num_seqs, pages_per_seq], got shape {page_indices.shape}")
+  max_num_seqs = page_indices.shape[0]
+  if page_indices.shape[1] < 1:
+    raise ValueError(f"page_indices has no columns (shape {page_indices.shape})")
+  if kv_lens.shape != (max_num_seqs,):
+    raise ValueError(
+        f"kv_lens shape {kv_lens.shape} must be ({max_num_seqs},) = page_indices.shape[:1]")
+  if cu_q_lens.shape != (max_num_seqs + 1,):
+    raise ValueError(
+        f"cu_q_lens shape {cu_q_lens.shape} must be ({max_num_seqs + 1},) = max_num_seqs + 1")
+  if num_seqs.shape != (1,):
+    raise ValueError(f"num_seqs shape {num_seqs.shape} must be (1,)")
+  for name, arr in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    if jnp.dtype(arr.dtype) != jnp.int32:
+      raise ValueError(f"{name} dtype must be int32, got {arr.dtype}")
+  if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+    raise ValueError(f"sm_scale must be a Python float, got {sm_scale!r}")
+  if sliding_window is not None:
+    if (not isinstance(sliding_window, (int, np.integer)) or isinstance(sliding_window, bool)
+        or sliding_window <= 0):
+      raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+  if soft_cap is not None:
+    if not isinstance(soft_cap, (int, float)) or isinstance(soft_cap, bool) or soft_cap <= 0:
+      raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")

@@ -1,0 +1,115 @@
+"""Ragged paged attention: every backend against a float64 numpy oracle.
+
+Each backend gets one test class; Pallas backends run compiled where their hardware
+exists and as an interpret-mode subclass everywhere. Shapes are tiny (head_dim 64,
+page_size 8) because Pallas interpret mode is slow on CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernel_cases import make_case, oracle, tolerance
+
+SCALE = 1.0 / math.sqrt(64)
+
+
+class AttentionChecks:
+  """Checks shared by every backend; subclasses set `backend` and `interpret`."""
+  backend = "reference"
+  interpret = False
+
+  def call(self, case, **kw):
+    return kernels.paged_attention(*case.args(), backend=self.backend,
+                                   interpret=self.interpret, **kw)
+
+  def check(self, case, *, sm_scale=SCALE, sliding_window=None, soft_cap=None):
+    out = self.call(case, sm_scale=sm_scale, sliding_window=sliding_window,
+                    soft_cap=soft_cap)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    # NaN sits in every unused page, slot and padding token: nothing may leak.
+    assert np.all(np.isfinite(out)), "non-finite output (padding leaked)"
+    ref = oracle(case, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    live = case.num_live_tokens
+    rtol, atol = tolerance(case.q.dtype)
+    np.testing.assert_allclose(out[:live], ref[:live], rtol=rtol, atol=atol)
+    np.testing.assert_array_equal(out[live:], 0.0)
+
+  def test_hand_computed(self):
+    # One sequence, kv_len 2, q_len 2, one head, head_dim 64, sm_scale 1.
+    # q0 = q1 = e0; k0 = 0, k1 = e0 * ln(3); v0 = 1*e0, v1 = 5*e0.
+    # Row 0 (position 0) sees only key 0 -> out = v0 = [1, 0, ...].
+    # Row 1 (position 1): logits [0, ln 3] -> weights [1/4, 3/4]
+    #   -> out = 1/4 * 1 + 3/4 * 5 = 4 in dim 0.
+    case = make_case(0, [(2, 2)], head_dim=64, extra_pages=0)
+    e0 = np.zeros(64, np.float32)
+    e0[0] = 1.0
+    case.q[:2, 0] = e0
+    k = np.stack([0 * e0, e0 * np.log(3.0)])
+    v = np.stack([1 * e0, 5 * e0])
+    page = case.page_indices[0, 0]
+    case.kv_pages[page, :2, 0] = k
+    case.kv_pages[page, :2, 1] = v
+    out = np.asarray(self.call(case, sm_scale=1.0))
+    expected = np.stack([e0, 4 * e0])
+    np.testing.assert_allclose(out[:2, 0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[2:], 0.0)
+
+  def test_decode_only(self):
+    # Lengths not page multiples, 8 pages of permuted order, a padding row.
+    self.check(make_case(1, [(1, 13), (1, 8), (1, 1), (1, 30)], num_kv_heads=2, group=2))
+
+  def test_prefill_only(self):
+    self.check(make_case(2, [(11, 11), (5, 5)], num_kv_heads=1, group=4))
+
+  def test_prefill_over_cached_prefix(self):
+    # 19 cached tokens (2 full pages + 3) and 7 new ones.
+    self.check(make_case(3, [(7, 26)], num_kv_heads=2, group=1))
+
+  def test_chunked_prefill_and_mixed_batch(self):
+    # Decodes first, then a chunk in the middle of a prompt, a fresh prefill, and a
+    # zero-length row (scheduled nothing this step) between live rows.
+    seqs = [(1, 17), (1, 9), (6, 22), (0, 5), (9, 9)]
+    self.check(make_case(4, seqs, num_kv_heads=2, group=2, num_tokens=24))
+
+  @pytest.mark.parametrize("group", [1, 2, 4, 8])
+  def test_gqa_ratios(self, group):
+    self.check(make_case(10 + group, [(1, 12), (4, 10)], num_kv_heads=8 // group,
+                         group=group))
+
+  def test_sliding_window_and_soft_cap(self):
+    seqs = [(1, 21), (5, 19)]
+    case = make_case(5, seqs, num_kv_heads=1, group=2)
+    case.q *= 4.0  # large logits so the cap matters
+    self.check(case, sliding_window=6, soft_cap=3.0, sm_scale=0.5)
+
+  def test_bf16(self):
+    case = make_case(6, [(1, 20), (6, 14)], num_kv_heads=2, group=2, dtype=jnp.bfloat16)
+    self.check(case)
+
+  def test_no_live_rows(self):
+    case = make_case(7, [], max_num_seqs=3, num_tokens=4, pages_per_seq=2)
+    out = np.asarray(self.call(case, sm_scale=SCALE))
+    np.testing.assert_array_equal(out, 0.0)
+
+
+class TestReference(AttentionChecks):
+  backend = "reference"
+
+  def test_traced_num_seqs_reuses_one_program(self):
+    # num_seqs is data: the same compiled program serves 1 and 2 live rows.
+    case = make_case(8, [(3, 9), (2, 12)], num_kv_heads=1, group=2)
+    fn = jax.jit(lambda *a: kernels.ragged_paged_attention_reference(*a, sm_scale=SCALE))
+    args = list(case.args())
+    full = np.asarray(fn(*args))
+    args[5] = jnp.array([1], jnp.int32)
+    one = np.asarray(fn(*args))
+    np.testing.assert_array_equal(one[:3], full[:3])
+    np.testing.assert_array_equal(one[3:], 0.0)
+    assert fn._cache_size() == 1
