@@ -1,0 +1,414 @@
+"""Requests as the KV cache manager sees them: token ids, hash extra keys, block hashes.
+
+A `Request` owns a copy of its prompt, the output tokens appended so far, the scheduler's
+``num_computed_tokens`` and the digests of its full blocks. The digests are computed
+incrementally by the `BlockHasher` bound to it (the KV cache manager binds its hasher on
+first use): appending tokens hashes only blocks that became full, so a decode step costs
+O(1) amortised and earlier blocks are never rehashed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.core.hashing import BlockHasher
+
+__all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request"]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One multimodal item (an image, an audio clip) in a prompt.
+
+    Attributes:
+      identifier: content hash of the item (vLLM's ``mm_hash``); enters the block keys.
+      offset: position of the item's first placeholder token in the prompt, >= 0.
+      length: number of placeholder tokens, > 0.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self):
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise ValueError(
+                f"MultiModalFeature.identifier must be a non-empty str, got {self.identifier!r}"
+            )
+        object.__setattr__(self, "offset", _check_int("MultiModalFeature.offset", self.offset, 0))
+        object.__setattr__(self, "length", _check_int("MultiModalFeature.length", self.length, 1))
+
+    @property
+    def end(self) -> int:
+        """One past the last placeholder token."""
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter. Name and path both enter every block key (vLLM 0.33): re-pointing
+    a name at another adapter does not reuse KV computed with the previous one."""
+
+    name: str
+    path: str
+
+    def __post_init__(self):
+        for field_name in ("name", "path"):
+            value = getattr(self, field_name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"LoRARequest.{field_name} must be a non-empty str, got {value!r}")
+
+
+class ReadOnlyList(Sequence):
+    """A read-only view of a list (vLLM's ConstantList): O(1) to create, follows the list.
+
+    Slicing returns a plain list copy; iteration and ``len`` run at list speed.
+    """
+
+    __slots__ = ("_x",)
+
+    def __init__(self, x: list):
+        self._x = x
+
+    def __getitem__(self, index):
+        return self._x[index]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._x)
+
+    def __reversed__(self) -> Iterator:
+        return reversed(self._x)
+
+    def __contains__(self, value) -> bool:
+        return value in self._x
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ReadOnlyList):
+            return self._x == other._x
+        if isinstance(other, (list, tuple)):
+            return self._x == list(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable underneath
+
+    def copy(self) -> list:
+        return list(self._x)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyList({self._x!r})"
+
+
+def _validated_token_list(name: str, token_ids: Any) -> list[int]:
+    """A fresh list of Python ints >= 0, or ValueError naming the first bad id."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(
+        token_ids, "__array__"
+    ):
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    if hasattr(token_ids, "tolist") and hasattr(token_ids, "dtype"):  # numpy array
+        if token_ids.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be integers, got dtype {token_ids.dtype}")
+        out = token_ids.tolist()
+        if not isinstance(out, list):
+            raise ValueError(f"{name} must be 1-D, got a scalar")
+        if out and not isinstance(out[0], int):
+            raise ValueError(f"{name} must be 1-D")
+        if out and min(out) < 0:
+            raise ValueError(f"{name}: negative token id {min(out)}")
+        return out
+    out = list(token_ids)
+    for i, t in enumerate(out):
+        if type(t) is not int:
+            if isinstance(t, bool):
+                raise ValueError(f"{name}[{i}] = {t!r} is not a token id (bool)")
+            try:
+                out[i] = t = int(operator.index(t))
+            except TypeError:
+                raise ValueError(f"{name}[{i}] = {t!r} is not an int token id") from None
+        if t < 0:
+            raise ValueError(f"{name}[{i}] = {t} is a negative token id")
+    return out
+
+
+class Request:
+    """A request's tokens, hash extra keys and block hashes.
+
+    Invariants:
+      - ``all_token_ids == prompt_token_ids + output_token_ids``; all ids are ints >= 0;
+        the prompt is non-empty and a private copy.
+      - ``mm_features`` are sorted by offset, lie inside the prompt and do not overlap.
+      - ``0 <= num_computed_tokens <= num_tokens``.
+      - once a hasher is bound: ``block_hashes[i]`` is the digest of tokens
+        ``[i * block_size, (i + 1) * block_size)`` chained from block 0, for every full
+        block (computed lazily, never recomputed); the binding never changes.
+    """
+
+    __slots__ = (
+        "_request_id",
+        "_tokens",
+        "_num_prompt_tokens",
+        "_num_computed_tokens",
+        "_mm_features",
+        "_lora",
+        "_cache_salt",
+        "_hasher",
+        "_block_size",
+        "_block_hashes",
+        "_tokens_view",
+        "_hashes_view",
+    )
+
+    def __init__(
+        self,
+        request_id: Any,
+        prompt_token_ids: Sequence[int],
+        *,
+        mm_features: Sequence[MultiModalFeature] = (),
+        lora: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        hasher: BlockHasher | None = None,
+        block_size: int | None = None,
+    ):
+        """Args:
+        request_id: hashable id, unique among live requests of a manager.
+        prompt_token_ids: the prompt, non-empty, ints >= 0 (copied).
+        mm_features: multimodal items within the prompt (any order; stored sorted).
+        lora: the LoRA adapter, or None.
+        cache_salt: isolates this request's cache (enters block 0's key); "" = none.
+        hasher, block_size: bind a hasher now (else the manager binds its own).
+
+        Raises:
+          ValueError: empty prompt, bad token ids, bad multimodal ranges, bad salt,
+            lora or hasher/block size.
+        """
+        try:
+            hash(request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {request_id!r}") from None
+        tokens = _validated_token_list("prompt_token_ids", prompt_token_ids)
+        if not tokens:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        n = len(tokens)
+        features = []
+        for f in mm_features or ():
+            if not isinstance(f, MultiModalFeature):
+                raise ValueError(
+                    f"request {request_id!r}: mm_features items must be MultiModalFeature, got {f!r}"
+                )
+            features.append(f)
+        features.sort(key=lambda f: f.offset)
+        for f in features:
+            if f.offset + f.length > n:
+                raise ValueError(
+                    f"request {request_id!r}: multimodal item {f.identifier!r} covers tokens "
+                    f"[{f.offset}, {f.offset + f.length}) beyond the {n}-token prompt"
+                )
+        for a, b in zip(features, features[1:]):
+            if b.offset < a.offset + a.length:
+                raise ValueError(
+                    f"request {request_id!r}: multimodal items {a.identifier!r} "
+                    f"[{a.offset}, {a.end}) and {b.identifier!r} [{b.offset}, {b.end}) overlap"
+                )
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"request {request_id!r}: lora must be a LoRARequest, got {lora!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"request {request_id!r}: cache_salt must be a str, got {cache_salt!r}")
+        if (hasher is None) != (block_size is None):
+            raise ValueError(
+                f"request {request_id!r}: pass hasher and block_size together (or neither)"
+            )
+        self._request_id = request_id
+        self._tokens = tokens
+        self._num_prompt_tokens = n
+        self._num_computed_tokens = 0
+        self._mm_features = tuple(features)
+        self._lora = lora
+        self._cache_salt = cache_salt
+        self._hasher: BlockHasher | None = None
+        self._block_size: int | None = None
+        self._block_hashes: list[bytes] = []
+        self._tokens_view = ReadOnlyList(self._tokens)
+        self._hashes_view = ReadOnlyList(self._block_hashes)
+        if hasher is not None:
+            self.bind_hasher(hasher, block_size)
+
+    # -- identity and tokens --------------------------------------------------------
+    @property
+    def request_id(self) -> Any:
+        return self._request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """A copy of the prompt (ints)."""
+        return self._tokens[: self._num_prompt_tokens]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the output tokens appended so far."""
+        return self._tokens[self._num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._tokens) - self._num_prompt_tokens
+
+    @property
+    def all_token_ids(self) -> ReadOnlyList:
+        """Prompt + output tokens: a read-only view (O(1)), follows later appends."""
+        return self._tokens_view
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is computed; the scheduler advances it (never the manager)."""
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        v = _check_int("num_computed_tokens", value, 0)
+        if v > len(self._tokens):
+            raise ValueError(
+                f"request {self._request_id!r}: num_computed_tokens={v} > num_tokens="
+                f"{len(self._tokens)}"
+            )
+        self._num_computed_tokens = v
+
+    @property
+    def mm_features(self) -> tuple[MultiModalFeature, ...]:
+        """Sorted by offset."""
+        return self._mm_features
+
+    @property
+    def lora(self) -> LoRARequest | None:
+        return self._lora
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self._cache_salt
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append sampled token(s). Validates all before appending any.
+
+        Raises:
+          ValueError: a negative or non-int id (nothing appended).
+        """
+        if type(token_ids) is int and token_ids >= 0:  # the decode fast path
+            self._tokens.append(token_ids)
+            return
+        if isinstance(token_ids, bool):
+            raise ValueError(f"request {self._request_id!r}: token id {token_ids!r} is a bool")
+        try:
+            single = operator.index(token_ids)
+        except TypeError:
+            new = _validated_token_list("output token ids", token_ids)
+        else:
+            if single < 0:
+                raise ValueError(f"request {self._request_id!r}: negative token id {single}")
+            new = [int(single)]
+        self._tokens.extend(new)
+
+    # -- hashing --------------------------------------------------------------------
+    @property
+    def hasher(self) -> BlockHasher | None:
+        return self._hasher
+
+    @property
+    def block_size(self) -> int | None:
+        """Block size of the bound hasher (None before binding)."""
+        return self._block_size
+
+    def bind_hasher(self, hasher: BlockHasher, block_size: int) -> None:
+        """Bind the hasher and block size the block hashes are computed with.
+
+        Binding the same (equal hasher, same block size) again is a no-op.
+
+        Raises:
+          ValueError: not a BlockHasher, block_size <= 0, or already bound to a different
+            hasher or block size (the digests would silently change meaning).
+        """
+        if not isinstance(hasher, BlockHasher):
+            raise ValueError(f"hasher must be a BlockHasher, got {hasher!r}")
+        block_size = _check_int("block_size", block_size, 1)
+        if self._hasher is not None:
+            if self._hasher == hasher and self._block_size == block_size:
+                return
+            raise ValueError(
+                f"request {self._request_id!r} is bound to {self._hasher!r} with block size "
+                f"{self._block_size}; cannot rebind to {hasher!r} with block size {block_size}"
+            )
+        self._hasher = hasher
+        self._block_size = block_size
+
+    @property
+    def block_hashes(self) -> ReadOnlyList:
+        """Digests of all full blocks of ``all_token_ids`` (read-only view).
+
+        Computed lazily on access: only blocks that became full since the last access are
+        hashed, chained from the last known digest.
+
+        Raises:
+          ValueError: no hasher bound yet.
+        """
+        if self._hasher is None:
+            raise ValueError(
+                f"request {self._request_id!r}: no hasher bound (bind_hasher or pass "
+                "hasher= and block_size=)"
+            )
+        hashes = self._block_hashes
+        bs = self._block_size
+        if (len(hashes) + 1) * bs <= len(self._tokens):
+            self._hash_new_blocks()
+        return self._hashes_view
+
+    @property
+    def num_block_hashes(self) -> int:
+        """Number of full blocks (== len(block_hashes)); needs a bound hasher."""
+        return len(self.block_hashes)
+
+    def _hash_new_blocks(self) -> None:
+        hashes = self._block_hashes
+        bs = self._block_size
+        start = len(hashes)
+        # NOTE: only the new full blocks' tokens are read (the hasher slices from
+        # start * bs), so this is O(new tokens), not O(all tokens).
+        hashes.extend(
+            self._hasher.hash_token_blocks(
+                self._tokens,
+                bs,
+                lora=self._lora,
+                mm_features=self._mm_features,
+                cache_salt=self._cache_salt,
+                parent=hashes[-1] if hashes else None,
+                start_block=start,
+            )
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self._request_id!r}, num_prompt_tokens={self._num_prompt_tokens}, "
+            f"num_tokens={len(self._tokens)}, num_computed_tokens={self._num_computed_tokens})"
+        )
