@@ -1,0 +1,416 @@
+"""The serving engine: requests in, tokens out, prefix caching underneath.
+
+    from prefixcache.engine import Engine, SamplingParams
+    from prefixcache.model import ModelConfig
+
+    engine = Engine(ModelConfig.tiny(), num_blocks=256, block_size=16)
+    outs = engine.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=8))
+    outs[0].token_ids, outs[0].metrics.num_cached_tokens, engine.metrics().token_hit_rate
+
+One `step()` = schedule (host) -> build inputs (host) -> one device step -> append the
+sampled tokens and finish requests (host).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from prefixcache.engine.model_runner import ModelRunner
+from prefixcache.engine.outputs import EngineMetrics, RequestMetrics, RequestOutput
+from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.engine.scheduler import (FINISH_ERROR, EngineRequest, RequestStatus,
+                                          Scheduler, SchedulerOutput)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class Engine:
+    """A small vLLM-style engine over one model and one paged KV pool.
+
+    Invariants:
+      - every added request is, at any time, exactly one of: waiting or running in the
+        scheduler, or finished with its RequestOutput queued for the next `step()`;
+      - the KV pool has `num_blocks` allocatable blocks (+1 padding page on the device);
+        the manager is the only owner of block bookkeeping;
+      - outputs do not depend on `enable_caching` (greedy decoding is token-for-token
+        the same; the cache only skips prefill work).
+
+    Args:
+      model_config: a `prefixcache.model.ModelConfig` (e.g. `ModelConfig.tiny()`).
+      num_blocks: allocatable KV blocks in the pool.
+      block_size: tokens per block.
+      enable_caching: automatic prefix caching on/off.
+      seed: model init seed (when `model` is None) and base of per-request sampling seeds.
+      max_num_seqs: most running requests.
+      max_num_batched_tokens: token budget per step (chunked prefill beyond it).
+      max_model_len: longest request (prompt + output); default: the model's maximum
+        position count if it has one, else `num_blocks * block_size`.
+      hash_algo, hash_seed: block hashing (see `prefixcache.core.hashing`).
+      attention_backend, interpret: passed to the model's step function.
+      mesh: a `jax.sharding.Mesh` to shard the model and KV over (None: one device).
+      model: an already built/loaded `Transformer` (None: random init from `seed`).
+      token_buckets, seq_buckets, page_buckets: shape buckets of the MetadataBuilder.
+      manager_kwargs: extra keyword arguments for `KVCacheManager`.
+    """
+
+    def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,
+                 enable_caching: bool = True, seed: int = 0, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 hash_algo: str = "sha256", hash_seed=None,
+                 attention_backend: str = "auto", interpret: bool = False, mesh=None,
+                 model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
+                 manager_kwargs: Mapping[str, Any] | None = None):
+        from prefixcache.core import KVCacheManager
+
+        num_blocks = _positive_int("num_blocks", num_blocks)
+        block_size = _positive_int("block_size", block_size)
+        max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        max_num_batched_tokens = _positive_int("max_num_batched_tokens",
+                                               max_num_batched_tokens)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        model_max = _model_max_len(model_config)
+        if max_model_len is None:
+            max_model_len = model_max if model_max is not None else num_blocks * block_size
+        max_model_len = _positive_int("max_model_len", max_model_len)
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum "
+                             f"of {model_max} positions")
+        self.model_config = model_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
+        self.seed = int(seed)
+        self.max_model_len = max_model_len
+        self.vocab_size = int(model_config.vocab_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
+            hash_seed=hash_seed, max_model_len=max_model_len, **dict(manager_kwargs or {}))
+        self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_model_len=max_model_len)
+        if model is None:
+            model = _init_model(model_config, seed, mesh)
+        self.model = model
+        self.runner = ModelRunner(
+            model, model_config, num_blocks=num_blocks, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, attention_backend=attention_backend,
+            interpret=interpret, mesh=mesh, token_buckets=token_buckets,
+            seq_buckets=seq_buckets, page_buckets=page_buckets)
+        self._counter = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self._known_ids: set[str] = set()
+        self.record_logits = False
+        self.step_logits: list[dict[str, np.ndarray]] = []
+        self.reset_metrics()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, mm_features: Sequence = (),
+                    mm_embeddings: Mapping[str, np.ndarray] | None = None,
+                    cache_salt: str | None = None, lora=None) -> str:
+        """Queues one request.
+
+        A request that can never run (prompt longer than max_model_len, more blocks than
+        the whole pool, token ids outside the vocabulary) is not raised on: it finishes
+        at once with finish_reason "error" and a message in `.error`; the others go on.
+
+        Args:
+          prompt: list of token ids, or a `prefixcache.Request` (then mm_features,
+            cache_salt, lora and request_id come from it and must not be given here).
+          params: SamplingParams (default: SamplingParams()).
+          request_id: unique id (default: a fresh "req-<n>").
+          mm_features: `MultiModalFeature(identifier, offset, length)` items.
+          mm_embeddings: identifier -> f32[length, d_model] embedding rows of each item.
+          cache_salt, lora: forwarded to the core Request (they enter block hashes).
+
+        Returns:
+          The request id.
+
+        Raises:
+          ValueError: malformed input (not a token list, empty prompt, duplicate id,
+            params not a SamplingParams, missing or mis-shaped multimodal embeddings).
+        """
+        from prefixcache.core import Request
+
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, Request):
+            if request_id is not None or mm_features or cache_salt is not None or lora:
+                raise ValueError("pass request_id / mm_features / cache_salt / lora on the "
+                                 "Request itself, not to add_request")
+            if prompt.num_computed_tokens or prompt.num_tokens != prompt.num_prompt_tokens:
+                raise ValueError(f"request {prompt.request_id!r} already has computed or "
+                                 "output tokens")
+            req = prompt
+        else:
+            tokens = _as_token_list(prompt)
+            if request_id is None:
+                request_id = f"req-{next(self._counter)}"
+            req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
+                          cache_salt=cache_salt)
+        rid = req.request_id
+        if rid in self._known_ids:
+            raise ValueError(f"duplicate request id {rid!r}")
+        embeds = self._check_mm(req, mm_embeddings or {})
+        seed = params.seed if params.seed is not None else _derive_seed(self.seed, rid)
+        state = EngineRequest(req, params, seed, embeds)
+        self._known_ids.add(rid)
+        error = self._admission_error(req)
+        if error is not None:
+            state.status = RequestStatus.FINISHED
+            state.finish_reason = FINISH_ERROR
+            state.error = error
+            state.finish_time = time.perf_counter()
+            self._finish(state)
+            return rid
+        self.scheduler.add_request(state)
+        return rid
+
+    def _check_mm(self, req, mm_embeddings: Mapping[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+        d_model = self.runner.d_model
+        out = {}
+        for f in req.mm_features:
+            if f.identifier not in mm_embeddings:
+                raise ValueError(f"request {req.request_id!r}: no embedding rows for "
+                                 f"multimodal item {f.identifier!r}")
+            rows = np.asarray(mm_embeddings[f.identifier])
+            if rows.shape != (f.length, d_model):
+                raise ValueError(
+                    f"request {req.request_id!r}: embeddings of item {f.identifier!r} have "
+                    f"shape {rows.shape}, expected ({f.length}, {d_model})")
+            if not np.all(np.isfinite(rows)):
+                raise ValueError(f"request {req.request_id!r}: embeddings of item "
+                                 f"{f.identifier!r} are not finite")
+            if f.offset < 0 or f.offset + f.length > req.num_prompt_tokens:
+                raise ValueError(
+                    f"request {req.request_id!r}: item {f.identifier!r} spans "
+                    f"[{f.offset}, {f.offset + f.length}) outside the prompt of "
+                    f"{req.num_prompt_tokens} tokens")
+            out[f.identifier] = rows
+        extra = set(mm_embeddings) - {f.identifier for f in req.mm_features}
+        if extra:
+            raise ValueError(f"request {req.request_id!r}: embeddings given for unknown "
+                             f"items {sorted(extra)}")
+        return out
+
+    def _admission_error(self, req) -> str | None:
+        n = req.num_prompt_tokens
+        if n >= self.max_model_len:
+            # NOTE: >= as vLLM: the prompt must leave room for at least one output token.
+            return (f"prompt of {n} tokens does not fit max_model_len={self.max_model_len} "
+                    "(at least one output token is needed)")
+        needed = -(-n // self.block_size)
+        if needed > self.num_blocks:
+            return (f"prompt of {n} tokens needs {needed} KV blocks of {self.block_size} "
+                    f"but the whole pool has {self.num_blocks} blocks")
+        tokens = np.asarray(req.prompt_token_ids, np.int64)
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            return (f"prompt token id {int(tokens[i])} at position {i} is outside the "
+                    f"vocabulary [0, {self.vocab_size})")
+        return None
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts an unfinished request (its output comes with the next `step()`)."""
+        state = self.scheduler.abort_request(request_id)
+        self._finish(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    # -- stepping -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step.
+
+        Returns:
+          The requests that finished since the previous step (incl. rejected ones).
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        for state in sched.finished:
+            self._finish(state)
+        self._usage_sum += self.kv_cache_manager.usage
+        self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
+        self._num_usage_samples += 1
+        if sched.scheduled:
+            prepared = self.runner.prepare(sched.scheduled, self.kv_cache_manager.get_block_ids)
+            t2 = time.perf_counter()
+            tokens, logits = self.runner.execute(prepared, return_logits=self.record_logits)
+            t3 = time.perf_counter()
+            sampled = {s.request_id: int(tok) for s, tok in zip(sched.scheduled, tokens)}
+            if logits is not None:
+                self.step_logits.append({
+                    s.request_id: logits[i] for i, s in enumerate(sched.scheduled)
+                    if s.completes_sequence})
+            for state in self.scheduler.update_from_output(sched, sampled):
+                self._finish(state)
+            t4 = time.perf_counter()
+            self._num_steps += 1
+            self._num_computed_tokens += sched.total_num_scheduled_tokens
+            self._host_prepare_s += t2 - t1
+            self._device_s += t3 - t2
+            self._host_update_s += t4 - t3
+            self.last_step_times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        self._host_schedule_s += t1 - t0
+        self.last_scheduler_output: SchedulerOutput = sched
+        outs, self._pending_outputs = self._pending_outputs, []
+        return outs
+
+    def _finish(self, state: EngineRequest) -> None:
+        req = state.request
+        start = state.arrival_time
+        metrics = RequestMetrics(
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=state.num_cached_tokens,
+            ttft_s=None if state.first_token_time is None else state.first_token_time - start,
+            e2e_s=None if state.finish_time is None else state.finish_time - start,
+            queue_s=(None if state.first_scheduled_time is None
+                     else state.first_scheduled_time - start),
+            num_preemptions=state.num_preemptions,
+            num_output_tokens=state.num_output_tokens)
+        out = RequestOutput(
+            request_id=state.request_id, prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids), finish_reason=state.finish_reason,
+            error=state.error, metrics=metrics)
+        self._pending_outputs.append(out)
+        self._num_requests += 1
+        if state.error is not None:
+            self._num_rejected += 1
+        if state.admitted:
+            self._num_admitted += 1
+            self._num_prompt_tokens += req.num_prompt_tokens
+            self._num_cached_tokens += state.num_cached_tokens
+            self._num_hit_requests += state.num_cached_tokens > 0
+
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, mm_embeddings: Sequence | None = None
+                 ) -> list[RequestOutput]:
+        """Runs requests to completion.
+
+        Args:
+          prompts: token-id lists or `prefixcache.Request`s.
+          params: one SamplingParams for all, or one per prompt.
+          mm_embeddings: optional, one {identifier: rows} mapping (or None) per prompt
+            (for `Request`s carrying multimodal features).
+
+        Returns:
+          RequestOutputs in the order of `prompts`.
+        """
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        mms = [None] * len(prompts) if mm_embeddings is None else list(mm_embeddings)
+        if len(mms) != len(prompts):
+            raise ValueError(f"{len(mms)} mm_embeddings for {len(prompts)} prompts")
+        if self.scheduler.has_unfinished_requests():
+            raise ValueError("generate() needs an idle engine; drain step() first")
+        ids = [self.add_request(p, sp, mm_embeddings=mm) for p, sp, mm in
+               zip(prompts, params, mms)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # -- metrics --------------------------------------------------------------------
+
+    def reset_metrics(self) -> None:
+        """Starts a new metrics window (the cache contents are kept)."""
+        self._num_requests = self._num_rejected = self._num_admitted = 0
+        self._num_prompt_tokens = self._num_cached_tokens = self._num_hit_requests = 0
+        self._num_computed_tokens = self._num_steps = 0
+        self._usage_sum = self._usage_peak = 0.0
+        self._num_usage_samples = 0
+        self._host_schedule_s = self._host_prepare_s = 0.0
+        self._device_s = self._host_update_s = 0.0
+        self._evictions_base = self._num_evictions_total()
+        self._preemptions_base = self.scheduler.num_preemptions
+
+    def _num_evictions_total(self) -> int:
+        return int(self.kv_cache_manager.num_evictions)
+
+    def metrics(self) -> EngineMetrics:
+        """Per-run metrics since construction or the last `reset_metrics()`."""
+        n_adm = self._num_admitted
+        return EngineMetrics(
+            num_requests=self._num_requests, num_rejected=self._num_rejected,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_cached_tokens=self._num_cached_tokens,
+            token_hit_rate=(self._num_cached_tokens / self._num_prompt_tokens
+                            if self._num_prompt_tokens else 0.0),
+            request_hit_rate=self._num_hit_requests / n_adm if n_adm else 0.0,
+            num_computed_tokens=self._num_computed_tokens,
+            num_preemptions=self.scheduler.num_preemptions - self._preemptions_base,
+            num_evictions=self._num_evictions_total() - self._evictions_base,
+            peak_usage=self._usage_peak,
+            mean_usage=(self._usage_sum / self._num_usage_samples
+                        if self._num_usage_samples else 0.0),
+            num_steps=self._num_steps,
+            num_compiled_programs=self.runner.num_compiled_programs,
+            host_schedule_s=self._host_schedule_s, host_prepare_s=self._host_prepare_s,
+            device_s=self._device_s, host_update_s=self._host_update_s)
+
+
+def _as_token_list(prompt) -> list[int]:
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError("prompt must be a list of token ids (no tokenizer), got a string")
+    try:
+        tokens = list(prompt)
+    except TypeError as e:
+        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}"
+                         ) from e
+    if not tokens:
+        raise ValueError("prompt is empty")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"prompt token ids must be ints, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+def _derive_seed(engine_seed: int, request_id: str) -> int:
+    # NOTE: a pure function of (engine seed, request id), so a request samples the same
+    # tokens whatever order or batch it runs in.
+    return zlib.crc32(f"{engine_seed}:{request_id}".encode()) & 0xFFFFFFFF
+
+
+def _model_max_len(config) -> int | None:
+    for name in ("max_position_embeddings", "max_seq_len", "max_model_len"):
+        v = getattr(config, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _init_model(config, seed: int, mesh):
+    from flax import nnx
+    from prefixcache.model import Transformer
+
+    model = Transformer(config, rngs=nnx.Rngs(seed))
+    if mesh is not None:
+        from prefixcache.model import shard_model
+        model = shard_model(model, mesh)
+    return model

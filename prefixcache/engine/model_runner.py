@@ -1,0 +1,220 @@
+"""The model runner: host batch -> device step -> sampled token ids.
+
+The only place the engine meets the device. Per step it
+1. builds the padded int32 index arrays with the `MetadataBuilder` (block tables from
+   `KVCacheManager.get_block_ids`), the per-row sampling parameters and, when a
+   scheduled chunk covers multimodal placeholder positions, the embedding rows to inject;
+2. moves all of them to the device with ONE `jax.device_put` of the whole pytree;
+3. runs one jitted function (model step + sampling; the paged KV is donated);
+4. fetches the sampled token ids with ONE explicit `jax.device_get`.
+
+Nothing else crosses the host/device boundary, so the step loop runs clean under
+`jax.transfer_guard("disallow")`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from prefixcache.engine.sampler import SamplingArrays, sample
+from prefixcache.engine.scheduler import ScheduledRequest
+from prefixcache.metadata import MetadataBuilder, ScheduledSeq, StepInputs
+
+
+class DeviceInputs(NamedTuple):
+    """The pytree moved to the device once per step.
+
+    Attributes:
+      step: StepInputs (input_ids i32[T], metadata, logits_indices i32[S]).
+      sampling: SamplingArrays, each [S].
+      mm_embeds: f32[T, d_model] embedding rows to inject, or None.
+      mm_mask: bool[T] rows of `mm_embeds` that replace the token embedding, or None.
+    """
+
+    step: StepInputs
+    sampling: SamplingArrays
+    mm_embeds: np.ndarray | None
+    mm_mask: np.ndarray | None
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """Host-side result of `ModelRunner.prepare` (all numpy)."""
+
+    inputs: DeviceInputs
+    num_seqs: int
+    all_greedy: bool
+
+    @property
+    def shape_key(self) -> tuple:
+        """The key of the compiled program this step runs."""
+        t, s, p = MetadataBuilder.shape_of(self.inputs.step)
+        return (t, s, p, self.all_greedy, self.inputs.mm_embeds is not None)
+
+
+def mm_rows_for_step(
+    scheduled: Sequence[ScheduledRequest], logits_indices: np.ndarray, num_rows: int,
+    d_model: int, dtype,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Embedding rows of the multimodal items this step's chunks cover.
+
+    A scheduled chunk of request r covers positions [c, c + q) (c = its
+    num_computed_tokens); its last token sits at token row `logits_indices[i]`, and its
+    rows are contiguous, so position p sits at row `logits_indices[i] - (c + q - 1 - p)`.
+
+    Args:
+      scheduled: the step's requests, in the order given to the MetadataBuilder.
+      logits_indices: i32[S] from the built StepInputs.
+      num_rows: T, the step's token bucket.
+      d_model: embedding width.
+      dtype: numpy dtype of the rows.
+
+    Returns:
+      (mm_embeds [T, d_model], mm_mask bool[T]) or None when no chunk covers an item.
+    """
+    embeds = mask = None
+    for i, s in enumerate(scheduled):
+        feats = s.state.request.mm_features
+        if not feats:
+            continue
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        last_row = int(logits_indices[i])
+        for f in feats:
+            lo, hi = max(start, f.offset), min(end, f.offset + f.length)
+            if lo >= hi:
+                continue
+            if embeds is None:
+                embeds = np.zeros((num_rows, d_model), dtype)
+                mask = np.zeros(num_rows, np.bool_)
+            rows = s.state.mm_embeddings[f.identifier]
+            r0 = last_row - (end - 1 - lo)
+            embeds[r0:r0 + hi - lo] = rows[lo - f.offset:hi - f.offset]
+            mask[r0:r0 + hi - lo] = True
+    return None if embeds is None else (embeds, mask)
+
+
+class ModelRunner:
+    """Runs engine steps of one model on one device or a mesh.
+
+    Invariants:
+      - `kv_caches` is always the latest (donated-and-returned) KV; the previous one is
+        invalid after `execute`.
+      - `compiled_shapes` holds the key of every distinct program run so far (bucketed
+        (T, S, P), all-greedy flag, multimodal flag).
+
+    Args:
+      model: a `prefixcache.model.Transformer`.
+      config: its ModelConfig.
+      num_blocks, block_size: the KV pool (the KV arrays get one extra padding page).
+      max_num_seqs, max_num_batched_tokens, max_model_len: the engine's limits.
+      attention_backend, interpret: passed to `make_step_fn`.
+      mesh: a `jax.sharding.Mesh` or None (one device).
+      token_buckets, seq_buckets, page_buckets: MetadataBuilder buckets (None: defaults).
+    """
+
+    def __init__(self, model, config, *, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 attention_backend: str = "auto", interpret: bool = False, mesh=None,
+                 token_buckets=None, seq_buckets=None, page_buckets=None):
+        from prefixcache.model import make_kv_caches, make_step_fn
+
+        self.model = model
+        self.config = config
+        self.mesh = mesh
+        self.builder = MetadataBuilder(
+            block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_batched_tokens,
+            max_pages_per_seq=-(-max_model_len // block_size),
+            token_buckets=token_buckets, seq_buckets=seq_buckets, page_buckets=page_buckets)
+        self.kv_caches = make_kv_caches(config, num_blocks=num_blocks, block_size=block_size,
+                                        mesh=mesh)
+        step = make_step_fn(model, attention_backend=attention_backend, interpret=interpret,
+                            mesh=mesh)
+        self._embed_dtype = np.dtype(config.dtype) if hasattr(config, "dtype") else np.float32
+
+        def device_step(kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
+            logits, kv_caches = step(kv_caches, inputs.step.input_ids, inputs.step.metadata,
+                                     inputs.step.logits_indices, inputs.mm_embeds,
+                                     inputs.mm_mask)
+            tokens = sample(logits, inputs.sampling, all_greedy=all_greedy)
+            return tokens, logits, kv_caches
+
+        self._device_step = jax.jit(device_step, donate_argnums=0,
+                                    static_argnames="all_greedy")
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+            self._input_sharding = NamedSharding(mesh, PartitionSpec())
+        else:
+            self._input_sharding = None
+        self.compiled_shapes: set[tuple] = set()
+        self.last_logits = None
+
+    @property
+    def d_model(self) -> int:
+        return int(self.config.d_model)
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest],
+                block_ids_of: Callable[[str], list[int]]) -> PreparedStep:
+        """Builds the step's host arrays.
+
+        Args:
+          scheduled: the step's requests (>= 1).
+          block_ids_of: request id -> its block table (`KVCacheManager.get_block_ids`).
+
+        Returns:
+          PreparedStep (numpy only; nothing is on the device yet).
+        """
+        seqs = []
+        rows = []
+        all_greedy = True
+        for s in scheduled:
+            st = s.state
+            req = st.request
+            c, q = s.num_computed_tokens, s.num_new_tokens
+            seqs.append(ScheduledSeq(block_ids_of(st.request_id), c,
+                                     req.all_token_ids[c:c + q]))
+            p = st.params
+            all_greedy &= p.greedy
+            rows.append((p.temperature, p.top_k, p.top_p, st.seed, st.num_output_tokens))
+        step = self.builder.build(seqs)
+        num_rows = step.logits_indices.shape[0]
+        sampling = SamplingArrays.build(rows, num_rows)
+        mm = mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
+                              self.d_model, self._embed_dtype)
+        mm_embeds, mm_mask = mm if mm is not None else (None, None)
+        return PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), len(seqs),
+                            all_greedy)
+
+    def execute(self, prepared: PreparedStep, *, return_logits: bool = False
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Runs one step on the device.
+
+        Args:
+          prepared: from `prepare`.
+          return_logits: also fetch the step's logits (f32[num_seqs, vocab]).
+
+        Returns:
+          (token ids i32[num_seqs] in scheduled order, logits or None).
+        """
+        if self._input_sharding is None:
+            inputs = jax.device_put(prepared.inputs)
+        else:
+            inputs = jax.device_put(prepared.inputs, self._input_sharding)
+        self.compiled_shapes.add(prepared.shape_key)
+        tokens, logits, self.kv_caches = self._device_step(
+            self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        if return_logits:
+            tokens, logits = jax.device_get((tokens, logits))
+            return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
+        tokens = jax.device_get(tokens)
+        return tokens[:prepared.num_seqs], None
+
+    @property
+    def num_compiled_programs(self) -> int:
+        """Distinct step programs run so far (bounded by the bucket count x 4)."""
+        return len(self.compiled_shapes)

@@ -1,0 +1,99 @@
+"""What the engine hands back: per-request outputs and per-run metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request metrics.
+
+    Attributes:
+      num_prompt_tokens: prompt length.
+      num_cached_tokens: prompt tokens served from the prefix cache at the first admission.
+      ttft_s: arrival (add_request) to first output token, seconds (None if none came).
+      e2e_s: arrival to finish, seconds.
+      queue_s: arrival to first scheduled, seconds (None if never scheduled).
+      num_preemptions: how often it was preempted (by recompute).
+      num_output_tokens: tokens generated.
+    """
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None
+    queue_s: float | None
+    num_preemptions: int
+    num_output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A finished request.
+
+    Attributes:
+      request_id: its id.
+      prompt_token_ids: the prompt.
+      token_ids: generated tokens (empty for a rejected request).
+      finish_reason: "length", "stop", "abort" or "error".
+      error: why the request was rejected (finish_reason "error"), else None.
+      metrics: RequestMetrics.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    """Per-run metrics (since the engine was built or `reset_metrics()`).
+
+    Attributes:
+      num_requests: requests finished (errors included).
+      num_rejected: requests finished with an error.
+      num_prompt_tokens: prompt tokens of admitted requests.
+      num_cached_tokens: of those, tokens served from the cache at first admission.
+      token_hit_rate: num_cached_tokens / num_prompt_tokens (reused tokens).
+      request_hit_rate: share of admitted requests with any cached token.
+      num_computed_tokens: tokens the model actually computed (prefill incl. recompute
+        after preemption, and decode).
+      num_preemptions: preemptions by recompute.
+      num_evictions: cached blocks evicted (their hash dropped) by the manager.
+      peak_usage, mean_usage: KV pool usage (fraction of blocks held), sampled after
+        each step's scheduling.
+      num_steps: engine steps that ran the model.
+      num_compiled_programs: distinct bucketed step shapes run (over the engine's life).
+      host_schedule_s, host_prepare_s, device_s, host_update_s: summed wall time of
+        scheduling, metadata/input building, device step (transfer + run + fetch of
+        the sampled ids), and output processing.
+    """
+
+    num_requests: int
+    num_rejected: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    token_hit_rate: float
+    request_hit_rate: float
+    num_computed_tokens: int
+    num_preemptions: int
+    num_evictions: int
+    peak_usage: float
+    mean_usage: float
+    num_steps: int
+    num_compiled_programs: int
+    host_schedule_s: float
+    host_prepare_s: float
+    device_s: float
+    host_update_s: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,71 @@
+"""Per-request sampling parameters."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Invariants (checked in `__post_init__`, ValueError otherwise):
+        max_tokens >= 1; temperature >= 0 and finite; top_k >= 0 (0 = whole vocab);
+        0 < top_p <= 1; seed is None or a non-negative int below 2**32; stop token ids are
+        non-negative ints.
+
+    Attributes:
+        max_tokens: the most output tokens to generate (finish reason "length").
+        temperature: 0.0 means greedy (argmax); > 0 samples from softmax(logits / t).
+        top_k: keep only the k most likely tokens before sampling (0 disables).
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose
+            probability reaches top_p (1.0 disables).
+        seed: per-request seed. Sampling is a pure function of (seed, output position), so
+            a request samples the same tokens whatever else runs in its batch and whether
+            its prefix came from the cache. None: the engine derives one from its own seed
+            and the request's arrival order.
+        stop_token_ids: generation stops after emitting one of these (finish reason
+            "stop"; the stop token is included in the output).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(
+                self.temperature, bool):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                    f"temperature must be finite and >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
+            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            if not 0 <= self.seed < 2**32:
+                raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        stop = tuple(self.stop_token_ids)
+        for t in stop:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(
+                        f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,394 @@
+"""The scheduler: decides which tokens of which requests run in the next step.
+
+It drives the `KVCacheManager` exactly the way vLLM's v1 scheduler does
+(`vllm/v1/core/sched/scheduler.py`, FCFS policy, no speculative decoding, no KV
+connector):
+
+1. Running requests first, in admission order. Each gets
+   `min(num_tokens - num_computed_tokens, token_budget)` tokens (chunked prefill for
+   long prompts, one token per decode step). If `allocate_slots` returns None, the
+   newest running request is preempted by recompute (blocks freed, num_computed_tokens
+   reset to 0, put back at the *front* of the waiting queue) and the allocation is
+   retried, until it fits or the request has preempted itself.
+2. Then, only if nothing was preempted in this step, waiting requests in FCFS order
+   while the budget and `max_num_seqs` allow: a prefix lookup
+   (`get_computed_blocks`) for requests with no computed tokens, then
+   `allocate_slots(req, num_new_tokens, num_hit_tokens, hit_blocks)`. The first one that
+   does not fit stops admission for this step.
+3. At the end of `schedule()` every scheduled request's `num_computed_tokens` is
+   advanced by its scheduled count (the manager never advances it).
+
+A request that cannot fit even with the whole pool to itself (it does not fit while no
+other request holds a block) is finished with an error; the others go on.
+
+The scheduler never touches the pool's internals: it only uses the manager's public
+methods (`get_computed_blocks`, `allocate_slots`, `free`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from prefixcache.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prefixcache.core import KVCacheManager, Request
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# Finish reasons (vLLM's strings, plus "error" for rejected requests).
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_ERROR = "error"
+FINISH_ABORT = "abort"
+
+
+@dataclasses.dataclass(eq=False)
+class EngineRequest:
+    """Engine-side state of one request: the core `Request` plus decoding state.
+
+    Invariants:
+      - `status == RUNNING` iff the request is in the scheduler's running list (and then
+        it holds KV blocks in the manager); `WAITING` iff it is in the waiting queue
+        (holding no blocks); `FINISHED` once it left both for good.
+      - `num_cached_tokens` is the prefix-cache hit of the request's *first* admission
+        (vLLM's `num_cached_tokens`); re-admissions after preemption do not change it.
+
+    Attributes:
+      request: the core request (prompt, output tokens, block hashes,
+        num_computed_tokens).
+      params: its sampling parameters.
+      seed: the sampling seed actually used (params.seed or one derived by the engine).
+      mm_embeddings: identifier -> f32[length, d_model] embedding rows of each
+        multimodal item of the request (the core's `MultiModalFeature` carries
+        identifier, offset, length only).
+    """
+
+    request: "Request"
+    params: SamplingParams
+    seed: int
+    mm_embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    admitted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_tokens - self.request.num_prompt_tokens
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+      state: the request.
+      num_computed_tokens: tokens with KV before this step (cache hit included).
+      num_new_tokens: tokens scheduled in this step (the query length).
+      new_block_ids: block ids newly allocated for it in this step (hits included for a
+        new admission).
+      num_cached_tokens: prefix-cache hit counted at this admission (0 for a request
+        that was already running).
+    """
+
+    state: EngineRequest
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_block_ids: list[int]
+    num_cached_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this step computes the request's last known token (so it samples)."""
+        return (self.num_computed_tokens + self.num_new_tokens
+                == self.state.request.num_tokens)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one `schedule()` call decided.
+
+    Attributes:
+      scheduled: running requests first (in running order), then new admissions.
+      preempted_request_ids: requests preempted (by recompute) in this step.
+      finished: requests finished by the scheduler itself in this step (errors).
+    """
+
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str]
+    finished: list[EngineRequest]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def new_block_ids(self) -> dict[str, list[int]]:
+        return {s.request_id: s.new_block_ids for s in self.scheduled}
+
+    @property
+    def num_cached_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_cached_tokens for s in self.scheduled}
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill, prefix lookup and preemption by recompute.
+
+    Invariants:
+      - `running` is in admission order; the newest running request is `running[-1]`
+        and is the first preemption victim.
+      - `waiting` is FCFS; preempted requests go back to its front.
+      - Every running request holds its blocks in the manager; no waiting request does.
+      - A step schedules at most `max_num_batched_tokens` tokens and at most
+        `max_num_seqs` requests are running.
+
+    Args:
+      kv_cache_manager: the block manager (`prefixcache.core.KVCacheManager`).
+      max_num_seqs: the most requests running at once (>= 1).
+      max_num_batched_tokens: the token budget of one step (>= 1).
+      max_model_len: a request stops (finish reason "length") once it holds this many
+        tokens.
+    """
+
+    def __init__(self, kv_cache_manager: "KVCacheManager", *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        for name, value in (("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # -- queue management -------------------------------------------------------------
+
+    def add_request(self, state: EngineRequest) -> None:
+        """Queues a request at the back of the waiting queue.
+
+        Raises:
+          ValueError: a request with this id is already unfinished in the scheduler.
+        """
+        rid = state.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if state.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r} has status {state.status}, expected WAITING")
+        self.requests[rid] = state
+        self.waiting.append(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish_request(self, state: EngineRequest, reason: str,
+                       error: str | None = None) -> None:
+        """Finishes a request: leaves the queues and frees its blocks (they stay cached)."""
+        if state.status is RequestStatus.FINISHED:
+            return
+        if state.status is RequestStatus.RUNNING:
+            self.running.remove(state)
+            self.kv_cache_manager.free(state.request)
+        else:
+            self.waiting.remove(state)
+        state.status = RequestStatus.FINISHED
+        state.finish_reason = reason
+        state.error = error
+        state.finish_time = time.perf_counter()
+        del self.requests[state.request_id]
+
+    def abort_request(self, request_id: str) -> EngineRequest:
+        """Finishes an unfinished request with reason "abort".
+
+        Raises:
+          ValueError: no unfinished request has this id.
+        """
+        if request_id not in self.requests:
+            raise ValueError(f"no unfinished request with id {request_id!r}")
+        state = self.requests[request_id]
+        self.finish_request(state, FINISH_ABORT)
+        return state
+
+    def _preempt(self, state: EngineRequest) -> None:
+        # NOTE: preemption by recompute, as vLLM: the blocks go back to the free queue
+        # (still cached, so re-admission usually hits its own prefix again).
+        assert state.status is RequestStatus.RUNNING, state.request_id
+        self.kv_cache_manager.free(state.request)
+        state.request.num_computed_tokens = 0
+        state.status = RequestStatus.WAITING
+        state.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(state)
+
+    def _too_large_error(self, state: EngineRequest, num_tokens: int) -> str:
+        mgr = self.kv_cache_manager
+        return (f"request {state.request_id!r} needs KV for {num_tokens} tokens "
+                f"({-(-num_tokens // mgr.block_size)} blocks of {mgr.block_size}) but "
+                f"the whole pool has {mgr.num_blocks} blocks")
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decides the next step (see the module docstring for the policy).
+
+        Returns:
+          The step's SchedulerOutput; the scheduled requests' num_computed_tokens are
+          already advanced when it returns.
+        """
+        mgr = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        finished: list[EngineRequest] = []
+
+        # 1. Running requests.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            state = self.running[i]
+            req = state.request
+            num_computed = req.num_computed_tokens
+            num_new = min(req.num_tokens - num_computed, budget)
+            assert num_new > 0, (state.request_id, req.num_tokens, num_computed)
+            new_blocks = None
+            while True:
+                new_blocks = mgr.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is state:
+                    break
+            if new_blocks is None:
+                if not self.running:
+                    # Nothing else holds a block: it can never fit.
+                    self.finish_request(state, FINISH_ERROR,
+                                        self._too_large_error(state, num_computed + num_new))
+                    finished.append(state)
+                break
+            scheduled.append(ScheduledRequest(
+                state, num_computed, num_new, [b.block_id for b in new_blocks]))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (not in a step that preempted, as vLLM).
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                state = self.waiting[0]
+                req = state.request
+                if req.num_computed_tokens == 0:
+                    hit_blocks, num_hit = mgr.get_computed_blocks(req)
+                else:  # pragma: no cover - waiting requests never keep computed tokens
+                    hit_blocks, num_hit = None, req.num_computed_tokens
+                num_new = min(req.num_tokens - num_hit, budget)
+                assert num_new > 0, (state.request_id, req.num_tokens, num_hit)
+                new_blocks = mgr.allocate_slots(
+                    req, num_new, num_new_computed_tokens=num_hit,
+                    new_computed_blocks=hit_blocks)
+                if new_blocks is None:
+                    if not self.running:
+                        # The whole pool is free (or evictable) and it still does not fit.
+                        self.finish_request(state, FINISH_ERROR,
+                                            self._too_large_error(state, num_hit + num_new))
+                        finished.append(state)
+                        continue
+                    break
+                self.waiting.popleft()
+                self.running.append(state)
+                state.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if not state.admitted:
+                    state.admitted = True
+                    state.num_cached_tokens = num_hit
+                    state.first_scheduled_time = time.perf_counter()
+                scheduled.append(ScheduledRequest(
+                    state, num_hit, num_new, [b.block_id for b in new_blocks], num_hit))
+                budget -= num_new
+
+        # 3. Advance num_computed_tokens (the manager never does).
+        for s in scheduled:
+            s.state.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+        assert budget >= 0
+        assert len(self.running) <= self.max_num_seqs
+        self.num_steps += 1
+        return SchedulerOutput(scheduled, preempted, finished)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[EngineRequest]:
+        """Appends sampled tokens and finishes requests that stop.
+
+        Args:
+          output: the SchedulerOutput the step ran.
+          sampled_token_ids: request id -> sampled token, for every scheduled request
+            whose step completed its sequence (`completes_sequence`); others are ignored.
+
+        Returns:
+          The requests that finished in this update (in scheduled order).
+        """
+        now = time.perf_counter()
+        finished = []
+        for s in output.scheduled:
+            state = s.state
+            if state.status is not RequestStatus.RUNNING or not s.completes_sequence:
+                continue  # mid-prefill chunk: its logits are not a next-token prediction
+            token = int(sampled_token_ids[state.request_id])
+            state.request.append_output_token_ids(token)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            reason = self._check_stop(state, token)
+            if reason is not None:
+                self.finish_request(state, reason)
+                finished.append(state)
+        return finished
+
+    def _check_stop(self, state: EngineRequest, token: int) -> str | None:
+        # NOTE: the order follows vLLM's check_stop: stop tokens, then length.
+        if token in state.params.stop_token_ids:
+            return FINISH_STOP
+        if (state.request.num_tokens >= self.max_model_len
+                or state.num_output_tokens >= state.params.max_tokens):
+            return FINISH_LENGTH
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
+                "num_running": len(self.running), "num_waiting": len(self.waiting)}
