@@ -1,0 +1,115 @@
+"""write_kv and input validation of paged_attention."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels
+from kernel_cases import make_case, oracle, tolerance
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_write_then_attend_equals_attention_over_concatenated_sequence(dtype):
+  # Two sequences: 10 cached + 5 new tokens, 3 cached + 1 new; 2 padding tokens.
+  seqs = [(5, 15), (1, 4)]
+  case = make_case(0, seqs, num_kv_heads=2, group=2, dtype=dtype, num_tokens=8)
+  page_size = case.kv_pages.shape[1]
+  pad_page = case.kv_pages.shape[0] - 1
+  slots, k_new, v_new = [], [], []
+  for s, (q_len, kv_len) in enumerate(seqs):
+    for t in range(kv_len - q_len, kv_len):
+      page, off = case.page_indices[s, t // page_size], t % page_size
+      case.kv_pages[page, off] = np.nan  # the step's tokens are not in the cache yet
+      slots.append(page * page_size + off)
+      k_new.append(case.k_seq[s][t])
+      v_new.append(case.v_seq[s][t])
+  num_pad = case.q.shape[0] - len(slots)
+  slots += [pad_page * page_size + i for i in range(num_pad)]
+  k_new += [np.full_like(k_new[0], np.nan)] * num_pad  # padding tokens carry NaN
+  v_new += [np.full_like(v_new[0], np.nan)] * num_pad
+  write = jax.jit(kernels.write_kv, donate_argnums=0)
+  kv_pages = write(jnp.asarray(case.kv_pages), jnp.asarray(np.stack(k_new), dtype),
+                   jnp.asarray(np.stack(v_new), dtype), jnp.asarray(slots, jnp.int32))
+  assert kv_pages.shape == case.kv_pages.shape and kv_pages.dtype == case.kv_pages.dtype
+  args = list(case.args())
+  args[1] = kv_pages
+  out = kernels.paged_attention(*args, sm_scale=0.125, backend="reference")
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  ref = oracle(case, sm_scale=0.125)
+  rtol, atol = tolerance(dtype)
+  np.testing.assert_allclose(out[:6], ref[:6], rtol=rtol, atol=atol)
+  np.testing.assert_array_equal(out[6:], 0.0)
+  # Only the step's slots and the padding page changed.
+  before = np.asarray(jnp.asarray(case.kv_pages).astype(jnp.float32))
+  after = np.asarray(kv_pages.astype(jnp.float32))
+  changed = ~((before == after) | (np.isnan(before) & np.isnan(after)))
+  changed_slots = set(np.flatnonzero(changed.reshape(-1, *changed.shape[2:]).any(axis=(1, 2))))
+  assert changed_slots <= set(slots)
+
+
+def test_write_kv_layout_k_even_v_odd():
+  kv_pages = jnp.zeros((3, 8, 4, 64), jnp.float32)  # 2 kv heads
+  k = jnp.arange(2 * 64, dtype=jnp.float32).reshape(1, 2, 64)
+  v = -k - 1
+  out = np.asarray(kernels.write_kv(kv_pages, k, v, jnp.array([8 + 5], jnp.int32)))
+  np.testing.assert_array_equal(out[1, 5, 0], k[0, 0])
+  np.testing.assert_array_equal(out[1, 5, 1], v[0, 0])
+  np.testing.assert_array_equal(out[1, 5, 2], k[0, 1])
+  np.testing.assert_array_equal(out[1, 5, 3], v[0, 1])
+  assert np.count_nonzero(out) == 4 * 64 - 1  # k[0,0,0] == 0
+
+
+def test_write_kv_bad_inputs():
+  kv_pages = jnp.zeros((3, 8, 4, 64), jnp.float32)
+  k = jnp.zeros((2, 2, 64), jnp.float32)
+  slots = jnp.zeros((2,), jnp.int32)
+  with pytest.raises(ValueError, match="k shape"):
+    kernels.write_kv(kv_pages, jnp.zeros((2, 3, 64)), k, slots)
+  with pytest.raises(ValueError, match="v shape"):
+    kernels.write_kv(kv_pages, k, jnp.zeros((2, 2, 32)), slots)
+  with pytest.raises(ValueError, match="slot_mapping shape"):
+    kernels.write_kv(kv_pages, k, k, jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="slot_mapping dtype"):
+    kernels.write_kv(kv_pages, k, k, jnp.zeros((2,), jnp.int64 if jax.config.x64_enabled
+                                              else jnp.float32))
+  with pytest.raises(ValueError, match="kv_pages must be"):
+    kernels.write_kv(kv_pages[0], k, k, slots)
+
+
+def _good_args():
+  case = make_case(0, [(2, 9)], num_kv_heads=2, group=2)
+  return list(case.args())
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda a: a.__setitem__(0, a[0][:, :3]), "not a multiple of num_kv_heads"),
+    (lambda a: a.__setitem__(0, jnp.zeros((a[0].shape[0], 4, 128), jnp.float32)),
+     "head_dim mismatch"),
+    (lambda a: a.__setitem__(0, a[0].astype(jnp.int32)), "q dtype"),
+    (lambda a: a.__setitem__(0, a[0].astype(jnp.bfloat16)), "bfloat16 with kv_pages"),
+    (lambda a: a.__setitem__(1, a[1].astype(jnp.float16)), "kv_pages dtype"),
+    (lambda a: a.__setitem__(1, a[1][:, :, :3]), "2\\*num_kv_heads"),
+    (lambda a: a.__setitem__(2, a[2].astype(jnp.float32)), "kv_lens dtype"),
+    (lambda a: a.__setitem__(3, a[3].astype(jnp.float32)), "page_indices dtype"),
+    (lambda a: a.__setitem__(4, a[4][:-1]), "cu_q_lens shape"),
+    (lambda a: a.__setitem__(2, a[2][:-1]), "kv_lens shape"),
+    (lambda a: a.__setitem__(5, jnp.array([1, 1], jnp.int32)), "num_seqs shape"),
+    (lambda a: a.__setitem__(1, jnp.zeros((4, 4, 4, 64), jnp.float32)), "page_size 4"),
+])
+def test_paged_attention_bad_inputs(mutate, match):
+  args = _good_args()
+  mutate(args)
+  with pytest.raises(ValueError, match=match):
+    kernels.paged_attention(*args, sm_scale=0.125, backend="reference")
+
+
+def test_bad_static_args_and_backend():
+  args = _good_args()
+  with pytest.raises(ValueError, match="sliding_window"):
+    kernels.paged_attention(*args, sm_scale=0.125, sliding_window=0)
+  with pytest.raises(ValueError, match="soft_cap"):
+    kernels.paged_attention(*args, sm_scale=0.125, soft_cap=-1.0)
+  with pytest.raises(ValueError, match="'cuda'"):
+    kernels.paged_attention(*args, sm_scale=0.125, backend="cuda")
