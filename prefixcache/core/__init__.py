@@ -1,0 +1,38 @@
+"""Host-side prefix-caching core: hashing, requests, block pool, KV cache manager.
+
+Plain Python (no jax): fast enough to replay millions of requests without a device.
+"""
+
+from prefixcache.core.block_pool import (
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    InvariantError,
+    KVCacheBlock,
+)
+from prefixcache.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.core.stats import PrefixCacheStats
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "FreeKVCacheBlockQueue",
+    "InvariantError",
+    "KVCacheBlock",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "LoRARequest",
+    "MultiModalFeature",
+    "PrefixCacheStats",
+    "Request",
+]

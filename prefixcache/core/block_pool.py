@@ -1,0 +1,466 @@
+"""Block pool: preallocated KV cache blocks, the LRU free queue and the hash map.
+
+The seed design (``DESIGN.md``, vLLM's ``vllm/v1/core/block_pool.py`` and
+``kv_cache_utils.py``): every ``KVCacheBlock`` is created once, up front; free blocks
+sit in an intrusive doubly linked list threaded through the blocks themselves (O(1)
+removal from the middle when a cached block is hit); full blocks are findable by their
+chained hash; a block table is append-only, so two blocks may hold the same content
+under the same hash.
+
+Unlike vLLM there is no reserved null block: ids ``0 .. num_blocks - 1`` are all
+allocatable (the device keeps a separate padding page, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from prefixcache.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    event_extra_keys,
+)
+
+FREE_ORDERS = ("append", "unhashed_first")
+
+
+class InvariantError(AssertionError):
+    """The pool's bookkeeping is inconsistent (a bug, never a caller error)."""
+
+
+class KVCacheBlock:
+    """Metadata of one KV cache block (the KV data lives on the device).
+
+    Attributes:
+        block_id: index of the block's page in the KV array, ``0 .. num_blocks-1``.
+        ref_cnt: number of running requests whose block table holds this block.
+        block_hash: the chained digest of the block's tokens while the block is full
+            and cached; ``None`` otherwise (reset when the block is evicted).
+        prev_free_block / next_free_block: links of the free queue; both ``None``
+            exactly when the block is not in the queue. Only ``FreeKVCacheBlockQueue``
+            touches them.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        prev_id = self.prev_free_block.block_id if self.prev_free_block else None
+        next_id = self.next_free_block.block_id if self.next_free_block else None
+        h = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"block_hash={h}, prev_free_block={prev_id}, next_free_block={next_id})"
+        )
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks themselves.
+
+    Invariants:
+        * The order is the eviction order: the head is evicted (reused) first.
+          With ``free_order="append"`` the head is the least recently freed block,
+          and within one freed request the block holding more tokens comes first.
+        * A block is in the queue iff its ``ref_cnt`` is 0; its links are ``None``
+          iff it is not in the queue.
+        * ``num_free_blocks`` equals the number of blocks between the two sentinels.
+
+    No Python objects are allocated while the list is manipulated (two sentinel
+    blocks with ids -1 and -2 bound the list).
+    """
+
+    __slots__ = ("num_free_blocks", "head", "tail")
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]):
+        self.num_free_blocks = len(blocks)
+        self.head = KVCacheBlock(-1)  # sentinel before the first free block
+        self.tail = KVCacheBlock(-2)  # sentinel after the last free block
+        prev = self.head
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = self.tail
+        self.tail.prev_free_block = prev
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head block. Raises ``ValueError`` when empty."""
+        if self.num_free_blocks == 0:
+            raise ValueError("no free blocks")
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Remove and return the first ``n`` blocks (caller checked ``n <= free``)."""
+        head = self.head
+        cur = head.next_free_block
+        out = []
+        append = out.append
+        for _ in range(n):
+            append(cur)
+            nxt = cur.next_free_block
+            cur.prev_free_block = cur.next_free_block = None
+            cur = nxt
+        head.next_free_block = cur
+        cur.prev_free_block = head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from anywhere in the queue in O(1)."""
+        prev = block.prev_free_block
+        nxt = block.next_free_block
+        if prev is None or nxt is None:
+            raise InvariantError(f"block {block.block_id} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the tail, in the given order (last one becomes the tail)."""
+        if not blocks:
+            return
+        tail = self.tail
+        last = tail.prev_free_block
+        for block in blocks:
+            block.prev_free_block = last
+            last.next_free_block = block
+            last = block
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        self.num_free_blocks += len(blocks)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head, in the given order (first one becomes the head)."""
+        if not blocks:
+            return
+        head = self.head
+        first = head.next_free_block
+        prev = head
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    def block_ids(self) -> list[int]:
+        """The free block ids, head (next to be reused) first."""
+        out = []
+        cur = self.head.next_free_block
+        tail = self.tail
+        while cur is not tail:
+            out.append(cur.block_id)
+            cur = cur.next_free_block
+        return out
+
+
+class BlockPool:
+    """Owns all blocks, the free queue, the hash -> cached block(s) map and events.
+
+    Invariants (checked by ``check_invariants``):
+        * ``blocks[i].block_id == i``; every ``ref_cnt >= 0``.
+        * A block is in the free queue iff ``ref_cnt == 0``.
+        * ``cached_block_hash_to_block`` maps a digest to one block, or to a
+          ``{block_id: block}`` dict (>= 1 entries) when several blocks were cached
+          under the same digest; a block is in the map under ``h`` iff
+          ``block.block_hash == h``.
+        * Lookups return the block inserted first among those still cached (vLLM's
+          ``get_one_block`` order), so hits and block ids match vLLM exactly.
+
+    Args:
+        num_blocks: number of allocatable blocks (ids ``0 .. num_blocks - 1``).
+        enable_caching: cache full blocks by hash (prefix caching).
+        enable_events: queue ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
+        free_order: ``"append"`` (the seed's: all freed blocks to the tail) or
+            ``"unhashed_first"`` (vLLM >= 0.11: freed blocks without a hash to the
+            head, hashed ones to the tail; each group in the given order).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+        free_order: str = "append",
+    ):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.free_order = free_order
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.events: list[KVCacheEvent] = []
+        # Cumulative counters (never reset).
+        self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
+        self.num_blocks_cached = 0  # blocks that entered the hash map
+        self.num_blocks_allocated = 0  # blocks popped from the free queue
+
+    # ------------------------------------------------------------------ lookups
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        """A block cached under ``block_hash`` (the first inserted), or ``None``."""
+        b = self.cached_block_hash_to_block.get(block_hash)
+        if b is None or type(b) is KVCacheBlock:
+            return b
+        return next(iter(b.values()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    # ------------------------------------------------------------- allocation
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the queue head, evicting cached ones.
+
+        Each popped block gets ``ref_cnt = 1``; a popped block that was cached loses
+        its hash (a ``BlockRemoved`` event when events are on).
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: only "
+                f"{self.free_block_queue.num_free_blocks} free"
+            )
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        self.num_blocks_allocated += num_blocks
+        for block in ret:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return ret
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop ``block`` from the hash map (it is being reused)."""
+        h = block.block_hash
+        cached = self.cached_block_hash_to_block
+        cur = cached.pop(h, None)
+        if cur is None:
+            raise InvariantError(
+                f"block {block.block_id} has hash {h.hex()} that is not in the hash map"
+            )
+        if type(cur) is dict:
+            if cur.pop(block.block_id, None) is None:
+                raise InvariantError(
+                    f"block {block.block_id} missing under its hash {h.hex()}"
+                )
+            if cur:
+                cached[h] = cur
+        elif cur is not block:
+            cached[h] = cur
+            raise InvariantError(
+                f"hash {h.hex()} maps to block {cur.block_id}, not to block "
+                f"{block.block_id} that carries it"
+            )
+        block.block_hash = None
+        self.num_evictions += 1
+        if self.enable_events:
+            self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks (out of the free queue if unused)."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(
+        self,
+        request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the hash map.
+
+        Args:
+            request: the owning request (for event token ids and extra keys).
+            blocks: the request's block table.
+            block_hashes: the request's full-block digests (at least
+                ``num_full_blocks`` of them).
+            num_cached_blocks: blocks of the table already cached.
+            num_full_blocks: blocks that are full after this step.
+            block_size: tokens per block.
+        """
+        cached = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            h = block_hashes[i]
+            if blk.block_hash is not None:
+                raise InvariantError(
+                    f"block {blk.block_id} is being cached as {h.hex()} but already "
+                    f"has hash {blk.block_hash.hex()}"
+                )
+            blk.block_hash = h
+            cur = cached.get(h)
+            if cur is None:
+                cached[h] = blk
+            elif type(cur) is dict:
+                cur[blk.block_id] = blk
+            else:
+                # NOTE: no de-duplication: block tables are append-only, so the
+                # same content may be cached twice under one key (seed example).
+                cached[h] = {cur.block_id: cur, blk.block_id: blk}
+        self.num_blocks_cached += num_full_blocks - num_cached_blocks
+        if self.enable_events:
+            start = num_cached_blocks * block_size
+            end = num_full_blocks * block_size
+            lora = request.lora
+            extra = [
+                event_extra_keys(request, s, s + block_size)
+                for s in range(start, end, block_size)
+            ]
+            self.events.append(
+                BlockStored(
+                    block_hashes=list(block_hashes[num_cached_blocks:num_full_blocks]),
+                    parent_block_hash=(
+                        block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+                    ),
+                    token_ids=list(request.all_token_ids[start:end]),
+                    block_size=block_size,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=lora.name if lora is not None else None,
+                    extra_keys=extra if any(e is not None for e in extra) else None,
+                    group_idx=0,
+                )
+            )
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the queue.
+
+        ``ordered_blocks`` is in eviction priority order (first evicted first): a
+        request's blocks reversed, so its last block is reused first.
+        """
+        if self.free_order == "append" or not self.enable_caching:
+            released = []
+            for block in ordered_blocks:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    released.append(block)
+                elif block.ref_cnt < 0:
+                    raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
+            if self.free_order == "append":
+                self.free_block_queue.append_n(released)
+            else:
+                self.free_block_queue.prepend_n(released)
+            return
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                # Never-cached blocks can never be hit: reuse them first (LIFO);
+                # cached ones go to the tail for LRU eviction (vLLM's order).
+                (first if block.block_hash is None else last).append(block)
+            elif block.ref_cnt < 0:
+                raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
+        self.free_block_queue.prepend_n(first)
+        self.free_block_queue.append_n(last)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash. ``False`` (nothing changed) if any block is in use."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued events (``[]`` when events are off)."""
+        events = self.events
+        self.events = []
+        return events
+
+    # -------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the block / hash on any inconsistency."""
+        blocks = self.blocks
+        n = self.num_blocks
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+            if b.ref_cnt < 0:
+                raise InvariantError(f"block {i} has ref_cnt {b.ref_cnt} < 0")
+        # Free queue: well linked, exactly the blocks with ref_cnt 0.
+        q = self.free_block_queue
+        seen: set[int] = set()
+        prev = q.head
+        cur = q.head.next_free_block
+        while cur is not q.tail:
+            if cur is None:
+                raise InvariantError(f"free queue broken after block {prev.block_id}")
+            if cur.prev_free_block is not prev:
+                raise InvariantError(
+                    f"free queue: block {cur.block_id}.prev_free_block is not block "
+                    f"{prev.block_id}"
+                )
+            if cur.block_id in seen or not 0 <= cur.block_id < n:
+                raise InvariantError(f"free queue holds block {cur.block_id} twice or foreign")
+            if blocks[cur.block_id] is not cur:
+                raise InvariantError(f"free queue holds a foreign block {cur.block_id}")
+            if cur.ref_cnt != 0:
+                raise InvariantError(
+                    f"block {cur.block_id} is in the free queue with ref_cnt {cur.ref_cnt}"
+                )
+            seen.add(cur.block_id)
+            prev = cur
+            cur = cur.next_free_block
+        if q.tail.prev_free_block is not prev:
+            raise InvariantError(f"free queue tail does not point back to block {prev.block_id}")
+        if len(seen) != q.num_free_blocks:
+            raise InvariantError(
+                f"free queue holds {len(seen)} blocks but num_free_blocks is {q.num_free_blocks}"
+            )
+        for b in blocks:
+            if b.ref_cnt == 0 and b.block_id not in seen:
+                raise InvariantError(f"block {b.block_id} has ref_cnt 0 but is not in the free queue")
+            if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
+                raise InvariantError(f"block {b.block_id} is not free but has queue links")
+        # Hash map <-> block hashes.
+        in_map: set[int] = set()
+        for h, entry in self.cached_block_hash_to_block.items():
+            if type(entry) is dict:
+                if not entry:
+                    raise InvariantError(f"hash {h.hex()} maps to an empty dict")
+                members = entry.items()
+            else:
+                members = [(entry.block_id, entry)]
+            for bid, b in members:
+                if b.block_id != bid or blocks[bid] is not b:
+                    raise InvariantError(f"hash {h.hex()} maps to a foreign block {bid}")
+                if b.block_hash != h:
+                    got = b.block_hash.hex() if b.block_hash is not None else None
+                    raise InvariantError(
+                        f"hash {h.hex()} maps to block {bid} whose block_hash is {got}"
+                    )
+                if bid in in_map:
+                    raise InvariantError(f"block {bid} is in the hash map twice")
+                in_map.add(bid)
+        for b in blocks:
+            if b.block_hash is not None and b.block_id not in in_map:
+                raise InvariantError(
+                    f"block {b.block_id} has hash {b.block_hash.hex()} but is not in the hash map"
+                )
+        if not self.enable_caching and in_map:
+            raise InvariantError(f"caching is off but blocks {sorted(in_map)} are cached")

@@ -1,0 +1,111 @@
+"""KV cache events, with the field names of vLLM 0.33's ``vllm.distributed.kv_events``.
+
+External KV-aware routers consume these to learn which blocks a cache holds. The
+classes are plain ``__slots__`` dataclasses (vLLM's are ``msgspec.Struct``s); field
+names, order and defaults follow vLLM so a consumer written against vLLM's events reads
+ours unchanged. Block hashes are the raw digests (``bytes``), as vLLM publishes them
+unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set.
+
+``extra_keys`` is the *untagged* per-block form vLLM publishes
+(``to_event_extra_keys``): for each block a tuple holding, in order, the LoRA name
+(when a LoRA is set), one ``(mm_identifier, offset_in_block)`` pair per multimodal item
+overlapping the block, and the cache salt (first block only); ``None`` for a block
+without extra keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MEDIUM_GPU = "GPU"
+
+
+@dataclasses.dataclass(slots=True)
+class KVCacheEvent:
+    """Base class of all KV cache events."""
+
+
+@dataclasses.dataclass(slots=True)
+class BlockStored(KVCacheEvent):
+    """Blocks that became full and entered the prefix cache (one request, one call).
+
+    Attributes:
+        block_hashes: digests of the newly cached blocks, in block order.
+        parent_block_hash: digest of the block before the first one, ``None`` when
+            the first stored block is the request's block 0.
+        token_ids: the token ids of all stored blocks, concatenated
+            (``len == len(block_hashes) * block_size``).
+        block_size: tokens per block.
+        lora_id: deprecated in vLLM (integer adapter id); ``None`` here, consumers
+            key on ``lora_name``.
+        medium: ``"GPU"``.
+        lora_name: the LoRA adapter name, or ``None``.
+        extra_keys: one untagged entry per block (see the module docstring), or
+            ``None`` when no block has extra keys.
+        group_idx: KV cache group (always 0: one full-attention group).
+    """
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class BlockRemoved(KVCacheEvent):
+    """A cached block was evicted (its hash dropped) so the block could be reused.
+
+    Attributes:
+        block_hashes: the evicted digest(s); one per event, as vLLM emits them.
+        medium: ``"GPU"``.
+        group_idx: KV cache group (always 0).
+    """
+
+    block_hashes: list[bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class AllBlocksCleared(KVCacheEvent):
+    """``reset_prefix_cache()`` dropped every cached hash."""
+
+
+def event_extra_keys(request, start: int, end: int) -> tuple[Any, ...] | None:
+    """The untagged extra keys vLLM publishes for the block ``[start, end)``.
+
+    Args:
+        request: a ``prefixcache.core.request.Request`` (``lora``, ``mm_features``,
+            ``cache_salt``).
+        start: first token index of the block.
+        end: one past its last token index.
+
+    Returns:
+        ``(lora_name?, (mm_identifier, offset - start)..., cache_salt?)`` or ``None``.
+    """
+    keys: list[Any] = []
+    lora = request.lora
+    if lora is not None:
+        keys.append(lora.name)
+    for feat in request.mm_features:
+        # NOTE: overlap rule of the hash (DESIGN.md): offset < end and
+        # offset + length > start; features are kept sorted by offset.
+        if feat.offset < end and feat.offset + feat.length > start:
+            keys.append((feat.identifier, feat.offset - start))
+    if start == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    return tuple(keys) if keys else None

@@ -1,0 +1,476 @@
+"""KV cache manager with automatic prefix caching (vLLM v1 semantics, one group).
+
+The scheduler-facing API of vLLM's ``KVCacheManager`` for a single full-attention KV
+cache group, with the seed design's block pool underneath:
+
+    blocks, num_hit = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+    if new is None: ...             # does not fit; nothing changed
+    request.num_computed_tokens = request.num_tokens   # the scheduler advances it
+    ...
+    manager.allocate_slots(request, 1)                  # each decode step
+    manager.free(request)
+
+Calls, block counts, caching points and free order follow vLLM 0.33's
+``kv_cache_manager.py`` / ``single_type_kv_cache_manager.py`` / ``block_pool.py``
+exactly, so a replay gives vLLM's hits and (shifted by vLLM's null block) its block
+ids. See ``tests/core/test_core_manager*.py`` and the replay goldens.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import Sequence
+
+from prefixcache.core.block_pool import (
+    FREE_ORDERS,
+    BlockPool,
+    InvariantError,
+    KVCacheBlock,
+)
+from prefixcache.core.events import KVCacheEvent
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.stats import PrefixCacheStats
+
+
+class _RequestState:
+    """What the manager holds for a request that has blocks.
+
+    Attributes:
+        request: the request object.
+        blocks: its block table (append-only while it runs).
+        num_cached_blocks: leading blocks of ``blocks`` already in the hash map.
+    """
+
+    __slots__ = ("request", "blocks", "num_cached_blocks")
+
+    def __init__(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int):
+        self.request = request
+        self.blocks = blocks
+        self.num_cached_blocks = num_cached_blocks
+
+
+class KVCacheManager:
+    """Allocates KV cache blocks to requests and reuses cached prefixes.
+
+    Invariants (``check_invariants`` verifies all of them):
+        * Each block's ``ref_cnt`` equals the number of running requests' block
+          tables that hold it; blocks with ``ref_cnt == 0`` are exactly the free
+          queue, in eviction order (head first).
+        * A request's first ``num_cached_blocks`` blocks are cached under its own
+          block hashes ``request.block_hashes[i]``; its other blocks hold no hash.
+        * Only full blocks are cached; a lookup hits at most ``num_tokens - 1``
+          tokens (the last token is always recomputed to produce logits).
+        * A call that raises or returns ``None`` changes no state.
+
+    Args:
+        num_blocks: allocatable blocks (ids ``0 .. num_blocks - 1``); > 0.
+        block_size: tokens per block; > 0.
+        enable_caching: prefix caching on (off: nothing is hashed or hit).
+        hash_algo: ``sha256``, ``sha256_cbor``, ``xxhash`` or ``xxhash_cbor``.
+        hash_seed: seed of the hash chain's root (see ``BlockHasher``).
+        free_order: ``"append"`` (the seed's: freed blocks to the tail, in reverse
+            block order) or ``"unhashed_first"`` (vLLM 0.33: never-cached freed
+            blocks to the head).
+        log_stats: collect ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+        enable_events: queue KV cache events for ``take_events``.
+        max_model_len: longest allowed sequence (tokens); ``None`` for no limit.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed=None,
+        free_order: str = "append",
+        log_stats: bool = True,
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+    ):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int) or max_model_len <= 0
+        ):
+            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
+        self.free_order = free_order
+        self.log_stats = bool(log_stats)
+        self.enable_events = bool(enable_events)
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(
+            num_blocks,
+            enable_caching=self.enable_caching,
+            enable_events=self.enable_events,
+            free_order=free_order,
+        )
+        self._states: dict[str, _RequestState] = {}
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if self.log_stats else None
+        )
+        # Cumulative counters (never reset; see also block_pool.num_evictions).
+        self.num_lookups = 0
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_failed_allocations = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _bind(self, request) -> None:
+        request.bind_hasher(self.hasher, self.block_size)
+
+    @property
+    def hash_algo(self) -> str:
+        return self.hasher.algo
+
+    # -------------------------------------------------------------- scheduling
+    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that starts the request.
+
+        Changes no block state (no ref counts, no queue order); only statistics.
+
+        Args:
+            request: a ``Request`` not yet holding blocks.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``: the hit blocks in order and
+            ``len(blocks) * block_size`` (at most ``request.num_tokens - 1``).
+        """
+        if not self.enable_caching:
+            return [], 0
+        request.bind_hasher(self.hasher, self.block_size)
+        num_tokens = request.num_tokens
+        # NOTE: all tokens hitting would leave nothing to compute logits from, so
+        # at most num_tokens - 1 tokens hit (a whole block may be recomputed).
+        max_blocks = (num_tokens - 1) // self.block_size
+        get = self.block_pool.cached_block_hash_to_block.get
+        computed: list[KVCacheBlock] = []
+        append = computed.append
+        for h in islice(request.block_hashes, max_blocks):
+            b = get(h)
+            if b is None:
+                break
+            if type(b) is dict:
+                b = next(iter(b.values()))
+            append(b)
+        num_hit = len(computed) * self.block_size
+        self.num_lookups += 1
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += num_hit
+        if self.log_stats:
+            self.prefix_cache_stats.record(
+                num_tokens, num_hit, getattr(request, "num_preemptions", 0) > 0
+            )
+        return computed, num_hit
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+
+        For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
+        the prefix hit from ``get_computed_blocks``: those blocks are touched (ref
+        count +1, out of the free queue) and start its block table. New blocks come
+        from the free queue head (evicting cached ones). Every block that is full
+        after this step -- up to ``num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens`` tokens, capped at ``request.num_tokens`` -- is cached at
+        once, so later requests in the same batch can hit it.
+
+        Args:
+            request: the request (``request.num_computed_tokens`` tokens already
+                have KV; the caller advances it after the step).
+            num_new_tokens: tokens to compute in this step (>= 0).
+            num_new_computed_tokens: prefix-hit tokens (new requests only).
+            new_computed_blocks: the prefix-hit blocks (new requests only).
+            num_lookahead_tokens: extra slots to reserve (speculative tokens).
+
+        Returns:
+            The newly allocated blocks (possibly empty), or ``None`` when the free
+            blocks do not suffice -- in which case nothing changed.
+
+        Raises:
+            ValueError: negative counts, hit tokens that do not match the hit
+                blocks, hit blocks for a running request, or a sequence beyond
+                ``max_model_len``. Nothing changed.
+        """
+        st = self._states.get(request.request_id)
+        if st is not None and not num_new_computed_tokens and not new_computed_blocks:
+            # Fast path: a running request (decode or a later prefill chunk).
+            if num_new_tokens <= 0 or num_lookahead_tokens < 0:
+                self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+            total = request.num_computed_tokens + num_new_tokens
+            mml = self.max_model_len
+            need = total + num_lookahead_tokens
+            if mml is not None:
+                if total > mml:
+                    raise ValueError(
+                        f"request {request.request_id!r} needs {total} tokens, beyond "
+                        f"max_model_len={mml}"
+                    )
+                if need > mml:
+                    need = mml
+            bs = self.block_size
+            blocks = st.blocks
+            num_new_blocks = -(-need // bs) - len(blocks)
+            if num_new_blocks > 0:
+                pool = self.block_pool
+                if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                    self.num_failed_allocations += 1
+                    return None
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                blocks.extend(new_blocks)
+            else:
+                new_blocks = []
+            if self.enable_caching:
+                num_tokens = request.num_tokens
+                hashes = request.block_hashes
+                num_full = (total if total < num_tokens else num_tokens) // bs
+                if num_full > len(hashes):
+                    num_full = len(hashes)
+                if num_full > st.num_cached_blocks:
+                    self.block_pool.cache_full_blocks(
+                        request, blocks, hashes, st.num_cached_blocks, num_full, bs
+                    )
+                    st.num_cached_blocks = num_full
+            return new_blocks
+        return self._allocate_slow(
+            request, st, num_new_tokens, num_new_computed_tokens,
+            new_computed_blocks, num_lookahead_tokens,
+        )
+
+    @staticmethod
+    def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_computed_tokens < 0:
+            raise ValueError(f"num_new_computed_tokens must be >= 0, got {num_new_computed_tokens}")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
+
+    def _allocate_slow(
+        self, request, st, num_new_tokens, num_new_computed_tokens,
+        new_computed_blocks, num_lookahead_tokens,
+    ):
+        """``allocate_slots`` for a new request (or a running one with odd args)."""
+        rid = request.request_id
+        self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        computed = list(new_computed_blocks) if new_computed_blocks else []
+        bs = self.block_size
+        if st is not None and computed:
+            raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
+        if len(computed) * bs != num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{len(computed)} hit blocks of {bs} tokens"
+            )
+        if computed and not self.enable_caching:
+            raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
+        for b in computed:
+            if b.block_hash is None or self.block_pool.blocks[b.block_id] is not b:
+                raise ValueError(f"block {b.block_id} is not a cached block of this manager")
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if st is None and computed and request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r} has num_computed_tokens={request.num_computed_tokens} "
+                "but no blocks; it cannot adopt prefix-hit blocks"
+            )
+        mml = self.max_model_len
+        need = total + num_lookahead_tokens
+        if mml is not None:
+            if total > mml:
+                raise ValueError(
+                    f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
+                )
+            need = min(need, mml)
+        if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)
+        pool = self.block_pool
+        num_held = len(st.blocks) if st is not None else 0
+        num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
+        # Hit blocks that sit in the free queue leave it when touched: they count
+        # against the free blocks too (vLLM's num_evictable_computed_blocks).
+        num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
+            self.num_failed_allocations += 1
+            return None
+        # --- state changes from here on -------------------------------------
+        if st is None:
+            pool.touch(computed)
+            st = _RequestState(request, computed, len(computed))
+            self._states[rid] = st
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        st.blocks.extend(new_blocks)
+        if self.enable_caching:
+            hashes = request.block_hashes
+            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            if num_full > st.num_cached_blocks:
+                pool.cache_full_blocks(
+                    request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
+                )
+                st.num_cached_blocks = num_full
+        return new_blocks
+
+    def free(self, request) -> None:
+        """Release a request's blocks (reverse order: its last block evicts first).
+
+        Args:
+            request: the ``Request`` or its id.
+
+        Raises:
+            ValueError: the request holds no blocks here (nothing changed).
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        st = self._states.pop(rid, None)
+        if st is None:
+            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        blocks = st.blocks
+        blocks.reverse()
+        self.block_pool.free_blocks(blocks)
+
+    # ------------------------------------------------------------- inspection
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids. Unknown id -> ``ValueError``."""
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return [b.block_id for b in st.blocks]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block objects (a copy of the list)."""
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return list(st.blocks)
+
+    @property
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests holding blocks, in allocation order."""
+        return list(self._states)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 .. 1.0)."""
+        return 1.0 - self.block_pool.free_block_queue.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue as block ids, head (reused next) first."""
+        return self.block_pool.free_block_queue.block_ids()
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of all blocks currently in the hash map, ascending."""
+        return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted (hash dropped to reuse the block), cumulative."""
+        return self.block_pool.num_evictions
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since construction (never reset)."""
+        pool = self.block_pool
+        return {
+            "lookups": self.num_lookups,
+            "lookup_tokens": self.num_lookup_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "evictions": pool.num_evictions,
+            "blocks_cached": pool.num_blocks_cached,
+            "blocks_allocated": pool.num_blocks_allocated,
+            "failed_allocations": self.num_failed_allocations,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight update).
+
+        Returns:
+            ``True`` on success; ``False`` (nothing changed) while any block is held.
+        """
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued KV cache events (``[]`` when disabled)."""
+        return self.block_pool.take_events()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats since the last call and start a new interval.
+
+        ``None`` when ``log_stats`` is off.
+        """
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def check_invariants(self) -> None:
+        """Verify pool and request bookkeeping; raise ``InvariantError`` if broken."""
+        pool = self.block_pool
+        pool.check_invariants()
+        refs = [0] * self.num_blocks
+        bs = self.block_size
+        for rid, st in self._states.items():
+            req = st.request
+            if req.request_id != rid:
+                raise InvariantError(f"state of {rid!r} holds request {req.request_id!r}")
+            blocks = st.blocks
+            if st.num_cached_blocks > len(blocks):
+                raise InvariantError(
+                    f"request {rid!r}: {st.num_cached_blocks} cached blocks > "
+                    f"{len(blocks)} held"
+                )
+            if len(set(map(id, blocks))) != len(blocks):
+                raise InvariantError(
+                    f"request {rid!r} holds a block twice: {[b.block_id for b in blocks]}"
+                )
+            hashes = req.block_hashes if self.enable_caching else ()
+            for i, b in enumerate(blocks):
+                if pool.blocks[b.block_id] is not b:
+                    raise InvariantError(f"request {rid!r} holds a foreign block {b.block_id}")
+                refs[b.block_id] += 1
+                if i < st.num_cached_blocks:
+                    if b.block_hash is None or i >= len(hashes) or b.block_hash != hashes[i]:
+                        got = b.block_hash.hex() if b.block_hash is not None else None
+                        raise InvariantError(
+                            f"request {rid!r} block #{i} (id {b.block_id}) should be cached "
+                            f"under its block hash but has hash {got}"
+                        )
+                elif b.block_hash is not None:
+                    raise InvariantError(
+                        f"request {rid!r} block #{i} (id {b.block_id}) is past its "
+                        f"{st.num_cached_blocks} cached blocks but has hash "
+                        f"{b.block_hash.hex()}"
+                    )
+            if -(-max(req.num_computed_tokens, 0) // bs) > len(blocks):
+                raise InvariantError(
+                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
+                    f"only {len(blocks)} blocks"
+                )
+        for b in pool.blocks:
+            if b.ref_cnt != refs[b.block_id]:
+                raise InvariantError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} "
+                    "requests hold it"
+                )

@@ -1,0 +1,268 @@
+"""Replay a request trace through ``KVCacheManager`` at full speed, without a model.
+
+The semantics are exactly those of ``../shared/peers/vllm_replay.py`` (which drives
+vLLM 0.33's own manager), so the two can be compared request by request:
+
+for each request, in trace order:
+  1. If ``concurrency`` requests are running, free the oldest.
+  2. Build the ``Request`` (hashes the prompt's full blocks).
+  3. Admission: ``get_computed_blocks`` then one ``allocate_slots`` for the whole
+     rest of the prompt. If it does not fit, free the oldest running request and
+     retry; with none running, record the request as failed and skip it.
+  4. The prefill step samples output token 0 (``num_computed_tokens`` becomes the
+     prompt length, token 0 is appended).
+  5. ``output_len - 1`` decode steps: ``allocate_slots(req, 1)``, then
+     ``num_computed_tokens += 1`` and append ``output_token(id, step)``. The last
+     sampled token is never fed back, so its KV is never allocated. A decode
+     allocation that fails frees the oldest *other* running request and retries,
+     or (none left) stops the request's decode early (``decode_truncated_at``).
+  6. A request holds its blocks until it is the oldest of a full window; at the
+     end every running request is freed.
+
+With ``free_order="unhashed_first"`` and ``num_blocks = N - 1`` this gives vLLM's hits
+and block ids (vLLM's are ours + 1: it reserves block 0) for ``--num-blocks N``.
+
+Memory is bounded by the window and the cache: the trace is consumed as a stream
+and per-request records are handed to ``on_record``, never kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import time
+import zlib
+from typing import Any, Callable, Iterable
+
+from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.sim.trace import TraceRequest
+
+
+def replay(
+    requests: Iterable[TraceRequest],
+    *,
+    num_blocks: int,
+    block_size: int,
+    hash_algo: str = "sha256",
+    hash_seed: Any = None,
+    free_order: str = "append",
+    concurrency: int = 1,
+    max_model_len: int | None = None,
+    on_record: Callable[[dict], None] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
+
+    Args:
+        requests: the trace, in arrival order (any iterable; consumed once).
+        num_blocks: allocatable KV cache blocks.
+        block_size: tokens per block.
+        hash_algo: block hash algorithm (``sha256``, ``sha256_cbor``, ``xxhash``,
+            ``xxhash_cbor``).
+        hash_seed: seed of the hash chain root (``None``: ``BlockHasher``'s default).
+        free_order: ``"append"`` (the seed's) or ``"unhashed_first"`` (vLLM's).
+        concurrency: most requests holding blocks at once (>= 1).
+        max_model_len: passed to the manager (``None``: no limit).
+        on_record: called with one dict per request, in trace order: ``id``,
+            ``num_computed_tokens`` (hit tokens at admission), ``block_ids`` (right
+            after the prompt allocation), ``prompt_tokens``, plus ``failed: True`` or
+            ``decode_truncated_at: step`` when they happen. Key order matches vLLM's
+            replay output.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
+        ``early_finishes``, ``prompt_tokens``, ``output_tokens`` (tokens appended),
+        ``hit_tokens``, ``hit_rate_tokens`` (over all prompt tokens),
+        ``hit_rate_tokens_admitted``, ``requests_with_hit``, ``evictions``,
+        ``blocks_cached``, the configuration, and ``timing``: ``loop_s`` (the replay
+        loop incl. building requests and hashing; not reading the trace or computing
+        the deterministic output tokens), ``hashing_s`` (request construction +
+        appending tokens, i.e. prompt and incremental hashing), ``manager_s`` (the
+        manager calls), with ``requests_per_s`` and ``prompt_tokens_per_s``.
+
+    Raises:
+        ValueError: bad configuration (before anything runs) or a request the
+            manager rejects (e.g. beyond ``max_model_len``, a duplicate running id).
+    """
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    m = KVCacheManager(
+        num_blocks,
+        block_size,
+        hash_algo=hash_algo,
+        hash_seed=hash_seed,
+        free_order=free_order,
+        log_stats=False,
+        enable_events=False,
+        max_model_len=max_model_len,
+    )
+    hasher = m.hasher
+    running: collections.deque = collections.deque()
+    get_computed_blocks = m.get_computed_blocks
+    allocate_slots = m.allocate_slots
+    free = m.free
+    perf = time.perf_counter
+    crc = zlib.crc32
+    loras: dict[tuple[str, str], LoRARequest] = {}
+
+    n_req = n_admitted = n_failed = n_trunc = n_early = n_with_hit = 0
+    prompt_tokens = admitted_prompt = hit_tokens = output_appended = 0
+    t_loop = t_hash = t_mgr = 0.0
+
+    it: Iterable[TraceRequest] = requests
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="replay", unit="req")
+
+    # NOTE: as vLLM's EngineCore (and the peer harness) do after start-up, freeze the
+    # heap built so far (the block pool) so GC passes in the loop do not walk it.
+    gc.collect()
+    gc.freeze()
+    try:
+        for tr in it:
+            rid = tr.id
+            prompt = tr.prompt
+            num_prompt = len(prompt)
+            n_req += 1
+            prompt_tokens += num_prompt
+            # Untimed: request-side inputs (frontend work in a real deployment) and
+            # the deterministic sampled tokens.
+            lora = None
+            if tr.lora is not None:
+                lora = loras.get(tr.lora)
+                if lora is None:
+                    lora = loras[tr.lora] = LoRARequest(tr.lora[0], tr.lora[1])
+            mm = [MultiModalFeature(i, o, n) for i, o, n in tr.mm] if tr.mm else ()
+            n_out = tr.output_len if tr.output_len > 1 else 1
+            pre = f"{rid}:"
+            out_tokens = [1 + crc(f"{pre}{k}".encode()) % 1000 for k in range(n_out)]
+
+            t_start = perf()
+            if len(running) >= concurrency:
+                free(running.popleft())
+            t0 = perf()
+            req = Request(
+                rid,
+                prompt,
+                mm_features=mm,
+                lora=lora,
+                cache_salt=tr.cache_salt,
+                hasher=hasher,
+                block_size=block_size,
+            )
+            t1 = perf()
+            t_hash += t1 - t0
+            # ---- admission --------------------------------------------------
+            while True:
+                computed, num_hit = get_computed_blocks(req)
+                new_blocks = allocate_slots(req, num_prompt - num_hit, num_hit, computed)
+                if new_blocks is not None or not running:
+                    break
+                free(running.popleft())
+                n_early += 1
+            t2 = perf()
+            t_mgr += t2 - t1
+            if new_blocks is None:
+                n_failed += 1
+                t_loop += t2 - t_start
+                if on_record is not None:
+                    on_record(
+                        {
+                            "id": rid,
+                            "num_computed_tokens": 0,
+                            "block_ids": [],
+                            "failed": True,
+                            "prompt_tokens": num_prompt,
+                        }
+                    )
+                if bar is not None:
+                    bar.update(1)
+                continue
+            n_admitted += 1
+            admitted_prompt += num_prompt
+            hit_tokens += num_hit
+            if num_hit:
+                n_with_hit += 1
+            rec = None
+            if on_record is not None:
+                rec = {
+                    "id": rid,
+                    "num_computed_tokens": num_hit,
+                    "block_ids": m.get_block_ids(rid),
+                    "prompt_tokens": num_prompt,
+                }
+            running.append(req)
+            req.num_computed_tokens = num_prompt
+            t3 = perf()
+            req.append_output_token_ids(out_tokens[0])
+            t4 = perf()
+            t_hash += t4 - t3
+            output_appended += 1
+            # ---- decode -----------------------------------------------------
+            for step in range(1, n_out):
+                t0 = perf()
+                new_blocks = allocate_slots(req, 1)
+                while new_blocks is None:
+                    if len(running) <= 1:
+                        break
+                    free(running.popleft())  # the oldest other (req is the newest)
+                    n_early += 1
+                    new_blocks = allocate_slots(req, 1)
+                t1 = perf()
+                t_mgr += t1 - t0
+                if new_blocks is None:
+                    n_trunc += 1
+                    if rec is not None:
+                        rec["decode_truncated_at"] = step
+                    break
+                req.num_computed_tokens += 1
+                req.append_output_token_ids(out_tokens[step])
+                t_hash += perf() - t1
+                output_appended += 1
+            t_loop += perf() - t_start
+            if rec is not None:
+                on_record(rec)
+            if bar is not None:
+                bar.update(1)
+        t0 = perf()
+        while running:
+            free(running.popleft())
+        t1 = perf()
+        t_mgr += t1 - t0
+        t_loop += t1 - t0
+    finally:
+        gc.unfreeze()
+        if bar is not None:
+            bar.close()
+    m.check_invariants()
+    if m.num_free_blocks != num_blocks:  # pragma: no cover - a bug, caught loudly
+        raise AssertionError(f"replay leaked blocks: {num_blocks - m.num_free_blocks} held")
+    counters = m.counters()
+    return {
+        "hash_algo": hash_algo,
+        "free_order": free_order,
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "concurrency": concurrency,
+        "max_model_len": max_model_len,
+        "requests": n_req,
+        "admitted": n_admitted,
+        "failed": n_failed,
+        "decode_truncated": n_trunc,
+        "early_finishes": n_early,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_appended,
+        "hit_tokens": hit_tokens,
+        "hit_rate_tokens": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "hit_rate_tokens_admitted": hit_tokens / admitted_prompt if admitted_prompt else 0.0,
+        "requests_with_hit": n_with_hit,
+        "evictions": counters["evictions"],
+        "blocks_cached": counters["blocks_cached"],
+        "timing": {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr},
+        "requests_per_s": n_req / t_loop if t_loop > 0 else 0.0,
+        "prompt_tokens_per_s": prompt_tokens / t_loop if t_loop > 0 else 0.0,
+    }

@@ -1,0 +1,319 @@
+"""Request traces: the JSONL format shared with ``../shared/peers/`` and Mooncake traces.
+
+Our format (JSON lines, arrival order, one request per line)::
+
+    {"id": str, "prompt": [int], "output_len": int, "cache_salt": str | null,
+     "lora": [name, path] | null, "mm": [[identifier, offset, length], ...],
+     "timestamp": float (seconds, optional)}
+
+Mooncake format (``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``):
+each hash id stands for a 512-token block; ``len(hash_ids) == ceil(input_length /
+512)``. ``read_trace`` expands every hash id into a deterministic block of token ids
+(equal ids give equal blocks, different ids different blocks with overwhelming
+probability), truncates the last block to ``input_length``, names the request
+``f"mc-{line_number}"`` and converts the timestamp to seconds.
+
+Decode tokens are a function of the request id: step ``k`` of request ``id`` emits
+``output_token(id, k) = 1 + crc32(f"{id}:{k}") % 1000``, so multi-turn traces can embed
+an earlier turn's output in the next prompt.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import zlib
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+MOONCAKE_BLOCK_TOKENS = 512
+DEFAULT_VOCAB_SIZE = 32000
+TRACE_FORMATS = ("auto", "jsonl", "mooncake")
+
+
+class TraceError(ValueError):
+    """A malformed trace line; the message names the file, line and field."""
+
+
+@dataclasses.dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace.
+
+    Attributes:
+        id: unique request id (also seeds its decode tokens).
+        prompt: prompt token ids (non-negative ints, at least one).
+        output_len: tokens to generate (>= 0; a replay samples at least one).
+        cache_salt: per-tenant salt of the first block's key, or ``None``.
+        lora: ``(name, path)`` of the LoRA adapter, or ``None``.
+        mm: multimodal items ``(identifier, offset, length)``, sorted by offset,
+            inside the prompt and not overlapping.
+        timestamp: arrival time in seconds, or ``None``.
+    """
+
+    id: str
+    prompt: list[int]
+    output_len: int
+    cache_salt: str | None = None
+    lora: tuple[str, str] | None = None
+    mm: tuple[tuple[str, int, int], ...] = ()
+    timestamp: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSONL object of this request (our format)."""
+        d: dict[str, Any] = {
+            "id": self.id,
+            "prompt": self.prompt,
+            "output_len": self.output_len,
+            "cache_salt": self.cache_salt,
+            "lora": list(self.lora) if self.lora is not None else None,
+            "mm": [list(m) for m in self.mm],
+        }
+        if self.timestamp is not None:
+            d["timestamp"] = self.timestamp
+        return d
+
+
+def output_token(req_id: str, step: int) -> int:
+    """Token emitted by request ``req_id`` at decode step ``step`` (0-based), in [1, 1000].
+
+    Identical to ``output_token`` in ``../shared/peers/make_traces.py`` and
+    ``vllm_replay.py`` (CRC32: stable across processes, unlike ``hash()``).
+    """
+    return 1 + (zlib.crc32(f"{req_id}:{step}".encode()) % 1000)
+
+
+def output_tokens(req_id: str, n: int) -> list[int]:
+    """``[output_token(req_id, k) for k in range(n)]``."""
+    crc = zlib.crc32
+    prefix = f"{req_id}:"
+    return [1 + crc(f"{prefix}{k}".encode()) % 1000 for k in range(n)]
+
+
+# ----------------------------------------------------------------------------- Mooncake
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mooncake_block_tokens(
+    hash_id: int, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> np.ndarray:
+    """The token ids a Mooncake hash id stands for: ``i64[block_tokens]`` in [1, vocab).
+
+    splitmix64 of ``(hash_id, position)``: deterministic on every platform, equal ids
+    give equal blocks, distinct ids give unrelated blocks.
+    """
+    pos = np.arange(block_tokens, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = (np.uint64(hash_id & 0xFFFFFFFFFFFFFFFF) * np.uint64(block_tokens) + pos) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z = z ^ (z >> np.uint64(31))
+    return (z % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int64)
+
+
+def _mooncake_request(
+    obj: dict, where: str, lineno: int, vocab_size: int, cache: dict[int, np.ndarray]
+) -> TraceRequest:
+    for field in ("input_length", "output_length", "hash_ids"):
+        if field not in obj:
+            raise TraceError(f"{where}: missing field {field!r} (Mooncake line)")
+    n_in, n_out, hash_ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
+    if not _is_int(n_in) or n_in <= 0:
+        raise TraceError(f"{where}: field 'input_length' must be a positive int, got {n_in!r}")
+    if not _is_int(n_out) or n_out < 0:
+        raise TraceError(f"{where}: field 'output_length' must be an int >= 0, got {n_out!r}")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
+    expected = math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)
+    if len(hash_ids) != expected:
+        raise TraceError(
+            f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length={n_in} "
+            f"needs ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
+        )
+    parts = []
+    for h in hash_ids:
+        blk = cache.get(h)
+        if blk is None:
+            blk = mooncake_block_tokens(h, vocab_size=vocab_size)
+            if len(cache) >= 4096:  # NOTE: bounded memo, memory stays O(1) in the trace
+                cache.clear()
+            cache[h] = blk
+        parts.append(blk)
+    prompt = np.concatenate(parts)[:n_in].tolist()
+    ts = obj.get("timestamp")
+    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
+        raise TraceError(f"{where}: field 'timestamp' must be a number (ms), got {ts!r}")
+    return TraceRequest(
+        id=f"mc-{lineno}",
+        prompt=prompt,
+        output_len=int(n_out),
+        timestamp=ts / 1000.0 if ts is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------- our JSONL
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _parse_request(obj: dict, where: str) -> TraceRequest:
+    for field in ("id", "prompt", "output_len"):
+        if field not in obj:
+            raise TraceError(f"{where}: missing field {field!r}")
+    rid = obj["id"]
+    if not isinstance(rid, str) or not rid:
+        raise TraceError(f"{where}: field 'id' must be a non-empty string, got {rid!r}")
+    prompt = obj["prompt"]
+    if not isinstance(prompt, list) or not prompt:
+        raise TraceError(f"{where}: field 'prompt' must be a non-empty list of token ids")
+    try:
+        # NOTE: array.array rejects floats, strings and None at C speed.
+        arr = array.array("q", prompt)
+    except (TypeError, OverflowError):
+        bad = next((t for t in prompt if not _is_int(t)), None)
+        raise TraceError(f"{where}: field 'prompt' holds a non-integer token id {bad!r}") from None
+    if min(arr) < 0:
+        raise TraceError(f"{where}: field 'prompt' holds a negative token id {min(arr)}")
+    output_len = obj["output_len"]
+    if not _is_int(output_len) or output_len < 0:
+        raise TraceError(f"{where}: field 'output_len' must be an int >= 0, got {output_len!r}")
+    salt = obj.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise TraceError(f"{where}: field 'cache_salt' must be a string or null, got {salt!r}")
+    lora = obj.get("lora")
+    if lora is not None:
+        if (
+            not isinstance(lora, list)
+            or len(lora) != 2
+            or not all(isinstance(x, str) for x in lora)
+        ):
+            raise TraceError(f"{where}: field 'lora' must be [name, path] or null, got {lora!r}")
+        lora = (lora[0], lora[1])
+    mm_raw = obj.get("mm") or []
+    if not isinstance(mm_raw, list):
+        raise TraceError(f"{where}: field 'mm' must be a list of [identifier, offset, length]")
+    mm = []
+    n = len(prompt)
+    for k, item in enumerate(mm_raw):
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not isinstance(item[0], str)
+            or not _is_int(item[1])
+            or not _is_int(item[2])
+        ):
+            raise TraceError(
+                f"{where}: field 'mm[{k}]' must be [identifier: str, offset: int, length: int], "
+                f"got {item!r}"
+            )
+        ident, off, length = item
+        if off < 0 or length <= 0 or off + length > n:
+            raise TraceError(
+                f"{where}: field 'mm[{k}]' range [{off}, {off + length}) is outside the "
+                f"prompt of {n} tokens (or empty)"
+            )
+        mm.append((ident, off, length))
+    mm.sort(key=lambda x: x[1])
+    for a, b in zip(mm, mm[1:]):
+        if b[1] < a[1] + a[2]:
+            raise TraceError(
+                f"{where}: field 'mm': items {a[0]!r} [{a[1]}, {a[1] + a[2]}) and {b[0]!r} "
+                f"[{b[1]}, {b[1] + b[2]}) overlap"
+            )
+    ts = obj.get("timestamp")
+    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0):
+        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (seconds), got {ts!r}")
+    return TraceRequest(
+        id=rid,
+        prompt=prompt,
+        output_len=output_len,
+        cache_salt=salt,
+        lora=lora,
+        mm=tuple(mm),
+        timestamp=float(ts) if ts is not None else None,
+    )
+
+
+def read_trace(
+    path: str | os.PathLike,
+    *,
+    format: str = "auto",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> Iterator[TraceRequest]:
+    """Stream the requests of a JSONL trace, validating each line.
+
+    Args:
+        path: the trace file.
+        format: ``"jsonl"`` (ours), ``"mooncake"``, or ``"auto"`` (per line: a line
+            with ``hash_ids`` is Mooncake).
+        vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
+
+    Yields:
+        ``TraceRequest`` per non-blank line, in file order (memory O(1) in the trace).
+
+    Raises:
+        TraceError: (a ``ValueError``) naming ``path:line`` and the bad field, when
+            the line is reached.
+        ValueError: unknown ``format``. FileNotFoundError: no such file.
+    """
+    if format not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {format!r}; expected one of {TRACE_FORMATS}")
+    if not _is_int(vocab_size) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    path = os.fspath(path)
+    return _read(path, format, vocab_size)
+
+
+def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
+    cache: dict[int, np.ndarray] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
+                yield _mooncake_request(obj, where, lineno, vocab_size, cache)
+            else:
+                yield _parse_request(obj, where)
+
+
+def write_trace(path: str | os.PathLike, requests: Iterable[TraceRequest | dict]) -> int:
+    """Write requests as our JSONL format, atomically (temp file + rename).
+
+    Args:
+        path: destination; only replaced once every line was written.
+        requests: ``TraceRequest`` objects or dicts already in the JSONL shape.
+
+    Returns:
+        The number of requests written.
+    """
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".jsonl.tmp", dir=d)
+    n = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in requests:
+                obj = r.to_json() if isinstance(r, TraceRequest) else r
+                f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return n
