@@ -1,0 +1,37 @@
+"""Trace-replay simulator: no model, no device, the real ``KVCacheManager``.
+
+* ``trace``: the JSONL trace format (ours and Mooncake's), ``output_token``.
+* ``replay``: issue 5's exact replay semantics (comparable to vLLM's manager).
+* ``workloads``: deterministic synthetic workloads (shared system prompt,
+  multi-turn chat, few-shot, RAG with Zipf popularity, multimodal + salts +
+  adapters) and a Mooncake-scale ``hash_ids`` trace generator.
+* ``cost_model``: roofline step times of a model shape on TPU v5e/v6e, H100, H200.
+* ``des``: a discrete-event simulation (arrivals, batching, the cache, the cost
+  model) that yields simulated TTFT per request.
+
+Host only: nothing here imports jax.
+"""
+
+from prefixcache.sim.cost_model import ACCELERATORS, Accelerator, CostModel, ModelShape
+from prefixcache.sim.des import SchedulerConfig, simulate
+from prefixcache.sim.replay import replay
+from prefixcache.sim.trace import TraceError, TraceRequest, output_token, read_trace, write_trace
+from prefixcache.sim.workloads import WORKLOADS, generate, mooncake_scale
+
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "CostModel",
+    "ModelShape",
+    "SchedulerConfig",
+    "TraceError",
+    "TraceRequest",
+    "WORKLOADS",
+    "generate",
+    "mooncake_scale",
+    "output_token",
+    "read_trace",
+    "replay",
+    "simulate",
+    "write_trace",
+]
