@@ -1,0 +1,459 @@
+"""Host -> device index arrays for one engine step (numpy only; never imports jax).
+
+The scheduler hands over, per scheduled sequence, its block table, how many tokens of KV it
+already holds and the token ids scheduled now (`ScheduledSeq`). `MetadataBuilder.build` turns
+a list of them into the int32 arrays of the index-array contract (`../shared/DESIGN.md`):
+
+    page_indices  i32[S, P]   block table, row per sequence (rows in *sorted* order, below)
+    kv_lens       i32[S]      tokens of KV each sequence attends to after this step
+    cu_q_lens     i32[S + 1]  cumulative query lengths (ragged queries)
+    num_seqs      i32[1]      live rows
+    positions     i32[T]      absolute position of each scheduled token
+    slot_mapping  i32[T]      page * block_size + offset where each new token's K/V goes
+    distribution  i32[3]      cumulative group ends (decode, prefill, mixed), see below
+
+plus the step's `input_ids: i32[T]` and `logits_indices: i32[S]`.
+
+Row order and `distribution` (the convention of the ragged paged attention v3 TPU kernel,
+"(i, j, k): sequences[0:i] are decode-only, sequences[i:j] are chunked-prefill-only and
+sequences[j:k] are mixed; k is the total number of sequences"):
+
+  * group 0, decode:  q_len == 1 (whatever the prefix; a 1-token prompt counts as decode);
+  * group 1, prefill: q_len > 1 and num_computed_tokens == 0 (a fresh prompt or its first
+    chunk: no KV before this step);
+  * group 2, mixed:   q_len > 1 and num_computed_tokens > 0 (a later chunk, or prefill over
+    a cached prefix: new queries attend to KV already in the cache).
+
+  Rows are sorted by group, stable within a group (caller order kept), and
+  `distribution = [n_decode, n_decode + n_prefill, num_seqs]`. Token rows follow the same
+  order. `logits_indices[i]` maps the caller's `seqs[i]` back to its last token row.
+
+Padding (so that shapes come from a small set of buckets and a long run compiles a bounded
+number of programs): the padding page id is `num_blocks` (block ids `0..num_blocks-1` are
+allocatable; the KV array has `num_blocks + 1` pages). Everything that is padding points at
+it: page-table entries past a sequence's last needed page, whole rows past `num_seqs`, and
+the slots of padding tokens (`num_blocks * block_size`). Padding tokens get input id 0 and
+position 0; padding rows get kv_len 0 and q_len 0 (`cu_q_lens` repeats the token total);
+padding entries of `logits_indices` are 0.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "AttentionMetadata",
+    "MetadataBuilder",
+    "ScheduledSeq",
+    "StepInputs",
+    "pow2_buckets",
+]
+
+_I32_MAX = np.iinfo(np.int32).max
+# ScheduledSeq field getters (tuple indexing in C; faster than attribute generators).
+_BLOCK_IDS = operator.itemgetter(0)
+_NUM_COMPUTED = operator.itemgetter(1)
+_TOKEN_IDS = operator.itemgetter(2)
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence scheduled in a step (host side).
+
+    Attributes:
+      block_ids: the sequence's block table (ints in `0..num_blocks-1`), at least
+        `ceil((num_computed_tokens + len(token_ids)) / block_size)` of them; extra trailing
+        blocks (e.g. lookahead) are allowed and ignored.
+      num_computed_tokens: tokens of KV already in the cache for this sequence (a cached
+        prefix, earlier chunks, earlier decode steps).
+      token_ids: the token ids scheduled now (q_len = len(token_ids) >= 1). After the step
+        the sequence holds `num_computed_tokens + q_len` tokens of KV.
+    """
+
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    token_ids: Sequence[int]
+
+
+class AttentionMetadata(NamedTuple):
+    """The int32 index arrays of one step (a NamedTuple, hence a jax pytree).
+
+    Shapes are bucketed: T = token bucket >= total scheduled tokens, S = seq bucket >=
+    number of sequences, P = page bucket >= the most pages any sequence needs.
+
+    Attributes:
+      page_indices: i32[S, P] block table per (sorted) row; padding -> padding page.
+      kv_lens: i32[S] KV length after the step; 0 for padding rows.
+      cu_q_lens: i32[S + 1] cumulative query lengths; constant past `num_seqs`.
+      num_seqs: i32[1] number of live rows.
+      positions: i32[T] absolute position of each token; 0 for padding tokens.
+      slot_mapping: i32[T] `page * block_size + offset` of each new token's K/V; padding
+        tokens -> `num_blocks * block_size` (the padding page).
+      distribution: i32[3] cumulative ends of the decode / prefill / mixed row groups.
+
+    Invariant: query row i of sorted row s sits at position `kv_lens[s] - q_len[s] + i` with
+    `q_len[s] = cu_q_lens[s + 1] - cu_q_lens[s]`.
+    """
+
+    page_indices: np.ndarray
+    kv_lens: np.ndarray
+    cu_q_lens: np.ndarray
+    num_seqs: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    distribution: np.ndarray
+
+
+class StepInputs(NamedTuple):
+    """Everything the device step needs besides the weights and the KV caches.
+
+    Attributes:
+      input_ids: i32[T] token ids in sorted row order; 0 for padding tokens.
+      metadata: the step's `AttentionMetadata`.
+      logits_indices: i32[S] `logits_indices[i]` is the token row of the last scheduled
+        token of the caller's `seqs[i]` (caller order, not sorted order); 0 past the number
+        of sequences.
+    """
+
+    input_ids: np.ndarray
+    metadata: AttentionMetadata
+    logits_indices: np.ndarray
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from `lo` (rounded up to one) below `hi`, then `hi` itself.
+
+    >>> pow2_buckets(8, 100)
+    (8, 16, 32, 64, 100)
+    """
+    if lo < 1 or hi < 1:
+        raise ValueError(f"bucket bounds must be positive, got lo={lo}, hi={hi}")
+    lo = min(lo, hi)
+    b = 1
+    while b < lo:
+        b *= 2
+    out = []
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _check_buckets(name: str, buckets, maximum: int) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(b) for b in buckets)
+    except TypeError as e:
+        raise ValueError(f"{name} must be a sequence of ints, got {buckets!r}") from e
+    if not vals:
+        raise ValueError(f"{name} is empty")
+    if any(b < 1 for b in vals):
+        raise ValueError(f"{name} must be positive, got {vals}")
+    if any(a >= b for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be strictly increasing, got {vals}")
+    if vals[-1] != maximum:
+        # NOTE: the largest bucket must equal the configured maximum so that every
+        # schedule the maxima admit has a shape, and no shape exceeds the maxima.
+        raise ValueError(f"{name} must end at the configured maximum {maximum}, got {vals}")
+    return vals
+
+
+class MetadataBuilder:
+    """Builds `StepInputs` from scheduled sequences, padded to shape buckets.
+
+    Invariants:
+      * every array it returns is int32 with a shape from `shape_buckets`
+        (`page_indices` [S, P], `kv_lens` [S], `cu_q_lens` [S+1], `logits_indices` [S],
+        `input_ids`/`positions`/`slot_mapping` [T], `distribution` [3], `num_seqs` [1]);
+      * every page id in `page_indices` and every slot's page is in `0..num_blocks`, with
+        `num_blocks` (the padding page) used for all padding and never for live data;
+      * it holds no per-step state: `build` is a pure function of its arguments.
+
+    Args:
+      block_size: tokens per block (page size), >= 1.
+      num_blocks: allocatable blocks; ids `0..num_blocks-1`; `num_blocks` is the padding page.
+      max_num_seqs: most sequences per step (the largest S).
+      max_num_tokens: most scheduled tokens per step (the largest T).
+      max_pages_per_seq: most pages one sequence may attend to (the largest P).
+      token_buckets: allowed T values, strictly increasing, ending at `max_num_tokens`;
+        default powers of two from 16 (`pow2_buckets(16, max_num_tokens)`).
+      seq_buckets: allowed S values, ending at `max_num_seqs`; default powers of two from 4.
+      page_buckets: allowed P values, ending at `max_pages_per_seq`; default powers of two
+        from 4.
+    """
+
+    # NOTE: defaults start at 16 tokens / 4 seqs / 4 pages: tiny shapes are cheap to pad
+    # and starting higher keeps the number of compiled programs small.
+    DEFAULT_MIN_TOKENS = 16
+    DEFAULT_MIN_SEQS = 4
+    DEFAULT_MIN_PAGES = 4
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_pages_per_seq: int,
+        token_buckets: Sequence[int] | None = None,
+        seq_buckets: Sequence[int] | None = None,
+        page_buckets: Sequence[int] | None = None,
+    ):
+        for name, v in (
+            ("block_size", block_size),
+            ("num_blocks", num_blocks),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_tokens", max_num_tokens),
+            ("max_pages_per_seq", max_pages_per_seq),
+        ):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if (num_blocks + 1) * block_size > _I32_MAX:
+            raise ValueError(
+                f"(num_blocks + 1) * block_size = {(num_blocks + 1) * block_size} overflows "
+                "int32 slot ids"
+            )
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_tokens = int(max_num_tokens)
+        self.max_pages_per_seq = int(max_pages_per_seq)
+        self.token_buckets = _check_buckets(
+            "token_buckets",
+            pow2_buckets(self.DEFAULT_MIN_TOKENS, self.max_num_tokens)
+            if token_buckets is None else token_buckets,
+            self.max_num_tokens,
+        )
+        self.seq_buckets = _check_buckets(
+            "seq_buckets",
+            pow2_buckets(self.DEFAULT_MIN_SEQS, self.max_num_seqs)
+            if seq_buckets is None else seq_buckets,
+            self.max_num_seqs,
+        )
+        self.page_buckets = _check_buckets(
+            "page_buckets",
+            pow2_buckets(self.DEFAULT_MIN_PAGES, self.max_pages_per_seq)
+            if page_buckets is None else page_buckets,
+            self.max_pages_per_seq,
+        )
+        self._token_arr = np.asarray(self.token_buckets)
+        self._seq_arr = np.asarray(self.seq_buckets)
+        self._page_arr = np.asarray(self.page_buckets)
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def padding_page(self) -> int:
+        """The reserved page id all padding points at (== num_blocks)."""
+        return self.num_blocks
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the KV array must have: the allocatable blocks plus the padding page."""
+        return self.num_blocks + 1
+
+    @property
+    def shape_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Every (T, S, P) the builder can emit.
+
+        Each live row has >= 1 token, so seq bucket S (covering `s_prev < n <= S` sequences,
+        `s_prev` the bucket below it or 0) is reachable under token bucket T iff `T > s_prev`.
+        """
+        prev = (0,) + self.seq_buckets[:-1]
+        return tuple(
+            (t, s, p)
+            for t in self.token_buckets
+            for s, s_prev in zip(self.seq_buckets, prev)
+            if t > s_prev
+            for p in self.page_buckets
+        )
+
+    @property
+    def num_buckets(self) -> int:
+        """Upper bound on distinct step shapes, i.e. on programs a step function compiles."""
+        return len(self.shape_buckets)
+
+    def bucket_shape(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        """The (T, S, P) bucket for the given totals (each within the configured maxima)."""
+        if not 0 <= num_tokens <= self.max_num_tokens:
+            raise ValueError(f"num_tokens {num_tokens} outside 0..{self.max_num_tokens}")
+        if not 0 <= num_seqs <= self.max_num_seqs:
+            raise ValueError(f"num_seqs {num_seqs} outside 0..{self.max_num_seqs}")
+        if not 0 <= num_pages <= self.max_pages_per_seq:
+            raise ValueError(f"num_pages {num_pages} outside 0..{self.max_pages_per_seq}")
+        t = int(self._token_arr[np.searchsorted(self._token_arr, num_tokens)])
+        s = int(self._seq_arr[np.searchsorted(self._seq_arr, num_seqs)])
+        p = int(self._page_arr[np.searchsorted(self._page_arr, num_pages)])
+        return t, s, p
+
+    @staticmethod
+    def shape_of(step: StepInputs) -> tuple[int, int, int]:
+        """The (T, S, P) of built inputs (a key for counting compiled programs)."""
+        return (
+            int(step.input_ids.shape[0]),
+            int(step.logits_indices.shape[0]),
+            int(step.metadata.page_indices.shape[1]),
+        )
+
+    # ------------------------------------------------------------------- build
+    def build(self, seqs: Sequence[ScheduledSeq]) -> StepInputs:
+        """Builds the step's padded int32 arrays (see the module docstring for layout).
+
+        Args:
+          seqs: the scheduled sequences, in the caller's order (1..max_num_seqs of them).
+
+        Returns:
+          `StepInputs` of numpy int32 arrays with shapes from `shape_buckets`.
+
+        Raises:
+          ValueError: no sequences; too many sequences or tokens; a sequence with no
+            scheduled tokens, a negative `num_computed_tokens`, too few block ids for its KV
+            length, more pages than `max_pages_per_seq`, or a block id outside
+            `0..num_blocks-1` (the message names `seqs[i]`).
+        """
+        n = len(seqs)
+        if n == 0:
+            raise ValueError("build() needs at least one scheduled sequence")
+        if n > self.max_num_seqs:
+            raise ValueError(f"{n} sequences scheduled, more than max_num_seqs={self.max_num_seqs}")
+        bs = self.block_size
+
+        # Per-sequence scalars: C-level iteration (map/itemgetter over the NamedTuples);
+        # there is no per-token Python loop anywhere in `build`.
+        try:
+            block_lists = list(map(_BLOCK_IDS, seqs))
+            token_lists = list(map(_TOKEN_IDS, seqs))
+            q_lens = np.fromiter(map(len, token_lists), np.int64, n)
+            computed = np.fromiter(map(_NUM_COMPUTED, seqs), np.int64, n)
+            num_blk = np.fromiter(map(len, block_lists), np.int64, n)
+        except (TypeError, IndexError, ValueError) as e:
+            raise ValueError(
+                "seqs must be ScheduledSeq(block_ids, num_computed_tokens, token_ids) "
+                f"with int fields: {e}"
+            ) from e
+        kv_lens = computed + q_lens
+        pages_needed = (kv_lens + (bs - 1)) // bs
+        num_tokens = int(q_lens.sum())
+        # NOTE: one combined check on the fast path; the slow path below names the culprit.
+        if num_tokens > self.max_num_tokens or bool(
+            ((q_lens < 1) | (computed < 0) | (pages_needed > num_blk)
+             | (pages_needed > self.max_pages_per_seq)).any()
+        ):
+            self._raise_seq_error(q_lens, computed, num_blk, kv_lens, pages_needed, num_tokens)
+
+        # NOTE: converting Python ints costs ~20-40 ns each, i.e. O(total pages) per step for
+        # list block tables; a runner that keeps each request's block table as an append-only
+        # numpy array (as vLLM's InputBatch does) takes the concatenate fast path instead.
+        total_blk = int(num_blk.sum())
+        if isinstance(block_lists[0], np.ndarray):
+            flat_blocks = np.concatenate(block_lists)
+        else:
+            flat_blocks = np.fromiter(
+                itertools.chain.from_iterable(block_lists), np.int32, total_blk
+            )
+        if total_blk and (flat_blocks.min() < 0 or flat_blocks.max() >= self.num_blocks):
+            j = int(np.flatnonzero((flat_blocks < 0) | (flat_blocks >= self.num_blocks))[0])
+            i = int(np.searchsorted(np.cumsum(num_blk), j, side="right"))
+            raise ValueError(
+                f"seqs[{i}]: block id {int(flat_blocks[j])} out of range 0..{self.num_blocks - 1}"
+            )
+        flat_tokens = np.fromiter(
+            itertools.chain.from_iterable(token_lists), np.int64, num_tokens
+        )
+        if flat_tokens.min() < 0 or flat_tokens.max() > _I32_MAX:
+            j = int(np.flatnonzero((flat_tokens < 0) | (flat_tokens > _I32_MAX))[0])
+            i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
+            raise ValueError(f"seqs[{i}]: token id {int(flat_tokens[j])} is not a valid int32 id")
+
+        # Row order: decode (q_len == 1), prefill (no prior KV), mixed (prior KV); stable.
+        group = (q_lens > 1) * (1 + (computed > 0))
+        order = np.argsort(group, kind="stable")  # sorted row r <- caller's seqs[order[r]]
+        identity = bool((group[1:] >= group[:-1]).all())
+        distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
+
+        q_s = q_lens[order]
+        pages_s = pages_needed[order]
+        cu_in = np.zeros(n + 1, np.int64)
+        np.cumsum(q_lens, out=cu_in[1:])
+        cu_s = np.zeros(n + 1, np.int64)
+        np.cumsum(q_s, out=cu_s[1:])
+        T, S, P = self.bucket_shape(num_tokens, n, int(pages_s.max()))
+        pad_page = self.num_blocks
+
+        blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start
+        np.cumsum(num_blk[:-1], out=blk_start[1:])
+        blk_start_s = blk_start[order]
+
+        # Token rows in sorted order: row r's i-th token comes from caller token
+        # cu_in[order[r]] + i, sits at position computed[order[r]] + i, and its K/V goes to
+        # block ids[pos // bs] of that seq.
+        row = np.repeat(np.arange(n), q_s)
+        tok = np.arange(num_tokens)
+        src = tok + (cu_in[:-1][order] - cu_s[:-1])[row]
+        pos = tok + (computed[order] - cu_s[:-1])[row]
+        input_ids = np.zeros(T, np.int32)
+        input_ids[:num_tokens] = flat_tokens[src]
+        positions = np.zeros(T, np.int32)
+        positions[:num_tokens] = pos
+        slot_mapping = np.full(T, pad_page * bs, np.int32)
+        slot_mapping[:num_tokens] = flat_blocks[blk_start_s[row] + pos // bs] * bs + pos % bs
+
+        # Page table: sorted row r holds its first pages_s[r] block ids (extra trailing block
+        # ids are not needed by this step and stay padding). Boolean-mask assignment fills
+        # True cells row-major, which is exactly the order of `sel`.
+        page_indices = np.full((S, P), pad_page, np.int32)
+        live = np.arange(P) < pages_s[:, None]
+        if identity and bool((pages_needed == num_blk).all()):
+            # NOTE: fast path (steady-state decode: caller order already sorted, tables
+            # exactly as long as needed): the flat block ids are the cells in order.
+            page_indices[:n][live] = flat_blocks
+        else:
+            page_cu = np.zeros(n, np.int64)
+            np.cumsum(pages_s[:-1], out=page_cu[1:])
+            sel = np.repeat(blk_start_s - page_cu, pages_s)
+            sel += np.arange(sel.shape[0])
+            page_indices[:n][live] = flat_blocks[sel]
+
+        kv_out = np.zeros(S, np.int32)
+        kv_out[:n] = kv_lens[order]
+        cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+        cu_q_lens[: n + 1] = cu_s
+
+        logits_indices = np.zeros(S, np.int32)
+        logits_indices[order] = cu_s[1:] - 1  # caller seq order[r] ends at sorted row r
+
+        metadata = AttentionMetadata(
+            page_indices=page_indices,
+            kv_lens=kv_out,
+            cu_q_lens=cu_q_lens,
+            num_seqs=np.array([n], np.int32),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            distribution=distribution,
+        )
+        return StepInputs(input_ids=input_ids, metadata=metadata, logits_indices=logits_indices)
+
+    def _raise_seq_error(self, q_lens, computed, num_blk, kv_lens, pages_needed, num_tokens):
+        """Raises the ValueError for the first offending sequence (slow path of `build`)."""
+        checks = (
+            (q_lens < 1, lambda i: f"seqs[{i}]: no tokens scheduled (token_ids is empty)"),
+            (computed < 0,
+             lambda i: f"seqs[{i}]: negative num_computed_tokens {int(computed[i])}"),
+            (pages_needed > self.max_pages_per_seq,
+             lambda i: f"seqs[{i}]: {int(kv_lens[i])} tokens of KV need {int(pages_needed[i])} "
+                       f"pages, more than max_pages_per_seq={self.max_pages_per_seq}"),
+            (pages_needed > num_blk,
+             lambda i: f"seqs[{i}]: {int(kv_lens[i])} tokens of KV (num_computed_tokens="
+                       f"{int(computed[i])} + {int(q_lens[i])} scheduled) need "
+                       f"{int(pages_needed[i])} blocks of size {self.block_size}, but only "
+                       f"{int(num_blk[i])} block ids given"),
+        )
+        for bad, msg in checks:
+            if bad.any():
+                raise ValueError(msg(int(np.flatnonzero(bad)[0])))
+        raise ValueError(
+            f"{num_tokens} tokens scheduled, more than max_num_tokens={self.max_num_tokens}"
+        )
