@@ -118,11 +118,8 @@ class ReadOnlyList(Sequence):
 
 def _validated_token_list(name: str, token_ids: Any) -> list[int]:
     """A fresh list of Python ints >= 0, or ValueError naming the first bad id."""
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) and not hasattr(
-        token_ids, "__array__"
-    ):
-        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-            raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
     if hasattr(token_ids, "tolist") and hasattr(token_ids, "dtype"):  # numpy array
         if token_ids.dtype.kind not in "iu":
             raise ValueError(f"{name} must be integers, got dtype {token_ids.dtype}")

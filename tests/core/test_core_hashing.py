@@ -1,0 +1,498 @@
+"""BlockHasher: vLLM 0.33 digest parity (pinned vectors), seed rules, encoders byte for byte.
+
+The pinned digests were computed once with the real vLLM 0.33 (its own ``Request`` and
+``get_request_block_hasher``, PYTHONHASHSEED=1234) by ``experiments/hash_parity_vllm.py``;
+the cases below are copied from that script.
+"""
+
+import os
+import pickle
+import sys
+
+import cbor2
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.core import hashing
+from prefixcache.core.hashing import (
+    CACHE_SALT_LABEL,
+    HASH_ALGOS,
+    LORA_LABEL,
+    MM_LABEL,
+    BlockHasher,
+    block_extra_keys,
+    canonical_extra_keys,
+    encode_tokens_cbor,
+    encode_tokens_pickle,
+)
+from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+
+SEED = 1234
+BOUNDARY_TOKENS = [
+    0, 1, 23, 24, 255, 256, 65535, 65536,
+    2**31 - 1, 2**31, 2**32 - 1, 2**32, 7, 8, 9, 10, 11,
+]
+CASES = {
+    "boundaries_bs4": dict(tokens=BOUNDARY_TOKENS, block_size=4),
+    "extras_bs4": dict(
+        tokens=list(range(100, 124)),
+        block_size=4,
+        lora=("lora-a", "/adapters/lora-a"),
+        mm=[("img-A", 2, 5), ("img-B", 7, 6)],
+        cache_salt="salt-1",
+        output=[5, 6, 7, 8, 9],
+    ),
+    "salt_only_bs16": dict(
+        tokens=[(i * 7919) % 50000 for i in range(40)],
+        block_size=16,
+        cache_salt="tenant-7",
+        output=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    ),
+}
+VLLM_VECTORS = {
+    "sha256": {
+        "root": "8a7c43e934778270f0241e4efb933334518a7ad06e0070742b3f802652a2e249",
+        "boundaries_bs4": [
+            "6a761ddbc2fe78e3d14a7fe904a4651ffa559d23dd4a7eef99b925ac8d0f68cb",
+            "e4451cb884a4fe9cdc840a690348a49f94922e6b16ea7d4e874174e34df70ef1",
+            "658f21ce16f1be6783ca03370ac3316aab3ef4a94c39d118dbf3f20619a37f27",
+            "8efcae264fb4865cecae33f3d663ab9a7f33b5293457b0c1034c0c6ee6950946",
+        ],
+        "extras_bs4": [
+            "d103709eb8fbef31b9c188de5e0c82ac52fd15b233340ca090a450a8bb499292",
+            "6bc7f0dc4ab46aeae560028cfe250e50d91135f5365433f60f2d106e57ce84a2",
+            "8ab376fcf7345fc2a6409e317e6760ce1538703c93197781f6725dfa7fb5f7fd",
+            "ac84f15c6a40fd8506a9b9d91bec27be641eb430e7ae3faf859b1d6f79ff5fba",
+            "26722f8d6dd0e29b6a3c9d4a773c984b15a628ffedff95af4ba78ed38c88290a",
+            "dddc42d11f8b1b75ef85d0c9b40fc7986815509172b3aee439de905579f4fe43",
+            "5a9741dfa79c936ca4ed694e07cd54a477287d2a5517a275d92bc1ebd8243cfd",
+        ],
+        "salt_only_bs16": [
+            "f60c7057da6b250628af83dc9446296cac18e4047f250684cb85240058f11a43",
+            "9d80dea32e19da498a082e88e6b8f4e6c1e7277d2d173b3a874f2e830029673f",
+            "a3fcb121fc390125c183c627d904e282feebdae51bd45d7ed815ccccb72a6178",
+        ],
+    },
+    "sha256_cbor": {
+        "root": "dfa66c9da4dad0601316e0b63a2909b4068e72830385ddbd16e0c980c76c9e12",
+        "boundaries_bs4": [
+            "06eb62563b893d596a659b5db73b388791b6be3d2b200de985a2019176f5e90a",
+            "99fbc33848d654ca868b4e41e6f18fbb4386942ffe77011c51350252bfc7cb31",
+            "83083c8a3344a6ed41c642310dd9842b0f274bb8421096f3f15d9389b2809d4b",
+            "385d0a4f1ba389f1b2f901e7c8cb5ae47efaec9bf4cd36ea995db236233e6ec0",
+        ],
+        "extras_bs4": [
+            "c9e8b6e6e0e195694aecdce99bd98259048e361e5a1e1fc2984d4b0037a0c132",
+            "4f39ea5f25d19c59152f3324516850fdd70677c9212db7ea2abcedae38e4d4a3",
+            "c976ba9cc063aa945471f9c15a421c15a65287831275b6429b8cb07e5317ae1a",
+            "1581639bf882d7ddae1dbd0389828853d5d0e87547f78864f1b37355051c9d25",
+            "9015a271f1faf07d9853aa3e6d2d613af9fa360631d178329f158ce2453619e4",
+            "9040be52b8e15610ed8197b367794349b7defa029528c93a1e8ce63a4cfe1e75",
+            "3d3c065ad1532fbf12c71768caef7ad72938195755c4f0c1f1a49992eb25e93d",
+        ],
+        "salt_only_bs16": [
+            "f3ee5c8248d97ac855af18a16c648c981e4dac4aa1de29df23fee5a3c0b79c5d",
+            "66d2966dae98cac6a036e4bb9a523f5c46bb3f0293a9a14917b6c7d333e4add7",
+            "f8a0e9bbeea98d1a5801a1119b8a92c2f76498265ae3d22284f4d2b65d15606f",
+        ],
+    },
+    "xxhash": {
+        "root": "28974bb42b4a0d52e9eea234e8dbe4dc",
+        "boundaries_bs4": [
+            "65879b9ea8e96d254e42bdf687594f40",
+            "9681da79fc9c02e25d5334af89f270e6",
+            "0a060247bb4f2eda07d99bad06fb4730",
+            "17d991e0b6c018e8e95c08fcc3428c61",
+        ],
+        "extras_bs4": [
+            "03f61f1f7c8e27ee6c4dc8133b57ccb8",
+            "ded7bf8e617c7e359e21d4d3a94bc0db",
+            "e3295b59a66d1cce4975cb1a17a6411f",
+            "218a1aa1868a735f39f4b7a610ac9c1a",
+            "00bb73b1033414427f9a3d72e4d07b9e",
+            "bcbd0c4251f3144a85d38e5117a188d9",
+            "a0bc4c02c09f942e2aa992c1d583c39e",
+        ],
+        "salt_only_bs16": [
+            "bf21c9f77817feed872daf9479c69b92",
+            "170d34e566b51e067d91ab42b2db99a7",
+            "d14b41bbc4e08df43aace34ee94a91d9",
+        ],
+    },
+    "xxhash_cbor": {
+        "root": "0fd12ee6a63390842c413be31a6766db",
+        "boundaries_bs4": [
+            "72cc66dc9383ca5c33063784a6916a7f",
+            "2bb537421264997ca1006cb182d5437d",
+            "a547a0697ad29caf2dbfa7e4743c056d",
+            "832607921a19852e1ad8d4f2a9ded653",
+        ],
+        "extras_bs4": [
+            "8116fda4d33ef4e89b72fdf0d7733db7",
+            "fd7a0d38c2f4601f4cd6d4034c5b9aee",
+            "db89b2349308e7b53bbe292262bc43b8",
+            "ab830db3230cec31e95753c0c4839985",
+            "15562d87ea4a9265a60925901f5d30d9",
+            "af0e75817f204ab044637edda6c03c7b",
+            "7b39d81cfdc072f88b08b4f97dc96903",
+        ],
+        "salt_only_bs16": [
+            "32e6ddf3eca8bd2b1b60fe3eeba3136e",
+            "870dc1139e1e7fe73ca11b9b7ccf23d1",
+            "de8191caaab0815ea723e4636c2de868",
+        ],
+    },
+}
+DEFAULT_ROOTS = {
+    "sha256": "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
+    "sha256_cbor": "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+}
+
+
+def _case_kwargs(case):
+    return dict(
+        lora=case.get("lora"),
+        mm_features=case.get("mm", ()),
+        cache_salt=case.get("cache_salt"),
+    )
+
+
+def _chain_reference(hasher, tokens, block_size, **kw):
+    """The spec, block by block: hash_block over block_extra_keys."""
+    parent, out = None, []
+    for b in range(len(tokens) // block_size):
+        start, end = b * block_size, (b + 1) * block_size
+        extra = block_extra_keys(start, end, **kw)
+        parent = hasher.hash_block(parent, tokens[start:end], extra)
+        out.append(parent)
+    return out
+
+
+# -- parity with vLLM -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_pinned_vllm_vectors(algo):
+    want = VLLM_VECTORS[algo]
+    hasher = BlockHasher(algo, seed=SEED)
+    assert hasher.root.hex() == want["root"]
+    for name, case in CASES.items():
+        tokens = case["tokens"] + case.get("output", [])
+        kw = _case_kwargs(case)
+        got = hasher.hash_token_blocks(tokens, case["block_size"], **kw)
+        assert [h.hex() for h in got] == want[name], name
+        # The spec path (generic serializers, block by block) gives the same bytes.
+        assert _chain_reference(hasher, tokens, case["block_size"], **kw) == got, name
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_pinned_vectors_through_request_incremental(algo):
+    """Request hashing incrementally (one output token at a time) equals vLLM's."""
+    hasher = BlockHasher(algo, seed=str(SEED))
+    for name, case in CASES.items():
+        req = Request(
+            name,
+            case["tokens"],
+            lora=LoRARequest(*case["lora"]) if case.get("lora") else None,
+            mm_features=[MultiModalFeature(*m) for m in case.get("mm", [])],
+            cache_salt=case.get("cache_salt"),
+            hasher=hasher,
+            block_size=case["block_size"],
+        )
+        _ = req.block_hashes
+        for t in case.get("output", []):
+            req.append_output_token_ids(t)
+            _ = req.block_hashes
+        assert [h.hex() for h in req.block_hashes] == VLLM_VECTORS[algo][name], name
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_seed_from_pythonhashseed(algo, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", str(SEED))
+    hasher = BlockHasher(algo)
+    assert hasher.seed == "1234"
+    assert hasher.root.hex() == VLLM_VECTORS[algo]["root"]
+    # An explicit seed wins over the environment, and is used as str(seed).
+    assert BlockHasher(algo, seed=99).root == BlockHasher(algo, seed="99").root
+    assert BlockHasher(algo, seed=99).root != hasher.root
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_default_root_sha256_is_fixed(algo, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a, b = BlockHasher(algo), BlockHasher(algo)
+    assert a.seed == hashing.DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
+    assert a.root.hex() == DEFAULT_ROOTS[algo]
+    assert a == b and hash(a) == hash(b)
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_default_root_xxhash_is_random(algo, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    a, b = BlockHasher(algo), BlockHasher(algo)
+    assert a.root != b.root and a != b
+    assert len(a.root) == 16 and len(a.seed) == 64  # 32 random bytes, hex
+    assert a.hash_block(None, [1, 2, 3]) != b.hash_block(None, [1, 2, 3])
+
+
+def test_root_is_hash_of_serialized_seed():
+    h = BlockHasher("sha256", seed="abc")
+    import hashlib
+
+    assert h.root == hashlib.sha256(pickle.dumps("abc", pickle.HIGHEST_PROTOCOL)).digest()
+    h = BlockHasher("sha256_cbor", seed="abc")
+    assert h.root == hashlib.sha256(cbor2.dumps("abc", canonical=True)).digest()
+
+
+def test_config_errors(monkeypatch):
+    with pytest.raises(ValueError, match="sha256, sha256_cbor, xxhash, xxhash_cbor"):
+        BlockHasher("md5")
+    monkeypatch.setattr(hashing, "_xxhash", None)
+    with pytest.raises(ImportError, match="xxhash"):
+        BlockHasher("xxhash_cbor")
+    BlockHasher("sha256")  # unaffected
+
+
+# -- semantics that decide the bytes --------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_canonicalisation_values_only(algo):
+    h = BlockHasher(algo, seed=0)
+    parent = h.hash_block(None, [1, 2])
+    # Labels that are not the interned constants, lists, numpy ints: same digest.
+    mm = "".join(["m", "m"])
+    assert mm is not MM_LABEL
+    ident = "img-" + "x" * 5
+    canonical = h.hash_block(
+        parent, (1, 2, 3, 4), ((MM_LABEL, ident, 0), (MM_LABEL, ident, 2))
+    )
+    assert h.hash_block(
+        bytearray(parent),
+        [np.int64(1), np.int32(2), 3, np.uint16(4)],
+        [[mm, ident, np.int64(0)], [mm, ident, 2]],
+    ) == canonical
+    # None / b"" parent = root; empty extra keys = None.
+    assert h.hash_block(None, [5]) == h.hash_block(b"", [5]) == h.hash_block(h.root, [5])
+    assert h.hash_block(None, [5], ()) == h.hash_block(None, [5], None)
+
+
+def test_pickle_memo_backreference_of_labels():
+    """Two "mm" keys in one block: the second label is a memo back-reference."""
+    key = canonical_extra_keys([("".join(["m", "m"]), "img-1", 0), ("m" + "m", "img-2", 3)])
+    assert key[0][0] is key[1][0] is MM_LABEL
+    data = pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL)
+    assert data.count(b"\x8c\x02mm") == 1  # SHORT_BINUNICODE "mm" written once
+    # Non-label strings never alias: the same identifier object twice is written twice.
+    ident = "img-same"
+    key = canonical_extra_keys([(MM_LABEL, ident, 0), (MM_LABEL, ident, 3)])
+    assert key[0][1] is not key[1][1]
+    assert pickle.dumps(key, protocol=5).count(b"img-same") == 2
+
+
+def test_block_extra_keys_rules():
+    lora = LoRARequest("lora-a", "/p/a")
+    mm = [MultiModalFeature("A", 2, 5), MultiModalFeature("B", 7, 6)]
+    # Block [4, 8): A started 2 tokens before the block, B starts at 3 in it.
+    assert block_extra_keys(4, 8, lora=lora, mm_features=mm, cache_salt="s") == (
+        (LORA_LABEL, "lora-a", "/p/a"),
+        (MM_LABEL, "A", -2),
+        (MM_LABEL, "B", 3),
+    )
+    # Salt on the first block only, after the mm keys; empty salt adds nothing.
+    assert block_extra_keys(0, 4, mm_features=mm, cache_salt="s") == (
+        (MM_LABEL, "A", 2),
+        (CACHE_SALT_LABEL, "s"),
+    )
+    assert block_extra_keys(0, 2, mm_features=mm, cache_salt="") is None
+    assert block_extra_keys(13, 17, mm_features=mm) is None  # B ends at 13 (exclusive)
+    assert block_extra_keys(12, 16, mm_features=mm) == ((MM_LABEL, "B", -5),)
+    assert block_extra_keys(4, 8, cache_salt="s", is_first_block=True) == (
+        (CACHE_SALT_LABEL, "s"),
+    )
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_salt_only_in_first_block_and_reaches_later_blocks_via_parent(algo):
+    h = BlockHasher(algo, seed=0)
+    toks = list(range(12))
+    plain = h.hash_token_blocks(toks, 4)
+    salted = h.hash_token_blocks(toks, 4, cache_salt="t")
+    assert all(a != b for a, b in zip(plain, salted))
+    # Blocks 1, 2 carry no salt key themselves: recomputed from the salted parent.
+    assert h.hash_block(salted[0], toks[4:8]) == salted[1]
+    assert h.hash_token_blocks(toks, 4, cache_salt="") == plain
+
+
+# -- encoders, byte for byte ----------------------------------------------------------
+
+WIDTH_EDGES = [0, 1, 23, 24, 25, 255, 256, 65535, 65536, 2**31 - 1, 2**31,
+               2**32 - 1, 2**32, 2**39 - 1, 2**39, 2**47, 2**55, 2**63 - 1, 2**63, 2**64 - 1]
+edge_or_random = st.one_of(
+    st.sampled_from(WIDTH_EDGES), st.integers(0, 2**17), st.integers(0, 2**64 - 1)
+)
+
+
+def _pickled_int(v):
+    data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+    return data[11:-1] if data[2:3] == b"\x95" else data[2:-1]  # strip PROTO/FRAME/STOP
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(edge_or_random, min_size=1, max_size=40))
+def test_token_encoders_match_cbor2_and_pickle(values):
+    arr = np.array(values, dtype=np.uint64)
+    data, off = encode_tokens_cbor(arr)
+    assert data == b"".join(cbor2.dumps(v, canonical=True) for v in values)
+    assert [data[off[i]:off[i + 1]] for i in range(len(values))] == [
+        cbor2.dumps(v, canonical=True) for v in values
+    ]
+    data, off = encode_tokens_pickle(arr)
+    assert [data[off[i]:off[i + 1]] for i in range(len(values))] == [
+        _pickled_int(v) for v in values
+    ]
+
+
+def test_token_encoders_width_edges():
+    arr = np.array(WIDTH_EDGES, dtype=np.uint64)
+    assert encode_tokens_cbor(arr)[0] == b"".join(
+        cbor2.dumps(v, canonical=True) for v in WIDTH_EDGES
+    )
+    assert encode_tokens_pickle(arr)[0] == b"".join(_pickled_int(v) for v in WIDTH_EDGES)
+
+
+class _Capture:
+    """Records every message a hasher digests (to compare serialized bytes directly)."""
+
+    def __init__(self, hasher):
+        self.messages = []
+        inner = hasher._digest
+
+        def digest(data):
+            self.messages.append(bytes(data))
+            return inner(data)
+
+        hasher._digest = digest
+
+
+mm_strategy = st.lists(
+    st.tuples(st.sampled_from(["img-a", "img-b", "x"]), st.integers(0, 60), st.integers(1, 12)),
+    max_size=3,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    algo=st.sampled_from(HASH_ALGOS),
+    block_size=st.integers(1, 20),
+    tokens=st.lists(edge_or_random, min_size=0, max_size=70),
+    lora=st.none() | st.just(("lora-a", "/adapters/lora-a")),
+    salt=st.none() | st.sampled_from(["", "s", "salt-1"]),
+    mm=mm_strategy,
+    start_block=st.integers(0, 3),
+)
+def test_specialised_encoder_bytes_equal_generic_serializers(
+    algo, block_size, tokens, lora, salt, mm, start_block
+):
+    """Every message the fast path digests equals pickle.dumps / cbor2.dumps(canonical)
+    of the canonical key tuple (vLLM's bytes)."""
+    # Non-overlapping items in offset order (the Request guarantees this).
+    items, end = [], 0
+    for ident, off, length in sorted(mm, key=lambda m: m[1]):
+        if off >= end:
+            items.append((ident, off, length))
+            end = off + length
+    hasher = BlockHasher(algo, seed=7)
+    kw = dict(lora=lora, mm_features=items, cache_salt=salt)
+    ref = _chain_reference(hasher, tokens, block_size, **kw)
+    cap = _Capture(hasher)
+    parent = ref[start_block - 1] if 0 < start_block <= len(ref) else None
+    if start_block > len(ref):
+        start_block = len(ref)
+        parent = ref[-1] if ref else None
+    got = hasher.hash_token_blocks(
+        tokens, block_size, parent=parent, start_block=start_block, **kw
+    )
+    assert got == ref[start_block:]
+    assert len(cap.messages) == len(got)
+    for i, msg in enumerate(cap.messages):
+        b = start_block + i
+        start, end_ = b * block_size, (b + 1) * block_size
+        key = (
+            ref[b - 1] if b else hasher.root,
+            tuple(tokens[start:end_]),
+            block_extra_keys(start, end_, **kw),
+        )
+        assert msg == hasher.serialize(key), (b, msg)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_large_blocks_foreign_parents_and_huge_ids_fall_back_exactly(algo):
+    h = BlockHasher(algo, seed=1)
+    # > 64 KiB pickle frame: pickle splits frames; we hand those to pickle itself.
+    big = [70000 + i for i in range(2 * 14000)]
+    assert h.hash_token_blocks(big, 14000) == _chain_reference(h, big, 14000)
+    # Parents of other lengths (SHORT_BINBYTES / BINBYTES, other CBOR heads).
+    for parent in (b"\x01" * 5, b"\x02" * 300):
+        assert h.hash_token_blocks([1, 2, 3, 4], 2, parent=parent, start_block=0)[0] == (
+            h.hash_block(parent, [1, 2])
+        )
+    # Ids >= 2**63 (pickle LONG1 with 9 bytes) and >= 2**64 (CBOR bignum).
+    huge = [2**63, 2**64 - 1, 2**64, 2**70, 5, 6]
+    assert h.hash_token_blocks(huge, 2) == _chain_reference(h, huge, 2)
+    arr = np.array([1, 2, 3, 4, 5], dtype=np.int32)
+    assert h.hash_token_blocks(arr, 2) == h.hash_token_blocks([1, 2, 3, 4, 5], 2)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_incremental_equals_whole_sequence(algo):
+    h = BlockHasher(algo, seed=3)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 200000, size=203).tolist()
+    kw = dict(lora=("l", "/l"), mm_features=[("i", 30, 50)], cache_salt="c")
+    whole = h.hash_token_blocks(toks, 16, **kw)
+    pieces = []
+    for b in range(len(toks) // 16):
+        pieces += h.hash_token_blocks(
+            toks[: (b + 1) * 16 + 3], 16, parent=pieces[-1] if pieces else None,
+            start_block=b, **kw
+        )
+    assert pieces == whole and len(whole) == 12
+
+
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        ([1, -1, 2, 3], "negative"),
+        ([1, 2.5, 3, 4], "int"),
+        ([1, "2", 3, 4], "int"),
+        ([1, None, 3, 4], "int"),
+        (np.array([1, -3, 4, 5]), "negative"),
+        (np.array([1.0, 2.0, 3.0, 4.0]), "integers"),
+        ([1, 2, 3, 4, -1], "negative"),  # in the partial tail too
+    ],
+)
+def test_bad_token_ids(tokens, match):
+    h = BlockHasher("sha256_cbor", seed=0)
+    with pytest.raises(ValueError, match=match):
+        h.hash_token_blocks(tokens, 2)
+    if not isinstance(tokens, np.ndarray):
+        with pytest.raises(ValueError, match=match):
+            h.hash_block(None, tokens)
+
+
+def test_bad_arguments():
+    h = BlockHasher("sha256", seed=0)
+    for bs in (0, -4, 2.0, True):
+        with pytest.raises(ValueError, match="block_size"):
+            h.hash_token_blocks([1, 2], bs)
+    with pytest.raises(ValueError, match="start_block"):
+        h.hash_token_blocks([1, 2], 1, start_block=-1)
+    with pytest.raises(ValueError, match="parent"):
+        h.hash_block("abc", [1])
+    with pytest.raises(ValueError, match="extra"):
+        h.hash_block(None, [1], "lora")
+    with pytest.raises(ValueError, match="not supported"):
+        h.hash_block(None, [1], ((LORA_LABEL, object()),))

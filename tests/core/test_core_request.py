@@ -1,0 +1,189 @@
+"""Request: copies, validation (state unchanged on error), incremental block hashes."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+
+
+class CountingHasher(BlockHasher):
+    """Records (start_block, number of blocks hashed) of every hash_token_blocks call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def hash_token_blocks(self, token_ids, block_size, **kw):
+        out = super().hash_token_blocks(token_ids, block_size, **kw)
+        self.calls.append((kw.get("start_block", 0), len(out)))
+        return out
+
+
+def test_prompt_is_copied_and_views_are_read_only():
+    prompt = [5, 6, 7, 8, 9]
+    req = Request("r", prompt)
+    prompt.append(10)
+    prompt[0] = 99
+    assert req.prompt_token_ids == [5, 6, 7, 8, 9]
+    assert req.num_prompt_tokens == req.num_tokens == 5
+    view = req.all_token_ids
+    with pytest.raises(TypeError):
+        view[0] = 1  # no item assignment on the view
+    req.prompt_token_ids.append(1)  # a copy: changes nothing
+    assert req.num_tokens == 5
+    req.append_output_token_ids(11)
+    req.append_output_token_ids([12, np.int64(13)])
+    assert view == [5, 6, 7, 8, 9, 11, 12, 13]  # the view follows appends
+    assert req.output_token_ids == [11, 12, 13] and type(req.all_token_ids[-1]) is int
+    assert req.num_tokens == 8 and req.num_prompt_tokens == 5
+    assert req.all_token_ids[5:] == [11, 12, 13]
+
+
+def test_numpy_prompt_and_properties():
+    lora = LoRARequest("a", "/a")
+    mm = [MultiModalFeature("B", 6, 2), MultiModalFeature("A", 1, 3)]
+    req = Request(7, np.arange(10, dtype=np.int32), mm_features=mm, lora=lora, cache_salt="s")
+    assert req.request_id == 7
+    assert req.prompt_token_ids == list(range(10))
+    assert [f.identifier for f in req.mm_features] == ["A", "B"]  # sorted by offset
+    assert req.lora is lora and req.cache_salt == "s"
+    assert req.hasher is None and req.block_size is None
+
+
+def test_num_computed_tokens_validated():
+    req = Request("r", [1, 2, 3])
+    req.num_computed_tokens = 3
+    assert req.num_computed_tokens == 3
+    for bad in (-1, 4, 1.5, True):
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            req.num_computed_tokens = bad
+    assert req.num_computed_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_token_ids=[]), "empty prompt"),
+        (dict(prompt_token_ids=[1, -2]), "negative"),
+        (dict(prompt_token_ids=[1, 2.0]), "not an int"),
+        (dict(prompt_token_ids=[1, "2"]), "not an int"),
+        (dict(prompt_token_ids=[1, True]), "bool"),
+        (dict(prompt_token_ids=np.array([1, -2])), "negative"),
+        (dict(prompt_token_ids=np.array([1.0])), "dtype"),
+        (dict(prompt_token_ids="abc"), "sequence"),
+        (dict(mm_features=[MultiModalFeature("a", 8, 3)]), r"\[8, 11\) beyond the 10-token"),
+        (
+            dict(mm_features=[MultiModalFeature("a", 0, 4), MultiModalFeature("b", 3, 2)]),
+            "overlap",
+        ),
+        (dict(mm_features=[("a", 0, 2)]), "MultiModalFeature"),
+        (dict(lora=("a", "/a")), "LoRARequest"),
+        (dict(cache_salt=5), "cache_salt"),
+        (dict(hasher=BlockHasher("sha256")), "together"),
+        (dict(hasher=BlockHasher("sha256"), block_size=0), "block_size"),
+        (dict(hasher="sha256", block_size=4), "BlockHasher"),
+        (dict(request_id=["unhashable"]), "hashable"),
+    ],
+)
+def test_request_validation(kwargs, match):
+    args = dict(request_id="r", prompt_token_ids=list(range(10)))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        Request(args.pop("request_id"), args.pop("prompt_token_ids"), **args)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("a", -1, 2), "offset"),
+        (("a", 0, 0), "length"),
+        (("a", 0, -3), "length"),
+        (("", 0, 1), "identifier"),
+        (("a", 1.5, 1), "offset"),
+    ],
+)
+def test_multimodal_feature_validation(args, match):
+    with pytest.raises(ValueError, match=match):
+        MultiModalFeature(*args)
+
+
+def test_lora_validation_and_frozen():
+    with pytest.raises(ValueError, match="name"):
+        LoRARequest("", "/p")
+    with pytest.raises(ValueError, match="path"):
+        LoRARequest("a", None)
+    lora = LoRARequest("a", "/p")
+    with pytest.raises(AttributeError):
+        lora.name = "b"
+
+
+def test_append_validation_leaves_state_unchanged():
+    req = Request("r", [1, 2, 3], hasher=BlockHasher("sha256", seed=0), block_size=2)
+    before = list(req.block_hashes)
+    for bad in ([4, -5], [4, 1.5], -1, True, "x", [4, None]):
+        with pytest.raises(ValueError):
+            req.append_output_token_ids(bad)
+        assert req.num_tokens == 3 and list(req.block_hashes) == before
+
+
+def test_bind_hasher_rules():
+    req = Request("r", list(range(9)))
+    with pytest.raises(ValueError, match="no hasher"):
+        _ = req.block_hashes
+    h = BlockHasher("sha256", seed=0)
+    req.bind_hasher(h, 4)
+    req.bind_hasher(BlockHasher("sha256", seed=0), 4)  # equal hasher: no-op
+    assert req.hasher is h and len(req.block_hashes) == 2
+    with pytest.raises(ValueError, match="cannot rebind"):
+        req.bind_hasher(h, 8)
+    with pytest.raises(ValueError, match="cannot rebind"):
+        req.bind_hasher(BlockHasher("sha256_cbor", seed=0), 4)
+    with pytest.raises(ValueError, match="cannot rebind"):
+        req.bind_hasher(BlockHasher("sha256", seed=1), 4)
+    assert req.hasher is h and req.block_size == 4
+    with pytest.raises(ValueError, match="block_size"):
+        Request("s", [1]).bind_hasher(h, -1)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
+def test_decode_hashes_only_new_blocks(algo):
+    h = CountingHasher(algo, seed=0)
+    req = Request("r", list(range(37)), lora=LoRARequest("l", "/l"), cache_salt="s",
+                  mm_features=[MultiModalFeature("img", 3, 20)], hasher=h, block_size=8)
+    assert len(req.block_hashes) == 4 and h.calls == [(0, 4)]
+    for step in range(40):
+        req.append_output_token_ids(1000 + step)
+        _ = req.block_hashes
+    # Every new full block was hashed exactly once, never an earlier one.
+    assert [c for c in h.calls if c[1]] == [(0, 4), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]
+    assert len(req.block_hashes) == 77 // 8
+    all_ids = list(req.all_token_ids)
+    assert list(req.block_hashes) == h.hash_token_blocks(
+        all_ids, 8, lora=req.lora, mm_features=req.mm_features, cache_salt="s"
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    algo=st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
+    block_size=st.integers(1, 9),
+    prompt=st.lists(st.integers(0, 2**33), min_size=1, max_size=40),
+    chunks=st.lists(st.lists(st.integers(0, 70000), max_size=7), max_size=8),
+    salt=st.none() | st.just("salt"),
+    peek=st.booleans(),
+)
+def test_incremental_equals_whole_sequence(algo, block_size, prompt, chunks, salt, peek):
+    h = BlockHasher(algo, seed=5)
+    req = Request("r", prompt, cache_salt=salt, hasher=h, block_size=block_size)
+    for chunk in chunks:
+        if peek:
+            _ = req.block_hashes
+        req.append_output_token_ids(chunk)
+    everything = prompt + [t for c in chunks for t in c]
+    assert list(req.all_token_ids) == everything
+    assert list(req.block_hashes) == h.hash_token_blocks(
+        everything, block_size, cache_salt=salt
+    )
