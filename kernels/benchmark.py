@@ -1,0 +1,196 @@
+"""Benchmark cases and timers for the paged-attention kernels (used by
+`experiments/bench_kernels.py`; importable from a notebook).
+
+Each case is a batch of (q_len, kv_len) sequences. It is timed twice, side by side in
+the same process: the paged path (`paged_attention` over a shuffled page table) and
+dense attention over contiguous per-sequence K/V of the same lengths, batched per
+group of equal shapes. Roofline figures count the KV bytes a kernel must read at least
+once and the attention FLOPs of the visible (causal) scores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.api import paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+  """A named batch: `seqs` lists (q_len, kv_len), decodes first."""
+  name: str
+  seqs: tuple
+  num_kv_heads: int = 2
+  num_q_heads: int = 8
+  head_dim: int = 128
+  page_size: int = 16
+
+  def __post_init__(self):
+    for q_len, kv_len in self.seqs:
+      if not 0 < q_len <= kv_len:
+        raise ValueError(f"case {self.name}: need 0 < q_len <= kv_len, got {(q_len, kv_len)}")
+    if self.num_q_heads % self.num_kv_heads:
+      raise ValueError(f"case {self.name}: q heads not a multiple of kv heads")
+
+
+def standard_cases(sizes: str) -> list[BenchCase]:
+  """The issue's cases ("full") or a scaled-down set for a quick run ("small")."""
+  if sizes == "full":
+    return [
+        BenchCase("decode_32x2048", tuple([(1, 2048)] * 32)),
+        BenchCase("prefill_2048_cached_1920", ((128, 2048),)),
+        BenchCase("mixed_24x1024_decode+512_over_512", tuple([(1, 1024)] * 24) + ((512, 1024),)),
+    ]
+  if sizes == "small":
+    return [
+        BenchCase("decode_8x512", tuple([(1, 512)] * 8)),
+        BenchCase("prefill_512_cached_448", ((64, 512),)),
+        BenchCase("mixed_6x256_decode+128_over_128", tuple([(1, 256)] * 6) + ((128, 256),)),
+    ]
+  raise ValueError(f"unknown sizes {sizes!r}; expected 'full' or 'small'")
+
+
+def roofline(case: BenchCase, dtype) -> dict:
+  """Minimum KV bytes read and attention FLOPs (QK^T and PV over visible keys)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  kv_bytes = sum(kv for _, kv in case.seqs) * 2 * case.num_kv_heads * case.head_dim * itemsize
+  visible = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in case.seqs)
+  flops = 4 * visible * case.num_q_heads * case.head_dim
+  return {"kv_bytes": int(kv_bytes), "flops": int(flops)}
+
+
+def build_paged_inputs(case: BenchCase, dtype, seed: int = 0):
+  """Random q and a paged cache with a shuffled page table.
+
+  Returns:
+    (args, dense) where args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    and dense = list of (q [B, Q, Hq, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) per group
+    of sequences with equal (q_len, kv_len), holding the same values.
+  """
+  rng = np.random.default_rng(seed)
+  ps, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
+  num_seqs = len(case.seqs)
+  pages_per_seq = max(-(-kv // ps) for _, kv in case.seqs)
+  num_alloc = sum(-(-kv // ps) for _, kv in case.seqs)
+  num_pages = num_alloc + 1  # + padding page
+  perm = rng.permutation(num_alloc).astype(np.int32)
+  page_indices = np.full((num_seqs, pages_per_seq), num_pages - 1, np.int32)
+  kv_pages = np.zeros((num_pages, ps, 2 * hkv, d), np.float32)
+  groups: dict = {}
+  used = 0
+  qs = []
+  for s, (q_len, kv_len) in enumerate(case.seqs):
+    n = -(-kv_len // ps)
+    pages = perm[used:used + n]
+    used += n
+    page_indices[s, :n] = pages
+    kv = rng.standard_normal((n * ps, hkv, 2, d), dtype=np.float32)
+    kv[kv_len:] = 0.0
+    kv_pages[pages] = kv.reshape(n, ps, 2 * hkv, d)
+    q = rng.standard_normal((q_len, case.num_q_heads, d), dtype=np.float32)
+    qs.append(q)
+    groups.setdefault((q_len, kv_len), []).append(
+        (q, kv[:kv_len, :, 0].transpose(1, 0, 2), kv[:kv_len, :, 1].transpose(1, 0, 2)))
+  kv_lens = np.array([kv for _, kv in case.seqs], np.int32)
+  cu_q_lens = np.concatenate([[0], np.cumsum([q for q, _ in case.seqs])]).astype(np.int32)
+  args = (jnp.asarray(np.concatenate(qs), dtype), jnp.asarray(kv_pages, dtype),
+          jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
+          jnp.asarray([num_seqs], jnp.int32))
+  dense = [tuple(jnp.asarray(np.stack(x), dtype) for x in zip(*members))
+           for members in groups.values()]
+  return args, dense
+
+
+def _dense_group(q, k, v, *, sm_scale):
+  """Causal attention with prefix offset over contiguous K/V.
+
+  Args:
+    q: [B, Q, Hq, D]; k, v: [B, Hkv, L, D] (query row i at position L - Q + i).
+
+  Returns:
+    [B, Q, Hq, D] in q's dtype.
+  """
+  b, nq, hq, d = q.shape
+  hkv, nl = k.shape[1], k.shape[2]
+  qg = q.reshape(b, nq, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+  logits = jnp.einsum("bhgqd,bhld->bhgql", qg, k,
+                      preferred_element_type=jnp.float32) * sm_scale
+  pos = nl - nq + jnp.arange(nq)
+  mask = jnp.arange(nl)[None, :] <= pos[:, None]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bhgql,bhld->bqhgd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, nq, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def dense_attention(groups, *, sm_scale):
+  """Dense baseline: one batched attention per group of equal shapes."""
+  return [_dense_group(q, k, v, sm_scale=sm_scale) for q, k, v in groups]
+
+
+def time_fn(fn, *args, iters: int) -> float:
+  """Median wall seconds of `fn(*args)` after one warm-up (compile) call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def run_case(case: BenchCase, *, dtype, backend: str, iters: int) -> dict:
+  """Times the paged path and the dense baseline side by side; returns a record."""
+  args, dense = build_paged_inputs(case, dtype)
+  sm_scale = 1.0 / float(np.sqrt(case.head_dim))
+  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend))
+  dense_fn = functools.partial(dense_attention, sm_scale=sm_scale)
+  # Interleave to share any machine noise between the two.
+  t_paged, t_dense = [], []
+  for _ in range(3):
+    t_paged.append(time_fn(paged, *args, iters=max(1, iters // 3)))
+    t_dense.append(time_fn(dense_fn, dense, iters=max(1, iters // 3)))
+  t_paged, t_dense = min(t_paged), min(t_dense)
+  rl = roofline(case, dtype)
+  return {
+      "case": case.name, "backend": backend, "dtype": jnp.dtype(dtype).name,
+      "num_seqs": len(case.seqs), "num_tokens": sum(q for q, _ in case.seqs),
+      "paged_s": t_paged, "dense_s": t_dense, "paged_over_dense": t_paged / t_dense,
+      **rl,
+      "paged_kv_gbps": rl["kv_bytes"] / t_paged / 1e9,
+      "paged_gflops": rl["flops"] / t_paged / 1e9,
+  }
+
+
+def device_copy_bandwidth(num_bytes: int, *, iters: int) -> float:
+  """Bytes/s of a jitted device copy (read + write counted) of a `num_bytes` buffer."""
+  x = jnp.zeros((num_bytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)
+  t = time_fn(copy, x, iters=iters)
+  return 2 * x.size * 4 / t
+
+
+def decode_bandwidth(*, backend: str, batch: int, context: int, dtype, iters: int,
+                     num_kv_heads: int = 8, num_q_heads: int = 32, head_dim: int = 128,
+                     page_size: int = 16) -> dict:
+  """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth."""
+  case = BenchCase(f"decode_bw_{batch}x{context}", tuple([(1, context)] * batch),
+                   num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
+                   page_size=page_size)
+  args, _ = build_paged_inputs(case, dtype)
+  sm_scale = 1.0 / float(np.sqrt(head_dim))
+  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend))
+  t = time_fn(paged, *args, iters=iters)
+  kv_bytes = roofline(case, dtype)["kv_bytes"]
+  copy_bw = device_copy_bandwidth(kv_bytes, iters=iters)
+  achieved = kv_bytes / t
+  return {"case": case.name, "backend": backend, "dtype": jnp.dtype(dtype).name,
+          "paged_s": t, "kv_bytes": int(kv_bytes), "achieved_gbps": achieved / 1e9,
+          "copy_gbps": copy_bw / 1e9, "fraction_of_copy_bw": achieved / copy_bw}
