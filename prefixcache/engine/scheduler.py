@@ -107,8 +107,8 @@ class ScheduledRequest:
       state: the request.
       num_computed_tokens: tokens with KV before this step (cache hit included).
       num_new_tokens: tokens scheduled in this step (the query length).
-      new_block_ids: block ids newly allocated for it in this step (hits included for a
-        new admission).
+      new_block_ids: block ids newly allocated for it in this step (prefix-hit blocks
+        excluded; the full table is `KVCacheManager.get_block_ids`).
       num_cached_tokens: prefix-cache hit counted at this admission (0 for a request
         that was already running).
     """

@@ -1,0 +1,139 @@
+"""Engine benchmarks (library code behind `python -m experiments.bench_engine`).
+
+Three measurements, each on its own engine, all after compile warm-up:
+
+* `ttft_cold_vs_warm`: a request whose first `prefix_len` tokens are cached and
+  `new_len` are new, against the same-length request with nothing cached (fresh random
+  tokens every trial), side by side; median over trials.
+* `host_step_cost`: with `num_running` requests all decoding, the host side of one
+  engine step (scheduling + metadata/input building) and the device part (transfer +
+  run + fetch of the sampled ids) timed separately; median over steps.
+* `compiled_programs`: a mixed workload of `num_requests` requests (shared prefixes,
+  random lengths, greedy and sampled); the number of distinct step programs run, against
+  the builder's bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from prefixcache.engine.engine import Engine
+from prefixcache.engine.sampling_params import SamplingParams
+
+
+def ttft_cold_vs_warm(model_config, *, prefix_len: int, new_len: int, block_size: int,
+                      num_trials: int, seed: int, attention_backend: str = "auto"
+                      ) -> dict[str, Any]:
+    """Cold vs warm TTFT of a (prefix_len cached + new_len new)-token prompt.
+
+    Returns:
+      cold_ttft_s, warm_ttft_s (medians), ttft_ratio (warm / cold), the scheduled token
+      count of the warm request and its cached tokens (asserted == new_len, prefix_len).
+    """
+    total = prefix_len + new_len
+    if prefix_len % block_size:
+        raise ValueError(f"prefix_len {prefix_len} must be a multiple of block_size")
+    num_blocks = 4 * (-(-total // block_size)) + 8
+    # NOTE: the largest token bucket is exactly the cold prompt, so the cold step is not
+    # padded (padding would inflate cold TTFT and flatter the ratio).
+    engine = Engine(model_config, num_blocks=num_blocks, block_size=block_size, seed=seed,
+                    max_num_seqs=4, max_num_batched_tokens=total,
+                    max_model_len=total + block_size,
+                    attention_backend=attention_backend)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=1)
+    vocab = model_config.vocab_size
+
+    def one(prompt):
+        (out,) = engine.generate([prompt], params)
+        return out
+
+    cold, warm = [], []
+    for trial in range(num_trials + 1):  # trial 0 compiles both programs
+        prefix = rng.integers(1, vocab, prefix_len).tolist()
+        c = one(prefix + rng.integers(1, vocab, new_len).tolist())
+        assert c.metrics.num_cached_tokens == 0
+        w = one(prefix + rng.integers(1, vocab, new_len).tolist())
+        # The warm request ran in one step that computed only its new tokens.
+        warm_scheduled = engine.last_scheduler_output.total_num_scheduled_tokens
+        assert w.metrics.num_cached_tokens == prefix_len, w.metrics
+        assert warm_scheduled == new_len, warm_scheduled
+        if trial:
+            cold.append(c.metrics.ttft_s)
+            warm.append(w.metrics.ttft_s)
+    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    return dict(cold_ttft_s=cold_s, warm_ttft_s=warm_s, ttft_ratio=warm_s / cold_s,
+                prefix_len=prefix_len, new_len=new_len, num_trials=num_trials,
+                warm_cached_tokens=prefix_len, warm_scheduled_tokens=warm_scheduled)
+
+
+def host_step_cost(model_config, *, num_running: int, prompt_len: int, block_size: int,
+                   num_steps: int, seed: int, attention_backend: str = "auto"
+                   ) -> dict[str, Any]:
+    """Host vs device time of one decode step with `num_running` running requests."""
+    max_tokens = num_steps + 8
+    tokens_per_req = prompt_len + max_tokens
+    num_blocks = num_running * (-(-tokens_per_req // block_size)) + 16
+    engine = Engine(model_config, num_blocks=num_blocks, block_size=block_size, seed=seed,
+                    max_num_seqs=num_running,
+                    max_num_batched_tokens=max(num_running * prompt_len, 64),
+                    attention_backend=attention_backend)
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(1, model_config.vocab_size, prompt_len // 2).tolist()
+    for _ in range(num_running):
+        tail = rng.integers(1, model_config.vocab_size, prompt_len - len(shared)).tolist()
+        engine.add_request(shared + tail, SamplingParams(max_tokens=max_tokens))
+    engine.step()  # all prefills
+    engine.step()  # first decode step compiles the decode program
+    sched_ms, prep_ms, dev_ms, upd_ms = [], [], [], []
+    for _ in range(num_steps):
+        engine.step()
+        out = engine.last_scheduler_output
+        assert len(out.scheduled) == num_running and out.total_num_scheduled_tokens == num_running
+        s, p, d, u = engine.last_step_times
+        sched_ms.append(s * 1e3)
+        prep_ms.append(p * 1e3)
+        dev_ms.append(d * 1e3)
+        upd_ms.append(u * 1e3)
+    host = [s + p for s, p in zip(sched_ms, prep_ms)]
+    return dict(host_step_ms=statistics.median(host),
+                host_schedule_ms=statistics.median(sched_ms),
+                host_metadata_ms=statistics.median(prep_ms),
+                host_update_ms=statistics.median(upd_ms),
+                device_step_ms=statistics.median(dev_ms),
+                num_running=num_running, num_steps=num_steps)
+
+
+def compiled_programs(model_config, *, num_requests: int, block_size: int, num_blocks: int,
+                      max_num_seqs: int, max_num_batched_tokens: int, seed: int,
+                      attention_backend: str = "auto") -> dict[str, Any]:
+    """Distinct step programs over a mixed `num_requests`-request run."""
+    engine = Engine(model_config, num_blocks=num_blocks, block_size=block_size, seed=seed,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    attention_backend=attention_backend)
+    rng = np.random.default_rng(seed)
+    vocab = model_config.vocab_size
+    prefixes = [rng.integers(1, vocab, int(n)).tolist() for n in (64, 200, 400)]
+    prompts, params = [], []
+    for i in range(num_requests):
+        p = prefixes[i % 3] if rng.random() < 0.7 else []
+        prompts.append(p + rng.integers(1, vocab, int(rng.integers(1, 120))).tolist())
+        sampled = rng.random() < 0.3
+        params.append(SamplingParams(max_tokens=int(rng.integers(1, 12)),
+                                     temperature=0.8 if sampled else 0.0, top_p=0.9,
+                                     seed=i))
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    m = engine.metrics()
+    assert all(o.error is None for o in outs)
+    # Bound: every (T, S, P) bucket x greedy/sampled (no multimodal items here).
+    bound = engine.runner.builder.num_buckets * 2
+    return dict(num_compiled_programs=m.num_compiled_programs, compiled_programs_bound=bound,
+                num_requests=num_requests, num_steps=m.num_steps, wall_s=wall,
+                token_hit_rate=m.token_hit_rate, num_preemptions=m.num_preemptions,
+                num_evictions=m.num_evictions)
