@@ -154,6 +154,7 @@ def replay(
                 hasher=hasher,
                 block_size=block_size,
             )
+            req.block_hashes  # NOTE: hashing is lazy; do it here, on the hashing clock
             t1 = perf()
             t_hash += t1 - t0
             # ---- admission --------------------------------------------------
@@ -199,6 +200,9 @@ def replay(
             req.num_computed_tokens = num_prompt
             t3 = perf()
             req.append_output_token_ids(out_tokens[0])
+            ntok = num_prompt + 1
+            if ntok % block_size == 0:
+                req.block_hashes  # a block became full: hash it on the hashing clock
             t4 = perf()
             t_hash += t4 - t3
             output_appended += 1
@@ -221,6 +225,9 @@ def replay(
                     break
                 req.num_computed_tokens += 1
                 req.append_output_token_ids(out_tokens[step])
+                ntok += 1
+                if ntok % block_size == 0:
+                    req.block_hashes
                 t_hash += perf() - t1
                 output_appended += 1
             t_loop += perf() - t_start
