@@ -211,14 +211,21 @@ class AtomicJsonlWriter:
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         return self
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Appends one record as a JSON line (with the provenance, if any)."""
+    def write(self, record: Mapping[str, Any], provenance: Mapping[str, Any] | None = None) -> None:
+        """Appends one record as a JSON line.
+
+        Args:
+          record: JSON-able mapping.
+          provenance: this line's provenance (e.g. another cache state); default:
+            the writer's.
+        """
         if self._file is None:
             raise ValueError("AtomicJsonlWriter.write called outside its `with` block")
-        if self._provenance is not None:
+        prov = self._provenance if provenance is None else to_jsonable(provenance)
+        if prov is not None:
             if "provenance" in record:
                 raise ValueError("record already has a 'provenance' key")
-            record = {**record, "provenance": self._provenance}
+            record = {**record, "provenance": prov}
         self._file.write(dumps_line(record))
         self.num_lines += 1
 
@@ -253,6 +260,89 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB (``ru_maxrss``; KiB on Linux)."""
+    import resource  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+# ----------------------------------------------------------------------------
+# Requests from a config: a trace file or a generated workload
+# ----------------------------------------------------------------------------
+
+
+def requests_from_config(config, workdir: str | os.PathLike | None = None):
+    """The requests an experiment runs on, as described by its config.
+
+    Config fields used:
+      trace: path of a trace file (our JSONL or Mooncake lines); "" -> generate.
+      trace_format: "auto" | "jsonl" | "mooncake".
+      max_requests: 0 for all, N for only the first N requests.
+      seed: seed of the generated workload.
+      workload.name / workload.kwargs: a generator of ``prefixcache.sim.workloads``
+        (``WORKLOADS``), or ``"mooncake_scale"``: the Mooncake-format trace is
+        written to ``workload.path`` (default
+        ``<workdir>/mooncake_scale-<digest of seed+kwargs>.jsonl``, reused if it
+        exists) and streamed from there.
+
+    Returns:
+      An iterator of ``TraceRequest`` (streamed for files: memory O(1) in the trace).
+
+    Raises:
+      ValueError: unknown workload, bad generator arguments, negative max_requests.
+      FileNotFoundError: the trace file does not exist.
+    """
+    import itertools  # noqa: PLC0415
+
+    from prefixcache.sim import workloads  # noqa: PLC0415
+    from prefixcache.sim.trace import read_trace  # noqa: PLC0415
+
+    limit = int(config.max_requests)
+    if limit < 0:
+        raise ValueError(f"max_requests must be >= 0, got {limit}")
+    if config.trace:
+        if not os.path.isfile(config.trace):
+            raise FileNotFoundError(f"trace file {config.trace!r} does not exist")
+        reqs = read_trace(config.trace, format=config.trace_format)
+    else:
+        name = config.workload.name
+        kwargs = to_jsonable(config.workload.kwargs)
+        if name == "mooncake_scale":
+            # NOTE: the default file name carries a digest of (seed, kwargs), so a
+            # changed config never reuses a stale trace.
+            key = json.dumps([int(config.seed), kwargs], sort_keys=True).encode()
+            digest = __import__("hashlib").sha1(key).hexdigest()[:10]
+            path = config.workload.get("path") or os.path.join(
+                os.fspath(workdir or tempfile.gettempdir()), f"mooncake_scale-{digest}.jsonl")
+            if not os.path.isfile(path):
+                workloads.write_mooncake_trace(
+                    path, workloads.mooncake_scale(seed=config.seed, **_tuples(kwargs)))
+            reqs = read_trace(path, format="mooncake")
+        else:
+            reqs = iter(workloads.generate(name, seed=config.seed, **_tuples(kwargs)))
+    return itertools.islice(reqs, limit) if limit else reqs
+
+
+def _tuples(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Config lists -> tuples (generator range arguments)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
+    """Sets ``config.<name>`` from each absl flag that was given on the command line.
+
+    Args:
+      config: the (locked) ConfigDict; only existing fields can be set.
+      fields: config field name -> absl ``FlagHolder``.
+    """
+    for name, holder in fields.items():
+        if holder.present:
+            setattr(config, name, holder.value)
 
 
 def save_plot(fig, path: str | os.PathLike, *, dpi: int = 120) -> pathlib.Path:

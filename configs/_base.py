@@ -1,0 +1,71 @@
+"""Shared building blocks of the experiment configs (not a config itself).
+
+Every experiment reads its requests through ``experiments._common.requests_from_config``:
+``trace`` (a file; "" to generate), ``trace_format``, ``max_requests`` (0: all),
+``seed`` and ``workload.name`` / ``workload.kwargs`` (a generator of
+``prefixcache.sim.workloads``, or ``mooncake_scale``).
+"""
+
+import ml_collections
+
+# Default kwargs per generated workload (the generators' own defaults, spelled out so
+# they can be overridden as --config.workload.kwargs.<name>=...).
+WORKLOAD_KWARGS = {
+    "shared_system_prompt": dict(num_requests=2000, system_len=1024, unique_len=(64, 512),
+                                 output_len=(16, 64), vocab=32000),
+    "multi_turn": dict(num_conversations=300, num_turns=6, new_tokens=(50, 200),
+                       output_len=(16, 128), vocab=32000),
+    "few_shot": dict(num_headers=10, num_questions=200, header_len=3000,
+                     question_len=(30, 80), output_len=(16, 64), vocab=32000),
+    "mm_salt": dict(num_requests=500, prefix_len=10, image_len=576, num_images=5,
+                    num_salts=4, num_loras=2, suffix_len=(32, 256), output_len=(16, 64),
+                    vocab=32000),
+    "rag": dict(num_requests=1000, num_documents=200, doc_len=(256, 1024), docs_per_request=2,
+                zipf_a=1.1, system_len=256, question_len=(16, 64), output_len=(16, 128),
+                vocab=32000),
+    "mooncake_scale": dict(num_requests=20000),
+}
+
+MOONCAKE_DIR = "/work/shared/traces/mooncake"
+
+
+def requests_config(workload: str = "shared_system_prompt", *, trace: str = "",
+                    seed: int = 0, max_requests: int = 0, **kwargs) -> ml_collections.ConfigDict:
+    """The request-source fields shared by all experiments.
+
+    Args:
+      workload: generator name (ignored when ``trace`` is set, but kept so it can be
+        switched on the command line).
+      trace: a trace file; "" to generate ``workload``.
+      seed: workload seed (and the run's seed).
+      max_requests: 0 for all requests, N for the first N.
+      **kwargs: overrides of the workload's default kwargs.
+    """
+    c = ml_collections.ConfigDict()
+    c.seed = seed
+    c.trace = trace
+    c.trace_format = "auto"
+    c.max_requests = max_requests
+    c.workload = ml_collections.ConfigDict()
+    c.workload.name = workload
+    c.workload.kwargs = ml_collections.ConfigDict({**WORKLOAD_KWARGS[workload], **kwargs})
+    if workload == "mooncake_scale":
+        c.workload.path = ""  # "" -> <workdir>/mooncake_scale-<digest>.jsonl
+    c.workdir = ""
+    return c
+
+
+def replay_config(workload: str = "shared_system_prompt", *, trace: str = "",
+                  num_blocks: int = 4096, block_size: int = 16, concurrency: int = 8,
+                  **kwargs) -> ml_collections.ConfigDict:
+    """A config of ``experiments.replay``."""
+    c = requests_config(workload, trace=trace, **kwargs)
+    c.num_blocks = num_blocks
+    c.block_size = block_size
+    c.hash_algo = "sha256"
+    c.hash_seed = ""  # "" -> the algorithm's default root (see prefixcache.core.hashing)
+    c.free_order = "append"
+    c.concurrency = concurrency
+    c.max_model_len = 0  # 0 -> no limit
+    c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given
+    return c

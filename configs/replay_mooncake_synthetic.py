@@ -1,0 +1,25 @@
+"""Replay: the Mooncake FAST'25 synthetic trace (3,993 requests, ~15k input tokens each).
+
+Runs experiments.replay on `synthetic_trace.jsonl` (hash_ids expanded into 512-token
+blocks of deterministic token ids) with 512-token blocks and a cache of 200,000 blocks
+(~102M tokens: effectively infinite for this trace), one request at a time.
+
+Command:
+  python -m experiments.replay --config=configs/replay_mooncake_synthetic.py \
+      --workdir=/tmp/mc_synth
+  # another location of the trace, or a quick run on the first 500 requests:
+  python -m experiments.replay --config=configs/replay_mooncake_synthetic.py \
+      --config.trace=/path/synthetic_trace.jsonl --config.max_requests=500
+
+Expected: EXPECT
+"""
+
+from configs import _base
+
+
+def get_config():
+    c = _base.replay_config(
+        "shared_system_prompt", trace=f"{_base.MOONCAKE_DIR}/synthetic_trace.jsonl",
+        num_blocks=200_000, block_size=512, concurrency=1)
+    c.trace_format = "mooncake"
+    return c
