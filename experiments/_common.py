@@ -333,6 +333,11 @@ def _tuples(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
 
 
+def config_path(name: str) -> str:
+    """Absolute path of ``configs/<name>.py`` in this checkout (a script's default)."""
+    return str(_REPO_ROOT / "configs" / f"{name}.py")
+
+
 def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
     """Sets ``config.<name>`` from each absl flag that was given on the command line.
 

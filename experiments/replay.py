@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import array
 import json
-import os
 import sys
 
 from absl import app, flags
@@ -38,11 +37,8 @@ from ml_collections import config_flags
 
 from experiments import _common
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "configs", "replay.py")
-
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", _DEFAULT_CONFIG, "Replay config (configs/replay*.py).", lock_config=True)
+    "config", _common.config_path("replay"), "Replay config (configs/replay*.py).", lock_config=True)
 _TRACE = flags.DEFINE_string("trace", None, "Trace file (our JSONL or Mooncake); overrides config.trace.")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "KV cache blocks.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", None, "Tokens per block.")

@@ -1,0 +1,27 @@
+"""Sweep: token hit rate and evictions vs cache capacity, cold vs warm (RAG workload).
+
+Runs experiments.sweep_capacity on the generated `rag` workload (1000 requests: a
+256-token system prompt + 2 of 200 documents drawn by Zipf(1.1) popularity + a
+question). The first 500 requests warm the cache for the warm runs; the last 500 are
+measured, cold (empty cache) and warm, at 9 capacities from 128 to 32,768 blocks of
+16 tokens.
+
+Command:
+  python -m experiments.sweep_capacity --config=configs/sweep_capacity.py --workdir=/tmp/sweep
+
+Expected: EXPECT
+"""
+
+from configs import _base
+
+
+def get_config():
+    c = _base.requests_config("rag")
+    c.capacities = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+    c.warmup_requests = 500
+    c.block_size = 16
+    c.hash_algo = "sha256"
+    c.hash_seed = ""
+    c.free_order = "append"
+    c.concurrency = 8
+    return c
