@@ -1,0 +1,62 @@
+"""Llama-style decoder (Flax NNX) over the paged KV cache: config, model, step, loading.
+
+Public API (the contract the engine codes against)::
+
+    from prefixcache.model import (ModelConfig, Transformer, make_kv_caches, make_step_fn,
+                                   load_hf_checkpoint, save_hf_checkpoint, shard_model)
+
+- `ModelConfig`: frozen, validated dataclass. Presets `ModelConfig.tiny()` (2 layers,
+  d_model 128, 4 q heads / 2 kv heads, head_dim 64, vocab 512, f32: the test model),
+  `ModelConfig.llama_3_2_1b()`, `ModelConfig.qwen2_5_0_5b()`; `ModelConfig.from_hf_config(
+  dict)` / `.to_hf_config()`; `.replace(**changes)`. Fields: vocab_size, d_model,
+  num_layers, num_heads, num_kv_heads, head_dim, mlp_dim, rms_norm_eps, rope_theta,
+  rope_scaling (`RopeScaling`, Llama-3), max_position_embeddings, tie_embeddings,
+  qkv_bias, dtype ("float32" | "bfloat16"), architecture.
+- `Transformer(config, *, rngs)`: `model(kv_caches, input_ids, metadata, logits_indices,
+  mm_embeds=None, mm_mask=None, *, attend=None) -> (logits f32[S, V], kv_caches)`.
+- `make_kv_caches(config, num_pages=None, page_size=None, dtype=None, sharding=None, *,
+  num_blocks=None, block_size=None, mesh=None) -> list[jax.Array]`: one zeroed
+  `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer; `num_blocks` means
+  `num_pages = num_blocks + 1` (the padding page, id num_blocks, of
+  `prefixcache.metadata`); `mesh` shards axis 2 over "model".
+- `make_step_fn(model, *, attention_backend="auto", interpret=False, mesh=None)` ->
+  `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None, mm_mask=None)
+  -> (logits f32[S, vocab], kv_caches)`; jitted, kv_caches donated, params captured once
+  (`nnx.split`: graphdef static, params passed as arguments). `input_ids i32[T]`,
+  `metadata: AttentionMetadata`, `logits_indices i32[S]` are `StepInputs` fields;
+  `mm_embeds float[T, d_model]` + `mm_mask bool[T]`: rows where the mask is set replace
+  the token embedding (None: no multimodal path, a separately compiled program).
+  `step.pure(params, kv_caches, ...)` + `step.params`: the same, un-jitted, with params
+  as an explicit argument, for callers that jit a larger function around the step (so the
+  weights are arguments, not constants folded into the outer program).
+- `load_hf_checkpoint(path, dtype=None) -> (ModelConfig, Transformer)` for
+  `LlamaForCausalLM` / `Qwen2ForCausalLM` (config.json + *.safetensors, sharded with
+  model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
+  path, *, max_shard_bytes=None)` writes one (f32).
+- `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
+  "model" (see `prefixcache.model.sharding`); `make_step_fn(model, mesh=mesh)` runs the
+  attention of each device's kv heads under `jax.shard_map`.
+
+Numerics follow Hugging Face exactly: RMSNorm in f32, rotate-half RoPE (`rope_theta`,
+optional Llama-3 scaling), query head i on kv head `i // (num_heads // num_kv_heads)`,
+SwiGLU, scale `head_dim ** -0.5`, logits in f32.
+"""
+from prefixcache.model.config import ModelConfig, RopeScaling
+from prefixcache.model.llama import Transformer
+from prefixcache.model.loading import load_hf_checkpoint, read_safetensors, save_hf_checkpoint
+from prefixcache.model.sharding import MODEL_AXIS, kv_cache_sharding, shard_model
+from prefixcache.model.step import make_kv_caches, make_step_fn
+
+__all__ = [
+    "MODEL_AXIS",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "kv_cache_sharding",
+    "load_hf_checkpoint",
+    "make_kv_caches",
+    "make_step_fn",
+    "read_safetensors",
+    "save_hf_checkpoint",
+    "shard_model",
+]

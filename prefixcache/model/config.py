@@ -1,0 +1,289 @@
+"""`ModelConfig`: the shape of a Llama-style decoder (Llama 2/3, Qwen2), with presets."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+# HF `architectures[0]` -> our flavour (they differ only in defaults: Qwen2 has q/k/v bias).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _positive_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def _positive_float(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling (HF `rope_type: "llama3"`).
+
+    Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided
+    by `factor`; shorter than `.../ high_freq_factor` kept; in between, smoothly interpolated.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        _positive_float("rope_scaling.factor", self.factor)
+        _positive_float("rope_scaling.low_freq_factor", self.low_freq_factor)
+        _positive_float("rope_scaling.high_freq_factor", self.high_freq_factor)
+        _positive_int("rope_scaling.original_max_position_embeddings",
+                      self.original_max_position_embeddings)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE (HF rotate-half), GQA, SwiGLU MLP.
+
+    Invariants (checked in `__post_init__`): all sizes positive; `num_heads` a multiple of
+    `num_kv_heads`; `head_dim` even (RoPE rotates pairs of halves); `dtype` one of
+    `SUPPORTED_DTYPES` (params, activations and the KV cache; norms, softmax and logits run
+    in float32).
+
+    Attributes:
+      vocab_size: V. d_model: D (hidden size). num_layers: L. num_heads: N (query heads).
+      num_kv_heads: K. head_dim: H. mlp_dim: F (SwiGLU intermediate size).
+      rms_norm_eps: RMSNorm epsilon. rope_theta: RoPE base.
+      rope_scaling: Llama-3 scaling or None.
+      max_position_embeddings: the longest sequence the model is meant for.
+      tie_embeddings: the LM head reuses the input embedding.
+      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      dtype: "float32" or "bfloat16".
+      architecture: the HF architecture name written by `save_hf_checkpoint`.
+    """
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    dtype: str = "float32"
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "mlp_dim", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        _positive_float("rms_norm_eps", self.rms_norm_eps)
+        _positive_float("rope_theta", self.rope_theta)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling or None, got "
+                             f"{self.rope_scaling!r}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} not supported; expected one "
+                             f"of {sorted(SUPPORTED_ARCHITECTURES)}")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def num_groups(self) -> int:
+        """Query heads per kv head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count."""
+        D, N, K, H, F, V = (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
+                            self.mlp_dim, self.vocab_size)
+        attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H) * self.qkv_bias
+        layer = attn + 3 * D * F + 2 * D
+        return self.num_layers * layer + V * D * (1 if self.tie_embeddings else 2) + D
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------- presets
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """A 2-layer f32 model for tests on CPU (~0.46M params; head_dim 64 as the Pallas
+        kernels require; GQA with 2 query heads per kv head)."""
+        cfg = dict(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=64, mlp_dim=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   max_position_embeddings=8192, tie_embeddings=True, dtype="float32")
+        cfg.update(overrides)
+        return cls(**cfg)
+
+    @classmethod
+    def llama_3_2_1b(cls, **overrides) -> ModelConfig:
+        """meta-llama/Llama-3.2-1B (bf16, tied embeddings, Llama-3 RoPE scaling)."""
+        cfg = dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
+                   num_kv_heads=8, head_dim=64, mlp_dim=8192, rms_norm_eps=1e-5,
+                   rope_theta=500000.0,
+                   rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192),
+                   max_position_embeddings=131072, tie_embeddings=True, dtype="bfloat16",
+                   architecture="LlamaForCausalLM")
+        cfg.update(overrides)
+        return cls(**cfg)
+
+    @classmethod
+    def qwen2_5_0_5b(cls, **overrides) -> ModelConfig:
+        """Qwen/Qwen2.5-0.5B (bf16, tied embeddings, q/k/v bias)."""
+        cfg = dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
+                   num_kv_heads=2, head_dim=64, mlp_dim=4864, rms_norm_eps=1e-6,
+                   rope_theta=1000000.0, max_position_embeddings=32768, tie_embeddings=True,
+                   qkv_bias=True, dtype="bfloat16", architecture="Qwen2ForCausalLM")
+        cfg.update(overrides)
+        return cls(**cfg)
+
+    # -------------------------------------------------------------- HF config
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelConfig:
+        """Builds a config from a Hugging Face `config.json` dict (Llama or Qwen2).
+
+        Args:
+          hf: the parsed config.json.
+          dtype: override of the checkpoint's `torch_dtype` ("float32" or "bfloat16");
+            default: "bfloat16" for bf16/f16 checkpoints, else "float32".
+
+        Raises:
+          ValueError: unknown architecture, unsupported features (activation other than
+            SiLU, MLP bias, sliding window, a RoPE scaling other than "llama3"), or missing
+            or invalid fields (named).
+        """
+        if not isinstance(hf, Mapping):
+            raise ValueError(f"HF config must be a mapping, got {type(hf).__name__}")
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unknown architecture {arch!r} (architectures={archs!r}, "
+                f"model_type={hf.get('model_type')!r}); supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        flavour = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key):
+            if key not in hf:
+                raise ValueError(f"HF config for {arch} lacks {key!r}")
+            return hf[key]
+
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} not supported (only 'silu')")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True not supported")
+        if hf.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=True not supported")
+
+        # Newer transformers nest RoPE settings under `rope_parameters`.
+        rope = dict(hf.get("rope_scaling") or {})
+        rope_params = hf.get("rope_parameters")
+        rope_theta = hf.get("rope_theta")
+        if isinstance(rope_params, Mapping):
+            rope = dict(rope_params)
+            rope_theta = rope.get("rope_theta", rope_theta)
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        if rope_type == "llama3":
+            try:
+                scaling = RopeScaling(
+                    factor=float(rope["factor"]),
+                    low_freq_factor=float(rope["low_freq_factor"]),
+                    high_freq_factor=float(rope["high_freq_factor"]),
+                    original_max_position_embeddings=int(
+                        rope["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise ValueError(f"llama3 rope_scaling lacks {e.args[0]!r}") from None
+        elif rope_type == "default":
+            scaling = None
+        else:
+            raise ValueError(f"rope scaling type {rope_type!r} not supported "
+                             "(only 'default' and 'llama3')")
+
+        num_heads = need("num_attention_heads")
+        d_model = need("hidden_size")
+        head_dim = hf.get("head_dim") or (d_model // num_heads if num_heads else 0)
+        if dtype is None:
+            torch_dtype = str(hf.get("torch_dtype", hf.get("dtype", "float32")))
+            dtype = "bfloat16" if torch_dtype in ("bfloat16", "float16") else "float32"
+        return cls(
+            vocab_size=need("vocab_size"),
+            d_model=d_model,
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            mlp_dim=need("intermediate_size"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if flavour == "qwen2" else 1e-5)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if flavour == "qwen2" else bool(hf.get("attention_bias", False)),
+            dtype=dtype,
+            architecture=arch,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict of this config (inverse of `from_hf_config`)."""
+        flavour = SUPPORTED_ARCHITECTURES[self.architecture]
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": flavour,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.mlp_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": self.dtype,
+        }
+        if flavour == "llama":
+            out["attention_bias"] = self.qkv_bias
+            out["mlp_bias"] = False
+        elif not self.qkv_bias:
+            raise ValueError("Qwen2ForCausalLM always has q/k/v bias; set qkv_bias=True")
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3",
+                                   **dataclasses.asdict(self.rope_scaling)}
+        return out

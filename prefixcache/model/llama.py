@@ -1,0 +1,254 @@
+"""Llama-style decoder in Flax NNX over a paged KV cache.
+
+Axis letters in einsum strings: t tokens, s sequences (logit rows), d d_model, n query
+heads, k kv heads, h head_dim, f mlp_dim, v vocab.
+
+Conventions match Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` exactly:
+RMSNorm in float32 (`x * rsqrt(mean(x^2) + eps) * scale`), RoPE in the rotate-half layout
+(the two halves of each head are the (real, imaginary) parts; no interleaving), query head
+i reads kv head `i // (num_heads // num_kv_heads)`, SwiGLU `down(silu(gate(x)) * up(x))`,
+attention scale `head_dim ** -0.5`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kernels
+from prefixcache.metadata import AttentionMetadata
+from prefixcache.model.config import ModelConfig
+
+__all__ = [
+    "Attention",
+    "Block",
+    "MLP",
+    "RMSNorm",
+    "Transformer",
+    "apply_rope",
+    "rope_inv_freq",
+]
+
+
+def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype) -> jax.Array:
+    """Scaled normal init (std 1/sqrt(fan_in)), in float32 then cast."""
+    w = jax.random.normal(rngs.params(), tuple(shape), jnp.float32) / math.sqrt(fan_in)
+    return w.astype(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies f32[head_dim // 2], HF conventions (Llama-3 scaling too).
+
+    NOTE: computed in float32 like HF (`1 / theta ** (arange(0, H, 2) / H)`), so positions
+    rotate by the same angles as the reference implementation.
+    """
+    H = config.head_dim
+    exponent = np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / np.float32(H)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    old_len = rs.original_max_position_embeddings
+    low_wavelen = old_len / rs.low_freq_factor
+    high_wavelen = old_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor
+                                                           - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE.
+
+    Args:
+      x: [T, heads, H].
+      cos, sin: f32[T, H // 2] of `positions * inv_freq`.
+
+    Returns:
+      [T, heads, H] in x's dtype: `(x1 cos - x2 sin, x2 cos + x1 sin)` for halves x1, x2.
+    """
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale (HF: computed in float32, scaled in float32, cast back)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., D] -> [..., D] in x's dtype."""
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # HF casts the normalized activations to the input dtype before the weight multiply.
+        return self.scale[...] * xf.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        D, F, dt = config.d_model, config.mlp_dim, jnp.dtype(config.dtype)
+        self.gate_proj = nnx.Param(_init(rngs, (D, F), D, dt))  # [d, f]
+        self.up_proj = nnx.Param(_init(rngs, (D, F), D, dt))  # [d, f]
+        self.down_proj = nnx.Param(_init(rngs, (F, D), F, dt))  # [f, d]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [T, D] -> [T, D]."""
+        gate = jnp.einsum("td,df->tf", x, self.gate_proj[...])
+        up = jnp.einsum("td,df->tf", x, self.up_proj[...])
+        return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention over the paged KV cache (write new K/V, then attend)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+        dt = jnp.dtype(config.dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.q_proj = nnx.Param(_init(rngs, (D, N, H), D, dt))  # [d, n, h]
+        self.k_proj = nnx.Param(_init(rngs, (D, K, H), D, dt))  # [d, k, h]
+        self.v_proj = nnx.Param(_init(rngs, (D, K, H), D, dt))  # [d, k, h]
+        self.o_proj = nnx.Param(_init(rngs, (N, H, D), N * H, dt))  # [n, h, d]
+        self.qkv_bias = config.qkv_bias
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(_init(rngs, (N, H), 1, dt) * 0.1)  # [n, h]
+            self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt) * 0.1)  # [k, h]
+            self.v_bias = nnx.Param(_init(rngs, (K, H), 1, dt) * 0.1)  # [k, h]
+
+    def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend):
+        """One layer's attention.
+
+        Args:
+          x: [T, D] normed activations.
+          kv_cache: [num_pages, page_size, 2K, H] this layer's paged KV.
+          metadata: the step's index arrays (device arrays).
+          cos, sin: f32[T, H // 2] RoPE tables of the step's positions.
+          attend: `(q, k, v, kv_cache, metadata) -> (out [T, N, H], kv_cache)`, which
+            writes k/v at `metadata.slot_mapping` and attends (maybe under shard_map).
+
+        Returns:
+          ([T, D], updated kv_cache).
+        """
+        q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...])
+        k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...])
+        v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...])
+        if self.qkv_bias:
+            q = q + self.q_bias[...]
+            k = k + self.k_bias[...]
+            v = v + self.v_bias[...]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out, kv_cache = attend(q, k, v, kv_cache, metadata)
+        return jnp.einsum("tnh,nhd->td", out.astype(x.dtype), self.o_proj[...]), kv_cache
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(config.dtype)
+        self.input_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt,
+                                      rngs=rngs)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, kv_cache, metadata, cos, sin, attend):
+        h, kv_cache = self.attn(self.input_norm(x), kv_cache, metadata, cos, sin, attend)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, kv_cache
+
+
+def _local_attend(q, k, v, kv_cache, metadata: AttentionMetadata, *, sm_scale, backend,
+                  interpret):
+    """write_kv then paged attention on one device (or one shard's heads)."""
+    kv_cache = kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
+    out = kernels.paged_attention(
+        q, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
+        metadata.num_seqs, sm_scale=sm_scale, backend=backend, interpret=interpret)
+    return out, kv_cache
+
+
+class Transformer(nnx.Module):
+    """The decoder. Params (HF name in brackets):
+
+      embedding [V, D] (model.embed_tokens.weight)
+      layers[i].input_norm.scale [D], .post_attn_norm.scale [D]
+      layers[i].attn.{q,k,v}_proj [D, N|K, H], .o_proj [N, H, D], .{q,k,v}_bias [N|K, H]
+      layers[i].mlp.gate_proj [D, F], .up_proj [D, F], .down_proj [F, D]
+      final_norm.scale [D] (model.norm.weight)
+      lm_head [V, D] (lm_head.weight; absent when `tie_embeddings`)
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        dt = jnp.dtype(config.dtype)
+        # NOTE: std 1/sqrt(D) keeps tied-head logits O(1) at random init (useful for sampling
+        # tests); RMSNorm makes the input side scale-free anyway.
+        self.embedding = nnx.Param(
+            _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+        if not config.tie_embeddings:
+            self.lm_head = nnx.Param(
+                _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
+
+    def __call__(self, kv_caches: Sequence[jax.Array], input_ids: jax.Array,
+                 metadata: AttentionMetadata, logits_indices: jax.Array,
+                 mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None, *,
+                 attend=None) -> tuple[jax.Array, list[jax.Array]]:
+        """One step over ragged tokens.
+
+        Args:
+          kv_caches: L arrays [num_pages, page_size, 2K, H].
+          input_ids: i32[T].
+          metadata: `AttentionMetadata` of device arrays (positions i32[T] etc.).
+          logits_indices: i32[S] token rows whose logits are returned.
+          mm_embeds: [T, D] rows injected where `mm_mask` is set, or None.
+          mm_mask: bool[T], or None (both or neither).
+          attend: the attention callable (see `Attention.__call__`); default: write_kv +
+            `kernels.paged_attention(backend="auto")` on one device.
+
+        Returns:
+          (logits f32[S, V], the L updated kv caches).
+        """
+        cfg = self.config
+        if attend is None:
+            attend = functools.partial(_local_attend, sm_scale=cfg.head_dim ** -0.5,
+                                       backend="auto", interpret=False)
+        emb = self.embedding[...]
+        x = jnp.take(emb, input_ids, axis=0)  # [T, D]
+        if mm_embeds is not None:
+            # NOTE: multimodal rows replace the placeholder tokens' embeddings, so two
+            # different images behind identical placeholder ids give different K/V.
+            x = jnp.where(mm_mask[:, None], mm_embeds.astype(x.dtype), x)
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # f32[H // 2], a host-computed constant
+        freqs = metadata.positions.astype(jnp.float32)[:, None] * inv_freq
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)  # f32[T, H // 2]
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, kv_cache = layer(x, kv_cache, metadata, cos, sin, attend)
+            new_caches.append(kv_cache)
+        x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]
+        head = emb if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
+        return logits.astype(jnp.float32), new_caches

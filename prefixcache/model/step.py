@@ -1,0 +1,176 @@
+"""The jitted engine step and the paged KV caches."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kernels
+from prefixcache.metadata import AttentionMetadata
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.llama import Transformer, _local_attend
+from prefixcache.model.sharding import (
+    MODEL_AXIS,
+    kv_cache_sharding,
+    shard_model,
+    validate_mesh,
+)
+
+__all__ = ["make_kv_caches", "make_step_fn"]
+
+
+def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
+                   page_size: int | None = None, dtype=None, sharding=None, *,
+                   num_blocks: int | None = None, block_size: int | None = None,
+                   mesh: Mesh | None = None) -> list[jax.Array]:
+    """Zeroed paged KV caches, one per layer.
+
+    Either `num_pages` (total, padding page included) or `num_blocks` (allocatable blocks;
+    one padding page is added: num_pages = num_blocks + 1); either `page_size` or
+    `block_size` (the same thing).
+
+    Args:
+      config: the model config (L layers, K kv heads, head_dim H).
+      num_pages / num_blocks: see above.
+      page_size / block_size: tokens per page.
+      dtype: cache dtype; default `config.dtype`.
+      sharding: a `jax.sharding.Sharding` for each cache, or None.
+      mesh: shorthand for `sharding=kv_cache_sharding(mesh)` (kv heads over "model").
+
+    Returns:
+      L arrays [num_pages, page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1).
+
+    Raises:
+      ValueError: conflicting or missing sizes, non-positive sizes, or a mesh that does not
+        divide the kv heads.
+    """
+    if (num_pages is None) == (num_blocks is None):
+        raise ValueError("give exactly one of num_pages (padding page included) and "
+                         "num_blocks (one padding page is added)")
+    if (page_size is None) == (block_size is None):
+        raise ValueError("give exactly one of page_size and block_size")
+    pages = num_pages if num_pages is not None else num_blocks + 1
+    size = page_size if page_size is not None else block_size
+    for name, v in (("num_pages", pages), ("page_size", size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if mesh is not None:
+        if sharding is not None:
+            raise ValueError("give mesh or sharding, not both")
+        validate_mesh(config, mesh)
+        sharding = kv_cache_sharding(mesh)
+    dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
+    shape = (pages, size, 2 * config.num_kv_heads, config.head_dim)
+    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
+
+
+def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits_indices,
+                     mm_embeds, mm_mask) -> None:
+    """Static (shape/dtype) checks; runs at trace time, so no device transfer."""
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+    if len(kv_caches) != config.num_layers:
+        raise ValueError(f"got {len(kv_caches)} kv caches for {config.num_layers} layers")
+    want = (2 * config.num_kv_heads, config.head_dim)
+    for i, c in enumerate(kv_caches):
+        if c.ndim != 4 or tuple(c.shape[2:]) != want:
+            raise ValueError(f"kv_caches[{i}] shape {c.shape} is not [num_pages, page_size, "
+                             f"{want[0]}, {want[1]}]")
+    if input_ids.ndim != 1 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be i32[T], got {input_ids.dtype}{input_ids.shape}")
+    T = input_ids.shape[0]
+    if metadata.positions.shape != (T,) or metadata.slot_mapping.shape != (T,):
+        raise ValueError(f"positions {metadata.positions.shape} / slot_mapping "
+                         f"{metadata.slot_mapping.shape} must be ({T},) like input_ids")
+    if logits_indices.ndim != 1:
+        raise ValueError(f"logits_indices must be i32[S], got shape {logits_indices.shape}")
+    if (mm_embeds is None) != (mm_mask is None):
+        raise ValueError("mm_embeds and mm_mask go together (both or neither)")
+    if mm_embeds is not None:
+        if mm_embeds.shape != (T, config.d_model):
+            raise ValueError(f"mm_embeds shape {mm_embeds.shape} must be ({T}, "
+                             f"{config.d_model}) = [T, d_model]")
+        if not jnp.issubdtype(mm_embeds.dtype, jnp.floating):
+            raise ValueError(f"mm_embeds must be floating, got {mm_embeds.dtype}")
+        if mm_mask.shape != (T,) or mm_mask.dtype != jnp.bool_:
+            raise ValueError(f"mm_mask must be bool[{T}], got {mm_mask.dtype}{mm_mask.shape}")
+
+
+def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
+                 interpret: bool = False, mesh: Mesh | None = None):
+    """Builds the jitted step of `model` (params captured now; graphdef static).
+
+    Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
+    mm_mask=None) -> (logits f32[S, V], kv_caches)`:
+      kv_caches: L arrays [num_pages, page_size, 2K, H], donated (invalid after the call).
+      input_ids: i32[T]; metadata: `AttentionMetadata`; logits_indices: i32[S] (the
+        `StepInputs` of `prefixcache.metadata`).
+      mm_embeds: float[T, D] rows replacing the token embedding where mm_mask: bool[T] is
+        set, or None for both (a separately compiled program).
+    Every per-step value is an array argument, so one program is compiled per distinct
+    (T, S, P, num_pages) shape and mm on/off.
+
+    `step.pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask)`
+    is the un-jitted function with params (an `nnx.State`, `step.params`) as an argument,
+    for callers that jit a larger function around it.
+
+    Args:
+      model: the Transformer. With `mesh`, its params are laid out over the mesh first
+        (`shard_model`, in place).
+      attention_backend: `kernels.paged_attention` backend ("auto", "reference", ...).
+      interpret: run a Pallas backend in interpret mode.
+      mesh: a Mesh with a "model" axis for tensor parallelism over kv heads, or None.
+
+    Raises:
+      ValueError: unknown backend, or a mesh that does not divide the model.
+    """
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model must be a Transformer, got {type(model).__name__}")
+    if attention_backend not in kernels.BACKENDS:
+        raise ValueError(f"unknown attention_backend {attention_backend!r}; expected one of "
+                         f"{kernels.BACKENDS}")
+    config = model.config
+    local = functools.partial(_local_attend, sm_scale=config.head_dim ** -0.5,
+                              backend=attention_backend, interpret=interpret)
+    if mesh is None:
+        attend = local
+        out_shardings = None
+    else:
+        validate_mesh(config, mesh)
+        shard_model(model, mesh)
+        heads = P(None, MODEL_AXIS, None)  # [T, heads, H]
+        pages = P(None, None, MODEL_AXIS, None)  # [num_pages, page_size, 2K, H]
+        # NOTE: metadata is replicated (P() as a prefix spec for the whole NamedTuple);
+        # each device writes and attends over its own kv heads only.
+        attend = jax.shard_map(local, mesh=mesh,
+                               in_specs=(heads, heads, heads, pages, P()),
+                               out_specs=(heads, pages), check_vma=False)
+        kv_sharding = kv_cache_sharding(mesh)
+        out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.num_layers)
+    graphdef, params = nnx.split(model)
+
+    def pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
+             mm_mask=None):
+        _check_step_args(config, kv_caches, input_ids, metadata, logits_indices, mm_embeds,
+                         mm_mask)
+        m = nnx.merge(graphdef, params)
+        return m(list(kv_caches), input_ids, metadata, logits_indices, mm_embeds, mm_mask,
+                 attend=attend)
+
+    jitted = jax.jit(pure, donate_argnums=(1,), out_shardings=out_shardings)
+
+    def step(kv_caches: Sequence[jax.Array], input_ids, metadata: AttentionMetadata,
+             logits_indices, mm_embeds=None, mm_mask=None):
+        return jitted(params, list(kv_caches), input_ids, metadata, logits_indices,
+                      mm_embeds, mm_mask)
+
+    step.pure = pure
+    step.params = params
+    step.graphdef = graphdef
+    step.jitted = jitted
+    return step
