@@ -151,9 +151,9 @@ class ModelShape:
 
     @classmethod
     def tiny(cls) -> "ModelShape":
-        """A test-sized shape (same order as ``ModelConfig.tiny()``)."""
-        return cls(num_layers=2, d_model=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                   ffn_dim=128, vocab_size=1024, dtype_bytes=4)
+        """The shape of ``prefixcache.model.ModelConfig.tiny()`` (2 layers, f32)."""
+        return cls(num_layers=2, d_model=128, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                   ffn_dim=256, vocab_size=512, dtype_bytes=4, tie_embeddings=True)
 
     @classmethod
     def qwen2_5_0_5b(cls) -> "ModelShape":

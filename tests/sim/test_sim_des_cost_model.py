@@ -102,3 +102,10 @@ def test_kv_cache_blocks_fit_hbm():
     blocks = model.kv_cache_blocks(16, hbm_fraction=0.9)
     # 72 GB - 16 GB of weights = ~56 GB at 128 KiB/token -> ~26k blocks of 16.
     assert 20_000 < blocks < 30_000
+
+
+def test_tiny_preset_matches_the_model_configs_tiny():
+    from prefixcache.model import ModelConfig  # the test may import jax; the sim may not
+
+    assert cm.ModelShape.from_config(ModelConfig.tiny()) == cm.ModelShape.tiny()
+    assert cm.ModelShape.from_config(ModelConfig.llama_3_2_1b()) == cm.ModelShape.llama_3_2_1b()

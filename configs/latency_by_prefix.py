@@ -1,0 +1,53 @@
+"""Latency by cached-prefix length: DES of Llama-3.1-8B on TPU v5e/v6e, H100, H200 + tiny model.
+
+Runs experiments.latency_by_prefix. Simulated part: the generated `multi_turn`
+workload (300 conversations x 6 turns, arrivals from its timestamps over ~400 s;
+later turns hit their conversation's earlier prompt + output) through the
+discrete-event simulation: 8192 blocks of 16 tokens, a token budget of 8192 per
+step, roofline step times of Llama-3.1-8B (bf16) on one chip of each accelerator
+(TPU v5e, with 16 GiB of HBM, cannot hold the 16 GB of weights: the cache size is
+fixed here, not derived from HBM, so all four chips see the same hits). TTFT
+percentiles per cached-prefix bin, plus the queue-free roofline curve for a
+2048-token prompt. Measured part: the tiny model through the engine on this
+machine, cold vs warm, for shared prefixes of 0..1024 tokens.
+
+Command:
+  python -m experiments.latency_by_prefix --config=configs/latency_by_prefix.py \
+      --workdir=/tmp/latency
+
+Expected: EXPECT
+"""
+
+import ml_collections
+
+from configs import _base
+
+
+def get_config():
+    c = _base.requests_config("multi_turn")
+    c.warmup_requests = 0  # 0: cold runs only; N: warm runs prefill the first N prompts
+    c.model = "llama_3_1_8b"  # a prefixcache.sim.cost_model.ModelShape preset
+    c.accelerators = ("tpu_v5e", "tpu_v6e", "h100", "h200")
+    c.num_chips = 1
+    c.flops_efficiency = 1.0  # 1.0 = the roofline bound
+    c.bandwidth_efficiency = 1.0
+    c.step_overhead_s = 0.0
+    c.num_blocks = 8192  # 0: as many as fit in the HBM left after the weights
+    c.block_size = 16
+    c.hash_algo = "sha256"
+    c.max_num_batched_tokens = 8192
+    c.max_num_seqs = 256
+    c.arrival_rate = 0.0  # 0: the trace's timestamps; > 0: Poisson arrivals (req/s)
+    c.prefix_edges = (0, 1, 128, 256, 512, 1024, 2048, 4096)
+    c.curve_prompt_len = 2048
+
+    c.measured = ml_collections.ConfigDict()
+    c.measured.enable = True
+    c.measured.prefix_lengths = (0, 128, 256, 512, 1024)
+    c.measured.suffix_len = 32
+    c.measured.repeats = 3
+    c.measured.num_blocks = 256
+    c.measured.block_size = 16
+    c.measured.max_num_batched_tokens = 2048
+    c.measured.max_tokens = 1
+    return c
