@@ -61,6 +61,9 @@ class Engine:
       model: an already built/loaded `Transformer` (None: random init from `seed`).
       token_buckets, seq_buckets, page_buckets: shape buckets of the MetadataBuilder.
       manager_kwargs: extra keyword arguments for `KVCacheManager`.
+      share_programs_with: another Engine over the same model, backend and mesh whose
+        compiled step programs this one reuses (its own KV pool and cache stay separate);
+        e.g. a caching-on and a caching-off engine compared side by side.
     """
 
     def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,
@@ -69,7 +72,8 @@ class Engine:
                  hash_algo: str = "sha256", hash_seed=None,
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
-                 manager_kwargs: Mapping[str, Any] | None = None):
+                 manager_kwargs: Mapping[str, Any] | None = None,
+                 share_programs_with: "Engine | None" = None):
         from prefixcache.core import KVCacheManager
 
         num_blocks = _positive_int("num_blocks", num_blocks)
@@ -99,15 +103,23 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len)
+        program = None
+        if share_programs_with is not None:
+            if model is not None and model is not share_programs_with.model:
+                raise ValueError("share_programs_with: the engines must run the same model")
+            if share_programs_with.model_config != model_config:
+                raise ValueError("share_programs_with: different model configs")
+            model = share_programs_with.model
+            program = share_programs_with.runner.program
         if model is None:
-            model = _init_model(model_config, seed, mesh)
+            model = _init_model(model_config, seed)
         self.model = model
         self.runner = ModelRunner(
             model, model_config, num_blocks=num_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, attention_backend=attention_backend,
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
-            seq_buckets=seq_buckets, page_buckets=page_buckets)
+            seq_buckets=seq_buckets, page_buckets=page_buckets, program=program)
         self._counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
@@ -405,12 +417,9 @@ def _model_max_len(config) -> int | None:
     return None
 
 
-def _init_model(config, seed: int, mesh):
+def _init_model(config, seed: int):
     from flax import nnx
     from prefixcache.model import Transformer
 
-    model = Transformer(config, rngs=nnx.Rngs(seed))
-    if mesh is not None:
-        from prefixcache.model import shard_model
-        model = shard_model(model, mesh)
-    return model
+    # NOTE: with a mesh, make_step_fn lays the params out over it (in place).
+    return Transformer(config, rngs=nnx.Rngs(seed))

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from prefixcache.engine.sampler import SamplingArrays, sample
@@ -98,6 +99,60 @@ def mm_rows_for_step(
     return None if embeds is None else (embeds, mask)
 
 
+class StepProgram:
+    """The jitted device function of one model: model step + sampler, KV donated.
+
+    Separate from the runner so that several engines over the same model (e.g. with
+    caching on and off) share compiled programs while each keeps its own KV arrays.
+
+    Args:
+      model: a `prefixcache.model.Transformer` (with a mesh, laid out over it in place).
+      attention_backend, interpret: passed to `make_step_fn`.
+      mesh: a `jax.sharding.Mesh` or None (one device).
+    """
+
+    def __init__(self, model, *, attention_backend: str = "auto", interpret: bool = False,
+                 mesh=None):
+        from prefixcache.model import make_step_fn
+
+        self.model = model
+        self.config = model.config
+        self.mesh = mesh
+        self.attention_backend = attention_backend
+        self.interpret = interpret
+        step = make_step_fn(model, attention_backend=attention_backend, interpret=interpret,
+                            mesh=mesh)
+        # NOTE: one jitted function runs the model step and the sampler, with the weights
+        # as an argument (`step.pure` + `step.params`, not constants folded into the
+        # program) and the paged KV donated.
+        pure = step.pure
+        self.params = step.params
+
+        def device_step(params, kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
+            logits, kv_caches = pure(params, kv_caches, inputs.step.input_ids,
+                                     inputs.step.metadata, inputs.step.logits_indices,
+                                     inputs.mm_embeds, inputs.mm_mask)
+            tokens = sample(logits, inputs.sampling, all_greedy=all_greedy)
+            return tokens, logits, kv_caches
+
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+            from prefixcache.model import kv_cache_sharding
+            replicated = NamedSharding(mesh, PartitionSpec())
+            out_shardings = (replicated, replicated,
+                             [kv_cache_sharding(mesh)] * self.config.num_layers)
+            self.input_sharding = replicated
+        else:
+            out_shardings = None
+            self.input_sharding = None
+        self._jitted = jax.jit(device_step, donate_argnums=1, static_argnames="all_greedy",
+                               out_shardings=out_shardings)
+
+    def __call__(self, kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
+        """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated."""
+        return self._jitted(self.params, kv_caches, inputs, all_greedy=all_greedy)
+
+
 class ModelRunner:
     """Runs engine steps of one model on one device or a mesh.
 
@@ -115,14 +170,25 @@ class ModelRunner:
       attention_backend, interpret: passed to `make_step_fn`.
       mesh: a `jax.sharding.Mesh` or None (one device).
       token_buckets, seq_buckets, page_buckets: MetadataBuilder buckets (None: defaults).
+      program: a StepProgram to reuse (same model, backend and mesh), or None to build one.
     """
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
-                 token_buckets=None, seq_buckets=None, page_buckets=None):
-        from prefixcache.model import make_kv_caches, make_step_fn
+                 token_buckets=None, seq_buckets=None, page_buckets=None,
+                 program: StepProgram | None = None):
+        from prefixcache.model import make_kv_caches
 
+        if program is None:
+            program = StepProgram(model, attention_backend=attention_backend,
+                                  interpret=interpret, mesh=mesh)
+        elif (program.model is not model or program.mesh is not mesh
+              or program.attention_backend != attention_backend
+              or program.interpret != interpret):
+            raise ValueError("a shared StepProgram needs the same model object, mesh, "
+                             "attention_backend and interpret flag")
+        self.program = program
         self.model = model
         self.config = config
         self.mesh = mesh
@@ -133,26 +199,9 @@ class ModelRunner:
             token_buckets=token_buckets, seq_buckets=seq_buckets, page_buckets=page_buckets)
         self.kv_caches = make_kv_caches(config, num_blocks=num_blocks, block_size=block_size,
                                         mesh=mesh)
-        step = make_step_fn(model, attention_backend=attention_backend, interpret=interpret,
-                            mesh=mesh)
-        self._embed_dtype = np.dtype(config.dtype) if hasattr(config, "dtype") else np.float32
-
-        def device_step(kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
-            logits, kv_caches = step(kv_caches, inputs.step.input_ids, inputs.step.metadata,
-                                     inputs.step.logits_indices, inputs.mm_embeds,
-                                     inputs.mm_mask)
-            tokens = sample(logits, inputs.sampling, all_greedy=all_greedy)
-            return tokens, logits, kv_caches
-
-        self._device_step = jax.jit(device_step, donate_argnums=0,
-                                    static_argnames="all_greedy")
-        if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-            self._input_sharding = NamedSharding(mesh, PartitionSpec())
-        else:
-            self._input_sharding = None
+        # numpy dtype of injected multimodal rows (bfloat16 via ml_dtypes, as jax does).
+        self._embed_dtype = jnp.dtype(config.dtype)
         self.compiled_shapes: set[tuple] = set()
-        self.last_logits = None
 
     @property
     def d_model(self) -> int:
@@ -201,12 +250,11 @@ class ModelRunner:
         Returns:
           (token ids i32[num_seqs] in scheduled order, logits or None).
         """
-        if self._input_sharding is None:
-            inputs = jax.device_put(prepared.inputs)
-        else:
-            inputs = jax.device_put(prepared.inputs, self._input_sharding)
+        sharding = self.program.input_sharding
+        inputs = (jax.device_put(prepared.inputs) if sharding is None
+                  else jax.device_put(prepared.inputs, sharding))
         self.compiled_shapes.add(prepared.shape_key)
-        tokens, logits, self.kv_caches = self._device_step(
+        tokens, logits, self.kv_caches = self.program(
             self.kv_caches, inputs, all_greedy=prepared.all_greedy)
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
