@@ -5,9 +5,19 @@ Public API:
   sliding_window=None, soft_cap=None, backend="auto", interpret=False)`
 - `ragged_paged_attention_reference(...)`: the same minus backend/interpret.
 - `write_kv(kv_pages, k, v, slot_mapping) -> kv_pages`.
+- `ragged_paged_attention_tpu(..., block_sizes=TPUBlockSizes(), interpret=False)`: Pallas
+  TPU kernel (also runs under `pltpu.force_tpu_interpret_mode()`).
+- `ragged_paged_attention_gpu(..., block_sizes=GPUBlockSizes(), interpret=False)`: Pallas
+  Triton kernel with split-K (flash-decoding) merge.
 """
-from kernels.api import BACKENDS, paged_attention
+from kernels.api import BACKENDS, paged_attention, resolve_backend
+from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
+from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
 from kernels.reference import ragged_paged_attention_reference
 from kernels.write_kv import write_kv
 
-__all__ = ["BACKENDS", "paged_attention", "ragged_paged_attention_reference", "write_kv"]
+__all__ = [
+    "BACKENDS", "GPUBlockSizes", "TPUBlockSizes", "paged_attention",
+    "ragged_paged_attention_gpu", "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu", "resolve_backend", "write_kv",
+]

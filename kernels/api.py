@@ -4,16 +4,39 @@ from __future__ import annotations
 import jax
 
 from kernels.common import validate_inputs
+from kernels.pallas_gpu import ragged_paged_attention_gpu
+from kernels.pallas_tpu import ragged_paged_attention_tpu
 from kernels.reference import ragged_paged_attention_reference
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+_PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 
 
-def _resolve_backend(backend: str, interpret: bool) -> str:
+def resolve_backend(backend: str, interpret: bool = False, platform: str | None = None) -> str:
+  """The concrete backend a call runs on.
+
+  Args:
+    backend: one of `BACKENDS`.
+    interpret: Pallas backends may run in interpret mode on any platform.
+    platform: `jax.default_backend()` unless given.
+
+  Returns:
+    "reference", "pallas_tpu" or "pallas_gpu". "auto" picks pallas_tpu on TPU,
+    pallas_gpu on GPU and the reference elsewhere.
+
+  Raises:
+    ValueError: unknown backend, or a Pallas backend on a platform without its
+      hardware and interpret=False.
+  """
   if backend not in BACKENDS:
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+  platform = jax.default_backend() if platform is None else platform
   if backend == "auto":
-    return "reference"
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "reference")
+  if backend in _PLATFORM_OF and platform != _PLATFORM_OF[backend] and not interpret:
+    raise ValueError(
+        f"backend {backend!r} needs a {_PLATFORM_OF[backend]} device but the platform is "
+        f"{platform!r}; pass interpret=True to run it in interpret mode")
   return backend
 
 
@@ -30,7 +53,7 @@ def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     cu_q_lens: i32[max_num_seqs + 1].
     num_seqs: i32[1].
     sm_scale, sliding_window, soft_cap: static scalars.
-    backend: "auto" | "reference".
+    backend: "auto" | "reference" | "pallas_tpu" | "pallas_gpu".
     interpret: run a Pallas backend in interpret mode (any platform).
 
   Returns:
@@ -39,10 +62,13 @@ def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
   Raises:
     ValueError: unknown/unavailable backend, or bad shapes/dtypes.
   """
-  name = _resolve_backend(backend, interpret)
+  name = resolve_backend(backend, interpret)
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-  del name
-  return ragged_paged_attention_reference(
-      q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-      sliding_window=sliding_window, soft_cap=soft_cap)
+  kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  if name == "pallas_tpu":
+    return ragged_paged_attention_tpu(*args, interpret=interpret, **kw)
+  if name == "pallas_gpu":
+    return ragged_paged_attention_gpu(*args, interpret=interpret, **kw)
+  return ragged_paged_attention_reference(*args, **kw)

@@ -21,7 +21,7 @@ from kernels.common import validate_inputs
 # holds the sequence's q_len, else the largest one, looped). Decode rows take the
 # 1-row branch, so a decode batch costs one matrix-vector product per sequence rather
 # than a padded block; a prefill wastes at most one partly filled block.
-_Q_BLOCK_BUCKETS = (1, 8, 64, 256)
+_Q_BLOCK_BUCKETS = (1, 16, 128)
 
 
 def _attend_block(q_blk, k, v, key_ok, pos, *, sm_scale, sliding_window, soft_cap):

@@ -12,21 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 import kernels
 from kernel_cases import make_case, oracle, tolerance
 
 SCALE = 1.0 / math.sqrt(64)
+ON_TPU = jax.default_backend() == "tpu"
+ON_GPU = jax.default_backend() == "gpu"
 
 
 class AttentionChecks:
-  """Checks shared by every backend; subclasses set `backend` and `interpret`."""
-  backend = "reference"
-  interpret = False
+  """Checks shared by every backend; subclasses override `call`."""
 
   def call(self, case, **kw):
-    return kernels.paged_attention(*case.args(), backend=self.backend,
-                                   interpret=self.interpret, **kw)
+    raise NotImplementedError
 
   def check(self, case, *, sm_scale=SCALE, sliding_window=None, soft_cap=None):
     out = self.call(case, sm_scale=sm_scale, sliding_window=sliding_window,
@@ -78,10 +78,14 @@ class AttentionChecks:
     seqs = [(1, 17), (1, 9), (6, 22), (0, 5), (9, 9)]
     self.check(make_case(4, seqs, num_kv_heads=2, group=2, num_tokens=24))
 
-  @pytest.mark.parametrize("group", [1, 2, 4, 8])
-  def test_gqa_ratios(self, group):
-    self.check(make_case(10 + group, [(1, 12), (4, 10)], num_kv_heads=8 // group,
-                         group=group))
+  # GQA ratios 1, 2 and 4 also appear above (cached prefix, decode, prefill); the
+  # interpreted Pallas classes only add 8 here to keep their compile time down.
+  gqa_ratios = (1, 2, 4, 8)
+
+  def test_gqa_ratios(self):
+    for group in self.gqa_ratios:
+      self.check(make_case(10 + group, [(1, 12), (4, 10)], num_kv_heads=8 // group,
+                           group=group))
 
   def test_sliding_window_and_soft_cap(self):
     seqs = [(1, 21), (5, 19)]
@@ -100,7 +104,9 @@ class AttentionChecks:
 
 
 class TestReference(AttentionChecks):
-  backend = "reference"
+
+  def call(self, case, **kw):
+    return kernels.paged_attention(*case.args(), backend="reference", **kw)
 
   def test_traced_num_seqs_reuses_one_program(self):
     # num_seqs is data: the same compiled program serves 1 and 2 live rows.
@@ -113,3 +119,92 @@ class TestReference(AttentionChecks):
     np.testing.assert_array_equal(one[:3], full[:3])
     np.testing.assert_array_equal(one[3:], 0.0)
     assert fn._cache_size() == 1
+
+
+# Small tiles so the tiny cases still cross query blocks, sequences inside a block,
+# several KV blocks per sequence (double buffering) and several KV splits.
+TPU_TILES = kernels.TPUBlockSizes(num_q_per_block=8, num_kv_pages_per_block=2,
+                                  num_kv_heads_per_block=1)
+GPU_TILES = kernels.GPUBlockSizes(num_q_per_block=4, num_kv_pages_per_block=1, k_splits=2)
+
+
+class _PallasTPUChecks(AttentionChecks):
+  interpret = False
+  gqa_ratios = (8,)
+
+  def call(self, case, **kw):
+    return kernels.ragged_paged_attention_tpu(*case.args(), block_sizes=TPU_TILES,
+                                              interpret=self.interpret, **kw)
+
+
+@pytest.mark.skipif(not ON_TPU, reason="compiled Pallas TPU kernel needs a TPU")
+class TestPallasTPU(_PallasTPUChecks):
+  interpret = False
+
+
+class TestPallasTPUInterpret(_PallasTPUChecks):
+  interpret = True
+
+
+class _PallasGPUChecks(AttentionChecks):
+  interpret = False
+  gqa_ratios = (8,)
+
+  def call(self, case, **kw):
+    return kernels.ragged_paged_attention_gpu(*case.args(), block_sizes=GPU_TILES,
+                                              interpret=self.interpret, **kw)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas GPU kernel needs a GPU")
+class TestPallasGPU(_PallasGPUChecks):
+  interpret = False
+
+
+class TestPallasGPUInterpret(_PallasGPUChecks):
+  interpret = True
+
+
+def test_tpu_kernel_runs_under_force_tpu_interpret_mode():
+  case = make_case(20, [(1, 11), (5, 21), (3, 3)], num_kv_heads=2, group=2)
+  with pltpu.force_tpu_interpret_mode():
+    out = kernels.ragged_paged_attention_tpu(*case.args(), sm_scale=SCALE)
+  ref = oracle(case, sm_scale=SCALE)
+  live = case.num_live_tokens
+  np.testing.assert_allclose(np.asarray(out)[:live], ref[:live], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_paged_attention_routes_to_pallas_backends(backend):
+  # Default tiles through the public entry point.
+  case = make_case(21, [(1, 9), (4, 12)], num_kv_heads=1, group=2)
+  out = kernels.paged_attention(*case.args(), sm_scale=SCALE, backend=backend,
+                                interpret=True)
+  ref = oracle(case, sm_scale=SCALE)
+  live = case.num_live_tokens
+  np.testing.assert_allclose(np.asarray(out)[:live], ref[:live], rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(out)[live:] == 0.0)
+
+
+def test_backend_resolution():
+  assert kernels.resolve_backend("auto", platform="cpu") == "reference"
+  assert kernels.resolve_backend("auto", platform="tpu") == "pallas_tpu"
+  assert kernels.resolve_backend("auto", platform="gpu") == "pallas_gpu"
+  assert kernels.resolve_backend("pallas_gpu", interpret=True, platform="cpu") == "pallas_gpu"
+  with pytest.raises(ValueError, match="'pallas_tpu' needs a tpu"):
+    kernels.resolve_backend("pallas_tpu", platform="cpu")
+  with pytest.raises(ValueError, match="'pallas_gpu' needs a gpu"):
+    kernels.resolve_backend("pallas_gpu", platform="tpu")
+  with pytest.raises(ValueError, match="unknown backend 'triton'"):
+    kernels.resolve_backend("triton")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kernels.TPUBlockSizes(num_q_per_block=12),
+    lambda: kernels.TPUBlockSizes(num_kv_pages_per_block=0),
+    lambda: kernels.TPUBlockSizes(num_kv_heads_per_block=1.5),
+    lambda: kernels.GPUBlockSizes(num_q_per_block=6),
+    lambda: kernels.GPUBlockSizes(k_splits=0),
+])
+def test_block_sizes_validated(make):
+  with pytest.raises(ValueError, match="BlockSizes"):
+    make()
