@@ -50,6 +50,7 @@ def replay(
     concurrency: int = 1,
     max_model_len: int | None = None,
     on_record: Callable[[dict], None] | None = None,
+    record_evictions: bool = False,
     progress: bool = False,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
@@ -69,6 +70,9 @@ def replay(
             after the prompt allocation), ``prompt_tokens``, plus ``failed: True`` or
             ``decode_truncated_at: step`` when they happen. Key order matches vLLM's
             replay output.
+        record_evictions: add ``evictions_so_far`` to admitted requests' records:
+            cached blocks evicted so far, up to and including this request's prompt
+            allocation (as vLLM's replay with ``--events``).
         progress: show a tqdm progress bar.
 
     Returns:
@@ -196,6 +200,8 @@ def replay(
                     "block_ids": m.get_block_ids(rid),
                     "prompt_tokens": num_prompt,
                 }
+                if record_evictions:
+                    rec["evictions_so_far"] = m.num_evictions
             running.append(req)
             req.num_computed_tokens = num_prompt
             t3 = perf()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -249,7 +250,7 @@ def read_trace(
     """Stream the requests of a JSONL trace, validating each line.
 
     Args:
-        path: the trace file.
+        path: the trace file (gzip-compressed when its name ends in ``.gz``).
         format: ``"jsonl"`` (ours), ``"mooncake"``, or ``"auto"`` (per line: a line
             with ``hash_ids`` is Mooncake).
         vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
@@ -272,7 +273,8 @@ def read_trace(
 
 def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
     cache: dict[int, np.ndarray] = {}
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
