@@ -1,0 +1,29 @@
+"""Serving benchmark: engine + tiny model on a shared-system-prompt workload, caching off vs on.
+
+Runs experiments.serve_bench: 48 requests (a 512-token system prompt shared by all +
+16..64 unique tokens, vocabulary of the tiny model), served 8 at a time through
+`prefixcache.engine.Engine` (512 blocks of 16 tokens, up to 8 running, 1024-token
+step budget, at most 8 output tokens each), three passes: caching off, on with a
+cold cache, on again with the warm cache. Every step shape is compiled in an untimed
+pass first.
+
+Command:
+  python -m experiments.serve_bench --config=configs/serve_bench.py --workdir=/tmp/serve
+
+Expected: EXPECT
+"""
+
+from configs import _base
+
+
+def get_config():
+    c = _base.requests_config("shared_system_prompt", num_requests=48, system_len=512,
+                              unique_len=(16, 64), output_len=(4, 16), vocab=512)
+    c.num_blocks = 512
+    c.block_size = 16
+    c.hash_algo = "sha256"
+    c.max_num_seqs = 8
+    c.max_num_batched_tokens = 1024
+    c.batch_size = 8
+    c.max_tokens = 8
+    return c
