@@ -235,10 +235,11 @@ class KVCacheManager:
                 blocks.extend(new_blocks)
             else:
                 new_blocks = []
-            if self.enable_caching:
-                num_tokens = request.num_tokens
+            num_tokens = request.num_tokens
+            num_full = (total if total < num_tokens else num_tokens) // bs
+            # NOTE: most decode steps fill no block; only then are the hashes read.
+            if num_full > st.num_cached_blocks and self.enable_caching:
                 hashes = request.block_hashes
-                num_full = (total if total < num_tokens else num_tokens) // bs
                 if num_full > len(hashes):
                     num_full = len(hashes)
                 if num_full > st.num_cached_blocks:

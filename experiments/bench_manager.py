@@ -1,0 +1,228 @@
+r"""Manager benchmark: our replay (hashing + KVCacheManager) vs vLLM 0.33's, same traces.
+
+  python -m experiments.bench_manager                       # ours only
+  python -m experiments.bench_manager \
+      --vllm_python=$HOME/.cache/prefixcache-peers/vllm-venv/bin/python   # + the peer
+
+Generates the peer workloads with ``../shared/peers/make_traces.py`` itself (same code,
+same seed: byte-identical traces to the ones vLLM's harness replays), then for every
+workload x hash algorithm replays the trace through ``prefixcache.sim.replay`` and prints
+requests/s, prompt tokens/s and the split of the loop between hashing (request
+construction + incremental hashing on append) and bookkeeping (manager calls).
+
+With ``--vllm_python`` the peer ``vllm_replay.py`` runs on the same trace in the same
+invocation, its repeats interleaved with ours (ours, vLLM, ours, vLLM, ...: a 2-core
+machine drifts by 20-40% between runs, so only side-by-side ratios mean anything). Its
+pool has ``num_blocks`` blocks including its null block; ours ``num_blocks - 1`` with
+vLLM's ``unhashed_first`` free order, so hits and block ids must agree request by
+request (checked: ``records_identical``). The speed ratio is the median over rounds of
+``vllm loop_s / our loop_s``; both loops include request construction and hashing,
+neither includes reading the trace or computing the deterministic output tokens.
+
+Last stdout line: one JSON summary.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WORKLOADS = flags.DEFINE_list(
+    "workloads", ["shared_system_prompt", "multi_turn", "few_shot", "mm_salt"],
+    "Peer workloads (make_traces.py names).")
+_ALGOS = flags.DEFINE_list("hash_algos", ["sha256", "xxhash_cbor"], "Hash algorithms.")
+_NUM_BLOCKS = flags.DEFINE_integer(
+    "num_blocks", 4096, "vLLM's pool size incl. its null block (ours: one less).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_CONCURRENCY = flags.DEFINE_integer("concurrency", 8, "Requests holding blocks at once.")
+_SEED = flags.DEFINE_integer("seed", 0, "make_traces.py seed.")
+_REPEAT = flags.DEFINE_integer("repeat", 3, "Timed rounds (medians reported).")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed rounds of ours first.")
+_FREE_ORDER = flags.DEFINE_enum(
+    "free_order", "unhashed_first", ["append", "unhashed_first"],
+    "Our free order (vLLM's is unhashed_first; parity needs it).")
+_VLLM_PYTHON = flags.DEFINE_string("vllm_python", None, "Python of the vLLM peer venv.")
+_PEERS = flags.DEFINE_string(
+    "peers_dir", os.path.join(os.path.dirname(_REPO), "shared", "peers"),
+    "Directory of make_traces.py and vllm_replay.py.")
+_TRACE_DIR = flags.DEFINE_string(
+    "trace_dir", os.path.join(tempfile.gettempdir(), "prefixcache-bench-traces"),
+    "Where the generated traces are written.")
+_HASH_SEED = flags.DEFINE_integer(
+    "hash_seed", 0, "Hash chain seed for both (vLLM gets PYTHONHASHSEED).")
+
+
+def generate_traces(peers_dir: str, out_dir: str, seed: int, names: list[str]) -> dict[str, str]:
+    """Run the peer's own generator: the very traces vllm_replay.py is given."""
+    os.makedirs(out_dir, exist_ok=True)
+    subprocess.run(
+        [sys.executable, os.path.join(peers_dir, "make_traces.py"), "--out-dir", out_dir,
+         "--seed", str(seed), "--traces", ",".join(names)],
+        check=True, capture_output=True, text=True,
+    )
+    return {n: os.path.join(out_dir, f"{n}.jsonl") for n in names}
+
+
+def run_ours(trace, algo: str, records: list | None = None) -> dict:
+    from prefixcache.sim.replay import replay  # noqa: PLC0415
+
+    gc.collect()
+    return replay(
+        trace,
+        num_blocks=_NUM_BLOCKS.value - 1,
+        block_size=_BLOCK_SIZE.value,
+        hash_algo=algo,
+        hash_seed=_HASH_SEED.value,
+        free_order=_FREE_ORDER.value,
+        concurrency=_CONCURRENCY.value,
+        on_record=records.append if records is not None else None,
+    )
+
+
+def run_vllm(path: str, algo: str, out: str | None) -> dict:
+    cmd = [
+        _VLLM_PYTHON.value, os.path.join(_PEERS.value, "vllm_replay.py"),
+        "--trace", path, "--num-blocks", str(_NUM_BLOCKS.value),
+        "--block-size", str(_BLOCK_SIZE.value), "--hash-algo", algo,
+        "--concurrency", str(_CONCURRENCY.value), "--repeat", "1",
+    ]
+    if out:
+        cmd += ["--out", out]
+    env = dict(os.environ, PYTHONHASHSEED=str(_HASH_SEED.value))
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def records_identical(ours: list[dict], vllm_out: str) -> bool:
+    """Same hits / failures / truncations, block ids shifted by vLLM's null block."""
+    with open(vllm_out) as f:
+        theirs = [json.loads(line) for line in f]
+    if len(theirs) != len(ours):
+        return False
+    for a, b in zip(ours, theirs):
+        b = dict(b, block_ids=[x - 1 for x in b["block_ids"]])
+        if a != b:
+            return False
+    return True
+
+
+def bench_one(name: str, path: str, algo: str) -> dict:
+    from prefixcache.sim.trace import read_trace  # noqa: PLC0415
+
+    trace = list(read_trace(path))  # parsed once, outside every timed loop
+    records: list[dict] = []
+    for _ in range(_WARMUP.value):
+        run_ours(trace, algo)
+    ours_runs, vllm_runs = [], []
+    vllm_out = None
+    for r in range(_REPEAT.value):
+        ours_runs.append(run_ours(trace, algo, records if r == 0 else None))
+        if _VLLM_PYTHON.value:
+            if r == 0:
+                vllm_out = os.path.join(_TRACE_DIR.value, f"{name}.{algo}.vllm.jsonl")
+            vllm_runs.append(run_vllm(path, algo, vllm_out if r == 0 else None))
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    s0 = ours_runs[0]
+    loop = med([s["timing"]["loop_s"] for s in ours_runs])
+    result = {
+        "workload": name,
+        "hash_algo": algo,
+        "requests": s0["requests"],
+        "prompt_tokens": s0["prompt_tokens"],
+        "hit_tokens": s0["hit_tokens"],
+        "hit_rate_tokens": s0["hit_rate_tokens"],
+        "evictions": s0["evictions"],
+        "failed": s0["failed"],
+        "ours": {
+            "loop_s": loop,
+            "hashing_s": med([s["timing"]["hashing_s"] for s in ours_runs]),
+            "manager_s": med([s["timing"]["manager_s"] for s in ours_runs]),
+            "loop_s_runs": [s["timing"]["loop_s"] for s in ours_runs],
+            "requests_per_s": s0["requests"] / loop,
+            "prompt_tokens_per_s": s0["prompt_tokens"] / loop,
+        },
+    }
+    if vllm_runs:
+        v0 = vllm_runs[0]
+        vt = lambda k: med([v["timing"][k] for v in vllm_runs])  # noqa: E731
+        vhash = med([v["timing"]["request_build_s"] + v["timing"]["append_s"] for v in vllm_runs])
+        result["vllm"] = {
+            "loop_s": vt("loop_s"),
+            "hashing_s": vhash,  # Request construction (prompt hashing) + appends
+            "manager_s": vt("manager_s"),
+            "loop_s_runs": [v["timing"]["loop_s"] for v in vllm_runs],
+            "requests_per_s": v0["requests"] / vt("loop_s"),
+            "prompt_tokens_per_s": v0["prompt_tokens"] / vt("loop_s"),
+            "hit_tokens": v0["hit_tokens"],
+        }
+        result["hit_tokens_equal"] = v0["hit_tokens"] == s0["hit_tokens"]
+        result["records_identical"] = records_identical(records, vllm_out)
+        result["speedup_loop"] = med(
+            [v["timing"]["loop_s"] / o["timing"]["loop_s"] for v, o in zip(vllm_runs, ours_runs)]
+        )
+        result["speedup_manager"] = med(
+            [v["timing"]["manager_s"] / o["timing"]["manager_s"]
+             for v, o in zip(vllm_runs, ours_runs)]
+        )
+        result["speedup_hashing"] = vhash / result["ours"]["hashing_s"]
+    return result
+
+
+def _line(r: dict) -> str:
+    o = r["ours"]
+    s = (
+        f"{r['workload']:>22} {r['hash_algo']:>11}: {o['requests_per_s']:9.0f} req/s "
+        f"{o['prompt_tokens_per_s'] / 1e6:6.2f} M prompt tok/s | loop {o['loop_s']:.3f}s = "
+        f"hashing {o['hashing_s']:.3f}s + manager {o['manager_s']:.3f}s (+ loop overhead) | "
+        f"hit rate {r['hit_rate_tokens']:.3f}"
+    )
+    if "vllm" in r:
+        v = r["vllm"]
+        s += (
+            f"\n{'':>36}vLLM loop {v['loop_s']:.3f}s (hashing {v['hashing_s']:.3f}s, manager "
+            f"{v['manager_s']:.3f}s) -> x{r['speedup_loop']:.2f} loop, x{r['speedup_hashing']:.2f} "
+            f"hashing, x{r['speedup_manager']:.2f} manager; hits equal: {r['hit_tokens_equal']}, "
+            f"records identical: {r['records_identical']}"
+        )
+    return s
+
+
+def main(argv):
+    del argv
+    from experiments import _common  # noqa: PLC0415
+
+    paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
+    results = []
+    for name in _WORKLOADS.value:
+        for algo in _ALGOS.value:
+            r = bench_one(name, paths[name], algo)
+            results.append(r)
+            print(_line(r), flush=True)
+    summary = {
+        "benchmark": "bench_manager",
+        "num_blocks_vllm": _NUM_BLOCKS.value,
+        "num_blocks_ours": _NUM_BLOCKS.value - 1,
+        "block_size": _BLOCK_SIZE.value,
+        "concurrency": _CONCURRENCY.value,
+        "free_order": _FREE_ORDER.value,
+        "repeat": _REPEAT.value,
+        "results": results,
+        "provenance": _common.provenance(None, seed=_SEED.value),
+    }
+    if any("speedup_loop" in r for r in results):
+        summary["min_speedup_loop"] = min(r["speedup_loop"] for r in results)
+        summary["all_records_identical"] = all(r["records_identical"] for r in results)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)
