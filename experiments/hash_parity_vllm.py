@@ -11,6 +11,22 @@ rerun this script to regenerate them:
 
 Expected: a JSON line equal to the ``VLLM_VECTORS`` literal of the test (with seed
 1234), plus ``default_roots`` (PYTHONHASHSEED unset semantics for the sha256 variants).
+
+``--bench TRACE.jsonl [...]`` instead times block hashing of vLLM against
+``prefixcache.core.hashing`` in this one process (same interpreter, interleaved
+repetitions, digests checked equal first), on the traces of ``../shared/peers``:
+
+    python3 ../shared/peers/make_traces.py --out-dir /tmp/traces --seed 0
+    PYTHONHASHSEED=0 VLLM_LOGGING_STREAM=ext://sys.stderr \
+        ~/.cache/prefixcache-peers/vllm-venv/bin/python experiments/hash_parity_vllm.py \
+        --bench /tmp/traces/*.jsonl --max-requests 300 --repeat 5
+
+Two timings per trace and algorithm: ``prompt`` = the block hashes of every prompt
+(vLLM's ``get_request_block_hasher`` closure on prebuilt requests vs
+``BlockHasher.hash_token_blocks``); ``lifecycle`` = build the request, hash its prompt,
+then decode ``output_len`` tokens one at a time reading the block hashes after each
+(vLLM's ``Request`` vs ``prefixcache.core.request.Request``). Printed: seconds (median)
+and the ratio vLLM / ours (> 1: ours faster).
 """
 
 from __future__ import annotations
@@ -46,7 +62,138 @@ CASES = {
 }
 
 
+def _bench(paths: list[str], max_requests: int, repeat: int, block_size: int) -> None:
+    import gc
+    import statistics
+    import time
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from prefixcache.core.hashing import BlockHasher
+    from prefixcache.core.request import LoRARequest as PLoRA
+    from prefixcache.core.request import MultiModalFeature as PMM
+    from prefixcache.core.request import Request as PRequest
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    algos = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+    print(f"{'trace':22s} {'algo':12s} {'what':10s} {'vllm_s':>9s} {'ours_s':>9s} {'ratio':>6s}")
+    for path in paths:
+        with open(path) as f:
+            entries = [json.loads(line) for line, _ in zip(f, range(max_requests))]
+        lora_ids: dict = {}
+
+        def vllm_kwargs(e):
+            lora = None
+            if e.get("lora"):
+                name, lpath = e["lora"]
+                lora = LoRARequest(
+                    lora_name=name,
+                    lora_int_id=lora_ids.setdefault(name, len(lora_ids) + 1),
+                    lora_path=lpath,
+                )
+            mm = [
+                MultiModalFeatureSpec(
+                    data=None, modality="image", identifier=i,
+                    mm_position=PlaceholderRange(offset=o, length=n), mm_hash=i,
+                )
+                for i, o, n in sorted(e.get("mm") or [], key=lambda x: x[1])
+            ]
+            return dict(
+                request_id=e["id"], prompt_token_ids=e["prompt"],
+                sampling_params=SamplingParams(max_tokens=max(1, e["output_len"])),
+                pooling_params=None, arrival_time=0.0, mm_features=mm or None,
+                lora_request=lora, cache_salt=e.get("cache_salt"),
+            )
+
+        ours_in = [
+            (
+                e["prompt"],
+                dict(
+                    lora=PLoRA(*e["lora"]) if e.get("lora") else None,
+                    mm_features=[PMM(*m) for m in e.get("mm") or []],
+                    cache_salt=e.get("cache_salt"),
+                ),
+                e["output_len"],
+            )
+            for e in entries
+        ]
+        vkw = [vllm_kwargs(e) for e in entries]
+        name = os.path.basename(path).removesuffix(".jsonl")
+        for algo in algos:
+            hash_fn = get_hash_fn_by_name(algo)
+            kv_cache_utils.init_none_hash(hash_fn)
+            vfn = kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
+            hasher = BlockHasher(algo)  # same PYTHONHASHSEED -> same root
+            assert hasher.root == kv_cache_utils.NONE_HASH, "set PYTHONHASHSEED"
+            vreqs = [Request(block_hasher=None, **kw) for kw in vkw]
+            for vr, (prompt, kw, _) in zip(vreqs, ours_in):  # parity on the real trace
+                assert vfn(vr) == hasher.hash_token_blocks(prompt, block_size, **kw)
+
+            def vllm_prompt():
+                for vr in vreqs:
+                    vfn(vr)
+
+            def ours_prompt():
+                for prompt, kw, _ in ours_in:
+                    hasher.hash_token_blocks(prompt, block_size, **kw)
+
+            def vllm_life():
+                for kw in vkw:
+                    r = Request(block_hasher=vfn, **kw)
+                    for t in range(kw["sampling_params"].max_tokens):
+                        r.append_output_token_ids(1 + t)
+                        r.block_hashes
+
+            def ours_life():
+                for prompt, kw, out_len in ours_in:
+                    r = PRequest(0, prompt, hasher=hasher, block_size=block_size, **kw)
+                    r.block_hashes
+                    for t in range(max(1, out_len)):
+                        r.append_output_token_ids(1 + t)
+                        r.block_hashes
+
+            for what, fv, fo in (("prompt", vllm_prompt, ours_prompt),
+                                 ("lifecycle", vllm_life, ours_life)):
+                tv, to = [], []
+                gc.collect()
+                gc.disable()
+                try:
+                    for _ in range(repeat):  # interleaved
+                        t0 = time.perf_counter()
+                        fv()
+                        t1 = time.perf_counter()
+                        fo()
+                        t2 = time.perf_counter()
+                        tv.append(t1 - t0)
+                        to.append(t2 - t1)
+                finally:
+                    gc.enable()
+                ratio = statistics.median(a / b for a, b in zip(tv, to))
+                print(
+                    f"{name:22s} {algo:12s} {what:10s} {statistics.median(tv):9.4f} "
+                    f"{statistics.median(to):9.4f} {ratio:6.2f}",
+                    flush=True,
+                )
+
+
 def main() -> None:
+    if "--bench" in sys.argv:
+        import argparse
+
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--bench", nargs="+", required=True, metavar="TRACE")
+        ap.add_argument("--max-requests", type=int, default=300)
+        ap.add_argument("--repeat", type=int, default=5)
+        ap.add_argument("--block-size", type=int, default=16)
+        a = ap.parse_args()
+        if os.environ.get("PYTHONHASHSEED") is None:
+            sys.exit("set PYTHONHASHSEED (both sides must share the xxhash roots)")
+        _bench(a.bench, a.max_requests, a.repeat, a.block_size)
+        return
     if os.environ.get("PYTHONHASHSEED") is None:
         sys.exit("set PYTHONHASHSEED (the seed the vectors are pinned with)")
     from vllm.lora.request import LoRARequest

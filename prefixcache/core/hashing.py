@@ -17,12 +17,13 @@ A block's digest is ``H(serialize((parent_digest, tuple(token_ids), extra_keys))
   fresh random bytes (hex) for the xxhash variants (a predictable seed would let an
   attacker precompute collisions of a non-cryptographic hash).
 
-The hot path (`BlockHasher.hash_token_blocks`) does not build Python tuples and call the
-generic serializers per block: it encodes all token ids of a sequence at once with numpy
-into the exact bytes those serializers would write, then per block only glues a
-constant header, the parent digest, the block's slice of token bytes and the
-(per-request cached) extra-keys bytes together and hashes them. Tests pin these
-encoders byte for byte to ``pickle.dumps`` / ``cbor2.dumps(canonical=True)``.
+The hot path (`BlockHasher.hash_token_blocks`) does not build a Python tuple and call
+the generic serializer per block. It writes the serialized keys of all blocks of a
+sequence at once with numpy, exactly as those serializers would (a constant head with a
+hole for the parent digest, each token's CBOR item / pickle opcode, the close of the
+token tuple and the extra keys), then walks the chain: per block it copies the parent
+digest into the hole and hashes a slice. Tests pin every message byte for byte to
+``pickle.dumps`` / ``cbor2.dumps(canonical=True)`` of the key tuple.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import hashlib
 import operator
 import os
 import pickle
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -79,21 +81,36 @@ _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 # Largest pickle frame we assemble ourselves. pickle starts a new frame once a frame
 # reaches 64 KiB (FRAME_SIZE_TARGET); bigger keys go through pickle.dumps itself.
 _MAX_FAST_PICKLE_FRAME = 64 * 1024 - 64
+# Below this many blocks the per-call numpy overhead outweighs its per-block savings
+# (decode appends one block at a time): serialize those blocks one by one.
+_MIN_VECTOR_BLOCKS = 4
+# Bound of the per-hasher cache of serialized extra keys (cleared when full).
+_TAIL_CACHE_SIZE = 4096
+_UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
 
-# Class boundaries of unsigned ints by encoded width (used with searchsorted).
-_CBOR_BOUNDS = np.array([24, 256, 65536, 2**32], dtype=np.uint64)
-_CBOR_HEADER = np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8)
-_CBOR_PAYLOAD = np.array([0, 1, 2, 4, 8], dtype=np.int64)
-# pickle: BININT1 (<256), BININT2 (<65536), BININT (<2**31), then LONG1 with 5..9 bytes
-# (little-endian two's complement, minimal length, so a sign byte when the top bit is set).
-_PICKLE_BOUNDS = np.array(
-    [256, 65536, 2**31, 2**39, 2**47, 2**55, 2**63], dtype=np.uint64
-)
-_PICKLE_OPCODE = np.array([0x4B, 0x4D, 0x4A, 0x8A, 0x8A, 0x8A, 0x8A, 0x8A], np.uint8)
-_PICKLE_PAYLOAD = np.array([1, 2, 4, 5, 6, 7, 8, 9], dtype=np.int64)
-_PICKLE_IS_LONG1 = np.array([0, 0, 0, 1, 1, 1, 1, 1], dtype=bool)
+# The vectorised writer lays every token out in one little-endian u64 "row": the bytes
+# it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes), with a
+# u64 mask row marking which of the 8 bytes are real; one boolean compaction of all rows
+# then yields the serialized stream.
+def _mask_rows(masks: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(masks), 8), dtype=np.uint8)
+    for i, m in enumerate(masks):
+        out[i, : len(m)] = m
+    return out.view("<u8").reshape(-1)
+
+
+# CBOR unsigned ints < 2**32 by class (v < 24, < 256, < 65536, < 2**32): the head byte
+# is v itself, 0x18, 0x19 or 0x1a; the payload is the last 0/1/2/4 big-endian bytes.
+_CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.uint32)
+_CBOR_MASK = _mask_rows([[1], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
+_CBOR_LEN = np.array([1, 2, 3, 5], dtype=np.int64)
+# pickle ints < 2**31 by class (< 256, < 65536, < 2**31): BININT1 'K', BININT2 'M',
+# BININT 'J' with 1/2/4 little-endian payload bytes.
+_PICKLE_BOUNDS = np.array([256, 65536], dtype=np.uint32)
+_PICKLE_OPCODE = np.array([0x4B, 0x4D, 0x4A], dtype=np.uint64)
+_PICKLE_MASK = _mask_rows([[1, 1], [1, 1, 1], [1, 1, 1, 1, 1]])
+_PICKLE_LEN = np.array([2, 3, 5], dtype=np.int64)
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
-_MAX_UINT64 = 2**64 - 1
 
 
 def _fresh_str(s: str) -> str:
@@ -149,9 +166,7 @@ def canonical_extra_keys(extra_keys: Any) -> tuple | None:
     """
     if extra_keys is None:
         return None
-    if isinstance(extra_keys, (str, bytes)) or not isinstance(
-        extra_keys, (tuple, list)
-    ):
+    if not isinstance(extra_keys, (tuple, list)):
         raise ValueError(
             f"extra_keys must be None or a tuple of labelled tuples, got {extra_keys!r}"
         )
@@ -176,17 +191,34 @@ def _mm_fields(feature: Any) -> tuple[str, int, int]:
         identifier, offset, length = feature
     else:
         identifier, offset, length = feature.identifier, feature.offset, feature.length
-    return identifier, offset, length
+    return identifier, int(offset), int(length)
 
 
-def _lora_key(lora: Any) -> tuple | None:
+def _lora_pair(lora: Any) -> tuple[str, str] | None:
+    """(name, path) of a LoRA adapter (object with .name/.path, or a pair), or None."""
     if lora is None:
         return None
     if isinstance(lora, (tuple, list)):
         name, path = lora
     else:
         name, path = lora.name, lora.path
-    return (LORA_LABEL, _fresh_str(name), _fresh_str(path))
+    return name, path
+
+
+def _extras_from_parts(
+    lora_pair: tuple[str, str] | None,
+    mm: Sequence[tuple[str, int]],
+    salt: str | None,
+) -> tuple | None:
+    """Canonical extra keys from their parts, in vLLM's order (lora, mm..., salt)."""
+    keys = []
+    if lora_pair is not None:
+        keys.append((LORA_LABEL, _fresh_str(lora_pair[0]), _fresh_str(lora_pair[1])))
+    for identifier, rel_offset in mm:
+        keys.append((MM_LABEL, _fresh_str(identifier), rel_offset))
+    if salt:
+        keys.append((CACHE_SALT_LABEL, _fresh_str(salt)))
+    return tuple(keys) if keys else None
 
 
 def block_extra_keys(
@@ -216,120 +248,95 @@ def block_extra_keys(
     """
     if is_first_block is None:
         is_first_block = start == 0
-    keys = []
-    lora_key = _lora_key(lora)
-    if lora_key is not None:
-        keys.append(lora_key)
+    mm = []
     for feature in mm_features:
         identifier, offset, length = _mm_fields(feature)
         if offset >= end:
             break  # sorted by offset: nothing later overlaps either
         if offset + length > start:
-            keys.append((MM_LABEL, _fresh_str(identifier), int(offset) - start))
-    if is_first_block and cache_salt:
-        keys.append((CACHE_SALT_LABEL, _fresh_str(cache_salt)))
-    return tuple(keys) if keys else None
+            mm.append((identifier, offset - start))
+    return _extras_from_parts(
+        _lora_pair(lora), mm, cache_salt if is_first_block else None
+    )
 
 
-def _as_token_array(token_ids: Any) -> np.ndarray | None:
-    """Validated token ids as ``u64[n]``, or None when some id is >= 2**63.
+def _first_bad_token(token_ids: Any) -> str:
+    """Why a token sequence is invalid (message), or "" when every id is an int >= 0."""
+    for i, t in enumerate(token_ids):
+        try:
+            v = operator.index(t)
+        except TypeError:
+            return f"token ids must be ints, got [{i}] = {t!r}"
+        if v < 0:
+            return f"negative token id [{i}] = {v}"
+    return ""
+
+
+def _canonical_tokens(token_ids: Any) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints (the generic path), validated.
+
+    NOTE: values only: numpy ints (and bools, an int subclass) enter as the Python int
+    of the same value, since pickle would write them differently.
+    """
+    if isinstance(token_ids, array.array) and token_ids.typecode in "BHILQ":
+        return tuple(token_ids)
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise ValueError(
+                f"token ids must be a 1-D array of integers, got dtype {token_ids.dtype} "
+                f"shape {token_ids.shape}"
+            )
+        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
+            raise ValueError(f"negative token id {int(token_ids.min())}")
+        return tuple(token_ids.tolist())
+    n = len(token_ids)
+    try:
+        # struct checks every id at C speed and unpacks to exact Python ints.
+        return struct.unpack(f"<{n}Q", struct.pack(f"<{n}Q", *token_ids))
+    except (struct.error, TypeError):
+        pass
+    bad = _first_bad_token(token_ids)
+    if bad:
+        raise ValueError(bad)
+    return tuple(int(operator.index(t)) for t in token_ids)  # ids >= 2**64
+
+
+def _as_u32(token_ids: Any) -> np.ndarray | None:
+    """Validated token ids as ``u32[n]``; None when some id is >= 2**32 (valid, but
+    only the generic path writes those).
+
+    Accepts a list/tuple of ints, an ``array.array`` of ints or an integer numpy
+    array; numpy ints (and bools) enter by value.
 
     Raises:
       ValueError: a negative or non-integer token id.
     """
+    if isinstance(token_ids, array.array):
+        if token_ids.typecode not in "bBhHiIlLqQ":
+            raise ValueError(f"token ids must be integers, got array of {token_ids.typecode!r}")
+        token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
         if token_ids.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
+        if not token_ids.size:
+            return np.zeros(0, dtype=np.uint32)
+        if token_ids.dtype.kind == "i" and token_ids.min() < 0:
             raise ValueError(f"negative token id {int(token_ids.min())}")
-        return token_ids.astype(np.uint64, copy=False)
+        if token_ids.dtype.itemsize > 4 and token_ids.max() >= 2**32:
+            return None
+        return token_ids.astype(np.uint32)
     try:
-        # NOTE: array.array rejects floats, strings and None at C speed; bool is an int
-        # subclass and enters by value (values-only semantics, like numpy ints).
-        arr = np.frombuffer(array.array("q", token_ids), dtype=np.int64)
-    except OverflowError:
-        return None  # ids beyond int64 (or hugely negative): generic path decides
-    except TypeError as e:
-        bad = next((t for t in token_ids if not _is_int(t)), None)
-        raise ValueError(f"token ids must be ints, got {bad!r}") from e
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"negative token id {int(arr.min())}")
-    return arr.view(np.uint64)
-
-
-def _is_int(value: Any) -> bool:
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _canonical_tokens(token_ids: Any) -> tuple[int, ...]:
-    """Token ids as a tuple of Python ints (the generic path), validated."""
-    out = []
-    for t in token_ids:
-        try:
-            v = operator.index(t)
-        except TypeError:
-            raise ValueError(f"token ids must be ints, got {t!r}") from None
-        if v < 0:
-            raise ValueError(f"negative token id {v}")
-        out.append(int(v))
-    return tuple(out)
-
-
-def encode_tokens_cbor(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """Canonical CBOR encodings of unsigned ints, concatenated.
-
-    Args:
-      tokens: u64[n] token ids.
-
-    Returns:
-      (data, offsets): ``data[offsets[i]:offsets[i+1]] == cbor2.dumps(int(tokens[i]),
-      canonical=True)``; ``offsets: i64[n + 1]``.
-    """
-    n = tokens.shape[0]
-    cls = np.searchsorted(_CBOR_BOUNDS, tokens, side="right")
-    payload = _CBOR_PAYLOAD[cls]
-    rows = np.empty((n, 9), dtype=np.uint8)
-    rows[:, 1:] = tokens.astype(">u8").view(np.uint8).reshape(n, 8)
-    rows[:, 0] = np.where(cls == 0, tokens.astype(np.uint8), _CBOR_HEADER[cls])
-    cols = np.arange(9)
-    mask = cols[None, :] >= (9 - payload)[:, None]
-    mask[:, 0] = True
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(payload + 1, out=offsets[1:])
-    return rows[mask].tobytes(), offsets
-
-
-def encode_tokens_pickle(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """pickle opcodes of non-negative ints (< 2**64) as ``pickle.dumps`` writes them.
-
-    Args:
-      tokens: u64[n] token ids.
-
-    Returns:
-      (data, offsets) with ``offsets: i64[n + 1]``: token i's opcode bytes (BININT1,
-      BININT2, BININT or LONG1) are ``data[offsets[i]:offsets[i+1]]``.
-    """
-    n = tokens.shape[0]
-    cls = np.searchsorted(_PICKLE_BOUNDS, tokens, side="right")
-    payload = _PICKLE_PAYLOAD[cls]
-    is_long = _PICKLE_IS_LONG1[cls]
-    rows = np.zeros((n, 11), dtype=np.uint8)
-    rows[:, 0] = _PICKLE_OPCODE[cls]
-    rows[:, 1] = payload  # LONG1's byte count; dropped for the BININT opcodes
-    rows[:, 2:10] = tokens.astype("<u8").view(np.uint8).reshape(n, 8)
-    cols = np.arange(11)
-    mask = (cols[None, :] >= 2) & (cols[None, :] < (2 + payload)[:, None])
-    mask[:, 0] = True
-    mask[:, 1] = is_long
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(1 + payload + is_long, out=offsets[1:])
-    return rows[mask].tobytes(), offsets
+        # NOTE: struct.pack checks every id at C speed: ints (and __index__ types such
+        # as numpy ints) in [0, 2**32) pass; floats, str, None and negatives fail.
+        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except (struct.error, TypeError):
+        bad = _first_bad_token(token_ids)
+        if bad:
+            raise ValueError(bad) from None
+        return None  # only ids >= 2**32
+    return np.frombuffer(packed, dtype=np.uint32)
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -346,12 +353,31 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([m | 27]) + n.to_bytes(8, "big")
 
 
+def _const_rows(data: bytes, num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``data`` as u64 rows (8 bytes each, zero padded) and their byte masks.
+
+    Returns:
+      (rows u64[r], mask u64[r]) with r = num_rows or ceil(len(data) / 8).
+    """
+    r = -(-len(data) // 8) if num_rows is None else num_rows
+    rows = np.zeros(r * 8, dtype=np.uint8)
+    rows[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    mask = np.zeros(r * 8, dtype=np.uint8)
+    mask[: len(data)] = 1
+    return rows.view("<u8"), mask.view("<u8")
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
 class BlockHasher:
     """Computes vLLM-compatible block digests for one algorithm and chain root.
 
     Invariants: ``root == H(serialize(seed))`` is fixed at construction; every digest is
     a pure function of (algo, root, parent digest, token ids, extra key values), so two
     hashers with equal ``algo`` and ``root`` are interchangeable (they compare equal).
+    The only state besides is a bounded cache of serialized extra keys (values -> bytes).
 
     Attributes:
       algo: one of HASH_ALGOS.
@@ -367,8 +393,8 @@ class BlockHasher:
         "_digest",
         "_is_cbor",
         "_digest_size",
-        "_pickle_parent_head",
-        "_cbor_parent_head",
+        "_tail_cache",
+        "_plan_cache",
     )
 
     def __init__(self, algo: str = "sha256", seed: Any = None):
@@ -391,7 +417,7 @@ class BlockHasher:
                     f"hash algorithm {algo!r} needs the 'xxhash' package "
                     "(>= 3.0, with xxh3_128_digest): pip install xxhash"
                 )
-            self._digest: Callable[[bytes], bytes] = _xxhash.xxh3_128_digest
+            self._digest: Callable[[Any], bytes] = _xxhash.xxh3_128_digest
             self._digest_size = 16
         else:
             self._digest = _sha256_digest
@@ -410,9 +436,9 @@ class BlockHasher:
             seed_str = str(seed)
         self._seed = seed_str
         self._root = self._digest(self.serialize(seed_str))
-        ds = self._digest_size
-        self._pickle_parent_head = b"C" + bytes([ds])  # SHORT_BINBYTES
-        self._cbor_parent_head = _cbor_head(2, ds)
+        # Bounded caches of serialized extra keys (pure functions of values).
+        self._tail_cache: dict = {}
+        self._plan_cache: dict = {}
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -492,32 +518,7 @@ class BlockHasher:
         """
         return self._digest(self.serialize(self.block_key(parent, token_ids, extra_keys)))
 
-    # -- fast path ------------------------------------------------------------------
-    def _extra_tail(self, extra: tuple | None) -> bytes | None:
-        """Bytes of the key after the token tuple, or None when not assemblable.
-
-        pickle: the extra keys' opcodes + TUPLE3 + MEMOIZE + STOP; cbor: the extra keys'
-        encoding. NOTE (pickle): the extra keys' memo indices only depend on how many
-        objects were memoised before them (always 2: the parent bytes and the token
-        tuple), so their opcodes are cut out of a key with a dummy parent and a one-token
-        tuple and reused verbatim.
-        """
-        if self._is_cbor:
-            return b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
-        if extra is None:
-            return b"N\x87\x94."
-        dummy = pickle.dumps(
-            (bytes(self._digest_size), (0,), extra), protocol=_PICKLE_PROTOCOL
-        )
-        frame_len = int.from_bytes(dummy[3:11], "little")
-        if dummy[:3] != b"\x80" + bytes([_PICKLE_PROTOCOL]) + b"\x95" or frame_len != len(
-            dummy
-        ) - 11:
-            return None  # several frames or out-of-band data: no splicing
-        head = 11 + 2 + self._digest_size + 1 + 4  # frame, C+len, parent, MEMOIZE, K\0\x85\x94
-        assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
-        return dummy[head:]
-
+    # -- whole sequences ------------------------------------------------------------
     def hash_token_blocks(
         self,
         token_ids: Sequence[int] | np.ndarray,
@@ -532,11 +533,12 @@ class BlockHasher:
         """Digests of the full blocks ``start_block, start_block + 1, ...`` of a sequence.
 
         A pure function: equal to chaining ``hash_block`` with ``block_extra_keys`` over
-        the blocks. Tokens after the last full block are ignored.
+        the blocks. Tokens after the last full block are ignored (but validated).
 
         Args:
-          token_ids: the whole sequence (list of ints or ``int[n]`` array); only
-            ``token_ids[start_block * block_size:]`` is read.
+          token_ids: the whole sequence (list/tuple of ints, ``array.array`` or integer
+            numpy array ``int[n]``); only ``token_ids[start_block * block_size:]`` is
+            read, so hashing new blocks of a long sequence costs O(new tokens).
           block_size: tokens per block, > 0.
           lora: None, a LoRARequest (``.name``, ``.path``) or a (name, path) pair.
           mm_features: multimodal items (``.identifier``, ``.offset``, ``.length`` or
@@ -555,162 +557,297 @@ class BlockHasher:
             raise ValueError(f"block_size must be an int, got {block_size!r}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if isinstance(start_block, bool) or not isinstance(start_block, (int, np.integer)):
+            raise ValueError(f"start_block must be an int, got {start_block!r}")
         if start_block < 0:
             raise ValueError(f"start_block must be >= 0, got {start_block}")
-        block_size = int(block_size)
+        block_size, start_block = int(block_size), int(start_block)
         lo = start_block * block_size
-        num_blocks = max(0, (len(token_ids) - lo) // block_size)
-        if num_blocks == 0:
-            # Still validate what was given (the ids are part of the contract).
-            if not isinstance(token_ids, np.ndarray):
-                _canonical_tokens(token_ids[lo:])
-            else:
-                _as_token_array(token_ids[lo:])
-            return []
-        hi = lo + num_blocks * block_size
-        tokens = _as_token_array(token_ids[lo:hi])
-        # Validate what is beyond the last full block too (cheap, keeps errors uniform).
-        rest = token_ids[hi:]
-        if len(rest):
-            if isinstance(rest, np.ndarray):
-                _as_token_array(rest)
-            else:
-                _canonical_tokens(rest)
-        parent_bytes = self._parent_bytes(parent)
-        extras = self._extra_keys_per_block(
-            num_blocks, block_size, start_block, lora, mm_features, cache_salt
-        )
-        if tokens is None:  # ids >= 2**63: generic path
+        tokens = token_ids[lo:]
+        num_blocks = len(tokens) // block_size
+        parent = self._parent_bytes(parent)
+        if num_blocks < _MIN_VECTOR_BLOCKS:
             return self._hash_blocks_generic(
-                token_ids[lo:hi], block_size, parent_bytes, extras
+                tokens, num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
             )
-        if self._is_cbor:
-            return self._hash_blocks_cbor(tokens, block_size, parent_bytes, extras)
-        return self._hash_blocks_pickle(tokens, block_size, parent_bytes, extras)
+        u32 = _as_u32(tokens)  # validates every id, the partial block's too
+        if u32 is None:  # ids >= 2**32
+            return self._hash_blocks_generic(
+                tokens, num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
+            )
+        out: list[bytes] = []
+        if len(parent) != self._digest_size:
+            # A parent of foreign length (not one of our digests): first block apart.
+            out = self._hash_blocks_generic(
+                tokens[:block_size], 1, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
+            )
+            parent = out[0]
+            tokens, u32 = tokens[block_size:], u32[block_size:]
+            num_blocks -= 1
+            start_block += 1
+        fast = self._hash_blocks_vectorised(
+            u32[: num_blocks * block_size], num_blocks, block_size, start_block,
+            parent, lora, mm_features, cache_salt,
+        )
+        if fast is None:  # pickle ids >= 2**31, huge frames, unspliceable extra keys
+            fast = self._hash_blocks_generic(
+                tokens, num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
+            )
+        return out + fast
 
-    def _extra_keys_per_block(
-        self, num_blocks, block_size, start_block, lora, mm_features, cache_salt
-    ) -> list[tuple | None] | None:
-        """Extra keys of each block, or None when no block has any."""
-        if lora is None and not mm_features and not (cache_salt and start_block == 0):
-            return None
+    def _hash_blocks_generic(
+        self, tokens, num_blocks, block_size, start_block, parent,
+        lora, mm_features, cache_salt,
+    ) -> list[bytes]:
+        """The spec, block by block: serialize the key tuple and hash it."""
+        ids = _canonical_tokens(tokens)  # validates the partial tail too
         features = sorted((_mm_fields(f) for f in mm_features), key=lambda f: f[1])
-        out = []
-        for b in range(start_block, start_block + num_blocks):
-            start = b * block_size
-            out.append(
-                block_extra_keys(
-                    start,
-                    start + block_size,
-                    lora=lora,
-                    mm_features=features,
-                    cache_salt=cache_salt,
-                    is_first_block=b == 0,
-                )
-            )
-        return out
-
-    def _hash_blocks_generic(self, tokens, block_size, parent, extras) -> list[bytes]:
         digest, serialize = self._digest, self.serialize
-        ids = _canonical_tokens(tokens)
         out = []
-        for i in range(len(ids) // block_size):
-            extra = None if extras is None else extras[i]
+        for i in range(num_blocks):
+            b = start_block + i
+            start = b * block_size
+            extra = block_extra_keys(
+                start, start + block_size, lora=lora, mm_features=features,
+                cache_salt=cache_salt, is_first_block=b == 0,
+            )
             parent = digest(
                 serialize((parent, ids[i * block_size : (i + 1) * block_size], extra))
             )
             out.append(parent)
         return out
 
-    def _tails(self, extras: list | None, num_blocks: int) -> list[bytes | None]:
-        """Per-block tail bytes (see `_extra_tail`), one encoding per distinct key."""
-        if extras is None:
-            return [self._extra_tail(None)] * num_blocks
-        cache: dict = {}
-        out = []
-        for extra in extras:
-            tail = cache.get(extra, cache)
-            if tail is cache:
-                tail = cache[extra] = self._extra_tail(extra)
-            out.append(tail)
-        return out
+    # -- vectorised path ------------------------------------------------------------
+    def _extra_tail(self, extra: tuple | None) -> bytes | None:
+        """Serialized bytes of the key after the token tuple, or None if not spliceable.
 
-    def _hash_blocks_cbor(self, tokens, block_size, parent, extras) -> list[bytes]:
-        data, offsets = encode_tokens_cbor(tokens)
-        starts = offsets[::block_size].tolist()
-        num_blocks = len(starts) - 1
-        tails = self._tails(extras, num_blocks)
-        digest = self._digest
-        parent_head = b"\x83" + self._cbor_parent_head  # array(3), bytes(digest_size)
-        array_head = _cbor_head(4, block_size)
-        out = []
-        if len(parent) != self._digest_size:  # a foreign parent: generic first block
-            parent = digest(
-                b"\x83"
-                + _cbor_head(2, len(parent))
-                + parent
-                + array_head
-                + data[starts[0] : starts[1]]
-                + tails[0]
-            )
-            out.append(parent)
-            first = 1
-        else:
-            first = 0
-        for i in range(first, num_blocks):
-            parent = digest(
-                parent_head
-                + parent
-                + array_head
-                + data[starts[i] : starts[i + 1]]
-                + tails[i]
-            )
-            out.append(parent)
-        return out
+        cbor: the extra keys' encoding (``0xf6`` for None). pickle: the extra keys'
+        opcodes + TUPLE3 + MEMOIZE + STOP. NOTE (pickle): the extra keys' memo indices
+        only depend on how many objects were memoised before them (always 2: the parent
+        bytes and the token tuple), so their opcodes are cut out of a key with a dummy
+        parent and a one-token tuple and reused verbatim.
+        """
+        if self._is_cbor:
+            return b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
+        if extra is None:
+            return b"N\x87\x94."
+        dummy = pickle.dumps(
+            (bytes(self._digest_size), (0,), extra), protocol=_PICKLE_PROTOCOL
+        )
+        frame_len = int.from_bytes(dummy[3:11], "little")
+        if dummy[:3] != bytes([0x80, _PICKLE_PROTOCOL, 0x95]) or frame_len != len(dummy) - 11:
+            return None  # several frames or out-of-band data: no splicing
+        head = 11 + 2 + self._digest_size + 1 + 4  # frame, C+len, parent, MEMOIZE, K\0\x85\x94
+        assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
+        return dummy[head:]
 
-    def _hash_blocks_pickle(self, tokens, block_size, parent, extras) -> list[bytes]:
-        data, offsets = encode_tokens_pickle(tokens)
-        starts = offsets[::block_size].tolist()
-        num_blocks = len(starts) - 1
-        tails = self._tails(extras, num_blocks)
-        digest = self._digest
-        if block_size <= 3:
-            tup_open, tup_close = b"", _PICKLE_TUPLE_N[block_size] + b"\x94"
+    def _tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
+        """Cached `_extra_tail` of the extra keys built from their parts."""
+        key = (lora_pair, mm, salt or None)
+        cache = self._tail_cache
+        tail = cache.get(key, cache)
+        if tail is cache:
+            if len(cache) >= _TAIL_CACHE_SIZE:
+                cache.clear()
+            tail = cache[key] = self._extra_tail(_extras_from_parts(lora_pair, mm, salt))
+        return tail
+
+    def _tail_plan(self, num_blocks, bs, start_block, lora, mm_features, cache_salt, close):
+        """Serialized extra keys of each block, as u64 rows for `_write_keys`.
+
+        The plan for a request's shape (LoRA, multimodal items, salt, block size) is
+        cached on the hasher, so requests that share it (the same image and adapter at
+        the same place) skip all per-block Python work.
+
+        Returns:
+          None when some extra keys cannot be spliced (the generic path must write them),
+          else (rows <u8[U, t], mask <u8[U, t], lens i64[U], tail_ids intp[num_blocks]
+          or None): block i's suffix (``close`` + extra keys) is row ``tail_ids[i]``
+          (row 0 for every block when tail_ids is None).
+        """
+        lora_pair = _lora_pair(lora)
+        salt = cache_salt if (cache_salt and start_block == 0) else None
+        lo = start_block * bs
+        feats = tuple(
+            sorted(
+                (f for f in map(_mm_fields, mm_features) if f[1] + f[2] > lo),
+                key=lambda f: f[1],
+            )
+        )
+        # Without items or salt the plan does not depend on where the blocks start.
+        key = (lora_pair, feats, salt, start_block if (feats or salt) else -1, bs, close)
+        cache = self._plan_cache
+        plan = cache.get(key)
+        if plan is None:
+            plan = self._make_tail_plan(lora_pair, feats, salt, start_block, bs, close)
+            if len(cache) >= _TAIL_CACHE_SIZE:
+                cache.clear()
+            cache[key] = plan
+        if plan is _UNSPLICEABLE:
+            return None
+        rows, mask, lens, positions, ids = plan
+        if positions is None:
+            return rows, mask, lens, None
+        tail_ids = np.zeros(num_blocks, dtype=np.intp)
+        sel = positions < num_blocks
+        tail_ids[positions[sel]] = ids[sel]
+        return rows, mask, lens, tail_ids
+
+    def _make_tail_plan(self, lora_pair, feats, salt, start_block, bs, close):
+        special: dict[int, list] = {}
+        for identifier, offset, length in feats:
+            for b in range(max(offset // bs, start_block), (offset + length - 1) // bs + 1):
+                special.setdefault(b, []).append((identifier, offset - b * bs))
+        if salt is not None:
+            special.setdefault(0, [])
+        tails = [self._tail(lora_pair, (), None)]
+        index: dict = {tails[0]: 0}
+        positions, ids = [], []
+        for b, mm in sorted(special.items()):
+            tail = self._tail(lora_pair, tuple(mm), salt if b == 0 else None)
+            k = index.get(tail)
+            if k is None:
+                k = index[tail] = len(tails)
+                tails.append(tail)
+            positions.append(b - start_block)
+            ids.append(k)
+        if any(t is None for t in tails):
+            return _UNSPLICEABLE
+        suffixes = [close + t for t in tails]
+        width = 8 * max(-(-len(x) // 8) for x in suffixes)
+        rows = np.frombuffer(
+            b"".join(x.ljust(width, b"\0") for x in suffixes), dtype="<u8"
+        ).reshape(len(suffixes), width // 8)
+        mask = np.frombuffer(
+            b"".join(b"\1" * len(x) + b"\0" * (width - len(x)) for x in suffixes),
+            dtype="<u8",
+        ).reshape(len(suffixes), width // 8)
+        lens = np.array([len(x) for x in suffixes], dtype=np.int64)
+        lens.flags.writeable = False
+        if not positions:
+            return rows, mask, lens, None, None
+        pos = np.array(positions, dtype=np.intp)
+        kid = np.array(ids, dtype=np.intp)
+        pos.flags.writeable = kid.flags.writeable = False
+        return rows, mask, lens, pos, kid
+
+    def _hash_blocks_vectorised(
+        self, u32, num_blocks, block_size, start_block, parent,
+        lora, mm_features, cache_salt,
+    ) -> list[bytes] | None:
+        """All full blocks at once; None when only the generic path can write them."""
+        ds = self._digest_size
+        if self._is_cbor:
+            # array(3) [bytes(parent), array(block_size) [uint...], extra keys]
+            head = b"\x83" + _cbor_head(2, ds)
+            hole = len(head)
+            head += bytes(ds) + _cbor_head(4, block_size)
+            close = b""
         else:
-            tup_open, tup_close = b"(", b"t\x94"  # MARK ... TUPLE, MEMOIZE
-        proto = b"\x80" + bytes([_PICKLE_PROTOCOL]) + b"\x95"  # PROTO, FRAME
-        parent_head = self._pickle_parent_head
-        # Frame payload bytes besides the token opcodes and the tail:
-        # C, len, parent, MEMOIZE, tuple open/close.
-        fixed = 2 + self._digest_size + 1 + len(tup_open) + len(tup_close)
-        mid = b"\x94" + tup_open
-        out = []
-        for i in range(num_blocks):
-            tail = tails[i]
-            body = data[starts[i] : starts[i + 1]]
-            frame_len = fixed + len(body) + (0 if tail is None else len(tail))
-            if (
-                tail is None
-                or frame_len > _MAX_FAST_PICKLE_FRAME
-                or len(parent) != self._digest_size
-            ):
-                extra = None if extras is None else extras[i]
-                key = (parent, _canonical_tokens(tokens[i * block_size : (i + 1) * block_size]), extra)
-                parent = digest(pickle.dumps(key, protocol=_PICKLE_PROTOCOL))
+            if u32.size and u32.max() >= 2**31:
+                return None  # LONG1 opcodes: generic path
+            # PROTO 5, FRAME len8, SHORT_BINBYTES len parent, MEMOIZE, [MARK] ints
+            # TUPLE/TUPLEn MEMOIZE, extra keys, TUPLE3 MEMOIZE STOP
+            head = bytes([0x80, _PICKLE_PROTOCOL, 0x95]) + bytes(8) + b"C" + bytes([ds])
+            hole = len(head)
+            head += bytes(ds) + b"\x94"
+            if block_size <= 3:
+                close = _PICKLE_TUPLE_N[block_size] + b"\x94"
             else:
-                parent = digest(
-                    proto
-                    + frame_len.to_bytes(8, "little")
-                    + parent_head
-                    + parent
-                    + mid
-                    + body
-                    + tup_close
-                    + tail
-                )
-            out.append(parent)
+                head += b"("
+                close = b"t\x94"
+        plan = self._tail_plan(
+            num_blocks, block_size, start_block, lora, mm_features, cache_salt, close
+        )
+        if plan is None:
+            return None
+        buf, ends = self._write_keys(u32, num_blocks, block_size, head, *plan)
+        if buf is None:
+            return None
+        mv = memoryview(buf)
+        out = []
+        append = out.append
+        a = 0
+        # NOTE: the chain is inherently sequential; each step is one slice assignment
+        # and one digest call over a precomputed message. SHA-256 is called directly
+        # (no Python-level wrapper frame) since this loop is the hot path.
+        if self._digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            for b in ends:
+                h = a + hole
+                mv[h : h + ds] = parent
+                parent = sha256(mv[a:b]).digest()
+                append(parent)
+                a = b
+        else:
+            digest = self._digest
+            for b in ends:
+                h = a + hole
+                mv[h : h + ds] = parent
+                parent = digest(mv[a:b])
+                append(parent)
+                a = b
         return out
 
+    def _write_keys(self, u32, nb, bs, head, suffix_rows, suffix_mask, suffix_lens, tail_ids):
+        """Serialized keys of ``nb`` blocks, back to back, parent holes zero.
 
-def _sha256_digest(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+        Args:
+          u32: u32[nb * bs] token ids (< 2**31 for pickle).
+          head: bytes before the token items (with a hole for the parent).
+          suffix_rows, suffix_mask: <u8[U, t] the distinct suffixes (token tuple close +
+            extra keys) as rows and byte masks; suffix_lens: i64[U] their lengths.
+          tail_ids: intp[nb], block i's suffix; None: suffix 0 for every block.
+
+        Returns:
+          (buf, ends): a bytearray and the end offset of each block's message (list of
+          nb ints; block i spans ``ends[i-1]:ends[i]``); (None, None) when a pickle frame
+          would be too long to assemble ourselves.
+        """
+        if self._is_cbor:
+            cls = np.searchsorted(_CBOR_BOUNDS, u32, side="right")
+            first = np.where(u32 < 24, u32, cls + 0x17).astype(np.uint64)  # v, 0x18..0x1a
+            # Reading big-endian bytes as little-endian: the integer with v's bytes
+            # reversed, whatever the host's byte order.
+            swapped = u32.astype(">u4").view("<u4").astype(np.uint64)
+            tok = first | (swapped << np.uint64(8))
+            tok_mask = _CBOR_MASK[cls]
+            tok_len = _CBOR_LEN[cls]
+        else:
+            cls = np.searchsorted(_PICKLE_BOUNDS, u32, side="right")
+            tok = _PICKLE_OPCODE[cls] | (u32.astype(np.uint64) << np.uint64(8))
+            tok_mask = _PICKLE_MASK[cls]
+            tok_len = _PICKLE_LEN[cls]
+        head_rows, head_mask = _const_rows(head)
+        p, t = head_rows.shape[0], suffix_rows.shape[1]
+        # NOTE: explicit little-endian rows: byte 0 of a row is its lowest byte.
+        rows = np.empty((nb, p + bs + t), dtype="<u8")
+        mask = np.empty((nb, p + bs + t), dtype="<u8")
+        rows[:, :p] = head_rows
+        mask[:, :p] = head_mask
+        rows[:, p : p + bs] = tok.reshape(nb, bs)
+        mask[:, p : p + bs] = tok_mask.reshape(nb, bs)
+        lens = tok_len.reshape(nb, bs).sum(axis=1)
+        lens += len(head)
+        if tail_ids is None:
+            rows[:, p + bs :] = suffix_rows[0]
+            mask[:, p + bs :] = suffix_mask[0]
+            lens += suffix_lens[0]
+        else:
+            rows[:, p + bs :] = suffix_rows[tail_ids]
+            mask[:, p + bs :] = suffix_mask[tail_ids]
+            lens += suffix_lens[tail_ids]
+        if not self._is_cbor:
+            frame = lens - 11  # everything after PROTO and the FRAME header
+            if frame.max() > _MAX_FAST_PICKLE_FRAME:
+                return None, None
+            # FRAME's 8-byte length sits in bytes 3..10 of the head: rows 0 and 1.
+            row01 = rows[:, :2].copy().view(np.uint8).reshape(nb, 16)
+            row01[:, 3:11] = frame.astype("<u8").view(np.uint8).reshape(nb, 8)
+            rows[:, :2] = row01.view("<u8").reshape(nb, 2)
+        buf = bytearray(rows.view(np.uint8)[mask.view(bool)])
+        return buf, np.cumsum(lens).tolist()

@@ -9,10 +9,14 @@ O(1) amortised and earlier blocks are never rehashed.
 
 from __future__ import annotations
 
+import array
 import operator
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from prefixcache.core.hashing import BlockHasher
 
@@ -75,7 +79,8 @@ class LoRARequest:
 
 
 class ReadOnlyList(Sequence):
-    """A read-only view of a list (vLLM's ConstantList): O(1) to create, follows the list.
+    """A read-only view of a list or array (vLLM's ConstantList): O(1) to create, follows
+    the underlying sequence.
 
     Slicing returns a plain list copy; iteration and ``len`` run at list speed.
     """
@@ -86,6 +91,8 @@ class ReadOnlyList(Sequence):
         self._x = x
 
     def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self._x[index])
         return self._x[index]
 
     def __len__(self) -> int:
@@ -102,46 +109,57 @@ class ReadOnlyList(Sequence):
 
     def __eq__(self, other) -> bool:
         if isinstance(other, ReadOnlyList):
-            return self._x == other._x
-        if isinstance(other, (list, tuple)):
-            return self._x == list(other)
-        return NotImplemented
+            other = other._x
+        elif not isinstance(other, (list, tuple)):
+            return NotImplemented
+        return len(self._x) == len(other) and all(a == b for a, b in zip(self._x, other))
 
     __hash__ = None  # mutable underneath
 
     def copy(self) -> list:
         return list(self._x)
 
+    tolist = copy
+
     def __repr__(self) -> str:
         return f"ReadOnlyList({self._x!r})"
 
 
-def _validated_token_list(name: str, token_ids: Any) -> list[int]:
-    """A fresh list of Python ints >= 0, or ValueError naming the first bad id."""
+def _validated_tokens(name: str, token_ids: Any) -> array.array:
+    """A fresh ``array('Q')`` of the token ids, or ValueError naming the first bad id.
+
+    NOTE: values only: numpy ints (and bools, an int subclass) are stored as the int of
+    the same value. Ids must lie in [0, 2**64).
+    """
+    out = array.array("Q")
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise ValueError(
+                f"{name} must be a 1-D integer array, got dtype {token_ids.dtype} "
+                f"shape {token_ids.shape}"
+            )
+        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
+            raise ValueError(f"{name}: negative token id {int(token_ids.min())}")
+        out.frombytes(token_ids.astype(np.uint64).tobytes())
+        return out
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
         raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
-    if hasattr(token_ids, "tolist") and hasattr(token_ids, "dtype"):  # numpy array
-        if token_ids.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be integers, got dtype {token_ids.dtype}")
-        out = token_ids.tolist()
-        if not isinstance(out, list):
-            raise ValueError(f"{name} must be 1-D, got a scalar")
-        if out and not isinstance(out[0], int):
-            raise ValueError(f"{name} must be 1-D")
-        if out and min(out) < 0:
-            raise ValueError(f"{name}: negative token id {min(out)}")
-        return out
-    out = list(token_ids)
-    for i, t in enumerate(out):
-        if type(t) is not int:
-            if isinstance(t, bool):
-                raise ValueError(f"{name}[{i}] = {t!r} is not a token id (bool)")
+    if not hasattr(token_ids, "__len__"):
+        token_ids = list(token_ids)
+    try:
+        # NOTE: struct checks every id at C speed (int or __index__, 0 <= id < 2**64).
+        out.frombytes(struct.pack(f"{len(token_ids)}Q", *token_ids))
+    except (struct.error, TypeError):
+        for i, t in enumerate(token_ids):
             try:
-                out[i] = t = int(operator.index(t))
+                v = operator.index(t)
             except TypeError:
                 raise ValueError(f"{name}[{i}] = {t!r} is not an int token id") from None
-        if t < 0:
-            raise ValueError(f"{name}[{i}] = {t} is a negative token id")
+            if v < 0:
+                raise ValueError(f"{name}[{i}] = {v} is a negative token id") from None
+            if v >= 2**64:
+                raise ValueError(f"{name}[{i}] = {v} is not below 2**64") from None
+        raise  # pragma: no cover - struct rejected something the loop accepts
     return out
 
 
@@ -200,7 +218,7 @@ class Request:
             hash(request_id)
         except TypeError:
             raise ValueError(f"request_id must be hashable, got {request_id!r}") from None
-        tokens = _validated_token_list("prompt_token_ids", prompt_token_ids)
+        tokens = _validated_tokens("prompt_token_ids", prompt_token_ids)
         if not tokens:
             raise ValueError(f"request {request_id!r}: empty prompt")
         n = len(tokens)
@@ -255,7 +273,7 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         """A copy of the prompt (ints)."""
-        return self._tokens[: self._num_prompt_tokens]
+        return self._tokens[: self._num_prompt_tokens].tolist()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -264,7 +282,7 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         """A copy of the output tokens appended so far."""
-        return self._tokens[self._num_prompt_tokens :]
+        return self._tokens[self._num_prompt_tokens :].tolist()
 
     @property
     def num_output_tokens(self) -> int:
@@ -313,19 +331,15 @@ class Request:
         Raises:
           ValueError: a negative or non-int id (nothing appended).
         """
-        if type(token_ids) is int and token_ids >= 0:  # the decode fast path
+        if type(token_ids) is int and 0 <= token_ids < 2**64:  # the decode fast path
             self._tokens.append(token_ids)
             return
-        if isinstance(token_ids, bool):
-            raise ValueError(f"request {self._request_id!r}: token id {token_ids!r} is a bool")
         try:
             single = operator.index(token_ids)
         except TypeError:
-            new = _validated_token_list("output token ids", token_ids)
+            new = _validated_tokens("output token ids", token_ids)
         else:
-            if single < 0:
-                raise ValueError(f"request {self._request_id!r}: negative token id {single}")
-            new = [int(single)]
+            new = _validated_tokens("output token ids", [single])
         self._tokens.extend(new)
 
     # -- hashing --------------------------------------------------------------------
@@ -347,6 +361,8 @@ class Request:
           ValueError: not a BlockHasher, block_size <= 0, or already bound to a different
             hasher or block size (the digests would silently change meaning).
         """
+        if hasher is self._hasher and block_size == self._block_size:
+            return  # the manager's per-call re-bind: nothing to check
         if not isinstance(hasher, BlockHasher):
             raise ValueError(f"hasher must be a BlockHasher, got {hasher!r}")
         block_size = _check_int("block_size", block_size, 1)

@@ -70,7 +70,7 @@ def test_num_computed_tokens_validated():
         (dict(prompt_token_ids=[1, -2]), "negative"),
         (dict(prompt_token_ids=[1, 2.0]), "not an int"),
         (dict(prompt_token_ids=[1, "2"]), "not an int"),
-        (dict(prompt_token_ids=[1, True]), "bool"),
+        (dict(prompt_token_ids=[1, 2**64]), "below 2\\*\\*64"),
         (dict(prompt_token_ids=np.array([1, -2])), "negative"),
         (dict(prompt_token_ids=np.array([1.0])), "dtype"),
         (dict(prompt_token_ids="abc"), "sequence"),
@@ -123,7 +123,7 @@ def test_lora_validation_and_frozen():
 def test_append_validation_leaves_state_unchanged():
     req = Request("r", [1, 2, 3], hasher=BlockHasher("sha256", seed=0), block_size=2)
     before = list(req.block_hashes)
-    for bad in ([4, -5], [4, 1.5], -1, True, "x", [4, None]):
+    for bad in ([4, -5], [4, 1.5], -1, "x", [4, None], 2**64, [2**65]):
         with pytest.raises(ValueError):
             req.append_output_token_ids(bad)
         assert req.num_tokens == 3 and list(req.block_hashes) == before
