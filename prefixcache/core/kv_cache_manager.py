@@ -208,6 +208,10 @@ class KVCacheManager:
                 ``max_model_len``. Nothing changed.
         """
         st = self._states.get(request.request_id)
+        if st is not None and st.request is not request:
+            raise ValueError(
+                f"request id {request.request_id!r} is already running as another Request"
+            )
         if st is not None and not num_new_computed_tokens and not new_computed_blocks:
             # Fast path: a running request (decode or a later prefill chunk).
             if num_new_tokens <= 0 or num_lookahead_tokens < 0:

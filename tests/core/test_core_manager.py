@@ -511,5 +511,20 @@ def test_bad_manager_calls_change_nothing():
         m.allocate_slots(b, 1, 4, blocks)
     with pytest.raises(ValueError, match="running"):
         m.allocate_slots(a, 1, 8, blocks)
+    dup = Request("a", [500, 501])  # same id as a running request, another object
+    with pytest.raises(ValueError, match="already running"):
+        m.allocate_slots(dup, 2)
     assert snapshot(m) == before
     m.check_invariants()
+
+
+def test_public_exports():
+    import prefixcache
+    import prefixcache.core as core
+
+    for name in ("KVCacheManager", "Request", "MultiModalFeature", "LoRARequest", "BlockHasher"):
+        assert getattr(prefixcache, name) is getattr(core, name)
+    for name in ("KVCacheBlock", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+                 "PrefixCacheStats", "InvariantError"):
+        assert hasattr(core, name)
+    assert KVCacheManager(4, 4).hasher == BlockHasher("sha256")

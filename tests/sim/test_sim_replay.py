@@ -132,3 +132,9 @@ def test_bad_configuration():
         replay([], num_blocks=4, block_size=4, free_order="fifo")
     with pytest.raises(ValueError, match="num_blocks"):
         replay([], num_blocks=0, block_size=4)
+
+
+def test_duplicate_running_id_is_an_error():
+    reqs = [TraceRequest("same", [1, 2, 3], 1), TraceRequest("same", [4, 5, 6], 1)]
+    with pytest.raises(ValueError, match="already running"):
+        replay(reqs, num_blocks=8, block_size=4, concurrency=2)
