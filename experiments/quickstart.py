@@ -31,12 +31,13 @@ def run(config, workdir) -> dict:
     engine = Engine(model_config, num_blocks=config.num_blocks, block_size=config.block_size,
                     enable_caching=True, seed=config.seed, max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens,
-                    hash_algo=config.hash_algo, attention_backend=config.attention_backend)
+                    max_model_len=config.max_model_len,
+                    page_buckets=tuple(config.page_buckets), hash_algo=config.hash_algo, attention_backend=config.attention_backend)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
 
     def workload(seed):
         return chat_bench.chat_workload(
-            vocab_size=model_config.vocab_size, system_prompt_len=config.system_prompt_len,
+            vocab_size=model_config.vocab_size, system_prompt_lens=tuple(config.system_prompt_lens),
             num_users=config.num_users, num_turns=config.num_turns,
             user_msg_len=config.user_msg_len, num_cold=config.num_cold,
             cold_prompt_len=config.cold_prompt_len, seed=seed)

@@ -38,22 +38,23 @@ class ChatTurn:
     new_tokens: tuple[int, ...]
 
 
-def chat_workload(*, vocab_size: int, system_prompt_len: int, num_users: int,
+def chat_workload(*, vocab_size: int, system_prompt_lens: tuple[int, ...], num_users: int,
                   num_turns: int, user_msg_len: int, num_cold: int, cold_prompt_len: int,
-                  seed: int) -> tuple[list[int], list[ChatTurn]]:
+                  seed: int) -> tuple[list[list[int]], list[ChatTurn]]:
     """Builds the workload: turn t of every user, then one cold request, per round.
 
-    Token ids are drawn uniformly from [1, vocab_size).
+    User u starts from system prompt `u % len(system_prompt_lens)` (so cached prefixes of
+    several lengths occur). Token ids are drawn uniformly from [1, vocab_size).
 
     Returns:
-      (system prompt token ids, the requests in submission order).
+      (the system prompts' token ids, the requests in submission order).
     """
     rng = np.random.default_rng(seed)
 
     def draw(n):
         return tuple(int(x) for x in rng.integers(1, vocab_size, n))
 
-    system = list(draw(system_prompt_len))
+    system = [list(draw(n)) for n in system_prompt_lens]
     turns: list[ChatTurn] = []
     cold_left = num_cold
     for t in range(num_turns):
@@ -69,13 +70,13 @@ def chat_workload(*, vocab_size: int, system_prompt_len: int, num_users: int,
     return system, turns
 
 
-def run_chat(engine: Engine, system: list[int], turns: list[ChatTurn],
+def run_chat(engine: Engine, system: list[list[int]], turns: list[ChatTurn],
              params: SamplingParams, *, cold: bool) -> list[dict[str, Any]]:
     """Runs the workload one request at a time.
 
     Args:
       engine: an idle engine.
-      system: the shared system prompt.
+      system: the shared system prompts (user u starts from `system[u % len(system)]`).
       turns: from `chat_workload`.
       params: sampling parameters of every request.
       cold: reset the prefix cache before every request.
@@ -90,7 +91,8 @@ def run_chat(engine: Engine, system: list[int], turns: list[ChatTurn],
         if t.kind == "cold":
             prompt = list(t.new_tokens)
         else:
-            prompt = history.get(t.user, list(system)) + list(t.new_tokens)
+            start = list(system[t.user % len(system)])
+            prompt = history.get(t.user, start) + list(t.new_tokens)
         if cold and not engine.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache failed: the engine is not idle")
         (out,) = engine.generate([prompt], params)
@@ -106,7 +108,7 @@ def run_chat(engine: Engine, system: list[int], turns: list[ChatTurn],
     return rows
 
 
-PREFIX_BINS = (0, 1, 128, 256, 512, 1024, 2048, 1 << 30)
+PREFIX_BINS = (0, 1, 64, 128, 256, 384, 512, 640, 768, 1024, 2048, 1 << 30)
 
 
 def _bin_label(lo: int, hi: int) -> str:
