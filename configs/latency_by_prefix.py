@@ -1,8 +1,8 @@
 """Latency by cached-prefix length: DES of Llama-3.1-8B on TPU v5e/v6e, H100, H200 + tiny model.
 
-Runs experiments.latency_by_prefix. Simulated part: the generated `multi_turn`
-workload (300 conversations x 6 turns, arrivals from its timestamps over ~400 s;
-later turns hit their conversation's earlier prompt + output) through the
+Runs experiments.latency_by_prefix. Simulated part: the generated `rag` workload
+(1000 prompts of ~1-2k tokens: a 256-token system prompt + 2 of 200 documents drawn
+by Zipf(1.1) popularity + a question; Poisson arrivals at 4 requests/s) through the
 discrete-event simulation: 8192 blocks of 16 tokens, a token budget of 8192 per
 step, roofline step times of Llama-3.1-8B (bf16) on one chip of each accelerator
 (TPU v5e, with 16 GiB of HBM, cannot hold the 16 GB of weights: the cache size is
@@ -24,7 +24,7 @@ from configs import _base
 
 
 def get_config():
-    c = _base.requests_config("multi_turn")
+    c = _base.requests_config("rag")
     c.warmup_requests = 0  # 0: cold runs only; N: warm runs prefill the first N prompts
     c.model = "llama_3_1_8b"  # a prefixcache.sim.cost_model.ModelShape preset
     c.accelerators = ("tpu_v5e", "tpu_v6e", "h100", "h200")
@@ -37,8 +37,8 @@ def get_config():
     c.hash_algo = "sha256"
     c.max_num_batched_tokens = 8192
     c.max_num_seqs = 256
-    c.arrival_rate = 0.0  # 0: the trace's timestamps; > 0: Poisson arrivals (req/s)
-    c.prefix_edges = (0, 1, 128, 256, 512, 1024, 2048, 4096)
+    c.arrival_rate = 4.0  # 0: the trace's timestamps; > 0: Poisson arrivals (req/s)
+    c.prefix_edges = (0, 1, 512, 1024, 1536, 2048, 3072, 4096)
     c.curve_prompt_len = 2048
 
     c.measured = ml_collections.ConfigDict()
