@@ -138,3 +138,10 @@ def test_duplicate_running_id_is_an_error():
     reqs = [TraceRequest("same", [1, 2, 3], 1), TraceRequest("same", [4, 5, 6], 1)]
     with pytest.raises(ValueError, match="already running"):
         replay(reqs, num_blocks=8, block_size=4, concurrency=2)
+
+
+def test_progress_bar_does_not_change_results():
+    reqs = [TraceRequest(f"r{i}", [1, 2, 3, 4, 5, i + 10], 2) for i in range(5)]
+    a, _ = run(reqs, num_blocks=8, block_size=4, concurrency=2)
+    b, _ = run(reqs, num_blocks=8, block_size=4, concurrency=2, progress=True)
+    assert a == b and [r["num_computed_tokens"] for r in a] == [0, 4, 4, 4, 4]
