@@ -239,10 +239,12 @@ class KVCacheManager:
                 blocks.extend(new_blocks)
             else:
                 new_blocks = []
-            num_tokens = request.num_tokens
-            num_full = (total if total < num_tokens else num_tokens) // bs
-            # NOTE: most decode steps fill no block; only then are the hashes read.
-            if num_full > st.num_cached_blocks and self.enable_caching:
+            # NOTE: most decode steps fill no block: total // bs bounds the full
+            # blocks, and only when it passes the cached ones are num_tokens and the
+            # hashes read.
+            if total // bs > st.num_cached_blocks and self.enable_caching:
+                num_tokens = request.num_tokens
+                num_full = (total if total < num_tokens else num_tokens) // bs
                 hashes = request.block_hashes
                 if num_full > len(hashes):
                     num_full = len(hashes)
