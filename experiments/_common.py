@@ -350,6 +350,56 @@ def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
             setattr(config, name, holder.value)
 
 
+def run_cli(run_fn, *, config_name: str, extra_flags: Mapping[str, tuple[str, str]] | None = None,
+            argv: list[str] | None = None) -> None:
+    """The whole command-line front end of an experiment script.
+
+    Defines ``--config`` (default ``configs/<config_name>.py``, locked, dotted
+    overrides), ``--workdir``, ``--progress`` and ``extra_flags`` on absl's global
+    flags, then runs ``run_fn(config, progress=...)`` and prints its result as the
+    last stdout line (JSON). Flags given on the command line override the
+    config fields of the same name. Bad input (``ValueError``,
+    ``FileNotFoundError``) -> ``error: ...`` on stderr, exit status 1.
+
+    NOTE: flags are defined here, not at import, so several experiment modules can
+    be imported into one process (a notebook, the tests).
+
+    Args:
+      run_fn: ``(config, *, progress) -> JSON-able summary``.
+      config_name: the default config's file stem.
+      extra_flags: flag name -> (``"string"`` | ``"integer"``, help); each
+        overrides ``config.<name>`` when given.
+      argv: for tests; default ``sys.argv``.
+    """
+    import sys  # noqa: PLC0415
+
+    from absl import app, flags  # noqa: PLC0415
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    config_flag = config_flags.DEFINE_config_file(
+        "config", config_path(config_name), f"Config file (default configs/{config_name}.py).",
+        lock_config=True)
+    holders = {"workdir": flags.DEFINE_string("workdir", None, "Output directory "
+                                              "(overrides config.workdir).")}
+    progress = flags.DEFINE_bool("progress", True, "Show tqdm progress bars on stderr.")
+    for name, (kind, help_) in (extra_flags or {}).items():
+        define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer}[kind]
+        holders[name] = define(name, None, f"{help_} (overrides config.{name}).")
+
+    def main(args):
+        if len(args) > 1:
+            raise app.UsageError(f"unexpected arguments: {args[1:]}")
+        config = config_flag.value
+        apply_flag_overrides(config, holders)
+        try:
+            summary = run_fn(config, progress=progress.value)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
+        print(json.dumps(to_jsonable(summary)), flush=True)
+
+    app.run(main, argv=argv)
+
+
 def save_plot(fig, path: str | os.PathLike, *, dpi: int = 120) -> pathlib.Path:
     """Saves a matplotlib figure as PNG atomically and closes it.
 

@@ -25,20 +25,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 
-from absl import app, flags
-from ml_collections import config_flags
-
 from experiments import _common
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _common.config_path("bench_hashing"), "Config (configs/bench_hashing.py).",
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (overrides config.workdir).")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
 MODES = ("pure", "request")
 
@@ -189,18 +179,9 @@ def run(config, *, progress: bool = False) -> dict:
             "rows": [{k: r[k] for k in r if k not in ("runs_s",)} for r in rows]}
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    if _WORKDIR.present:
-        config.workdir = _WORKDIR.value
-    try:
-        summary = run(config, progress=_PROGRESS.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(summary), flush=True)
+def main() -> None:
+    _common.run_cli(run, config_name="bench_hashing")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -24,21 +24,11 @@ Two parts, both written to ``results.jsonl`` (provenance on every line) and
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 from collections.abc import Sequence
-
-from absl import app, flags
-from ml_collections import config_flags
 
 from experiments import _common
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _common.config_path("latency_by_prefix"), "Config (configs/latency_by_prefix.py).",
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (overrides config.workdir).")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
 
 # ----------------------------------------------------------------------------
@@ -246,18 +236,9 @@ def run(config, *, progress: bool = False) -> dict:
     }
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    if _WORKDIR.present:
-        config.workdir = _WORKDIR.value
-    try:
-        summary = run(config, progress=_PROGRESS.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(summary), flush=True)
+def main() -> None:
+    _common.run_cli(run, config_name="latency_by_prefix")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -29,33 +29,9 @@ temporary file and renamed only when the replay completed).
 from __future__ import annotations
 
 import array
-import json
-import sys
-
-from absl import app, flags
-from ml_collections import config_flags
 
 from experiments import _common
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _common.config_path("replay"), "Replay config (configs/replay*.py).", lock_config=True)
-_TRACE = flags.DEFINE_string("trace", None, "Trace file (our JSONL or Mooncake); overrides config.trace.")
-_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "KV cache blocks.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", None, "Tokens per block.")
-_HASH_ALGO = flags.DEFINE_string("hash_algo", None, "sha256 | sha256_cbor | xxhash | xxhash_cbor.")
-_FREE_ORDER = flags.DEFINE_string("free_order", None, "append | unhashed_first (vLLM's).")
-_CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Most requests holding blocks at once.")
-_MAX_REQUESTS = flags.DEFINE_integer("max_requests", None, "Replay only the first N requests (0: all).")
-_OUT = flags.DEFINE_string("out", None, "Per-request JSONL output.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for results.jsonl, replay.png, requests.jsonl.")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a tqdm progress bar (stderr).")
-
-# Command-line flag -> config field.
-_FLAG_FIELDS = {
-    "trace": _TRACE, "num_blocks": _NUM_BLOCKS, "block_size": _BLOCK_SIZE,
-    "hash_algo": _HASH_ALGO, "free_order": _FREE_ORDER, "concurrency": _CONCURRENCY,
-    "max_requests": _MAX_REQUESTS, "out": _OUT, "workdir": _WORKDIR,
-}
 
 
 def run(config, *, progress: bool = False) -> dict:
@@ -131,17 +107,18 @@ def plot_cumulative_hit_rate(prompt_tokens, hit_tokens, path, *, title: str = ""
     _common.save_plot(fig, path)
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    _common.apply_flag_overrides(config, _FLAG_FIELDS)
-    try:
-        summary = run(config, progress=_PROGRESS.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(summary), flush=True)
+def main() -> None:
+    _common.run_cli(run, config_name="replay", extra_flags={
+        "trace": ("string", "Trace file (our JSONL or Mooncake)"),
+        "num_blocks": ("integer", "KV cache blocks"),
+        "block_size": ("integer", "Tokens per block"),
+        "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
+        "free_order": ("string", "append | unhashed_first (vLLM's)"),
+        "concurrency": ("integer", "Most requests holding blocks at once"),
+        "max_requests": ("integer", "Only the first N requests (0: all)"),
+        "out": ("string", "Per-request JSONL output"),
+    })
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

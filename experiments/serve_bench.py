@@ -27,22 +27,11 @@ summary JSON line.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 import zlib
 from collections.abc import Sequence
 
-from absl import app, flags
-from ml_collections import config_flags
-
 from experiments import _common
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", _common.config_path("serve_bench"), "Config (configs/serve_bench.py).",
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (overrides config.workdir).")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show tqdm progress bars.")
 
 PASSES = (("off", False, "cold"), ("on_cold", True, "cold"), ("on_warm", True, "warm"))
 
@@ -107,11 +96,14 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
     engine = None
     for name, caching, state in PASSES:
         if name != "on_warm":  # on_warm reuses the on_cold engine and its cache
+            # NOTE: the second engine reuses the first one's model: the same weights
+            # by construction, and one initialisation less.
             engine = Engine(model_config, num_blocks=config.num_blocks,
                             block_size=config.block_size, enable_caching=caching,
                             seed=config.seed, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            hash_algo=config.hash_algo)
+                            hash_algo=config.hash_algo,
+                            model=None if engine is None else engine.model)
             # NOTE: a caching engine serves the compile set twice (cold, then warm):
             # warm steps have other (smaller) bucketed shapes than cold ones.
             for k in range(2 if caching else 1):
@@ -173,12 +165,10 @@ def run(config, *, progress: bool = False) -> dict:
         raise ValueError("batch_size and max_tokens must be >= 1")
     workdir = _common.prepare_workdir(config.workdir)
     requests = list(_common.requests_from_config(config, workdir))
-    with config.unlocked():
-        seed = config.seed
-        config.seed = seed + 1  # the compile pass: same shapes, other tokens
-        warm = list(itertools.islice(_common.requests_from_config(config, workdir),
-                                     len(requests)))
-        config.seed = seed
+    compile_config = config.copy_and_resolve_references()
+    compile_config.seed = config.seed + 1  # the compile pass: same shapes, other tokens
+    warm = list(itertools.islice(_common.requests_from_config(compile_config, workdir),
+                                 len(requests)))
     summaries, rows = bench(requests, warm, config, progress=progress)
     source = config.trace or f"workload:{config.workload.name}"
     provs = {s: _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
@@ -191,18 +181,9 @@ def run(config, *, progress: bool = False) -> dict:
     return {"source": source, "summaries": summaries}
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = _CONFIG.value
-    if _WORKDIR.present:
-        config.workdir = _WORKDIR.value
-    try:
-        summary = run(config, progress=_PROGRESS.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(summary), flush=True)
+def main() -> None:
+    _common.run_cli(run, config_name="serve_bench")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()
