@@ -35,10 +35,35 @@ __all__ = [
 ]
 
 
-def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype) -> jax.Array:
-    """Scaled normal init (std 1/sqrt(fan_in)), in float32 then cast."""
-    w = jax.random.normal(rngs.params(), tuple(shape), jnp.float32) / math.sqrt(fan_in)
-    return w.astype(dtype)
+# NOTE: params are drawn as fixed-size chunks of normals (two compiled programs in all)
+# and cut to shape, instead of one `random.normal` per param shape: on CPU each distinct
+# shape would cost an XLA compile (~1 s), i.e. seconds of first-use latency per process.
+_SMALL_CHUNK = 1 << 16
+_LARGE_CHUNK = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnames="size")
+def _normal_chunk(key, i, *, size: int) -> jax.Array:
+    return jax.random.normal(jax.random.fold_in(key, i), (size,), jnp.float32)
+
+
+def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype,
+          scale: float = 1.0) -> jax.Array:
+    """Normal init with std `scale / sqrt(fan_in)`, drawn in float32 then cast.
+
+    Eagerly and under tracing (`nnx.eval_shape` / `nnx.jit`) one key gives the same draws
+    (to float rounding: XLA may fuse the scaling into the sampler).
+    """
+    shape = tuple(int(d) for d in shape)
+    key = rngs.params()
+    n = math.prod(shape)
+    size = _SMALL_CHUNK if n <= 16 * _SMALL_CHUNK else _LARGE_CHUNK
+    chunks = [_normal_chunk(key, i, size=size) for i in range(-(-n // size))]
+    std = np.float32(scale / math.sqrt(fan_in))
+    if isinstance(key, jax.core.Tracer):
+        return (jnp.concatenate(chunks)[:n].reshape(shape) * std).astype(dtype)
+    flat = np.concatenate([np.asarray(c) for c in chunks])[:n]
+    return jnp.asarray((flat.reshape(shape) * std).astype(jnp.dtype(dtype)))
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -127,9 +152,9 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Param(_init(rngs, (N, H, D), N * H, dt))  # [n, h, d]
         self.qkv_bias = config.qkv_bias
         if config.qkv_bias:
-            self.q_bias = nnx.Param(_init(rngs, (N, H), 1, dt) * 0.1)  # [n, h]
-            self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt) * 0.1)  # [k, h]
-            self.v_bias = nnx.Param(_init(rngs, (K, H), 1, dt) * 0.1)  # [k, h]
+            self.q_bias = nnx.Param(_init(rngs, (N, H), 1, dt, scale=0.1))  # [n, h]
+            self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
+            self.v_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
 
     def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend):
         """One layer's attention.
