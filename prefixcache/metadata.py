@@ -370,36 +370,50 @@ class MetadataBuilder:
 
         # Row order: decode (q_len == 1), prefill (no prior KV), mixed (prior KV); stable.
         group = (q_lens > 1) * (1 + (computed > 0))
-        order = np.argsort(group, kind="stable")  # sorted row r <- caller's seqs[order[r]]
-        identity = bool((group[1:] >= group[:-1]).all())
         distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
-
-        q_s = q_lens[order]
-        pages_s = pages_needed[order]
-        cu_in = np.zeros(n + 1, np.int64)
-        np.cumsum(q_lens, out=cu_in[1:])
+        blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start
+        np.cumsum(num_blk[:-1], out=blk_start[1:])
+        # NOTE: fast paths: a caller that already lists decodes first (vLLM's running-first
+        # order; any all-decode step) skips the permutation gathers.
+        identity = bool((group[1:] >= group[:-1]).all())
+        if identity:
+            order = None
+            q_s, pages_s, comp_s, kv_s, blk_start_s = (q_lens, pages_needed, computed,
+                                                       kv_lens, blk_start)
+        else:
+            order = np.argsort(group, kind="stable")  # sorted row r <- seqs[order[r]]
+            q_s, pages_s, comp_s, kv_s, blk_start_s = (
+                q_lens[order], pages_needed[order], computed[order], kv_lens[order],
+                blk_start[order])
         cu_s = np.zeros(n + 1, np.int64)
         np.cumsum(q_s, out=cu_s[1:])
         T, S, P = self.bucket_shape(num_tokens, n, int(pages_s.max()))
         pad_page = self.num_blocks
 
-        blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start
-        np.cumsum(num_blk[:-1], out=blk_start[1:])
-        blk_start_s = blk_start[order]
-
         # Token rows in sorted order: row r's i-th token comes from caller token
-        # cu_in[order[r]] + i, sits at position computed[order[r]] + i, and its K/V goes to
-        # block ids[pos // bs] of that seq.
-        row = np.repeat(np.arange(n), q_s)
-        tok = np.arange(num_tokens)
-        src = tok + (cu_in[:-1][order] - cu_s[:-1])[row]
-        pos = tok + (computed[order] - cu_s[:-1])[row]
+        # cu_in[order[r]] + i, sits at position comp_s[r] + i, and its K/V goes to block
+        # ids[pos // bs] of that seq.
         input_ids = np.zeros(T, np.int32)
-        input_ids[:num_tokens] = flat_tokens[src]
         positions = np.zeros(T, np.int32)
-        positions[:num_tokens] = pos
         slot_mapping = np.full(T, pad_page * bs, np.int32)
-        slot_mapping[:num_tokens] = flat_blocks[blk_start_s[row] + pos // bs] * bs + pos % bs
+        if num_tokens == n:  # decode only: one token per row
+            pos = comp_s
+            blk_of_tok = blk_start_s
+        else:
+            row = np.repeat(np.arange(n), q_s)
+            tok = np.arange(num_tokens)
+            pos = tok + (comp_s - cu_s[:-1])[row]
+            blk_of_tok = blk_start_s[row]
+        if order is None:
+            input_ids[:num_tokens] = flat_tokens
+        else:
+            cu_in = np.zeros(n + 1, np.int64)
+            np.cumsum(q_lens, out=cu_in[1:])
+            # (a permutation implies some q_len > 1, so `row` exists here)
+            src = np.arange(num_tokens) + (cu_in[:-1][order] - cu_s[:-1])[row]
+            input_ids[:num_tokens] = flat_tokens[src]
+        positions[:num_tokens] = pos
+        slot_mapping[:num_tokens] = flat_blocks[blk_of_tok + pos // bs] * bs + pos % bs
 
         # Page table: sorted row r holds its first pages_s[r] block ids (extra trailing block
         # ids are not needed by this step and stay padding). Boolean-mask assignment fills
@@ -418,12 +432,15 @@ class MetadataBuilder:
             page_indices[:n][live] = flat_blocks[sel]
 
         kv_out = np.zeros(S, np.int32)
-        kv_out[:n] = kv_lens[order]
+        kv_out[:n] = kv_s
         cu_q_lens = np.full(S + 1, num_tokens, np.int32)
         cu_q_lens[: n + 1] = cu_s
 
         logits_indices = np.zeros(S, np.int32)
-        logits_indices[order] = cu_s[1:] - 1  # caller seq order[r] ends at sorted row r
+        if order is None:
+            logits_indices[:n] = cu_s[1:] - 1
+        else:
+            logits_indices[order] = cu_s[1:] - 1  # caller seq order[r] ends at sorted row r
 
         metadata = AttentionMetadata(
             page_indices=page_indices,

@@ -22,14 +22,14 @@ def make_builder(**kw):
     return MetadataBuilder(**args)
 
 
-def random_schedule(rng, builder, *, as_arrays=False, exact_sorted=False):
+def random_schedule(rng, builder, *, as_arrays=False, exact_sorted=False, kinds=3):
     """Random decode / fresh prefill / cached-prefix seqs with distinct random block ids."""
     n = int(rng.integers(1, builder.max_num_seqs + 1))
     budget = builder.max_num_tokens
     free = list(rng.permutation(builder.num_blocks))
     seqs = []
     for _ in range(n):
-        kind = rng.integers(3)
+        kind = rng.integers(kinds)  # 0 decode, 1 fresh prefill, 2 prefill over a prefix
         q = 1 if kind == 0 else int(rng.integers(2, 12))
         q = min(q, budget - (n - len(seqs) - 1))
         if q < 1:
@@ -119,13 +119,16 @@ def check_shapes(builder, step):
         assert a.dtype == np.int32
 
 
-@pytest.mark.parametrize("as_arrays, exact_sorted", [(False, False), (True, False),
-                                                     (False, True), (True, True)])
-def test_random_schedules_round_trip(as_arrays, exact_sorted):
+@pytest.mark.parametrize("as_arrays, exact_sorted, kinds", [
+    (False, False, 3), (True, False, 3), (False, True, 3), (True, True, 3),
+    (False, False, 1), (True, True, 1),  # decode-only steps
+])
+def test_random_schedules_round_trip(as_arrays, exact_sorted, kinds):
     rng = np.random.default_rng(0)
     builder = make_builder()
     for _ in range(200):
-        seqs = random_schedule(rng, builder, as_arrays=as_arrays, exact_sorted=exact_sorted)
+        seqs = random_schedule(rng, builder, as_arrays=as_arrays, exact_sorted=exact_sorted,
+                               kinds=kinds)
         step = builder.build(seqs)
         assert isinstance(step, StepInputs) and isinstance(step.metadata, AttentionMetadata)
         check_shapes(builder, step)
