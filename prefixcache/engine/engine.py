@@ -13,7 +13,6 @@ sampled tokens and finish requests (host).
 
 from __future__ import annotations
 
-import itertools
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -120,7 +119,6 @@ class Engine:
             max_model_len=max_model_len, attention_backend=attention_backend,
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program)
-        self._counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -155,6 +153,16 @@ class Engine:
           ValueError: malformed input (not a token list, empty prompt, duplicate id,
             params not a SamplingParams, missing or mis-shaped multimodal embeddings).
         """
+        state = self._new_state(prompt, params, request_id=request_id,
+                                mm_features=mm_features, mm_embeddings=mm_embeddings,
+                                cache_salt=cache_salt, lora=lora)
+        self._commit(state)
+        return state.request_id
+
+    def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
+                   mm_embeddings=None, cache_salt=None, lora=None,
+                   taken_ids=frozenset()) -> EngineRequest:
+        """Validates one request and builds its state; changes nothing in the engine."""
         from prefixcache.core import Request
 
         if params is None:
@@ -172,26 +180,32 @@ class Engine:
         else:
             tokens = _as_token_list(prompt)
             if request_id is None:
-                request_id = f"req-{next(self._counter)}"
+                # The first free "req-<n>" (n from the number of ids seen so far).
+                k = len(self._known_ids) + len(taken_ids)
+                while f"req-{k}" in self._known_ids or f"req-{k}" in taken_ids:
+                    k += 1
+                request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
         rid = req.request_id
-        if rid in self._known_ids:
+        if rid in self._known_ids or rid in taken_ids:
             raise ValueError(f"duplicate request id {rid!r}")
         embeds = self._check_mm(req, mm_embeddings or {})
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, rid)
-        state = EngineRequest(req, params, seed, embeds)
-        self._known_ids.add(rid)
-        error = self._admission_error(req)
+        return EngineRequest(req, params, seed, embeds)
+
+    def _commit(self, state: EngineRequest) -> None:
+        self._known_ids.add(state.request_id)
+        state.arrival_time = time.perf_counter()
+        error = self._admission_error(state.request)
         if error is not None:
             state.status = RequestStatus.FINISHED
             state.finish_reason = FINISH_ERROR
             state.error = error
             state.finish_time = time.perf_counter()
             self._finish(state)
-            return rid
+            return
         self.scheduler.add_request(state)
-        return rid
 
     def _check_mm(self, req, mm_embeddings: Mapping[str, np.ndarray]
                   ) -> dict[str, np.ndarray]:
@@ -223,10 +237,11 @@ class Engine:
 
     def _admission_error(self, req) -> str | None:
         n = req.num_prompt_tokens
-        if n >= self.max_model_len:
-            # NOTE: >= as vLLM: the prompt must leave room for at least one output token.
-            return (f"prompt of {n} tokens does not fit max_model_len={self.max_model_len} "
-                    "(at least one output token is needed)")
+        if n > self.max_model_len:
+            # NOTE: as vLLM: a prompt of exactly max_model_len tokens still gets one token
+            # (its KV is max_model_len long; the stop check then ends it).
+            return f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}"
+
         needed = -(-n // self.block_size)
         if needed > self.num_blocks:
             return (f"prompt of {n} tokens needs {needed} KV blocks of {self.block_size} "
@@ -338,8 +353,15 @@ class Engine:
             raise ValueError(f"{len(mms)} mm_embeddings for {len(prompts)} prompts")
         if self.scheduler.has_unfinished_requests():
             raise ValueError("generate() needs an idle engine; drain step() first")
-        ids = [self.add_request(p, sp, mm_embeddings=mm) for p, sp, mm in
-               zip(prompts, params, mms)]
+        # Validate everything first, so a bad prompt leaves the engine unchanged.
+        states, taken = [], set()
+        for p, sp, mm in zip(prompts, params, mms):
+            st = self._new_state(p, sp, mm_embeddings=mm, taken_ids=taken)
+            taken.add(st.request_id)
+            states.append(st)
+        for st in states:
+            self._commit(st)
+        ids = [st.request_id for st in states]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():

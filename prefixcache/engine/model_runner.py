@@ -221,20 +221,21 @@ class ModelRunner:
         seqs = []
         rows = []
         all_greedy = True
+        has_mm = False
         for s in scheduled:
             st = s.state
-            req = st.request
-            c, q = s.num_computed_tokens, s.num_new_tokens
-            seqs.append(ScheduledSeq(block_ids_of(st.request_id), c,
-                                     req.all_token_ids[c:c + q]))
+            c = s.num_computed_tokens
+            seqs.append(ScheduledSeq(block_ids_of(st.request.request_id), c,
+                                     st.request.all_token_ids[c:c + s.num_new_tokens]))
             p = st.params
-            all_greedy &= p.greedy
+            all_greedy = all_greedy and p.temperature == 0.0
+            has_mm = has_mm or bool(st.mm_embeddings)
             rows.append((p.temperature, p.top_k, p.top_p, st.seed, st.num_output_tokens))
         step = self.builder.build(seqs)
         num_rows = step.logits_indices.shape[0]
         sampling = SamplingArrays.build(rows, num_rows)
-        mm = mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
-                              self.d_model, self._embed_dtype)
+        mm = (mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
+                               self.d_model, self._embed_dtype) if has_mm else None)
         mm_embeds, mm_mask = mm if mm is not None else (None, None)
         return PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), len(seqs),
                             all_greedy)

@@ -292,3 +292,20 @@ def test_bad_add_request_leaves_engine_unchanged(engines):
         cached.step()
     logits_by_request(cached)
     assert rid == "dup"
+
+
+def test_bad_generate_batch_adds_nothing(engines):
+    cached = engines[0]
+    before = cached.metrics()
+    with pytest.raises(ValueError, match="ints"):
+        cached.generate([[1, 2, 3], [4, None]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="duplicate"):
+        cached.generate([Request("same", [1, 2]), Request("same", [3, 4])],
+                        SamplingParams(max_tokens=2))
+    assert not cached.has_unfinished_requests()
+    assert cached.metrics() == before
+    # Auto ids stay unique next to caller-chosen ones.
+    outs = cached.generate([Request("req-900", [5, 6, 7]), [5, 6, 8], [5, 6, 9]],
+                           SamplingParams(max_tokens=1))
+    assert len({o.request_id for o in outs}) == 3
+    logits_by_request(cached)
