@@ -24,8 +24,9 @@ Two parts, both written to ``results.jsonl`` (provenance on every line) and
 
 from __future__ import annotations
 
+import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from experiments import _common
 
@@ -46,8 +47,16 @@ def make_cost_model(config, accelerator: str):
                             step_overhead_s=config.step_overhead_s)
 
 
-def simulate_latency(requests: Sequence, config, *, progress: bool = False) -> list[dict]:
+def simulate_latency(make_requests: Callable[[], Iterable], config, *,
+                     progress: bool = False) -> list[dict]:
     """Runs the DES per accelerator and cache state; returns result rows.
+
+    Args:
+      make_requests: returns a fresh iterator over the requests (each run streams
+        its own pass over the trace, so memory stays O(running requests) even for
+        Mooncake-size traces).
+      config: the latency_by_prefix config.
+      progress: tqdm progress bars.
 
     Rows: ``{"record": "bin", "accelerator", "cache_state", "lo", "hi", "count",
     "mean", "p50", "p90", "p99"}`` (TTFT seconds per cached-prefix bin),
@@ -57,11 +66,10 @@ def simulate_latency(requests: Sequence, config, *, progress: bool = False) -> l
     """
     from prefixcache.sim import des  # noqa: PLC0415
 
-    requests = list(requests)
     n_warm = int(config.warmup_requests)
-    if not 0 <= n_warm < len(requests):
-        raise ValueError(f"warmup_requests={n_warm} must be in [0, {len(requests)})")
-    measured = requests[n_warm:]
+    if n_warm < 0:
+        raise ValueError(f"warmup_requests must be >= 0, got {n_warm}")
+    total = config.max_requests - n_warm if config.max_requests else None
     states = ("cold", "warm") if n_warm else ("cold",)
     sched = des.SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs)
@@ -75,11 +83,14 @@ def simulate_latency(requests: Sequence, config, *, progress: bool = False) -> l
         for state in states:
             recs: list[dict] = []
             summary = des.simulate(
-                measured, cost_model=cost, num_blocks=num_blocks, block_size=config.block_size,
-                scheduler=sched, hash_algo=config.hash_algo,
-                warmup=requests[:n_warm] if state == "warm" else None,
+                itertools.islice(make_requests(), n_warm, None), cost_model=cost,
+                num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
+                hash_algo=config.hash_algo,
+                warmup=itertools.islice(make_requests(), n_warm) if state == "warm" else None,
                 arrival_rate=config.arrival_rate or None, seed=config.seed,
-                on_record=recs.append, progress=progress, total=len(measured))
+                on_record=recs.append, progress=progress, total=total)
+            if summary["requests"] == 0:
+                raise ValueError(f"no requests left to measure after warmup_requests={n_warm}")
             for b in des.bucket_by(recs, "num_cached_tokens", "ttft_s", list(config.prefix_edges)):
                 rows.append({"record": "bin", "accelerator": acc, "cache_state": state, **b})
             rows.append({"record": "sim_summary", "accelerator": acc, "num_blocks": num_blocks,
@@ -211,8 +222,8 @@ def run(config, *, progress: bool = False) -> dict:
     if not config.workdir:
         raise ValueError("a workdir is needed (--workdir or config.workdir)")
     workdir = _common.prepare_workdir(config.workdir)
-    requests = list(_common.requests_from_config(config, workdir))
-    rows = simulate_latency(requests, config, progress=progress)
+    rows = simulate_latency(lambda: _common.requests_from_config(config, workdir), config,
+                            progress=progress)
     if config.measured.enable:
         rows += measure_engine_ttft(config.measured, seed=config.seed,
                                     hash_algo=config.hash_algo, progress=progress)

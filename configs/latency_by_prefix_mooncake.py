@@ -1,0 +1,39 @@
+"""Latency by cached-prefix length at scale: the Mooncake conversation trace through the DES.
+
+Runs experiments.latency_by_prefix on the real Mooncake FAST'25 conversation trace
+(12,031 requests, ~12k input tokens, real arrival times over one hour; hash_ids
+expanded into token blocks) with Llama-3.1-8B (bf16) on an 8-chip TPU v6e, H100 and
+H200 instance (peak FLOP/s, bandwidth and HBM x 8, communication not modelled: the
+trace was served by a cluster, one chip would be overloaded): the KV cache gets all
+HBM left after the weights (90% utilisation), 16-token blocks, an 8192-token step
+budget. Simulated only (no engine run). The trace is streamed once per accelerator.
+
+Command:
+  python -m experiments.latency_by_prefix --config=configs/latency_by_prefix_mooncake.py \
+      --workdir=/tmp/latency_mooncake
+  # the first 2000 requests only:
+  python -m experiments.latency_by_prefix --config=configs/latency_by_prefix_mooncake.py \
+      --workdir=/tmp/lm --config.max_requests=2000
+
+Expected: EXPECT
+"""
+
+from configs import _base
+from configs import latency_by_prefix
+
+
+def get_config():
+    c = latency_by_prefix.get_config()
+    src = _base.requests_config("shared_system_prompt",
+                                trace=f"{_base.MOONCAKE_DIR}/conversation_trace.jsonl")
+    for key in ("trace", "workload", "max_requests"):
+        c[key] = src[key]
+    c.trace_format = "mooncake"
+    c.accelerators = ("tpu_v6e", "h100", "h200")
+    c.num_chips = 8
+    c.num_blocks = 0  # all HBM left after the weights
+    c.arrival_rate = 0.0  # the trace's real timestamps
+    c.prefix_edges = (0, 1, 2048, 4096, 8192, 16384, 32768, 131072)
+    c.curve_prompt_len = 16384
+    c.measured.enable = False
+    return c
