@@ -8,7 +8,9 @@ blocks.
 Command:
   python -m experiments.replay --config=configs/replay_multi_turn.py --workdir=/tmp/replay_multi_turn
 
-Expected: EXPECT
+Expected: token hit rate 0.769 (853k of 1.11M prompt tokens: later turns
+reuse their conversation's earlier prompt and output blocks), 19,242 evictions, 0
+failed.
 """
 
 from configs import _base

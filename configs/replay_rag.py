@@ -8,7 +8,8 @@ blocks.
 Command:
   python -m experiments.replay --config=configs/replay_rag.py --workdir=/tmp/replay_rag
 
-Expected: EXPECT
+Expected: token hit rate 0.621 (the system prompt always, plus the leading
+popular documents), 37,519 evictions, 0 failed.
 """
 
 from configs import _base

@@ -8,7 +8,9 @@ blocks.
 Command:
   python -m experiments.replay --config=configs/replay_shared_system_prompt.py --workdir=/tmp/replay_shared_system_prompt
 
-Expected: EXPECT
+Expected: token hit rate 0.781 (every request after the first reuses
+exactly the 1024 system-prompt tokens: 2,046,976 of 2,620,378 prompt tokens), 35,909
+evictions (unique suffixes cycle through the 4096-block pool), 0 failed.
 """
 
 from configs import _base

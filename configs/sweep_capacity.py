@@ -9,7 +9,10 @@ measured, cold (empty cache) and warm, at 9 capacities from 128 to 32,768 blocks
 Command:
   python -m experiments.sweep_capacity --config=configs/sweep_capacity.py --workdir=/tmp/sweep
 
-Expected: EXPECT
+Expected: hit rate rising with capacity, cold from 0.25 (128 blocks;
+61 of 500 measured prompts do not fit and fail) to 0.676 (>= 16,384 blocks), warm
+from 0.25 to 0.778 (the warm-up's documents are still cached); evictions fall to 0
+at 32,768 blocks. results.jsonl: 18 lines (9 capacities x cold/warm).
 """
 
 from configs import _base
