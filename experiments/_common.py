@@ -276,7 +276,8 @@ def peak_rss_mib() -> float:
 # ----------------------------------------------------------------------------
 
 
-def requests_from_config(config, workdir: str | os.PathLike | None = None):
+def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
+                         progress: bool = False):
     """The requests an experiment runs on, as described by its config.
 
     Config fields used:
@@ -289,6 +290,11 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None):
         written to ``workload.path`` (default
         ``<workdir>/mooncake_scale-<digest of seed+kwargs>.jsonl``, reused if it
         exists) and streamed from there.
+
+    Args:
+      config: the experiment's config (the fields above).
+      workdir: where a generated mooncake_scale trace goes by default.
+      progress: a tqdm bar while a mooncake_scale trace is written.
 
     Returns:
       An iterator of ``TraceRequest`` (streamed for files: memory O(1) in the trace).
@@ -320,8 +326,13 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None):
             path = config.workload.get("path") or os.path.join(
                 os.fspath(workdir or tempfile.gettempdir()), f"mooncake_scale-{digest}.jsonl")
             if not os.path.isfile(path):
-                workloads.write_mooncake_trace(
-                    path, workloads.mooncake_scale(seed=config.seed, **_tuples(kwargs)))
+                lines = workloads.mooncake_scale(seed=config.seed, **_tuples(kwargs))
+                if progress:
+                    from tqdm.auto import tqdm  # noqa: PLC0415
+
+                    lines = tqdm(lines, total=kwargs.get("num_requests"), unit="req",
+                                 desc="writing mooncake_scale trace")
+                workloads.write_mooncake_trace(path, lines)
             reqs = read_trace(path, format="mooncake")
         else:
             reqs = iter(workloads.generate(name, seed=config.seed, **_tuples(kwargs)))

@@ -55,7 +55,7 @@ def run(config, *, progress: bool = False) -> dict:
 
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
-    requests = _common.requests_from_config(config, workdir)
+    requests = _common.requests_from_config(config, workdir, progress=progress)
     prompt = array.array("q")  # per-request prompt tokens, for the plot
     hits = array.array("q")
 

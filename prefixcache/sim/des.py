@@ -91,6 +91,7 @@ class _SimRequest:
     ttft_s: float | None = None
     num_cached_tokens: int | None = None  # hit at first admission
     num_preemptions: int = 0
+    finished: bool = False
 
 
 def _arrivals(requests: Iterable[TraceRequest], arrival_rate: float | None,
@@ -317,13 +318,13 @@ def simulate(
                 counts["finished"] += 1
                 counts["prompt_tokens"] += req.num_prompt_tokens
                 counts["output_tokens"] += s.max_output
-                s.max_output = -1  # marks finished for the sweep below
+                s.finished = True
                 emit({"id": s.trace.id, "arrival_s": s.arrival_s, "queue_s": queue,
                       "ttft_s": s.ttft_s, "e2e_s": e2e, "prompt_tokens": req.num_prompt_tokens,
                       "num_cached_tokens": s.num_cached_tokens,
                       "output_tokens": k + 1, "num_preemptions": s.num_preemptions})
         if finished:
-            running = [s for s in running if s.max_output != -1]
+            running = [s for s in running if not s.finished]
 
     if bar is not None:
         bar.close()
