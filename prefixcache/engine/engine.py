@@ -63,6 +63,16 @@ class Engine:
       share_programs_with: another Engine over the same model, backend and mesh whose
         compiled step programs this one reuses (its own KV pool and cache stay separate);
         e.g. a caching-on and a caching-off engine compared side by side.
+
+    Attributes:
+      kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
+        runner with its MetadataBuilder `runner.builder` and KV arrays).
+      record_logits: when True, each step also fetches the next-token logits of the
+        requests that sampled (one explicit device_get) into `step_logits`: a list per
+        step of {request_id: f32[vocab]} (for numerics checks; grows without bound).
+      last_scheduler_output: the SchedulerOutput of the latest step.
+      last_step_times: (schedule, prepare, device, update) seconds of the latest step
+        that ran the model.
     """
 
     def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,

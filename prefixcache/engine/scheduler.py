@@ -73,6 +73,12 @@ class EngineRequest:
       mm_embeddings: identifier -> f32[length, d_model] embedding rows of each
         multimodal item of the request (the core's `MultiModalFeature` carries
         identifier, offset, length only).
+      status, finish_reason, error: lifecycle; error is set for finish_reason "error".
+      arrival_time, first_scheduled_time, first_token_time, finish_time:
+        `time.perf_counter()` stamps (None until they happen).
+      num_cached_tokens: prefix hit of the first admission.
+      num_preemptions: times it was preempted by recompute.
+      admitted: whether it was ever scheduled.
     """
 
     request: "Request"
