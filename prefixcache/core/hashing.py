@@ -36,7 +36,7 @@ import pickle
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import cbor2
 import numpy as np
@@ -81,35 +81,65 @@ _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 # Largest pickle frame we assemble ourselves. pickle starts a new frame once a frame
 # reaches 64 KiB (FRAME_SIZE_TARGET); bigger keys go through pickle.dumps itself.
 _MAX_FAST_PICKLE_FRAME = 64 * 1024 - 64
-# Below this many blocks the per-call numpy overhead outweighs its per-block savings
-# (decode appends one block at a time): serialize those blocks one by one.
-_MIN_VECTOR_BLOCKS = 4
+# Below this many blocks the per-call numpy overhead (some 20 numpy calls) outweighs
+# its per-block savings: serialize those blocks one by one (measured crossovers; pickle
+# per block is cheaper than CBOR's, so its crossover is later).
+_MIN_VECTOR_BLOCKS_CBOR = 16
+_MIN_VECTOR_BLOCKS_PICKLE = 40
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
-# it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes), with a
-# u64 mask row marking which of the 8 bytes are real; one boolean compaction of all rows
-# then yields the serialized stream.
-def _mask_rows(masks: list[list[int]]) -> np.ndarray:
-    out = np.zeros((len(masks), 8), dtype=np.uint8)
-    for i, m in enumerate(masks):
-        out[i, : len(m)] = m
-    return out.view("<u8").reshape(-1)
-
-
+# it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
+# padded, plus its length; one boolean compaction of all rows yields the stream.
 # CBOR unsigned ints < 2**32 by class (v < 24, < 256, < 65536, < 2**32): the head byte
-# is v itself, 0x18, 0x19 or 0x1a; the payload is the last 0/1/2/4 big-endian bytes.
+# is v itself, 0x18, 0x19 or 0x1a; then the last 0/1/2/4 big-endian bytes of v.
 _CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.uint32)
-_CBOR_MASK = _mask_rows([[1], [1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]])
-_CBOR_LEN = np.array([1, 2, 3, 5], dtype=np.int64)
+_CBOR_PAYLOAD = np.array([0, 1, 2, 4], dtype=np.uint64)
 # pickle ints < 2**31 by class (< 256, < 65536, < 2**31): BININT1 'K', BININT2 'M',
-# BININT 'J' with 1/2/4 little-endian payload bytes.
+# BININT 'J', then 1/2/4 little-endian bytes of v.
 _PICKLE_BOUNDS = np.array([256, 65536], dtype=np.uint32)
 _PICKLE_OPCODE = np.array([0x4B, 0x4D, 0x4A], dtype=np.uint64)
-_PICKLE_MASK = _mask_rows([[1, 1], [1, 1, 1], [1, 1, 1, 1, 1]])
-_PICKLE_LEN = np.array([2, 3, 5], dtype=np.int64)
+_PICKLE_PAYLOAD = np.array([1, 2, 4], dtype=np.uint64)
+# Row mask by length: the low L bytes set.
+_MASK_BY_LEN = np.array(
+    [int.from_bytes(b"\1" * n, "little") for n in range(9)], dtype="<u8"
+)
+
+
+def _cbor_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CBOR items of ``u32[n]`` as (rows <u8[n], lengths u8[n])."""
+    cls = np.searchsorted(_CBOR_BOUNDS, u32, side="right")
+    payload = _CBOR_PAYLOAD[cls]
+    first = np.where(u32 < 24, u32, cls + 0x17).astype(np.uint64)  # v, 0x18 .. 0x1a
+    # Big-endian bytes read as little-endian: v with its 4 bytes reversed (any host).
+    swapped = u32.astype(">u4").view("<u4").astype(np.uint64)
+    rows = first | ((swapped >> (np.uint64(32) - np.uint64(8) * payload)) << np.uint64(8))
+    return rows.astype("<u8"), (payload + 1).astype(np.uint8)
+
+
+def _pickle_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """pickle int opcodes of ``u32[n]`` (all < 2**31) as (rows <u8[n], lengths u8[n])."""
+    cls = np.searchsorted(_PICKLE_BOUNDS, u32, side="right")
+    rows = _PICKLE_OPCODE[cls] | (u32.astype(np.uint64) << np.uint64(8))
+    return rows.astype("<u8"), (_PICKLE_PAYLOAD[cls] + 1).astype(np.uint8)
+
+
+def _token_tables(bits: int) -> tuple[np.ndarray, ...]:
+    """Read-only rows and lengths of every id < 2**bits, for both serializers."""
+    ids = np.arange(1 << bits, dtype=np.uint32)
+    tables = (*_cbor_token_rows(ids), *_pickle_token_rows(ids))
+    for t in tables:
+        t.flags.writeable = False
+    return tables
+
+
+# NOTE: immutable lookup tables (2.3 MiB, built once at import): one gather per token
+# instead of a dozen numpy calls, which dominate for prompts of a few dozen blocks.
+# Ids beyond the table (vocabularies over 2**17) take the arithmetic path.
+_TABLE_BITS = 17
+_CBOR_ROW, _CBOR_ROW_LEN, _PICKLE_ROW, _PICKLE_ROW_LEN = _token_tables(_TABLE_BITS)
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
 
@@ -566,9 +596,12 @@ class BlockHasher:
         tokens = token_ids[lo:]
         num_blocks = len(tokens) // block_size
         parent = self._parent_bytes(parent)
-        if num_blocks < _MIN_VECTOR_BLOCKS:
-            return self._hash_blocks_generic(
-                tokens, num_blocks, block_size, start_block, parent,
+        if num_blocks < (
+            _MIN_VECTOR_BLOCKS_CBOR if self._is_cbor else _MIN_VECTOR_BLOCKS_PICKLE
+        ):
+            ids = _canonical_tokens(tokens)  # validates every id, the partial block's too
+            return self._hash_blocks_small(
+                ids, num_blocks, block_size, start_block, parent,
                 lora, mm_features, cache_salt,
             )
         u32 = _as_u32(tokens)  # validates every id, the partial block's too
@@ -621,6 +654,104 @@ class BlockHasher:
             out.append(parent)
         return out
 
+    def _frame(self, block_size: int) -> tuple[bytes, int, bytes]:
+        """(head, hole, close) of a block key for parents of ``digest_size`` bytes.
+
+        ``head`` precedes the token items and has a zero hole of ``digest_size`` bytes at
+        offset ``hole`` for the parent; ``close`` follows the token items, before the
+        extra keys. pickle: PROTO 5, FRAME len8 (zero here), SHORT_BINBYTES, MEMOIZE,
+        MARK ... TUPLE MEMOIZE (TUPLE1-3 without MARK for 1-3 tokens); the extra keys'
+        suffix ends with TUPLE3 MEMOIZE STOP. cbor: array(3), bytes(digest_size),
+        array(block_size).
+        """
+        ds = self._digest_size
+        if self._is_cbor:
+            head = b"\x83" + _cbor_head(2, ds)
+            return head + bytes(ds) + _cbor_head(4, block_size), len(head), b""
+        head = bytes([0x80, _PICKLE_PROTOCOL, 0x95]) + bytes(8) + b"C" + bytes([ds])
+        if block_size <= 3:
+            return head + bytes(ds) + b"\x94", len(head), _PICKLE_TUPLE_N[block_size] + b"\x94"
+        return head + bytes(ds) + b"\x94(", len(head), b"t\x94"
+
+    def _hash_blocks_small(
+        self, ids, num_blocks, block_size, start_block, parent,
+        lora, mm_features, cache_salt,
+    ) -> list[bytes]:
+        """Block by block (decode, short prompts): the serializer's C code per block.
+
+        Without extra keys the key tuple goes to the serializer whole; with extra keys
+        only the token tuple does and the cached serialized extra keys are spliced in.
+        """
+        lo = start_block * block_size
+        if (
+            lora is None
+            and not (cache_salt and start_block == 0)
+            and all(f[1] + f[2] <= lo for f in map(_mm_fields, mm_features))
+        ):
+            # No block has extra keys: exactly vLLM's computation, minus its overhead.
+            out = []
+            if self._digest is _sha256_digest and not self._is_cbor:
+                sha256, dumps = hashlib.sha256, pickle.dumps
+                for i in range(0, num_blocks * block_size, block_size):
+                    parent = sha256(
+                        dumps((parent, ids[i : i + block_size], None), _PICKLE_PROTOCOL)
+                    ).digest()
+                    out.append(parent)
+            else:
+                digest, serialize = self._digest, self.serialize
+                for i in range(0, num_blocks * block_size, block_size):
+                    parent = digest(serialize((parent, ids[i : i + block_size], None)))
+                    out.append(parent)
+            return out
+        plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+        if plan is None:
+            return self._hash_blocks_generic(
+                ids, num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
+            )
+        close_len = plan.close_len
+        suffixes, id_of = plan.suffixes, plan.id_of
+        digest = self._digest
+        out = []
+        for i in range(num_blocks):
+            toks = ids[i * block_size : (i + 1) * block_size]
+            suffix = suffixes[id_of.get(i, 0)]
+            if self._is_cbor:
+                # The token array encodes the same alone as inside the key.
+                msg = (
+                    b"\x83" + _cbor_head(2, len(parent)) + parent
+                    + cbor2.dumps(toks, canonical=True) + suffix
+                )
+            else:
+                # pickle.dumps(toks) = PROTO FRAME(len8) [MARK] ints TUPLE MEMOIZE STOP;
+                # ints are not memoised, so those opcodes read the same inside the key.
+                tp = pickle.dumps(toks, protocol=_PICKLE_PROTOCOL)
+                body = (
+                    b"C" + bytes([len(parent)]) + parent + b"\x94"
+                    + tp[11 : -1 - close_len] + suffix
+                )
+                if (
+                    len(parent) >= 256  # BINBYTES
+                    or int.from_bytes(tp[3:11], "little") != len(tp) - 11  # split frame
+                    or len(body) > _MAX_FAST_PICKLE_FRAME
+                ):
+                    b = start_block + i
+                    extra = block_extra_keys(
+                        b * block_size, (b + 1) * block_size, lora=lora,
+                        mm_features=sorted(map(_mm_fields, mm_features), key=lambda f: f[1]),
+                        cache_salt=cache_salt, is_first_block=b == 0,
+                    )
+                    parent = digest(pickle.dumps((parent, toks, extra), _PICKLE_PROTOCOL))
+                    out.append(parent)
+                    continue
+                msg = (
+                    bytes([0x80, _PICKLE_PROTOCOL, 0x95])
+                    + len(body).to_bytes(8, "little") + body
+                )
+            parent = digest(msg)
+            out.append(parent)
+        return out
+
     # -- vectorised path ------------------------------------------------------------
     def _extra_tail(self, extra: tuple | None) -> bytes | None:
         """Serialized bytes of the key after the token tuple, or None if not spliceable.
@@ -656,18 +787,15 @@ class BlockHasher:
             tail = cache[key] = self._extra_tail(_extras_from_parts(lora_pair, mm, salt))
         return tail
 
-    def _tail_plan(self, num_blocks, bs, start_block, lora, mm_features, cache_salt, close):
-        """Serialized extra keys of each block, as u64 rows for `_write_keys`.
+    def _tail_plan(self, bs, start_block, lora, mm_features, cache_salt) -> _TailPlan | None:
+        """What follows the token items in each block's key (see `_TailPlan`).
 
         The plan for a request's shape (LoRA, multimodal items, salt, block size) is
         cached on the hasher, so requests that share it (the same image and adapter at
         the same place) skip all per-block Python work.
 
         Returns:
-          None when some extra keys cannot be spliced (the generic path must write them),
-          else (rows <u8[U, t], mask <u8[U, t], lens i64[U], tail_ids intp[num_blocks]
-          or None): block i's suffix (``close`` + extra keys) is row ``tail_ids[i]``
-          (row 0 for every block when tail_ids is None).
+          None when some extra keys cannot be spliced (the generic path must write them).
         """
         lora_pair = _lora_pair(lora)
         salt = cache_salt if (cache_salt and start_block == 0) else None
@@ -677,27 +805,19 @@ class BlockHasher:
                 (f for f in map(_mm_fields, mm_features) if f[1] + f[2] > lo),
                 key=lambda f: f[1],
             )
-        )
+        ) if mm_features else ()
         # Without items or salt the plan does not depend on where the blocks start.
-        key = (lora_pair, feats, salt, start_block if (feats or salt) else -1, bs, close)
+        key = (lora_pair, feats, salt, start_block if (feats or salt) else -1, bs)
         cache = self._plan_cache
         plan = cache.get(key)
         if plan is None:
-            plan = self._make_tail_plan(lora_pair, feats, salt, start_block, bs, close)
+            plan = self._make_tail_plan(lora_pair, feats, salt, start_block, bs)
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
             cache[key] = plan
-        if plan is _UNSPLICEABLE:
-            return None
-        rows, mask, lens, positions, ids = plan
-        if positions is None:
-            return rows, mask, lens, None
-        tail_ids = np.zeros(num_blocks, dtype=np.intp)
-        sel = positions < num_blocks
-        tail_ids[positions[sel]] = ids[sel]
-        return rows, mask, lens, tail_ids
+        return None if plan is _UNSPLICEABLE else plan
 
-    def _make_tail_plan(self, lora_pair, feats, salt, start_block, bs, close):
+    def _make_tail_plan(self, lora_pair, feats, salt, start_block, bs):
         special: dict[int, list] = {}
         for identifier, offset, length in feats:
             for b in range(max(offset // bs, start_block), (offset + length - 1) // bs + 1):
@@ -717,57 +837,56 @@ class BlockHasher:
             ids.append(k)
         if any(t is None for t in tails):
             return _UNSPLICEABLE
+        head, hole, close = self._frame(bs)
         suffixes = [close + t for t in tails]
         width = 8 * max(-(-len(x) // 8) for x in suffixes)
-        rows = np.frombuffer(
+        suffix_rows = np.frombuffer(
             b"".join(x.ljust(width, b"\0") for x in suffixes), dtype="<u8"
         ).reshape(len(suffixes), width // 8)
-        mask = np.frombuffer(
+        suffix_mask = np.frombuffer(
             b"".join(b"\1" * len(x) + b"\0" * (width - len(x)) for x in suffixes),
             dtype="<u8",
         ).reshape(len(suffixes), width // 8)
-        lens = np.array([len(x) for x in suffixes], dtype=np.int64)
-        lens.flags.writeable = False
-        if not positions:
-            return rows, mask, lens, None, None
-        pos = np.array(positions, dtype=np.intp)
-        kid = np.array(ids, dtype=np.intp)
-        pos.flags.writeable = kid.flags.writeable = False
-        return rows, mask, lens, pos, kid
+        suffix_lens = np.array([len(x) for x in suffixes], dtype=np.int64)
+        head_rows = -(-len(head) // 8)
+        # One block's rows: head, bs token rows (zero), suffix 0.
+        template = np.frombuffer(
+            head.ljust(8 * head_rows, b"\0") + bytes(8 * bs) + suffixes[0].ljust(width, b"\0"),
+            dtype="<u8",
+        ).reshape(1, -1)
+        template_mask = np.frombuffer(
+            (b"\1" * len(head)).ljust(8 * head_rows, b"\0") + bytes(8 * bs)
+            + (b"\1" * len(suffixes[0])).ljust(width, b"\0"),
+            dtype="<u8",
+        ).reshape(1, -1)
+        pos = kid = None
+        if positions:
+            pos = np.array(positions, dtype=np.intp)
+            kid = np.array(ids, dtype=np.intp)
+        for arr in (suffix_lens, pos, kid):
+            if arr is not None:
+                arr.flags.writeable = False
+        return _TailPlan(
+            template, template_mask, head_rows, hole, len(close), len(head) + len(suffixes[0]),
+            suffix_rows, suffix_mask, suffix_lens, pos, kid, suffixes,
+            dict(zip(positions, ids)),
+        )
 
     def _hash_blocks_vectorised(
         self, u32, num_blocks, block_size, start_block, parent,
         lora, mm_features, cache_salt,
     ) -> list[bytes] | None:
         """All full blocks at once; None when only the generic path can write them."""
-        ds = self._digest_size
-        if self._is_cbor:
-            # array(3) [bytes(parent), array(block_size) [uint...], extra keys]
-            head = b"\x83" + _cbor_head(2, ds)
-            hole = len(head)
-            head += bytes(ds) + _cbor_head(4, block_size)
-            close = b""
-        else:
-            if u32.size and u32.max() >= 2**31:
-                return None  # LONG1 opcodes: generic path
-            # PROTO 5, FRAME len8, SHORT_BINBYTES len parent, MEMOIZE, [MARK] ints
-            # TUPLE/TUPLEn MEMOIZE, extra keys, TUPLE3 MEMOIZE STOP
-            head = bytes([0x80, _PICKLE_PROTOCOL, 0x95]) + bytes(8) + b"C" + bytes([ds])
-            hole = len(head)
-            head += bytes(ds) + b"\x94"
-            if block_size <= 3:
-                close = _PICKLE_TUPLE_N[block_size] + b"\x94"
-            else:
-                head += b"("
-                close = b"t\x94"
-        plan = self._tail_plan(
-            num_blocks, block_size, start_block, lora, mm_features, cache_salt, close
-        )
+        if not self._is_cbor and u32.size and u32.max() >= 2**31:
+            return None  # LONG1 opcodes: generic path
+        plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
         if plan is None:
             return None
-        buf, ends = self._write_keys(u32, num_blocks, block_size, head, *plan)
+        buf, ends = self._write_keys(u32, num_blocks, block_size, plan)
         if buf is None:
             return None
+        hole = plan.hole
+        ds = self._digest_size
         mv = memoryview(buf)
         out = []
         append = out.append
@@ -793,61 +912,77 @@ class BlockHasher:
                 a = b
         return out
 
-    def _write_keys(self, u32, nb, bs, head, suffix_rows, suffix_mask, suffix_lens, tail_ids):
+    def _write_keys(self, u32, nb, bs, plan):
         """Serialized keys of ``nb`` blocks, back to back, parent holes zero.
 
         Args:
           u32: u32[nb * bs] token ids (< 2**31 for pickle).
-          head: bytes before the token items (with a hole for the parent).
-          suffix_rows, suffix_mask: <u8[U, t] the distinct suffixes (token tuple close +
-            extra keys) as rows and byte masks; suffix_lens: i64[U] their lengths.
-          tail_ids: intp[nb], block i's suffix; None: suffix 0 for every block.
+          plan: the blocks' `_TailPlan` (head, suffixes).
 
         Returns:
           (buf, ends): a bytearray and the end offset of each block's message (list of
           nb ints; block i spans ``ends[i-1]:ends[i]``); (None, None) when a pickle frame
           would be too long to assemble ourselves.
         """
-        if self._is_cbor:
-            cls = np.searchsorted(_CBOR_BOUNDS, u32, side="right")
-            first = np.where(u32 < 24, u32, cls + 0x17).astype(np.uint64)  # v, 0x18..0x1a
-            # Reading big-endian bytes as little-endian: the integer with v's bytes
-            # reversed, whatever the host's byte order.
-            swapped = u32.astype(">u4").view("<u4").astype(np.uint64)
-            tok = first | (swapped << np.uint64(8))
-            tok_mask = _CBOR_MASK[cls]
-            tok_len = _CBOR_LEN[cls]
+        if u32.max() < (1 << _TABLE_BITS):
+            if self._is_cbor:
+                tok, tok_len = _CBOR_ROW[u32], _CBOR_ROW_LEN[u32]
+            else:
+                tok, tok_len = _PICKLE_ROW[u32], _PICKLE_ROW_LEN[u32]
+        elif self._is_cbor:
+            tok, tok_len = _cbor_token_rows(u32)
         else:
-            cls = np.searchsorted(_PICKLE_BOUNDS, u32, side="right")
-            tok = _PICKLE_OPCODE[cls] | (u32.astype(np.uint64) << np.uint64(8))
-            tok_mask = _PICKLE_MASK[cls]
-            tok_len = _PICKLE_LEN[cls]
-        head_rows, head_mask = _const_rows(head)
-        p, t = head_rows.shape[0], suffix_rows.shape[1]
+            tok, tok_len = _pickle_token_rows(u32)
+        p = plan.head_rows
         # NOTE: explicit little-endian rows: byte 0 of a row is its lowest byte.
-        rows = np.empty((nb, p + bs + t), dtype="<u8")
-        mask = np.empty((nb, p + bs + t), dtype="<u8")
-        rows[:, :p] = head_rows
-        mask[:, :p] = head_mask
+        rows = plan.template.repeat(nb, axis=0)
+        mask = plan.template_mask.repeat(nb, axis=0)
         rows[:, p : p + bs] = tok.reshape(nb, bs)
-        mask[:, p : p + bs] = tok_mask.reshape(nb, bs)
-        lens = tok_len.reshape(nb, bs).sum(axis=1)
-        lens += len(head)
-        if tail_ids is None:
-            rows[:, p + bs :] = suffix_rows[0]
-            mask[:, p + bs :] = suffix_mask[0]
-            lens += suffix_lens[0]
-        else:
-            rows[:, p + bs :] = suffix_rows[tail_ids]
-            mask[:, p + bs :] = suffix_mask[tail_ids]
-            lens += suffix_lens[tail_ids]
+        mask[:, p : p + bs] = _MASK_BY_LEN[tok_len].reshape(nb, bs)
+        lens = np.add.reduce(tok_len.reshape(nb, bs), axis=1, dtype=np.int64)
+        lens += plan.fixed_len
+        if plan.positions is not None:
+            sel = plan.positions < nb
+            blocks, ids = plan.positions[sel], plan.ids[sel]
+            rows[blocks, p + bs :] = plan.suffix_rows[ids]
+            mask[blocks, p + bs :] = plan.suffix_mask[ids]
+            lens[blocks] += plan.suffix_lens[ids] - plan.suffix_lens[0]
         if not self._is_cbor:
             frame = lens - 11  # everything after PROTO and the FRAME header
             if frame.max() > _MAX_FAST_PICKLE_FRAME:
                 return None, None
-            # FRAME's 8-byte length sits in bytes 3..10 of the head: rows 0 and 1.
-            row01 = rows[:, :2].copy().view(np.uint8).reshape(nb, 16)
-            row01[:, 3:11] = frame.astype("<u8").view(np.uint8).reshape(nb, 8)
-            rows[:, :2] = row01.view("<u8").reshape(nb, 2)
+            # FRAME's length: bytes 3..10 of row 0 (< 2**16, so bytes 3 and 4).
+            rows[:, 0] |= (frame << 24).astype(np.uint64)
         buf = bytearray(rows.view(np.uint8)[mask.view(bool)])
-        return buf, np.cumsum(lens).tolist()
+        return buf, lens.cumsum().tolist()
+
+
+class _TailPlan(NamedTuple):
+    """How the blocks of one request shape serialize around their token items.
+
+    Attributes:
+      template, template_mask: <u8[1, head_rows + block_size + t] one block's rows
+        (head, zero token rows, suffix 0) and byte masks.
+      head_rows: rows taken by the head; hole: offset of the parent in the head.
+      close_len: bytes of the token tuple's close at the start of every suffix.
+      fixed_len: bytes of head + suffix 0.
+      suffix_rows, suffix_mask: <u8[U, t] the distinct suffixes (token tuple close +
+        serialized extra keys), zero padded, and their byte masks; suffix_lens: i64[U].
+      positions, ids: intp[k] block ``start_block + positions[j]`` takes suffix
+        ``ids[j]`` (None: every block takes suffix 0); may reach past the last block.
+      suffixes: the U suffixes as bytes; id_of: the same map as a dict.
+    """
+
+    template: np.ndarray
+    template_mask: np.ndarray
+    head_rows: int
+    hole: int
+    close_len: int
+    fixed_len: int
+    suffix_rows: np.ndarray
+    suffix_mask: np.ndarray
+    suffix_lens: np.ndarray
+    positions: np.ndarray | None
+    ids: np.ndarray | None
+    suffixes: list
+    id_of: dict

@@ -149,6 +149,16 @@ DEFAULT_ROOTS = {
 }
 
 
+@pytest.fixture(params=["vectorised", "per_block"])
+def path(request, monkeypatch):
+    """Run a test through each writer: the numpy one (from the first block on) and the
+    per-block one (however many blocks)."""
+    threshold = 1 if request.param == "vectorised" else 10**9
+    monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_CBOR", threshold)
+    monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
+    return request.param
+
+
 def _case_kwargs(case):
     return dict(
         lora=case.get("lora"),
@@ -172,7 +182,7 @@ def _chain_reference(hasher, tokens, block_size, **kw):
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
-def test_pinned_vllm_vectors(algo):
+def test_pinned_vllm_vectors(algo, path):
     want = VLLM_VECTORS[algo]
     hasher = BlockHasher(algo, seed=SEED)
     assert hasher.root.hex() == want["root"]
@@ -186,7 +196,7 @@ def test_pinned_vllm_vectors(algo):
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
-def test_pinned_vectors_through_request_incremental(algo):
+def test_pinned_vectors_through_request_incremental(algo, path):
     """Request hashing incrementally (one output token at a time) equals vLLM's."""
     hasher = BlockHasher(algo, seed=str(SEED))
     for name, case in CASES.items():
@@ -348,7 +358,7 @@ def _messages(hasher, tokens, block_size, **kw):
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 16])
-def test_width_edges_byte_for_byte(algo, block_size):
+def test_width_edges_byte_for_byte(algo, block_size, path):
     """Token ids at every encoding width boundary, through the vectorised writer."""
     tokens = (SMALL_EDGES * (1 + 6 * block_size // len(SMALL_EDGES)))[: 7 * block_size - 1]
     hasher = BlockHasher(algo, seed=11)
@@ -399,14 +409,26 @@ mm_strategy = st.lists(
     salt=st.none() | st.sampled_from(["", "s", "salt-1"]),
     mm=mm_strategy,
     start_block=st.integers(0, 3),
+    vector_from=st.sampled_from([1, 3, 10**9]),
 )
 def test_specialised_encoder_bytes_equal_generic_serializers(
-    algo, block_size, tokens, huge, lora, salt, mm, start_block
+    algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from
 ):
     """Every message the fast path digests equals pickle.dumps / cbor2.dumps(canonical)
     of the canonical key tuple (vLLM's bytes)."""
     if huge is not None and huge[0] < len(tokens):
         tokens[huge[0]] = huge[1]  # sometimes an id only the generic path writes
+    # From how many blocks on the numpy writer takes over (hypothesis cannot use
+    # function-scoped fixtures).
+    saved = hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE
+    hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
+    try:
+        _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
+    finally:
+        hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE = saved
+
+
+def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
     # Non-overlapping items in offset order (the Request guarantees this).
     items, end = [], 0
     for ident, off, length in sorted(mm, key=lambda m: m[1]):
@@ -438,7 +460,7 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
-def test_large_blocks_foreign_parents_and_huge_ids_fall_back_exactly(algo):
+def test_large_blocks_foreign_parents_and_huge_ids_fall_back_exactly(algo, path):
     h = BlockHasher(algo, seed=1)
     # > 64 KiB pickle frame: pickle splits frames; we hand those to pickle itself.
     big = [70000 + i for i in range(2 * 14000)]
@@ -456,7 +478,7 @@ def test_large_blocks_foreign_parents_and_huge_ids_fall_back_exactly(algo):
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
-def test_incremental_equals_whole_sequence(algo):
+def test_incremental_equals_whole_sequence(algo, path):
     h = BlockHasher(algo, seed=3)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 200000, size=203).tolist()
