@@ -183,6 +183,7 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
   block_q = max(block_q, 16 // min(group_pad, 16))
   rows = block_q * group_pad
   pages_per_blk = min(block_sizes.num_kv_pages_per_block, _next_pow2(pages_per_seq))
+  pages_per_blk = max(pages_per_blk, 16 // min(page_size, 16))  # Triton dot N >= 16
   num_blks = -(-pages_per_seq // pages_per_blk)
   k_splits = min(block_sizes.k_splits, num_blks)
   blks_per_split = -(-num_blks // k_splits)

@@ -147,15 +147,20 @@ def _kernel(
       mask &= key > pos - sliding_window
     key_ok = blk * kv_per_blk + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)
     key_ok = key_ok < kv_len
+    # NOTE: the MXU multiplies in the cache dtype (bf16 caches: bf16 x bf16 -> f32);
+    # f32 caches ask for full f32 precision.
+    cd = kv_bufs.dtype
+    precision = lax.Precision.HIGHEST if cd == jnp.float32 else None
+    zero = jnp.zeros((), cd)
     for j in range(num_kv_heads_blk):
       # NOTE: zero K/V of slots past kv_len: they may hold NaN (0 * NaN = NaN).
       k = kv_bufs[slot, :, :, 2 * j, :].reshape(kv_per_blk, head_dim)
       v = kv_bufs[slot, :, :, 2 * j + 1, :].reshape(kv_per_blk, head_dim)
-      k = jnp.where(key_ok, k.astype(jnp.float32), 0.0)
-      v = jnp.where(key_ok, v.astype(jnp.float32), 0.0)
+      k = jnp.where(key_ok, k, zero)
+      v = jnp.where(key_ok, v, zero)
       q = q_ref[:, j * group:(j + 1) * group, :].astype(jnp.float32)
-      q = q.reshape(rows, head_dim) * sm_scale
-      logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+      q = (q.reshape(rows, head_dim) * sm_scale).astype(cd)
+      logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)  # [rows, kv_per_blk]
       if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -168,7 +173,8 @@ def _kernel(
       alpha = jnp.exp(m_prev - m_next)
       l_ref[j] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
       m_ref[j] = m_next
-      pv = jnp.dot(p, v, preferred_element_type=jnp.float32)  # [rows, head_dim]
+      pv = lax.dot_general(p.astype(cd), v, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)  # [rows, head_dim]
       acc_ref[j] = alpha[:, :1] * acc_ref[j] + pv
 
   s0, blk0 = next_work(jnp.int32(0))
