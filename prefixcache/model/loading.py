@@ -208,7 +208,9 @@ def save_hf_checkpoint(model: Transformer, path: str, *,
                        max_shard_bytes: int | None = None) -> list[str]:
     """Writes `model` as a HF checkpoint directory (config.json + safetensors).
 
-    NOTE: tensors are written as float32 (safetensors.numpy cannot write bfloat16).
+    NOTE: tensors are written as float32 (safetensors.numpy cannot write bfloat16; bf16
+    values are exact in f32); config.json keeps `config.dtype` as torch_dtype, so
+    `load_hf_checkpoint` restores the same config and, for bf16, the same values.
 
     Args:
       model: the Transformer.
@@ -231,8 +233,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *,
         return leaf
 
     jax.tree_util.tree_map_with_path(grab, state)
-    hf_cfg = config.to_hf_config()
-    hf_cfg["torch_dtype"] = "float32"
+    hf_cfg = config.to_hf_config()  # torch_dtype = config.dtype: loading casts back to it
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
     if max_shard_bytes is None:

@@ -61,8 +61,9 @@ def test_loaded_logits_match_numpy_forward(tmp_path, hf_helpers, flavour, shards
     assert np.abs(want[lengths[-1] - 1] - want[0]).max() > 0.1
 
 
-def test_save_then_load_round_trip(tmp_path):
-    config = ModelConfig.tiny(tie_embeddings=False, qkv_bias=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_then_load_round_trip(tmp_path, dtype):
+    config = ModelConfig.tiny(tie_embeddings=False, qkv_bias=True, dtype=dtype)
     from flax import nnx
 
     from prefixcache.model import Transformer
@@ -75,7 +76,8 @@ def test_save_then_load_round_trip(tmp_path):
     b = jax.tree_util.tree_leaves(nnx.state(model2))
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert x.dtype == y.dtype == np.dtype(jax.numpy.dtype(dtype))
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     # HF layout on disk: q_proj.weight is [N*H, D].
     t = {}
     for fn in names:
@@ -83,7 +85,7 @@ def test_save_then_load_round_trip(tmp_path):
     assert t["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 64, 128)
     np.testing.assert_array_equal(
         t["model.layers.1.mlp.down_proj.weight"],
-        np.asarray(model.layers[1].mlp.down_proj[...]).T)
+        np.asarray(model.layers[1].mlp.down_proj[...], np.float32).T)
 
 
 def _write_bf16_safetensors(path, tensors):
