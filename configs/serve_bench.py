@@ -10,7 +10,11 @@ pass first.
 Command:
   python -m experiments.serve_bench --config=configs/serve_bench.py --workdir=/tmp/serve
 
-Expected: EXPECT
+Expected: greedy outputs identical in all three passes
+(outputs_identical_to_off); token hit rate 0 (off), ~0.91 (on, cold: the system
+prompt is computed once) and ~0.98 (on, warm); wall time and TTFT p50 fall with
+caching (dev CPU: 6.3 s -> 2.6 s -> 1.35 s, TTFT p50 628 -> 213 -> 61 ms);
+no new programs compiled in the timed passes after the compile pass.
 """
 
 from configs import _base

@@ -111,6 +111,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
                       batch_size=config.batch_size, max_tokens=config.max_tokens)
             engine.kv_cache_manager.reset_prefix_cache()
         engine.reset_metrics()
+        programs_before = engine.metrics().num_compiled_programs
         rows, outs, wall = serve(engine, requests, tag=name, batch_size=config.batch_size,
                                  max_tokens=config.max_tokens, progress=progress)
         outputs[name] = outs
@@ -124,7 +125,9 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             "token_hit_rate": m.token_hit_rate, "request_hit_rate": m.request_hit_rate,
             "computed_tokens": m.num_computed_tokens, "evictions": m.num_evictions,
             "preemptions": m.num_preemptions, "peak_usage": m.peak_usage,
-            "num_compiled_programs": m.num_compiled_programs, "wall_s": wall,
+            "num_compiled_programs": m.num_compiled_programs,
+            "programs_compiled_in_pass": m.num_compiled_programs - programs_before,
+            "wall_s": wall,
             "requests_per_s": len(rows) / wall, "output_tokens_per_s": out_tokens / wall,
             "prompt_tokens_per_s": m.num_prompt_tokens / wall,
             "ttft_s": percentiles([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
