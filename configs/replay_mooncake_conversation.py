@@ -11,7 +11,10 @@ Command:
   python -m experiments.replay --config=configs/replay_mooncake_conversation.py \
       --config.trace=/path/conversation_trace.jsonl --config.max_requests=500
 
-Expected: EXPECT
+Expected: token hit rate 0.3734 (54,063,104 of 144,793,823 prompt
+tokens; 12,030 of 12,031 requests hit), equal to the trace README's ideal reuse of
+37.34% with an infinite cache at 512-token blocks; 0 evictions, 0 failed; peak RSS
+~140 MiB (the trace is streamed).
 """
 
 from configs import _base
