@@ -189,7 +189,8 @@ def simulate(
       ValueError: missing/unsorted timestamps, or a bad arrival rate.
     """
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
-                             hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order)
+                             hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
+                             log_stats=False)
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
     arrivals = _arrivals(requests, arrival_rate, seed)
