@@ -154,7 +154,8 @@ class Engine:
           request_id: unique id (default: a fresh "req-<n>").
           mm_features: `MultiModalFeature(identifier, offset, length)` items.
           mm_embeddings: identifier -> f32[length, d_model] embedding rows of each item.
-          cache_salt, lora: forwarded to the core Request (they enter block hashes).
+          cache_salt: forwarded to the core Request (it enters the first block's hash).
+          lora: must be None: the engine's model applies no adapters.
 
         Returns:
           The request id.
@@ -197,6 +198,11 @@ class Engine:
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
+        if req.lora is not None:
+            # NOTE: the model has no adapter weights; running a LoRA request on the base
+            # model would silently produce base-model tokens under an adapter's cache key.
+            raise ValueError(f"request {req.request_id!r} asks for LoRA adapter "
+                             f"{req.lora.name!r}, but the engine's model applies no adapters")
         rid = req.request_id
         if rid in self._known_ids or rid in taken_ids:
             raise ValueError(f"duplicate request id {rid!r}")

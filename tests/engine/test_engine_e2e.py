@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from prefixcache.core import MultiModalFeature, Request
+from prefixcache.core import LoRARequest, MultiModalFeature, Request
 from prefixcache.engine import Engine, SamplingParams
 from prefixcache.model import ModelConfig
 
@@ -284,6 +284,8 @@ def test_bad_add_request_leaves_engine_unchanged(engines):
     with pytest.raises(ValueError, match="no embedding rows"):
         cached.add_request(Request("mm-bad", [3] * 8, mm_features=(
             MultiModalFeature("img", 0, 8),)), SamplingParams())
+    with pytest.raises(ValueError, match="no adapters"):
+        cached.add_request([1, 2, 3], SamplingParams(), lora=LoRARequest("a", "/x"))
     assert not cached.has_unfinished_requests()
     rid = cached.add_request([1, 2, 3], SamplingParams(max_tokens=1), request_id="dup")
     with pytest.raises(ValueError, match="duplicate"):
