@@ -68,9 +68,11 @@ def build_paged_inputs(case: BenchCase, dtype, seed: int = 0):
   """Random q and a paged cache with a shuffled page table.
 
   Returns:
-    (args, dense) where args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    (args, dense, dense_rows) where args = (q, kv_pages, kv_lens, page_indices, cu_q_lens,
+    num_seqs)
     and dense = list of (q [B, Q, Hq, D], k [B, Hkv, L, D], v [B, Hkv, L, D]) per group
-    of sequences with equal (q_len, kv_len), holding the same values.
+    of sequences with equal (q_len, kv_len), holding the same values, and dense_rows the
+    token rows of `q` each group's flattened [B*Q] queries correspond to.
   """
   rng = np.random.default_rng(seed)
   ps, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
@@ -82,6 +84,7 @@ def build_paged_inputs(case: BenchCase, dtype, seed: int = 0):
   page_indices = np.full((num_seqs, pages_per_seq), num_pages - 1, np.int32)
   kv_pages = np.zeros((num_pages, ps, 2 * hkv, d), np.float32)
   groups: dict = {}
+  rows: dict = {}  # token rows of each group's members, in member order
   used = 0
   qs = []
   for s, (q_len, kv_len) in enumerate(case.seqs):
@@ -94,6 +97,7 @@ def build_paged_inputs(case: BenchCase, dtype, seed: int = 0):
     kv_pages[pages] = kv.reshape(n, ps, 2 * hkv, d)
     q = rng.standard_normal((q_len, case.num_q_heads, d), dtype=np.float32)
     qs.append(q)
+    rows.setdefault((q_len, kv_len), []).append(np.arange(q_len) + sum(len(x) for x in qs[:-1]))
     groups.setdefault((q_len, kv_len), []).append(
         (q, kv[:kv_len, :, 0].transpose(1, 0, 2), kv[:kv_len, :, 1].transpose(1, 0, 2)))
   kv_lens = np.array([kv for _, kv in case.seqs], np.int32)
@@ -103,7 +107,8 @@ def build_paged_inputs(case: BenchCase, dtype, seed: int = 0):
           jnp.asarray([num_seqs], jnp.int32))
   dense = [tuple(jnp.asarray(np.stack(x), dtype) for x in zip(*members))
            for members in groups.values()]
-  return args, dense
+  dense_rows = [np.concatenate(r) for r in rows.values()]
+  return args, dense, dense_rows
 
 
 def _dense_group(q, k, v, *, sm_scale):
@@ -146,11 +151,13 @@ def time_fn(fn, *args, iters: int) -> float:
   return float(np.median(times))
 
 
-def run_case(case: BenchCase, *, dtype, backend: str, iters: int) -> dict:
+def run_case(case: BenchCase, *, dtype, backend: str, iters: int,
+             interpret: bool = False) -> dict:
   """Times the paged path and the dense baseline side by side; returns a record."""
-  args, dense = build_paged_inputs(case, dtype)
+  args, dense, dense_rows = build_paged_inputs(case, dtype)
   sm_scale = 1.0 / float(np.sqrt(case.head_dim))
-  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend))
+  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend,
+                                    interpret=interpret))
   dense_fn = functools.partial(dense_attention, sm_scale=sm_scale)
   # Interleave to share any machine noise between the two.
   t_paged, t_dense = [], []
@@ -158,11 +165,15 @@ def run_case(case: BenchCase, *, dtype, backend: str, iters: int) -> dict:
     t_paged.append(time_fn(paged, *args, iters=max(1, iters // 3)))
     t_dense.append(time_fn(dense_fn, dense, iters=max(1, iters // 3)))
   t_paged, t_dense = min(t_paged), min(t_dense)
+  # The two paths must agree, or the timing compares different work.
+  out = np.asarray(paged(*args).astype(jnp.float32))
+  err = max(float(np.max(np.abs(out[r] - np.asarray(d.astype(jnp.float32)).reshape(
+      len(r), *out.shape[1:])))) for r, d in zip(dense_rows, dense_fn(dense)))
   rl = roofline(case, dtype)
   return {
-      "case": case.name, "backend": backend, "dtype": jnp.dtype(dtype).name,
-      "num_seqs": len(case.seqs), "num_tokens": sum(q for q, _ in case.seqs),
-      "paged_s": t_paged, "dense_s": t_dense, "paged_over_dense": t_paged / t_dense,
+      "case": case.name, "backend": backend, "interpret": interpret,
+      "dtype": jnp.dtype(dtype).name, "num_seqs": len(case.seqs), "num_tokens": sum(q for q, _ in case.seqs),
+      "max_abs_diff_vs_dense": err, "paged_s": t_paged, "dense_s": t_dense, "paged_over_dense": t_paged / t_dense,
       **rl,
       "paged_kv_gbps": rl["kv_bytes"] / t_paged / 1e9,
       "paged_gflops": rl["flops"] / t_paged / 1e9,
@@ -179,18 +190,19 @@ def device_copy_bandwidth(num_bytes: int, *, iters: int) -> float:
 
 def decode_bandwidth(*, backend: str, batch: int, context: int, dtype, iters: int,
                      num_kv_heads: int = 8, num_q_heads: int = 32, head_dim: int = 128,
-                     page_size: int = 16) -> dict:
+                     page_size: int = 16, interpret: bool = False) -> dict:
   """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth."""
   case = BenchCase(f"decode_bw_{batch}x{context}", tuple([(1, context)] * batch),
                    num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
                    page_size=page_size)
-  args, _ = build_paged_inputs(case, dtype)
+  args, _, _ = build_paged_inputs(case, dtype)
   sm_scale = 1.0 / float(np.sqrt(head_dim))
-  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend))
+  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend,
+                                    interpret=interpret))
   t = time_fn(paged, *args, iters=iters)
   kv_bytes = roofline(case, dtype)["kv_bytes"]
   copy_bw = device_copy_bandwidth(kv_bytes, iters=iters)
   achieved = kv_bytes / t
   return {"case": case.name, "backend": backend, "dtype": jnp.dtype(dtype).name,
-          "paged_s": t, "kv_bytes": int(kv_bytes), "achieved_gbps": achieved / 1e9,
+          "interpret": interpret, "paged_s": t, "kv_bytes": int(kv_bytes), "achieved_gbps": achieved / 1e9,
           "copy_gbps": copy_bw / 1e9, "fraction_of_copy_bw": achieved / copy_bw}

@@ -17,11 +17,13 @@ from jax import lax
 
 from kernels.common import validate_inputs
 
-# NOTE: query-block sizes the per-sequence loop chooses between (the smallest one that
-# holds the sequence's q_len, else the largest one, looped). Decode rows take the
-# 1-row branch, so a decode batch costs one matrix-vector product per sequence rather
-# than a padded block; a prefill wastes at most one partly filled block.
-_Q_BLOCK_BUCKETS = (1, 16, 128)
+# NOTE: query-block sizes the per-sequence loop chooses between, per sequence the one
+# with the least cost ceil(q_len / b) * b + _PASS_COST_ROWS * ceil(q_len / b): padded
+# rows plus a charge per pass over the sequence's KV (ties to the larger block). Decode
+# rows take the 1-row branch, so a decode batch costs one matrix-vector product per
+# sequence rather than a padded block; a 128-token chunk runs as 2 x 64 rows.
+_Q_BLOCK_BUCKETS = (1, 16, 64, 256)
+_PASS_COST_ROWS = 8
 
 
 def _attend_block(q_blk, k, v, key_ok, pos, *, sm_scale, sliding_window, soft_cap):
@@ -127,9 +129,11 @@ def ragged_paged_attention_reference(q, kv_pages, kv_lens, page_indices, cu_q_le
         return lax.fori_loop(0, num_chunks, chunk_body, out)
       return run
 
-    branch = jnp.minimum(
-        jnp.searchsorted(jnp.asarray(buckets, jnp.int32), q_len, side="left"),
-        len(buckets) - 1)
+    sizes = jnp.asarray(buckets, jnp.int32)
+    passes = (q_len + sizes - 1) // sizes
+    cost = passes * sizes + _PASS_COST_ROWS * passes
+    order = jnp.arange(len(buckets) - 1, -1, -1, dtype=jnp.int32)  # prefer larger blocks
+    branch = jnp.argmin(cost * len(buckets) + order)
     return lax.switch(branch, [make_branch(b) for b in buckets], out)
 
   return lax.fori_loop(0, n, seq_body, out)

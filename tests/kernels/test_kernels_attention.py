@@ -6,6 +6,7 @@ page_size 8) because Pallas interpret mode is slow on CPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -101,6 +102,19 @@ class TestReference(AttentionChecks):
 
   def call(self, case, **kw):
     return kernels.paged_attention(*case.args(), backend="reference", **kw)
+
+  def test_multi_pass_query_blocks(self, monkeypatch):
+    # Blocks of 1 and 4 rows: the 11- and 9-row sequences run as 3 passes of 4 rows,
+    # the last pass of the last sequence clamped at the end of the token axis.
+    monkeypatch.setattr(kernels.reference, "_Q_BLOCK_BUCKETS", (1, 4))
+    case = make_case(9, [(1, 10), (11, 11), (9, 20)], num_kv_heads=1, group=2,
+                     num_tokens=22)
+    fn = jax.jit(functools.partial(kernels.ragged_paged_attention_reference.__wrapped__,
+                                   sm_scale=SCALE))
+    out = np.asarray(fn(*case.args()))
+    ref = oracle(case, sm_scale=SCALE)
+    np.testing.assert_allclose(out[:21], ref[:21], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[21:], 0.0)
 
   def test_traced_num_seqs_reuses_one_program(self):
     # num_seqs is data: the same compiled program serves 1 and 2 live rows.
