@@ -85,7 +85,7 @@ _MAX_FAST_PICKLE_FRAME = 64 * 1024 - 64
 # its per-block savings: serialize those blocks one by one (measured crossovers; pickle
 # per block is cheaper than CBOR's, so its crossover is later).
 _MIN_VECTOR_BLOCKS_CBOR = 16
-_MIN_VECTOR_BLOCKS_PICKLE = 40
+_MIN_VECTOR_BLOCKS_PICKLE = 64
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
@@ -109,21 +109,21 @@ _MASK_BY_LEN = np.array(
 
 
 def _cbor_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CBOR items of ``u32[n]`` as (rows <u8[n], lengths u8[n])."""
+    """CBOR items of ``u32[n]`` as (rows <u8[n], lengths i64[n])."""
     cls = np.searchsorted(_CBOR_BOUNDS, u32, side="right")
     payload = _CBOR_PAYLOAD[cls]
     first = np.where(u32 < 24, u32, cls + 0x17).astype(np.uint64)  # v, 0x18 .. 0x1a
     # Big-endian bytes read as little-endian: v with its 4 bytes reversed (any host).
     swapped = u32.astype(">u4").view("<u4").astype(np.uint64)
     rows = first | ((swapped >> (np.uint64(32) - np.uint64(8) * payload)) << np.uint64(8))
-    return rows.astype("<u8"), (payload + 1).astype(np.uint8)
+    return rows.astype("<u8"), (payload + 1).astype(np.int64)
 
 
 def _pickle_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """pickle int opcodes of ``u32[n]`` (all < 2**31) as (rows <u8[n], lengths u8[n])."""
+    """pickle int opcodes of ``u32[n]`` (all < 2**31) as (rows <u8[n], lengths i64[n])."""
     cls = np.searchsorted(_PICKLE_BOUNDS, u32, side="right")
     rows = _PICKLE_OPCODE[cls] | (u32.astype(np.uint64) << np.uint64(8))
-    return rows.astype("<u8"), (_PICKLE_PAYLOAD[cls] + 1).astype(np.uint8)
+    return rows.astype("<u8"), (_PICKLE_PAYLOAD[cls] + 1).astype(np.int64)
 
 
 def _token_tables(bits: int) -> tuple[np.ndarray, ...]:
@@ -135,11 +135,13 @@ def _token_tables(bits: int) -> tuple[np.ndarray, ...]:
     return tables
 
 
-# NOTE: immutable lookup tables (2.3 MiB, built once at import): one gather per token
+# NOTE: immutable lookup tables (4 MiB, built once at import): one gather per token
 # instead of a dozen numpy calls, which dominate for prompts of a few dozen blocks.
 # Ids beyond the table (vocabularies over 2**17) take the arithmetic path.
 _TABLE_BITS = 17
 _CBOR_ROW, _CBOR_ROW_LEN, _PICKLE_ROW, _PICKLE_ROW_LEN = _token_tables(_TABLE_BITS)
+_ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
+_ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
 
@@ -939,22 +941,29 @@ class BlockHasher:
         mask = plan.template_mask.repeat(nb, axis=0)
         rows[:, p : p + bs] = tok.reshape(nb, bs)
         mask[:, p : p + bs] = _MASK_BY_LEN[tok_len].reshape(nb, bs)
-        lens = np.add.reduce(tok_len.reshape(nb, bs), axis=1, dtype=np.int64)
-        lens += plan.fixed_len
+        # Message ends: token bytes up to each block's end + per-block fixed bytes.
+        ends = tok_len.cumsum()[bs - 1 :: bs]
+        ends += plan.fixed_len * (_ONE_TO[:nb] if nb < _ONE_TO.shape[0] else np.arange(1, nb + 1))
+        adjust = None
         if plan.positions is not None:
             sel = plan.positions < nb
             blocks, ids = plan.positions[sel], plan.ids[sel]
             rows[blocks, p + bs :] = plan.suffix_rows[ids]
             mask[blocks, p + bs :] = plan.suffix_mask[ids]
-            lens[blocks] += plan.suffix_lens[ids] - plan.suffix_lens[0]
+            adjust = np.zeros(nb, dtype=np.int64)
+            adjust[blocks] = plan.suffix_lens[ids] - plan.suffix_lens[0]
+            ends += adjust.cumsum()
         if not self._is_cbor:
+            lens = tok_len.reshape(nb, bs).sum(axis=1) + plan.fixed_len
+            if adjust is not None:
+                lens += adjust
             frame = lens - 11  # everything after PROTO and the FRAME header
             if frame.max() > _MAX_FAST_PICKLE_FRAME:
                 return None, None
             # FRAME's length: bytes 3..10 of row 0 (< 2**16, so bytes 3 and 4).
             rows[:, 0] |= (frame << 24).astype(np.uint64)
-        buf = bytearray(rows.view(np.uint8)[mask.view(bool)])
-        return buf, lens.cumsum().tolist()
+        buf = bytearray(np.compress(mask.view(bool).reshape(-1), rows.view(np.uint8).reshape(-1)))
+        return buf, ends.tolist()
 
 
 class _TailPlan(NamedTuple):
