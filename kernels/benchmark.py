@@ -122,6 +122,10 @@ def _dense_group(q, k, v, *, sm_scale):
   """
   b, nq, hq, d = q.shape
   hkv, nl = k.shape[1], k.shape[2]
+  out_dtype = q.dtype
+  if jax.default_backend() == "cpu":
+    # XLA:CPU has no bf16 x bf16 -> f32 dot; the reference upcasts the same way.
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   qg = q.reshape(b, nq, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
   logits = jnp.einsum("bhgqd,bhld->bhgql", qg, k,
                       preferred_element_type=jnp.float32) * sm_scale
@@ -131,7 +135,7 @@ def _dense_group(q, k, v, *, sm_scale):
   p = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bhgql,bhld->bqhgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(b, nq, hq, d).astype(q.dtype)
+  return out.reshape(b, nq, hq, d).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
