@@ -10,7 +10,11 @@ Command:
   python -m experiments.replay --config=configs/replay_mooncake_scale.py \
       --workdir=/tmp/mc_scale
 
-Expected: EXPECT
+Expected: 20,000 requests, 240,715,824 prompt tokens (12,036 on average), replayed
+in one process with peak RSS ~100 MiB (limit: 2 GiB); token hit rate 0.153 with
+this 1M-token cache (the trace's ideal reuse with an infinite cache at 512-token
+blocks is 44.4%), 13.3M evictions, 0 failed. Dev machine (2 shared cores, ~40% of
+one): loop 255 s, ~80 requests/s, ~0.94M prompt tokens/s.
 """
 
 from configs import _base

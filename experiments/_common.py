@@ -172,6 +172,18 @@ def prepare_workdir(path: str | os.PathLike) -> pathlib.Path:
     return p
 
 
+def _publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Renames a finished temp file over ``path`` with the usual file mode.
+
+    NOTE: ``mkstemp`` creates files 0600; results are meant to be shared, so the
+    mode becomes 0666 minus the process umask, as ``open(path, "w")`` would give.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def dumps_line(record: Mapping[str, Any]) -> str:
     """One compact JSON line (the byte format of ``../shared/peers`` outputs)."""
     return json.dumps(record, separators=(",", ":")) + "\n"
@@ -238,7 +250,7 @@ class AtomicJsonlWriter:
                 os.fsync(f.fileno())
             f.close()
             if exc_type is None:
-                os.replace(tmp, self.path)
+                _publish(tmp, self.path)
                 tmp = None
         finally:
             if tmp is not None and tmp.exists():
@@ -255,7 +267,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(to_jsonable(obj), f, indent=1, sort_keys=True)
             f.write("\n")
-        os.replace(tmp, path)
+        _publish(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -427,7 +439,7 @@ def save_plot(fig, path: str | os.PathLike, *, dpi: int = 120) -> pathlib.Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight")
-        os.replace(tmp, path)
+        _publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,6 +1,7 @@
 """Tests for experiments/_common.py: provenance, atomic JSONL output, plots."""
 
 import json
+import os
 
 import ml_collections
 import pytest
@@ -37,6 +38,9 @@ def test_atomic_writer_clean_exit_adds_provenance(tmp_path):
     lines = [json.loads(l) for l in out.read_text().splitlines()]
     assert lines == [{"x": 1, "provenance": {"seed": 1}}, {"x": 2, "provenance": {"seed": 1}}]
     assert list(out.parent.iterdir()) == [out]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
 
 
 def test_atomic_writer_error_leaves_previous_file_and_no_temp(tmp_path):
