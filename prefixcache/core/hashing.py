@@ -607,30 +607,27 @@ class BlockHasher:
                 lora, mm_features, cache_salt,
             )
         u32 = _as_u32(tokens)  # validates every id, the partial block's too
-        if u32 is None:  # ids >= 2**32
-            return self._hash_blocks_generic(
-                tokens, num_blocks, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
-            )
         out: list[bytes] = []
-        if len(parent) != self._digest_size:
+        if u32 is not None and len(parent) != self._digest_size:
             # A parent of foreign length (not one of our digests): first block apart.
-            out = self._hash_blocks_generic(
-                tokens[:block_size], 1, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
+            out = self._hash_blocks_small(
+                _canonical_tokens(tokens[:block_size]), 1, block_size, start_block,
+                parent, lora, mm_features, cache_salt,
             )
             parent = out[0]
             tokens, u32 = tokens[block_size:], u32[block_size:]
             num_blocks -= 1
             start_block += 1
-        fast = self._hash_blocks_vectorised(
-            u32[: num_blocks * block_size], num_blocks, block_size, start_block,
-            parent, lora, mm_features, cache_salt,
-        )
-        if fast is None:  # pickle ids >= 2**31, huge frames, unspliceable extra keys
-            fast = self._hash_blocks_generic(
-                tokens, num_blocks, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
+        fast = None
+        if u32 is not None and num_blocks:
+            fast = self._hash_blocks_vectorised(
+                u32[: num_blocks * block_size], num_blocks, block_size, start_block,
+                parent, lora, mm_features, cache_salt,
+            )
+        if fast is None:  # ids >= 2**32 (pickle: 2**31), huge frames, odd extra keys
+            fast = self._hash_blocks_small(
+                _canonical_tokens(tokens), num_blocks, block_size, start_block,
+                parent, lora, mm_features, cache_salt,
             )
         return out + fast
 
