@@ -305,8 +305,13 @@ class KVCacheManager:
                     f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
                 )
             need = min(need, mml)
-        if self.enable_caching:
-            request.bind_hasher(self.hasher, bs)
+        if self.enable_caching and request.hasher is not None and (
+            request.hasher != self.hasher or request.block_size != bs
+        ):
+            raise ValueError(
+                f"request {rid!r} is bound to {request.hasher!r} with block size "
+                f"{request.block_size}, not this manager's {self.hasher!r} / {bs}"
+            )
         pool = self.block_pool
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
@@ -324,6 +329,7 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
             hashes = request.block_hashes
             num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
             if num_full > st.num_cached_blocks:

@@ -511,6 +511,9 @@ def test_bad_manager_calls_change_nothing():
         m.allocate_slots(b, 1, 4, blocks)
     with pytest.raises(ValueError, match="running"):
         m.allocate_slots(a, 1, 8, blocks)
+    foreign = Request("f", [1, 2, 3], hasher=BlockHasher("sha256_cbor"), block_size=4)
+    with pytest.raises(ValueError, match="bound to"):
+        m.allocate_slots(foreign, 3)
     dup = Request("a", [500, 501])  # same id as a running request, another object
     with pytest.raises(ValueError, match="already running"):
         m.allocate_slots(dup, 2)
