@@ -25,6 +25,17 @@ from prefixcache.core.events import (
 )
 
 FREE_ORDERS = ("append", "unhashed_first")
+KV_CACHE_SPEC_KIND = "full_attention"  # the one KV cache group's kind, as vLLM names it
+_MASK64 = (1 << 64) - 1
+
+
+def _int_block_hash(h: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` with int hashes on (its default)."""
+    return int.from_bytes(h, "big") & _MASK64
+
+
+def _bytes_block_hash(h: bytes) -> bytes:
+    return h
 
 
 class InvariantError(AssertionError):
@@ -185,6 +196,8 @@ class BlockPool:
         free_order: ``"append"`` (the seed's: all freed blocks to the tail) or
             ``"unhashed_first"`` (vLLM >= 0.11: freed blocks without a hash to the
             head, hashed ones to the tail; each group in the given order).
+        int_event_hashes: events carry ``int.from_bytes(digest[-8:], "big")`` (vLLM's
+            default) instead of the raw digest bytes.
     """
 
     def __init__(
@@ -194,6 +207,7 @@ class BlockPool:
         enable_caching: bool = True,
         enable_events: bool = False,
         free_order: str = "append",
+        int_event_hashes: bool = True,
     ):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -207,6 +221,9 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.events: list[KVCacheEvent] = []
+        # NOTE: vLLM publishes the low 64 bits of each digest (big-endian) as an int
+        # unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; routers expect that default.
+        self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         # Cumulative counters (never reset).
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.num_blocks_cached = 0  # blocks that entered the hash map
@@ -269,7 +286,9 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
         if self.enable_events:
-            self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU, group_idx=0))
+            self.events.append(
+                BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_GPU, group_idx=0)
+            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue if unused)."""
@@ -327,11 +346,12 @@ class BlockPool:
                 event_extra_keys(request, s, s + block_size)
                 for s in range(start, end, block_size)
             ]
+            eh = self._event_hash
             self.events.append(
                 BlockStored(
-                    block_hashes=list(block_hashes[num_cached_blocks:num_full_blocks]),
+                    block_hashes=[eh(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
                     parent_block_hash=(
-                        block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+                        eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
                     ),
                     token_ids=list(request.all_token_ids[start:end]),
                     block_size=block_size,
@@ -340,6 +360,7 @@ class BlockPool:
                     lora_name=lora.name if lora is not None else None,
                     extra_keys=extra if any(e is not None for e in extra) else None,
                     group_idx=0,
+                    kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
                 )
             )
 

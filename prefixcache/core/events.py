@@ -3,8 +3,9 @@
 External KV-aware routers consume these to learn which blocks a cache holds. The
 classes are plain ``__slots__`` dataclasses (vLLM's are ``msgspec.Struct``s); field
 names, order and defaults follow vLLM so a consumer written against vLLM's events reads
-ours unchanged. Block hashes are the raw digests (``bytes``), as vLLM publishes them
-unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set.
+ours unchanged. Block hashes are published as vLLM does by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the digest's low 64 bits, big-endian, as
+an ``int``; with ``KVCacheManager(int_event_hashes=False)`` the raw digest ``bytes``.
 
 ``extra_keys`` is the *untagged* per-block form vLLM publishes
 (``to_event_extra_keys``): for each block a tuple holding, in order, the LoRA name
@@ -44,10 +45,11 @@ class BlockStored(KVCacheEvent):
         extra_keys: one untagged entry per block (see the module docstring), or
             ``None`` when no block has extra keys.
         group_idx: KV cache group (always 0: one full-attention group).
+        kv_cache_spec_kind: ``"full_attention"``.
     """
 
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -73,7 +75,7 @@ class BlockRemoved(KVCacheEvent):
         group_idx: KV cache group (always 0).
     """
 
-    block_hashes: list[bytes]
+    block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None

@@ -75,6 +75,8 @@ class KVCacheManager:
         log_stats: collect ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_events: queue KV cache events for ``take_events``.
         max_model_len: longest allowed sequence (tokens); ``None`` for no limit.
+        int_event_hashes: events carry block hashes as vLLM publishes them by
+            default (the digest's low 64 bits as an int); ``False``: raw digests.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class KVCacheManager:
         log_stats: bool = True,
         enable_events: bool = False,
         max_model_len: int | None = None,
+        int_event_hashes: bool = True,
     ):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -113,6 +116,7 @@ class KVCacheManager:
             enable_caching=self.enable_caching,
             enable_events=self.enable_events,
             free_order=free_order,
+            int_event_hashes=int_event_hashes,
         )
         self._states: dict[str, _RequestState] = {}
         self.prefix_cache_stats: PrefixCacheStats | None = (

@@ -329,7 +329,7 @@ def test_shared_block_is_freed_only_by_last_user():
 
 # --------------------------------------------------------------- events / stats
 def test_events_content():
-    m = KVCacheManager(4, 4, enable_events=True)
+    m = KVCacheManager(4, 4, enable_events=True, int_event_hashes=False)
     lora = LoRARequest("lo", "/p")
     r = Request(
         "r", [0, 0, 0, 5, 6, 7, 8, 9, 10], lora=lora, cache_salt="salt",
@@ -342,6 +342,7 @@ def test_events_content():
     assert ev.parent_block_hash is None
     assert ev.token_ids == [0, 0, 0, 5, 6, 7, 8, 9]
     assert ev.block_size == 4 and ev.medium == "GPU" and ev.group_idx == 0
+    assert ev.kv_cache_spec_kind == "full_attention"
     assert ev.lora_name == "lo" and ev.lora_id is None
     # Untagged per-block keys (vLLM's to_event_extra_keys): lora name, (mm id, offset
     # in block) pairs, salt on block 0 only.
@@ -369,6 +370,42 @@ def test_events_content():
     m.take_events()
     assert m.reset_prefix_cache() is True
     assert m.take_events() == [AllBlocksCleared()]
+
+
+# What vLLM 0.33's own KVCacheManager emitted (block size 4, sha256, default seed) for
+# the request below: prompt [0,0,0,5,6,7,8,9,10], lora ("lo", "/p"), salt "salt", image
+# "img" at [1, 6); outputs 11..14 fed back one by one. Captured with the peer venv.
+VLLM_EVENTS = [
+    dict(block_hashes=[9959413242104870094, 12108145508639339920], parent_block_hash=None,
+         token_ids=[0, 0, 0, 5, 6, 7, 8, 9], block_size=4, medium="GPU", lora_name="lo",
+         extra_keys=[["lo", ["img", 1], "salt"], ["lo", ["img", -3]]], group_idx=0,
+         kv_cache_spec_kind="full_attention"),
+    dict(block_hashes=[6577136746596553227], parent_block_hash=12108145508639339920,
+         token_ids=[10, 11, 12, 13], block_size=4, medium="GPU", lora_name="lo",
+         extra_keys=[["lo"]], group_idx=0, kv_cache_spec_kind="full_attention"),
+]
+
+
+def test_events_equal_vllm_events():
+    import json
+
+    m = KVCacheManager(16, 4, enable_events=True, hash_seed="vllm-none-hash")
+    r = Request(
+        "r", [0, 0, 0, 5, 6, 7, 8, 9, 10], lora=LoRARequest("lo", "/p"), cache_salt="salt",
+        mm_features=[MultiModalFeature("img", 1, 5)],
+    )
+    admit(m, r)
+    for t in (11, 12, 13, 14):
+        r.append_output_token_ids(t)
+        assert m.allocate_slots(r, 1) is not None
+        r.num_computed_tokens = r.num_computed_tokens + 1
+    evs = m.take_events()
+    # NOTE: lora_id (vLLM's deprecated integer adapter id, assigned by its frontend)
+    # has no counterpart in LoRARequest(name, path): ours is None.
+    got = [
+        json.loads(json.dumps({k: getattr(e, k) for k in VLLM_EVENTS[0]})) for e in evs
+    ]
+    assert got == VLLM_EVENTS
 
 
 def test_events_disabled_gives_nothing():
