@@ -203,7 +203,7 @@ def replay(
                 if record_evictions:
                     rec["evictions_so_far"] = m.num_evictions
             running.append(req)
-            req.num_computed_tokens = num_prompt
+            req.num_computed_tokens = num_prompt  # scheduler bookkeeping: on no clock
             t3 = perf()
             req.append_output_token_ids(out_tokens[0])
             ntok = num_prompt + 1
@@ -229,7 +229,8 @@ def replay(
                     if rec is not None:
                         rec["decode_truncated_at"] = step
                     break
-                req.num_computed_tokens += 1
+                req.num_computed_tokens += 1  # scheduler bookkeeping: on no clock
+                t1 = perf()
                 req.append_output_token_ids(out_tokens[step])
                 ntok += 1
                 if ntok % block_size == 0:
