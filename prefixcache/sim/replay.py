@@ -84,7 +84,9 @@ def replay(
         loop incl. building requests and hashing; not reading the trace or computing
         the deterministic output tokens), ``hashing_s`` (request construction +
         appending tokens, i.e. prompt and incremental hashing), ``manager_s`` (the
-        manager calls), with ``requests_per_s`` and ``prompt_tokens_per_s``.
+        manager calls); the rest of ``loop_s`` is the loop's own bookkeeping (window,
+        records, advancing ``num_computed_tokens``). Also ``requests_per_s`` and
+        ``prompt_tokens_per_s`` over ``loop_s``.
 
     Raises:
         ValueError: bad configuration (before anything runs) or a request the
