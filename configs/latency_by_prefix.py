@@ -15,7 +15,13 @@ Command:
   python -m experiments.latency_by_prefix --config=configs/latency_by_prefix.py \
       --workdir=/tmp/latency
 
-Expected: EXPECT
+Expected: simulated token hit rate ~0.666 on every chip; TTFT p50 falls with the
+cached prefix (H100: 24.8 ms with no hit, 20.7 ms for < 512 cached tokens, ~10 ms
+for 512-1536, ~6.3 ms for >= 1536; TPU v5e: 125 -> 111 -> ~56 -> ~31 ms), tracking
+the roofline curve; H200 ~ H100 (same FLOP/s) but lower for decode-heavy steps,
+v6e ~1.6x H100, v5e ~5x. Measured (tiny model, dev CPU): cold TTFT grows with the
+prompt (3 ms at 32 tokens, ~157 ms at 1056), warm stays ~3-11 ms (the cached
+prefix is skipped); warm / cold ~0.07 at a 1024-token prefix.
 """
 
 import ml_collections
