@@ -17,13 +17,18 @@ A block's digest is ``H(serialize((parent_digest, tuple(token_ids), extra_keys))
   fresh random bytes (hex) for the xxhash variants (a predictable seed would let an
   attacker precompute collisions of a non-cryptographic hash).
 
-The hot path (`BlockHasher.hash_token_blocks`) does not build a Python tuple and call
-the generic serializer per block. It writes the serialized keys of all blocks of a
-sequence at once with numpy, exactly as those serializers would (a constant head with a
-hole for the parent digest, each token's CBOR item / pickle opcode, the close of the
-token tuple and the extra keys), then walks the chain: per block it copies the parent
-digest into the hole and hashes a slice. Tests pin every message byte for byte to
-``pickle.dumps`` / ``cbor2.dumps(canonical=True)`` of the key tuple.
+The hot path (`BlockHasher.hash_token_blocks`) has two writers of those bytes:
+
+- vectorised (many blocks): the serialized keys of all blocks of a sequence are written
+  at once with numpy, exactly as the serializers would (a constant head with a hole for
+  the parent digest, each token's CBOR item / pickle opcode from a lookup table, the
+  close of the token tuple and the extra keys); then the chain is walked: per block the
+  parent digest is copied into the hole and a slice is hashed.
+- per block (decode, short prompts): the serializer's C code per block; the extra keys
+  are serialized once per distinct value (cached on the hasher) and spliced in.
+
+Tests pin every message of both writers byte for byte to ``pickle.dumps`` /
+``cbor2.dumps(canonical=True)`` of the key tuple, and the digests to vLLM's own.
 """
 
 from __future__ import annotations
@@ -89,6 +94,9 @@ _MIN_VECTOR_BLOCKS_PICKLE = 64
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
+# Bound of the per-hasher memo of block digests (cleared when full): 64 Ki blocks,
+# about 1 Mi tokens of prefixes at block size 16, some 15 MiB.
+_MEMO_SIZE = 1 << 16
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
 # it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
@@ -346,7 +354,8 @@ def _as_u32(token_ids: Any) -> np.ndarray | None:
     if isinstance(token_ids, array.array):
         if token_ids.typecode not in "bBhHiIlLqQ":
             raise ValueError(f"token ids must be integers, got array of {token_ids.typecode!r}")
-        token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
+        if len(token_ids) >= 64:  # else struct below is cheaper than numpy calls
+            token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
@@ -368,7 +377,7 @@ def _as_u32(token_ids: Any) -> np.ndarray | None:
         if bad:
             raise ValueError(bad) from None
         return None  # only ids >= 2**32
-    return np.frombuffer(packed, dtype=np.uint32)
+    return np.frombuffer(packed, dtype="<u4")
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -385,20 +394,6 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([m | 27]) + n.to_bytes(8, "big")
 
 
-def _const_rows(data: bytes, num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``data`` as u64 rows (8 bytes each, zero padded) and their byte masks.
-
-    Returns:
-      (rows u64[r], mask u64[r]) with r = num_rows or ceil(len(data) / 8).
-    """
-    r = -(-len(data) // 8) if num_rows is None else num_rows
-    rows = np.zeros(r * 8, dtype=np.uint8)
-    rows[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-    mask = np.zeros(r * 8, dtype=np.uint8)
-    mask[: len(data)] = 1
-    return rows.view("<u8"), mask.view("<u8")
-
-
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -409,7 +404,8 @@ class BlockHasher:
     Invariants: ``root == H(serialize(seed))`` is fixed at construction; every digest is
     a pure function of (algo, root, parent digest, token ids, extra key values), so two
     hashers with equal ``algo`` and ``root`` are interchangeable (they compare equal).
-    The only state besides is a bounded cache of serialized extra keys (values -> bytes).
+    The only other state is bounded caches of pure functions: serialized extra keys and
+    a memo of block digests (see `hash_token_blocks`, `clear_caches`).
 
     Attributes:
       algo: one of HASH_ALGOS.
@@ -427,6 +423,7 @@ class BlockHasher:
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
+        "_memo",
     )
 
     def __init__(self, algo: str = "sha256", seed: Any = None):
@@ -471,6 +468,7 @@ class BlockHasher:
         # Bounded caches of serialized extra keys (pure functions of values).
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
+        self._memo: dict = {}  # block key -> digest, see hash_token_blocks
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -510,6 +508,13 @@ class BlockHasher:
     def hash_object(self, obj: Any) -> bytes:
         """``H(serialize(obj))`` — vLLM's ``hash_fn(obj)``."""
         return self._digest(self.serialize(obj))
+
+    def clear_caches(self) -> None:
+        """Forget memoised digests and serialized extra keys (results do not change;
+        benchmarks call this to time cold hashing)."""
+        self._memo.clear()
+        self._tail_cache.clear()
+        self._plan_cache.clear()
 
     def _parent_bytes(self, parent: Any) -> bytes:
         if parent is None:
@@ -594,42 +599,87 @@ class BlockHasher:
         if start_block < 0:
             raise ValueError(f"start_block must be >= 0, got {start_block}")
         block_size, start_block = int(block_size), int(start_block)
-        lo = start_block * block_size
-        tokens = token_ids[lo:]
+        tokens = token_ids[start_block * block_size :]
         num_blocks = len(tokens) // block_size
         parent = self._parent_bytes(parent)
-        if num_blocks < (
+        u32 = _as_u32(tokens)  # validates every id, the partial block's too
+        if not num_blocks:
+            return []
+        # NOTE: block digests are pure functions of (parent, tokens, extra keys), and
+        # prompts share prefixes (that is what a prefix cache is for): a bounded memo
+        # skips serializing and hashing blocks this hasher has seen. Keys are the parent
+        # digest, the block's token ids (4 bytes each) and its serialized extra keys.
+        memo = self._memo
+        plan = None
+        if u32 is not None and len(parent) == self._digest_size:
+            plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+        hits: list[bytes] = []
+        if plan is not None:
+            packed = u32[: num_blocks * block_size].astype("<u4", copy=False).tobytes()
+            width = 4 * block_size
+            suffixes, id_of = plan.suffixes, plan.id_of
+            for i in range(num_blocks):
+                d = memo.get(
+                    parent + packed[i * width : (i + 1) * width] + suffixes[id_of.get(i, 0)]
+                )
+                if d is None:
+                    break
+                hits.append(d)
+                parent = d
+            if len(hits) == num_blocks:
+                return hits
+        n_hit = len(hits)
+        rest = self._hash_blocks(
+            tokens[n_hit * block_size :],
+            None if u32 is None else u32[n_hit * block_size :],
+            num_blocks - n_hit, block_size, start_block + n_hit, parent,
+            lora, mm_features, cache_salt,
+        )
+        if plan is not None:
+            if len(memo) + len(rest) > _MEMO_SIZE:
+                memo.clear()
+            for i, d in enumerate(rest, n_hit):
+                memo[
+                    parent + packed[i * width : (i + 1) * width] + suffixes[id_of.get(i, 0)]
+                ] = d
+                parent = d
+        return hits + rest
+
+    def _hash_blocks(
+        self, tokens, u32, num_blocks, block_size, start_block, parent,
+        lora, mm_features, cache_salt,
+    ) -> list[bytes]:
+        """Digests of ``num_blocks`` blocks of validated ``tokens`` (u32: the same as
+        ``<u4``, or None when some id is >= 2**32): picks the writer."""
+        if u32 is not None and num_blocks >= (
             _MIN_VECTOR_BLOCKS_CBOR if self._is_cbor else _MIN_VECTOR_BLOCKS_PICKLE
         ):
-            ids = _canonical_tokens(tokens)  # validates every id, the partial block's too
-            return self._hash_blocks_small(
-                ids, num_blocks, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
-            )
-        u32 = _as_u32(tokens)  # validates every id, the partial block's too
-        out: list[bytes] = []
-        if u32 is not None and len(parent) != self._digest_size:
-            # A parent of foreign length (not one of our digests): first block apart.
-            out = self._hash_blocks_small(
-                _canonical_tokens(tokens[:block_size]), 1, block_size, start_block,
-                parent, lora, mm_features, cache_salt,
-            )
-            parent = out[0]
-            tokens, u32 = tokens[block_size:], u32[block_size:]
-            num_blocks -= 1
-            start_block += 1
-        fast = None
-        if u32 is not None and num_blocks:
+            out: list[bytes] = []
+            if len(parent) != self._digest_size:
+                # A parent of foreign length (not one of our digests): first block apart.
+                out = self._hash_blocks_small(
+                    tuple(u32[:block_size].tolist()), 1, block_size, start_block,
+                    parent, lora, mm_features, cache_salt,
+                )
+                parent = out[0]
+                tokens, u32 = tokens[block_size:], u32[block_size:]
+                num_blocks -= 1
+                start_block += 1
             fast = self._hash_blocks_vectorised(
                 u32[: num_blocks * block_size], num_blocks, block_size, start_block,
                 parent, lora, mm_features, cache_salt,
+            ) if num_blocks else []
+            if fast is not None:
+                return out + fast
+            # Else pickle ids >= 2**31, huge frames or odd extra keys: per block.
+            return out + self._hash_blocks_small(
+                tuple(u32.tolist()), num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
             )
-        if fast is None:  # ids >= 2**32 (pickle: 2**31), huge frames, odd extra keys
-            fast = self._hash_blocks_small(
-                _canonical_tokens(tokens), num_blocks, block_size, start_block,
-                parent, lora, mm_features, cache_salt,
-            )
-        return out + fast
+        ids = tuple(u32.tolist()) if u32 is not None else _canonical_tokens(tokens)
+        return self._hash_blocks_small(
+            ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt
+        )
 
     def _hash_blocks_generic(
         self, tokens, num_blocks, block_size, start_block, parent,

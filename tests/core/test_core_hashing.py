@@ -379,6 +379,31 @@ def test_width_edges_byte_for_byte(algo, block_size, path):
             parent = got[b]
 
 
+def test_lookup_tables_equal_arithmetic_and_serializers():
+    """The import-time token tables: same rows as the arithmetic writer, and the bytes
+    cbor2 / pickle write, at every width boundary below the table size."""
+    ids = np.arange(1 << hashing._TABLE_BITS, dtype=np.uint32)
+    for table_rows, table_lens, arith in (
+        (hashing._CBOR_ROW, hashing._CBOR_ROW_LEN, hashing._cbor_token_rows),
+        (hashing._PICKLE_ROW, hashing._PICKLE_ROW_LEN, hashing._pickle_token_rows),
+    ):
+        rows, lens = arith(ids)
+        np.testing.assert_array_equal(table_rows, rows)
+        np.testing.assert_array_equal(table_lens, lens)
+        assert not table_rows.flags.writeable
+    for v in [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << hashing._TABLE_BITS) - 1]:
+        row = hashing._CBOR_ROW[v].tobytes()
+        assert row[: hashing._CBOR_ROW_LEN[v]] == cbor2.dumps(v, canonical=True)
+        assert row[hashing._CBOR_ROW_LEN[v]:] == bytes(8 - hashing._CBOR_ROW_LEN[v])
+        row = hashing._PICKLE_ROW[v].tobytes()
+        assert row[: hashing._PICKLE_ROW_LEN[v]] == _pickled_int(v)
+
+
+def _pickled_int(v):
+    data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+    return data[11:-1] if data[2:3] == b"\x95" else data[2:-1]  # strip PROTO/FRAME/STOP
+
+
 class _Capture:
     """Records every message a hasher digests (to compare serialized bytes directly)."""
 
@@ -527,3 +552,38 @@ def test_bad_arguments():
         h.hash_block(None, [1], "lora")
     with pytest.raises(ValueError, match="not supported"):
         h.hash_block(None, [1], ((LORA_LABEL, object()),))
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_memo_skips_seen_blocks_and_keeps_digests(algo, path, monkeypatch):
+    h = BlockHasher(algo, seed=5)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 100_000, size=64).tolist()
+    a = prefix + rng.integers(0, 100_000, size=40).tolist()
+    b = prefix + rng.integers(0, 100_000, size=40).tolist()
+    kw = dict(lora=("l", "/l"), mm_features=[("img", 20, 30)], cache_salt="s")
+    want_a = _chain_reference(h, a, 16, **kw)
+    want_b = _chain_reference(h, b, 16, **kw)
+    got, msgs = _messages(h, a, 16, **kw)
+    assert got == want_a and len(msgs) == 6  # cold: every block serialized and hashed
+    got, msgs = _messages(h, a, 16, **kw)
+    assert got == want_a and msgs == []  # all six from the memo
+    got, msgs = _messages(h, b, 16, **kw)
+    assert got == want_b and len(msgs) == 2  # the shared 4 blocks hit, 2 new ones
+    # Other extra keys never hit: another salt changes every block's chain.
+    got, msgs = _messages(h, a, 16, lora=("l", "/l"), mm_features=[("img", 20, 30)],
+                          cache_salt="t")
+    assert len(msgs) == 6 and got == _chain_reference(
+        h, a, 16, lora=("l", "/l"), mm_features=[("img", 20, 30)], cache_salt="t"
+    )
+    got, msgs = _messages(h, a, 16, lora=("l", "/other"), mm_features=[("img", 20, 30)],
+                          cache_salt="s")
+    assert len(msgs) == 6 and got[0] != want_a[0]
+    # Bounded; clear_caches forgets.
+    monkeypatch.setattr(hashing, "_MEMO_SIZE", 8)
+    for k in range(5):
+        h.hash_token_blocks(rng.integers(0, 1000, size=48).tolist(), 16)
+        assert len(h._memo) <= 8
+    h.clear_caches()
+    got, msgs = _messages(h, a, 16, **kw)
+    assert got == want_a and len(msgs) == 6
