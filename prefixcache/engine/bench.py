@@ -7,7 +7,8 @@ Three measurements, each on its own engine, all after compile warm-up:
   tokens every trial), side by side; median over trials.
 * `host_step_cost`: with `num_running` requests all decoding, the host side of one
   engine step (scheduling + metadata/input building) and the device part (transfer +
-  run + fetch of the sampled ids) timed separately; median over steps.
+  run + fetch of the sampled ids) timed separately; median over steps; plus the same
+  host work timed back to back without device steps in between (`*_isolated_ms`).
 * `compiled_programs`: a mixed workload of `num_requests` requests (shared prefixes,
   random lengths, greedy and sampled); the number of distinct step programs run, against
   the builder's bound.
@@ -76,7 +77,7 @@ def host_step_cost(model_config, *, num_running: int, prompt_len: int, block_siz
                    num_steps: int, seed: int, attention_backend: str = "auto"
                    ) -> dict[str, Any]:
     """Host vs device time of one decode step with `num_running` running requests."""
-    max_tokens = num_steps + 8
+    max_tokens = 2 * num_steps + 8
     tokens_per_req = prompt_len + max_tokens
     num_blocks = num_running * (-(-tokens_per_req // block_size)) + 16
     engine = Engine(model_config, num_blocks=num_blocks, block_size=block_size, seed=seed,
@@ -101,9 +102,21 @@ def host_step_cost(model_config, *, num_running: int, prompt_len: int, block_siz
         dev_ms.append(d * 1e3)
         upd_ms.append(u * 1e3)
     host = [s + p for s, p in zip(sched_ms, prep_ms)]
-    # NOTE: the median is the headline; the minimum is the cost without OS preemption
-    # (the CPU is shared), and the load average says how shared it was.
+    # The same host work back to back, without the device step in between (warm CPU
+    # caches, no XLA threads competing): the inherent cost of scheduling + metadata.
+    isolated = []
+    sched, runner, mgr = engine.scheduler, engine.runner, engine.kv_cache_manager
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        runner.prepare(out.scheduled, mgr.get_block_ids)
+        isolated.append((time.perf_counter() - t0) * 1e3)
+        assert len(out.scheduled) == num_running
+        sched.update_from_output(out, {s.request_id: 1 for s in out.scheduled})
+    # NOTE: the median inside real engine steps is the headline; the minimum is the cost
+    # without OS preemption (the CPU is shared), and the load average says how shared.
     return dict(host_step_ms=statistics.median(host), host_step_min_ms=min(host),
+                host_step_isolated_ms=statistics.median(isolated),
                 host_step_p90_ms=float(np.percentile(host, 90)),
                 load_average_1min=os.getloadavg()[0], num_cpus=os.cpu_count(),
                 host_schedule_ms=statistics.median(sched_ms),

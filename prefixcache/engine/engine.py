@@ -122,6 +122,9 @@ class Engine:
             program = share_programs_with.runner.program
         if model is None:
             model = _init_model(model_config, seed)
+        elif getattr(model, "config", None) != model_config:
+            raise ValueError("model.config differs from model_config: pass the loaded "
+                             "model's own config (load_hf_checkpoint returns both)")
         self.model = model
         self.runner = ModelRunner(
             model, model_config, num_blocks=num_blocks, block_size=block_size,

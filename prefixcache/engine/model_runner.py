@@ -202,6 +202,7 @@ class ModelRunner:
         # numpy dtype of injected multimodal rows (bfloat16 via ml_dtypes, as jax does).
         self._embed_dtype = jnp.dtype(config.dtype)
         self.compiled_shapes: set[tuple] = set()
+        self._greedy_sampling: dict[int, SamplingArrays] = {}
 
     @property
     def d_model(self) -> int:
@@ -219,21 +220,28 @@ class ModelRunner:
           PreparedStep (numpy only; nothing is on the device yet).
         """
         seqs = []
-        rows = []
         all_greedy = True
         has_mm = False
         for s in scheduled:
             st = s.state
+            req = st.request
             c = s.num_computed_tokens
-            seqs.append(ScheduledSeq(block_ids_of(st.request.request_id), c,
-                                     st.request.all_token_ids[c:c + s.num_new_tokens]))
-            p = st.params
-            all_greedy = all_greedy and p.temperature == 0.0
+            seqs.append(ScheduledSeq(block_ids_of(req.request_id), c,
+                                     req.all_token_ids[c:c + s.num_new_tokens]))
+            all_greedy = all_greedy and st.params.temperature == 0.0
             has_mm = has_mm or bool(st.mm_embeddings)
-            rows.append((p.temperature, p.top_k, p.top_p, st.seed, st.num_output_tokens))
         step = self.builder.build(seqs)
         num_rows = step.logits_indices.shape[0]
-        sampling = SamplingArrays.build(rows, num_rows)
+        if all_greedy:
+            # NOTE: the all-greedy program never reads the sampling arrays; reuse one
+            # (read-only) set per row bucket instead of rebuilding it every step.
+            sampling = self._greedy_sampling.get(num_rows)
+            if sampling is None:
+                sampling = self._greedy_sampling[num_rows] = SamplingArrays.build([], num_rows)
+        else:
+            sampling = SamplingArrays.build(
+                [(s.state.params.temperature, s.state.params.top_k, s.state.params.top_p,
+                  s.state.seed, s.state.num_output_tokens) for s in scheduled], num_rows)
         mm = (mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
                                self.d_model, self._embed_dtype) if has_mm else None)
         mm_embeds, mm_mask = mm if mm is not None else (None, None)

@@ -10,7 +10,8 @@ class SamplingParams:
     """How one request is decoded.
 
     Invariants (checked in `__post_init__`, ValueError otherwise):
-        max_tokens >= 1; temperature >= 0 and finite; top_k >= 0 (0 = whole vocab);
+        max_tokens >= 1; temperature >= 0 and finite; top_k >= 0 (0 = whole vocab; -1 is
+        accepted as in vLLM and stored as 0);
         0 < top_p <= 1; seed is None or a non-negative int below 2**32; stop token ids are
         non-negative ints.
 
@@ -23,7 +24,7 @@ class SamplingParams:
         seed: per-request seed. Sampling is a pure function of (seed, output position), so
             a request samples the same tokens whatever else runs in its batch and whether
             its prefix came from the cache. None: the engine derives one from its own seed
-            and the request's arrival order.
+            and the request id.
         stop_token_ids: generation stops after emitting one of these (finish reason
             "stop"; the stop token is included in the output).
     """
@@ -48,8 +49,11 @@ class SamplingParams:
                     f"temperature must be finite and >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an int, got {self.top_k!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}")
+        if self.top_k == -1:
+            # NOTE: vLLM accepts -1 as "disabled" too; stored as 0.
+            object.__setattr__(self, "top_k", 0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
             raise ValueError(f"top_p must be a number, got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):

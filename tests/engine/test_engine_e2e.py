@@ -266,11 +266,15 @@ def test_request_too_large_errors_others_finish(config, engines):
 
 @pytest.mark.parametrize("kw", [
     dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")),
-    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(seed=-3),
+    dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(seed=-3),
     dict(stop_token_ids=(-1,)), dict(max_tokens=2.5)])
 def test_bad_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_top_k_minus_one_disables_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0
 
 
 def test_bad_add_request_leaves_engine_unchanged(engines):
