@@ -341,43 +341,41 @@ def _canonical_tokens(token_ids: Any) -> tuple[int, ...]:
     return tuple(int(operator.index(t)) for t in token_ids)  # ids >= 2**64
 
 
-def _as_u32(token_ids: Any) -> np.ndarray | None:
-    """Validated token ids as ``u32[n]``; None when some id is >= 2**32 (valid, but
-    only the generic path writes those).
+def _pack_tokens(token_ids: Any) -> bytes | None:
+    """Validated token ids as native u64 bytes (8 per id); None when some id is >= 2**64
+    (valid, but only the generic path writes those).
 
-    Accepts a list/tuple of ints, an ``array.array`` of ints or an integer numpy
-    array; numpy ints (and bools) enter by value.
+    Accepts a list/tuple of ints, an ``array.array`` of ints or an integer numpy array;
+    numpy ints (and bools) enter by value.
 
     Raises:
       ValueError: a negative or non-integer token id.
     """
+    if isinstance(token_ids, array.array) and token_ids.typecode in "QLI":
+        return token_ids.tobytes() if token_ids.itemsize == 8 else (
+            np.frombuffer(token_ids, dtype=token_ids.typecode).astype("=u8").tobytes()
+        )
     if isinstance(token_ids, array.array):
         if token_ids.typecode not in "bBhHiIlLqQ":
             raise ValueError(f"token ids must be integers, got array of {token_ids.typecode!r}")
-        if len(token_ids) >= 64:  # else struct below is cheaper than numpy calls
-            token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
+        token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
         if token_ids.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        if not token_ids.size:
-            return np.zeros(0, dtype=np.uint32)
-        if token_ids.dtype.kind == "i" and token_ids.min() < 0:
+        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
             raise ValueError(f"negative token id {int(token_ids.min())}")
-        if token_ids.dtype.itemsize > 4 and token_ids.max() >= 2**32:
-            return None
-        return token_ids.astype(np.uint32)
+        return token_ids.astype("=u8").tobytes()
     try:
         # NOTE: struct.pack checks every id at C speed: ints (and __index__ types such
-        # as numpy ints) in [0, 2**32) pass; floats, str, None and negatives fail.
-        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+        # as numpy ints) in [0, 2**64) pass; floats, str, None and negatives fail.
+        return struct.pack(f"={len(token_ids)}Q", *token_ids)
     except (struct.error, TypeError):
         bad = _first_bad_token(token_ids)
         if bad:
             raise ValueError(bad) from None
-        return None  # only ids >= 2**32
-    return np.frombuffer(packed, dtype="<u4")
+        return None  # only ids >= 2**64
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -602,21 +600,26 @@ class BlockHasher:
         tokens = token_ids[start_block * block_size :]
         num_blocks = len(tokens) // block_size
         parent = self._parent_bytes(parent)
-        u32 = _as_u32(tokens)  # validates every id, the partial block's too
+        packed = _pack_tokens(tokens)  # validates every id, the partial block's too
         if not num_blocks:
             return []
+        if packed is None:  # ids >= 2**64: only the spec path writes those
+            return self._hash_blocks_generic(
+                _canonical_tokens(tokens), num_blocks, block_size, start_block, parent,
+                lora, mm_features, cache_salt,
+            )
         # NOTE: block digests are pure functions of (parent, tokens, extra keys), and
         # prompts share prefixes (that is what a prefix cache is for): a bounded memo
         # skips serializing and hashing blocks this hasher has seen. Keys are the parent
-        # digest, the block's token ids (4 bytes each) and its serialized extra keys.
+        # digest, the block's token ids (8 bytes each) and its serialized extra keys.
         memo = self._memo
+        width = 8 * block_size
         plan = None
-        if u32 is not None and len(parent) == self._digest_size:
+        if len(parent) == self._digest_size:
             plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+        n_hit = 0
         hits: list[bytes] = []
         if plan is not None:
-            packed = u32[: num_blocks * block_size].astype("<u4", copy=False).tobytes()
-            width = 4 * block_size
             suffixes, id_of = plan.suffixes, plan.id_of
             for i in range(num_blocks):
                 d = memo.get(
@@ -626,14 +629,12 @@ class BlockHasher:
                     break
                 hits.append(d)
                 parent = d
-            if len(hits) == num_blocks:
+            n_hit = len(hits)
+            if n_hit == num_blocks:
                 return hits
-        n_hit = len(hits)
         rest = self._hash_blocks(
-            tokens[n_hit * block_size :],
-            None if u32 is None else u32[n_hit * block_size :],
-            num_blocks - n_hit, block_size, start_block + n_hit, parent,
-            lora, mm_features, cache_salt,
+            packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
+            start_block + n_hit, parent, lora, mm_features, cache_salt,
         )
         if plan is not None:
             if len(memo) + len(rest) > _MEMO_SIZE:
@@ -646,37 +647,42 @@ class BlockHasher:
         return hits + rest
 
     def _hash_blocks(
-        self, tokens, u32, num_blocks, block_size, start_block, parent,
+        self, packed, num_blocks, block_size, start_block, parent,
         lora, mm_features, cache_salt,
     ) -> list[bytes]:
-        """Digests of ``num_blocks`` blocks of validated ``tokens`` (u32: the same as
-        ``<u4``, or None when some id is >= 2**32): picks the writer."""
-        if u32 is not None and num_blocks >= (
+        """Digests of ``num_blocks`` full blocks given as native u64 bytes: picks the
+        writer."""
+        n = num_blocks * block_size
+        if num_blocks >= (
             _MIN_VECTOR_BLOCKS_CBOR if self._is_cbor else _MIN_VECTOR_BLOCKS_PICKLE
         ):
-            out: list[bytes] = []
-            if len(parent) != self._digest_size:
-                # A parent of foreign length (not one of our digests): first block apart.
-                out = self._hash_blocks_small(
-                    tuple(u32[:block_size].tolist()), 1, block_size, start_block,
+            u64 = np.frombuffer(packed, dtype="=u8", count=n)
+            if u64.max() < 2**32:
+                u32 = u64.astype(np.uint32)
+                out: list[bytes] = []
+                if len(parent) != self._digest_size:
+                    # A parent of foreign length (not one of our digests): first block
+                    # apart.
+                    out = self._hash_blocks_small(
+                        tuple(u32[:block_size].tolist()), 1, block_size, start_block,
+                        parent, lora, mm_features, cache_salt,
+                    )
+                    parent = out[0]
+                    u32 = u32[block_size:]
+                    num_blocks -= 1
+                    start_block += 1
+                fast = self._hash_blocks_vectorised(
+                    u32, num_blocks, block_size, start_block,
                     parent, lora, mm_features, cache_salt,
+                ) if num_blocks else []
+                if fast is not None:
+                    return out + fast
+                # Else pickle ids >= 2**31, huge frames or odd extra keys: per block.
+                return out + self._hash_blocks_small(
+                    tuple(u32.tolist()), num_blocks, block_size, start_block, parent,
+                    lora, mm_features, cache_salt,
                 )
-                parent = out[0]
-                tokens, u32 = tokens[block_size:], u32[block_size:]
-                num_blocks -= 1
-                start_block += 1
-            fast = self._hash_blocks_vectorised(
-                u32[: num_blocks * block_size], num_blocks, block_size, start_block,
-                parent, lora, mm_features, cache_salt,
-            ) if num_blocks else []
-            if fast is not None:
-                return out + fast
-            # Else pickle ids >= 2**31, huge frames or odd extra keys: per block.
-            return out + self._hash_blocks_small(
-                tuple(u32.tolist()), num_blocks, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
-            )
-        ids = tuple(u32.tolist()) if u32 is not None else _canonical_tokens(tokens)
+        ids = struct.unpack(f"={n}Q", packed[: 8 * n])
         return self._hash_blocks_small(
             ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt
         )

@@ -87,7 +87,7 @@ class ReadOnlyList(Sequence):
 
     __slots__ = ("_x",)
 
-    def __init__(self, x: list):
+    def __init__(self, x: Sequence):
         self._x = x
 
     def __getitem__(self, index):
