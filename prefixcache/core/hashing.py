@@ -41,7 +41,7 @@ import pickle
 import struct
 import sys
 from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import cbor2
 import numpy as np
@@ -893,39 +893,7 @@ class BlockHasher:
         if any(t is None for t in tails):
             return _UNSPLICEABLE
         head, hole, close = self._frame(bs)
-        suffixes = [close + t for t in tails]
-        width = 8 * max(-(-len(x) // 8) for x in suffixes)
-        suffix_rows = np.frombuffer(
-            b"".join(x.ljust(width, b"\0") for x in suffixes), dtype="<u8"
-        ).reshape(len(suffixes), width // 8)
-        suffix_mask = np.frombuffer(
-            b"".join(b"\1" * len(x) + b"\0" * (width - len(x)) for x in suffixes),
-            dtype="<u8",
-        ).reshape(len(suffixes), width // 8)
-        suffix_lens = np.array([len(x) for x in suffixes], dtype=np.int64)
-        head_rows = -(-len(head) // 8)
-        # One block's rows: head, bs token rows (zero), suffix 0.
-        template = np.frombuffer(
-            head.ljust(8 * head_rows, b"\0") + bytes(8 * bs) + suffixes[0].ljust(width, b"\0"),
-            dtype="<u8",
-        ).reshape(1, -1)
-        template_mask = np.frombuffer(
-            (b"\1" * len(head)).ljust(8 * head_rows, b"\0") + bytes(8 * bs)
-            + (b"\1" * len(suffixes[0])).ljust(width, b"\0"),
-            dtype="<u8",
-        ).reshape(1, -1)
-        pos = kid = None
-        if positions:
-            pos = np.array(positions, dtype=np.intp)
-            kid = np.array(ids, dtype=np.intp)
-        for arr in (suffix_lens, pos, kid):
-            if arr is not None:
-                arr.flags.writeable = False
-        return _TailPlan(
-            template, template_mask, head_rows, hole, len(close), len(head) + len(suffixes[0]),
-            suffix_rows, suffix_mask, suffix_lens, pos, kid, suffixes,
-            dict(zip(positions, ids)),
-        )
+        return _TailPlan(head, hole, close, bs, [close + t for t in tails], positions, ids)
 
     def _hash_blocks_vectorised(
         self, u32, num_blocks, block_size, start_block, parent,
@@ -937,7 +905,7 @@ class BlockHasher:
         plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
         if plan is None:
             return None
-        buf, ends = self._write_keys(u32, num_blocks, block_size, plan)
+        buf, ends = self._write_keys(u32, num_blocks, block_size, plan.tables())
         if buf is None:
             return None
         hole = plan.hole
@@ -1019,32 +987,70 @@ class BlockHasher:
         return buf, ends.tolist()
 
 
-class _TailPlan(NamedTuple):
+class _TailPlan:
     """How the blocks of one request shape serialize around their token items.
 
+    Built once per request shape and cached on the hasher; the numpy tables for the
+    vectorised writer are built on its first use (the per-block writer needs none).
+
     Attributes:
-      template, template_mask: <u8[1, head_rows + block_size + t] one block's rows
-        (head, zero token rows, suffix 0) and byte masks.
-      head_rows: rows taken by the head; hole: offset of the parent in the head.
-      close_len: bytes of the token tuple's close at the start of every suffix.
-      fixed_len: bytes of head + suffix 0.
-      suffix_rows, suffix_mask: <u8[U, t] the distinct suffixes (token tuple close +
-        serialized extra keys), zero padded, and their byte masks; suffix_lens: i64[U].
-      positions, ids: intp[k] block ``start_block + positions[j]`` takes suffix
-        ``ids[j]`` (None: every block takes suffix 0); may reach past the last block.
-      suffixes: the U suffixes as bytes; id_of: the same map as a dict.
+      head: bytes before a block's token items, with a zero hole for the parent at
+        offset ``hole``; close_len: bytes of the token tuple's close, which starts
+        every suffix.
+      suffixes: the U distinct suffixes (close + serialized extra keys) as bytes.
+      id_of: block ``start_block + i`` takes suffix ``id_of.get(i, 0)``; positions,
+        ids: intp[k] the same map as arrays (None when every block takes suffix 0);
+        may reach past the last block.
+      After `tables()`: template, template_mask <u8[1, head_rows + block_size + t] one
+        block's rows (head, zero token rows, suffix 0) and byte masks; head_rows;
+        fixed_len (bytes of head + suffix 0); suffix_rows, suffix_mask <u8[U, t] the
+        suffixes zero padded and their byte masks; suffix_lens i64[U].
     """
 
-    template: np.ndarray
-    template_mask: np.ndarray
-    head_rows: int
-    hole: int
-    close_len: int
-    fixed_len: int
-    suffix_rows: np.ndarray
-    suffix_mask: np.ndarray
-    suffix_lens: np.ndarray
-    positions: np.ndarray | None
-    ids: np.ndarray | None
-    suffixes: list
-    id_of: dict
+    __slots__ = (
+        "head", "hole", "close_len", "block_size", "suffixes", "id_of", "positions",
+        "ids", "template", "template_mask", "head_rows", "fixed_len", "suffix_rows",
+        "suffix_mask", "suffix_lens",
+    )
+
+    def __init__(self, head, hole, close, block_size, suffixes, positions, ids):
+        self.head, self.hole, self.close_len = head, hole, len(close)
+        self.block_size = block_size
+        self.suffixes = suffixes
+        self.id_of = dict(zip(positions, ids))
+        self.positions = self.ids = None
+        if positions:
+            self.positions = np.array(positions, dtype=np.intp)
+            self.ids = np.array(ids, dtype=np.intp)
+            self.positions.flags.writeable = self.ids.flags.writeable = False
+        self.template = None
+
+    def tables(self) -> "_TailPlan":
+        """Build (once) the numpy rows the vectorised writer copies; returns self."""
+        if self.template is not None:
+            return self
+        head, suffixes, bs = self.head, self.suffixes, self.block_size
+        width = 8 * max(-(-len(x) // 8) for x in suffixes)
+        self.suffix_rows = np.frombuffer(
+            b"".join(x.ljust(width, b"\0") for x in suffixes), dtype="<u8"
+        ).reshape(len(suffixes), width // 8)
+        self.suffix_mask = np.frombuffer(
+            b"".join(b"\1" * len(x) + b"\0" * (width - len(x)) for x in suffixes),
+            dtype="<u8",
+        ).reshape(len(suffixes), width // 8)
+        self.suffix_lens = np.array([len(x) for x in suffixes], dtype=np.int64)
+        self.suffix_lens.flags.writeable = False
+        self.head_rows = -(-len(head) // 8)
+        self.fixed_len = len(head) + len(suffixes[0])
+        # One block's rows: head, bs token rows (zero), suffix 0.
+        self.template_mask = np.frombuffer(
+            (b"\1" * len(head)).ljust(8 * self.head_rows, b"\0") + bytes(8 * bs)
+            + (b"\1" * len(suffixes[0])).ljust(width, b"\0"),
+            dtype="<u8",
+        ).reshape(1, -1)
+        self.template = np.frombuffer(
+            head.ljust(8 * self.head_rows, b"\0") + bytes(8 * bs)
+            + suffixes[0].ljust(width, b"\0"),
+            dtype="<u8",
+        ).reshape(1, -1)
+        return self

@@ -587,3 +587,29 @@ def test_memo_skips_seen_blocks_and_keeps_digests(algo, path, monkeypatch):
     h.clear_caches()
     got, msgs = _messages(h, a, 16, **kw)
     assert got == want_a and len(msgs) == 6
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
+def test_token_container_types_agree(algo, path):
+    import array
+
+    h = BlockHasher(algo, seed=2)
+    ids = [3, 70000, 5, 300, 0, 2**31 + 7, 9, 10, 11, 12, 13]
+    want = _chain_reference(h, ids, 2)
+    for container in (
+        tuple(ids),
+        array.array("Q", ids),
+        array.array("q", ids),
+        np.array(ids, dtype=np.uint64),
+        np.array(ids, dtype=np.int64),
+        [np.int64(t) for t in ids],
+    ):
+        h.clear_caches()
+        assert h.hash_token_blocks(container, 2) == want, type(container)
+    small = [1, 2, 3, 4, 5]
+    for container in (array.array("I", small), array.array("h", small), np.array(small, np.int16)):
+        assert h.hash_token_blocks(container, 2) == _chain_reference(h, small, 2)
+    with pytest.raises(ValueError, match="negative"):
+        h.hash_token_blocks(array.array("i", [1, 2, -3, 4]), 2)
+    with pytest.raises(ValueError, match="integers"):
+        h.hash_token_blocks(array.array("d", [1.0, 2.0]), 2)
