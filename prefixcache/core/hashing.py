@@ -635,6 +635,7 @@ class BlockHasher:
         rest = self._hash_blocks(
             packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
             start_block + n_hit, parent, lora, mm_features, cache_salt,
+            plan if n_hit == 0 else None,
         )
         if plan is not None:
             if len(memo) + len(rest) > _MEMO_SIZE:
@@ -648,10 +649,10 @@ class BlockHasher:
 
     def _hash_blocks(
         self, packed, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt,
+        lora, mm_features, cache_salt, plan=None,
     ) -> list[bytes]:
         """Digests of ``num_blocks`` full blocks given as native u64 bytes: picks the
-        writer."""
+        writer. ``plan``: the `_TailPlan` for ``start_block`` if already at hand."""
         n = num_blocks * block_size
         if num_blocks >= (
             _MIN_VECTOR_BLOCKS_CBOR if self._is_cbor else _MIN_VECTOR_BLOCKS_PICKLE
@@ -673,7 +674,7 @@ class BlockHasher:
                     start_block += 1
                 fast = self._hash_blocks_vectorised(
                     u32, num_blocks, block_size, start_block,
-                    parent, lora, mm_features, cache_salt,
+                    parent, lora, mm_features, cache_salt, None if out else plan,
                 ) if num_blocks else []
                 if fast is not None:
                     return out + fast
@@ -684,7 +685,8 @@ class BlockHasher:
                 )
         ids = struct.unpack(f"={n}Q", packed[: 8 * n])
         return self._hash_blocks_small(
-            ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt
+            ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt,
+            plan,
         )
 
     def _hash_blocks_generic(
@@ -730,7 +732,7 @@ class BlockHasher:
 
     def _hash_blocks_small(
         self, ids, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt,
+        lora, mm_features, cache_salt, plan=None,
     ) -> list[bytes]:
         """Block by block (decode, short prompts): the serializer's C code per block.
 
@@ -758,7 +760,8 @@ class BlockHasher:
                     parent = digest(serialize((parent, ids[i : i + block_size], None)))
                     out.append(parent)
             return out
-        plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+        if plan is None:
+            plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
         if plan is None:
             return self._hash_blocks_generic(
                 ids, num_blocks, block_size, start_block, parent,
@@ -897,12 +900,13 @@ class BlockHasher:
 
     def _hash_blocks_vectorised(
         self, u32, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt,
+        lora, mm_features, cache_salt, plan=None,
     ) -> list[bytes] | None:
         """All full blocks at once; None when only the generic path can write them."""
         if not self._is_cbor and u32.size and u32.max() >= 2**31:
             return None  # LONG1 opcodes: generic path
-        plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+        if plan is None:
+            plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
         if plan is None:
             return None
         buf, ends = self._write_keys(u32, num_blocks, block_size, plan.tables())
