@@ -1,8 +1,8 @@
 """Engine benchmark: warm vs cold TTFT, host cost of a step, compiled-program count.
 
 Command:
-  python -m experiments.bench_engine --workdir=/tmp/bench_engine
-  python -m experiments.bench_engine --workdir=/tmp/be --config.ttft.num_trials=10
+  python -m experiments.bench_engine --config=configs/bench_engine.py --workdir=/tmp/bench_engine
+  (the config is the default; override fields as --config.ttft.num_trials=10)
 
 Expected (tiny model, CPU): warm TTFT of a request with 1024 cached + 32 new tokens at
 most 1/8 of its cold TTFT (ttft_ratio <= 0.125); host side of one step with 64 running
@@ -19,6 +19,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.workdir = ""  # set with --workdir (required)
     c.block_size = 16
     c.attention_backend = "auto"
     c.ttft = ml_collections.ConfigDict(dict(prefix_len=1024, new_len=32, num_trials=5))

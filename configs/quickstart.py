@@ -8,9 +8,8 @@ usage. Writes `results.jsonl` (one line per request and mode, plus a summary lin
 with provenance) and `ttft_vs_cached_prefix.png` into --workdir.
 
 Command:
-  python -m experiments.quickstart --workdir=/tmp/quickstart
-  python -m experiments.quickstart --workdir=/tmp/qs --config=configs/quickstart.py \
-      --config.num_users=8
+  python -m experiments.quickstart --config=configs/quickstart.py --workdir=/tmp/quickstart
+  (the config is the default; override fields as --config.num_users=8)
 
 Expected: greedy outputs identical cold and warm (the run fails otherwise); warm TTFT well
 below cold TTFT for long cached prefixes (the warm/cold ratio shrinks as the cached prefix
@@ -24,6 +23,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
+    c.workdir = ""  # set with --workdir (required)
     # Engine.
     c.num_blocks = 96  # 1536 tokens: the cold requests force evictions
     c.block_size = 16

@@ -7,23 +7,22 @@ See configs/bench_engine.py. The last stdout line is the JSON result.
 
 from __future__ import annotations
 
-import json
-
-from absl import app, flags
-from ml_collections import config_flags
-
 from experiments import _common
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/bench_engine.py", "Benchmark config.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
 
+def run(config, *, progress: bool = False) -> dict:
+    """Runs the three measurements; writes bench_engine.jsonl into config.workdir.
 
-def run(config, workdir) -> dict:
-    from prefixcache.engine import bench
-    from prefixcache.model import ModelConfig
+    Raises:
+      ValueError: no workdir given.
+    """
+    from prefixcache.engine import bench  # noqa: PLC0415
+    from prefixcache.model import ModelConfig  # noqa: PLC0415
 
-    workdir = _common.prepare_workdir(workdir)
+    del progress
+    if not config.workdir:
+        raise ValueError("--workdir (config.workdir) is required")
+    workdir = _common.prepare_workdir(config.workdir)
     mc = ModelConfig.tiny()
     common = dict(block_size=config.block_size, seed=config.seed,
                   attention_backend=config.attention_backend)
@@ -36,14 +35,12 @@ def run(config, workdir) -> dict:
     prov = _common.provenance(config, seed=config.seed, extra={"model": "tiny"})
     with _common.AtomicJsonlWriter(workdir / "bench_engine.jsonl", provenance=prov) as w:
         w.write(result)
-    print(json.dumps(_common.to_jsonable(result), sort_keys=True))
-    return result
+    return result  # run_cli prints it as the last stdout line (JSON)
 
 
-def main(argv):
-    del argv
-    run(_CONFIG.value, _WORKDIR.value)
+def main() -> None:
+    _common.run_cli(run, config_name="bench_engine")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -9,24 +9,24 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
-
 from experiments import _common
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/quickstart.py", "Quickstart config.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
 
+def run(config, *, progress: bool = False) -> dict:
+    """Runs the quickstart; returns the summary record (also written to config.workdir).
 
-def run(config, workdir) -> dict:
-    """Runs the quickstart; returns the summary record (also written to workdir)."""
+    Raises:
+      ValueError: no workdir given.
+    """
+    del progress  # one short run: no progress bar
     from prefixcache.engine import Engine, SamplingParams
     from prefixcache.engine import chat_bench
     from prefixcache.model import ModelConfig
 
     t_start = time.perf_counter()
-    workdir = _common.prepare_workdir(workdir)
+    if not config.workdir:
+        raise ValueError("--workdir (config.workdir) is required")
+    workdir = _common.prepare_workdir(config.workdir)
     model_config = ModelConfig.tiny()
     engine = Engine(model_config, num_blocks=config.num_blocks, block_size=config.block_size,
                     enable_caching=True, seed=config.seed, max_num_seqs=config.max_num_seqs,
@@ -104,10 +104,9 @@ def run(config, workdir) -> dict:
     return summary
 
 
-def main(argv):
-    del argv
-    run(_CONFIG.value, _WORKDIR.value)
+def main() -> None:
+    _common.run_cli(run, config_name="quickstart")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

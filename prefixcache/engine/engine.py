@@ -63,6 +63,9 @@ class Engine:
       share_programs_with: another Engine over the same model, backend and mesh whose
         compiled step programs this one reuses (its own KV pool and cache stay separate);
         e.g. a caching-on and a caching-off engine compared side by side.
+      lora_cache_key_only: the model applies no LoRA adapters, so requests with a
+        `lora` are rejected (ValueError) unless this is True: then they run the base
+        model and the adapter only keys the cache (for cache-isolation studies).
 
     Attributes:
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
@@ -82,7 +85,8 @@ class Engine:
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
                  manager_kwargs: Mapping[str, Any] | None = None,
-                 share_programs_with: "Engine | None" = None):
+                 share_programs_with: "Engine | None" = None,
+                 lora_cache_key_only: bool = False):
         from prefixcache.core import KVCacheManager
 
         num_blocks = _positive_int("num_blocks", num_blocks)
@@ -105,6 +109,7 @@ class Engine:
         self.enable_caching = bool(enable_caching)
         self.seed = int(seed)
         self.max_model_len = max_model_len
+        self.lora_cache_key_only = bool(lora_cache_key_only)
         self.vocab_size = int(model_config.vocab_size)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
@@ -158,7 +163,8 @@ class Engine:
           mm_features: `MultiModalFeature(identifier, offset, length)` items.
           mm_embeddings: identifier -> f32[length, d_model] embedding rows of each item.
           cache_salt: forwarded to the core Request (it enters the first block's hash).
-          lora: must be None: the engine's model applies no adapters.
+          lora: a LoRARequest; rejected unless the engine has lora_cache_key_only=True
+            (then it enters the block hashes; the base model runs).
 
         Returns:
           The request id.
@@ -201,11 +207,13 @@ class Engine:
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
-        if req.lora is not None:
+        if req.lora is not None and not self.lora_cache_key_only:
             # NOTE: the model has no adapter weights; running a LoRA request on the base
             # model would silently produce base-model tokens under an adapter's cache key.
             raise ValueError(f"request {req.request_id!r} asks for LoRA adapter "
-                             f"{req.lora.name!r}, but the engine's model applies no adapters")
+                             f"{req.lora.name!r}, but the engine's model applies no adapters "
+                             "(Engine(..., lora_cache_key_only=True) runs the base model "
+                             "with the adapter as a cache key only)")
         rid = req.request_id
         if rid in self._known_ids or rid in taken_ids:
             raise ValueError(f"duplicate request id {rid!r}")

@@ -273,6 +273,19 @@ def test_bad_sampling_params(kw):
         SamplingParams(**kw)
 
 
+def test_lora_only_as_cache_key_when_asked(engines, config):
+    cached = engines[0]
+    keyed = Engine(config, share_programs_with=cached, lora_cache_key_only=True, **COMMON)
+    toks = list(range(1, 40))
+    a, b, c = keyed.generate([Request("l1", toks, lora=LoRARequest("a", "/a")),
+                              Request("l2", toks, lora=LoRARequest("b", "/b")),
+                              Request("l3", toks, lora=LoRARequest("a", "/a"))],
+                             SamplingParams(max_tokens=2))
+    # Adapters isolate the cache; the same adapter shares it (32 = two full blocks).
+    assert [o.metrics.num_cached_tokens for o in (a, b, c)] == [0, 0, 32]
+    assert a.token_ids == b.token_ids == c.token_ids
+
+
 def test_top_k_minus_one_disables_as_in_vllm():
     assert SamplingParams(top_k=-1).top_k == 0
 

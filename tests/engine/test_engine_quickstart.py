@@ -29,9 +29,9 @@ def test_quickstart_runs_and_writes_results(tmp_path, capsys):
     config.unlock()
     config.update(dict(num_blocks=24, system_prompt_lens=(32, 48), num_users=2, num_turns=2,
                        user_msg_len=8, num_cold=1, cold_prompt_len=40, max_tokens=3,
-                       max_num_batched_tokens=128))
+                       max_num_batched_tokens=128, workdir=str(tmp_path)))
     config.lock()
-    summary = quickstart.run(config, tmp_path)
+    summary = quickstart.run(config)
     assert summary["outputs_identical_cold_warm"]
     assert summary["reused_tokens"] > 0 and 0 < summary["token_hit_rate"] < 1
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
