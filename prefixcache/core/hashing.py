@@ -27,6 +27,10 @@ The hot path (`BlockHasher.hash_token_blocks`) has two writers of those bytes:
 - per block (decode, short prompts): the serializer's C code per block; the extra keys
   are serialized once per distinct value (cached on the hasher) and spliced in.
 
+Before either, a bounded per-hasher memo (parent digest, block tokens, serialized extra
+keys) -> digest skips every block this hasher has already hashed: requests that share a
+prefix (a system prompt, few-shot examples, an earlier turn) hash it once.
+
 Tests pin every message of both writers byte for byte to ``pickle.dumps`` /
 ``cbor2.dumps(canonical=True)`` of the key tuple, and the digests to vLLM's own.
 """
@@ -94,9 +98,9 @@ _MIN_VECTOR_BLOCKS_PICKLE = 64
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
-# Bound of the per-hasher memo of block digests (cleared when full): 64 Ki blocks,
-# about 1 Mi tokens of prefixes at block size 16, some 15 MiB.
-_MEMO_SIZE = 1 << 16
+# Bound of the per-hasher memo of block digests (cleared when full): 32 Ki blocks,
+# 512 Ki tokens of prefixes at block size 16, about 10 MiB.
+_MEMO_SIZE = 1 << 15
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
 # it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
@@ -568,7 +572,8 @@ class BlockHasher:
         """Digests of the full blocks ``start_block, start_block + 1, ...`` of a sequence.
 
         A pure function: equal to chaining ``hash_block`` with ``block_extra_keys`` over
-        the blocks. Tokens after the last full block are ignored (but validated).
+        the blocks. Tokens after the last full block are ignored (but validated). Blocks
+        met before (same parent, tokens and extra keys) come from the hasher's memo.
 
         Args:
           token_ids: the whole sequence (list/tuple of ints, ``array.array`` or integer
