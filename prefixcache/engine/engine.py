@@ -141,6 +141,8 @@ class Engine:
         self._known_ids: set[str] = set()
         self.record_logits = False
         self.step_logits: list[dict[str, np.ndarray]] = []
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self.last_step_times: tuple[float, float, float, float] | None = None
         self.reset_metrics()
 
     # -- requests -------------------------------------------------------------------
@@ -196,6 +198,11 @@ class Engine:
             if prompt.num_computed_tokens or prompt.num_tokens != prompt.num_prompt_tokens:
                 raise ValueError(f"request {prompt.request_id!r} already has computed or "
                                  "output tokens")
+            if prompt.hasher is not None and not (
+                    prompt.hasher == self.kv_cache_manager.hasher
+                    and prompt.block_size == self.block_size):
+                raise ValueError(f"request {prompt.request_id!r} is bound to another hasher "
+                                 "or block size than this engine's")
             req = prompt
         else:
             tokens = _as_token_list(prompt)
@@ -325,7 +332,7 @@ class Engine:
             self._host_update_s += t4 - t3
             self.last_step_times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         self._host_schedule_s += t1 - t0
-        self.last_scheduler_output: SchedulerOutput = sched
+        self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from prefixcache.core import LoRARequest, MultiModalFeature, Request
+from prefixcache.core import BlockHasher, LoRARequest, MultiModalFeature, Request
 from prefixcache.engine import Engine, SamplingParams
 from prefixcache.model import ModelConfig
 
@@ -92,8 +92,9 @@ def test_shared_system_prompt_and_multi_turn_identical(engines, config):
     system = rand_tokens(rng, 100, v)
     prompts = [system + rand_tokens(rng, n, v) for n in (5, 17, 33, 1)]
     params = SamplingParams(max_tokens=6)
-    outs, _ = run_both(engines, prompts, params)
     cached = engines[0]
+    cached.reset_metrics()
+    outs, _ = run_both(engines, prompts, params)
     # Later requests of the batch hit the system prompt's full blocks (96 tokens).
     assert [o.metrics.num_cached_tokens for o in outs][1:] == [96, 96, 96]
     # Multi-turn: the conversation so far + a new message hits almost all of it.
@@ -104,7 +105,13 @@ def test_shared_system_prompt_and_multi_turn_identical(engines, config):
         # is never fed back); all of its full blocks hit.
         assert o.metrics.num_cached_tokens == (len(p) + 5) // BS * BS
     m = cached.metrics()
-    assert m.num_cached_tokens > 0 and 0 < m.token_hit_rate < 1
+    everything = outs + outs2
+    assert m.num_requests == 8 and m.num_rejected == 0 and m.request_hit_rate == 7 / 8
+    assert m.num_cached_tokens == sum(o.metrics.num_cached_tokens for o in everything)
+    assert m.num_prompt_tokens == sum(o.metrics.num_prompt_tokens for o in everything)
+    # The cache only skipped work: computed = prompt - cached + decode steps.
+    assert m.num_computed_tokens == m.num_prompt_tokens - m.num_cached_tokens + 8 * 5
+    assert 0 < m.mean_usage <= m.peak_usage <= 1 and m.num_steps > 0
 
 
 def test_salts_isolate_and_stay_identical(engines, config):
@@ -301,6 +308,10 @@ def test_bad_add_request_leaves_engine_unchanged(engines):
     with pytest.raises(ValueError, match="no embedding rows"):
         cached.add_request(Request("mm-bad", [3] * 8, mm_features=(
             MultiModalFeature("img", 0, 8),)), SamplingParams())
+    bound = Request("bound", [1, 2, 3])
+    bound.bind_hasher(BlockHasher("xxhash", seed=1), BS)
+    with pytest.raises(ValueError, match="another hasher"):
+        cached.add_request(bound, SamplingParams())
     with pytest.raises(ValueError, match="no adapters"):
         cached.add_request([1, 2, 3], SamplingParams(), lora=LoRARequest("a", "/x"))
     assert not cached.has_unfinished_requests()
