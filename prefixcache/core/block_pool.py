@@ -292,11 +292,19 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue if unused)."""
-        remove = self.free_block_queue.remove
+        n = 0
         for block in blocks:
             if block.ref_cnt == 0:
-                remove(block)
+                # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
+                # inlined: this runs once per hit block).
+                prev = block.prev_free_block
+                nxt = block.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                block.prev_free_block = block.next_free_block = None
+                n += 1
             block.ref_cnt += 1
+        self.free_block_queue.num_free_blocks -= n
 
     def cache_full_blocks(
         self,
@@ -370,31 +378,34 @@ class BlockPool:
         ``ordered_blocks`` is in eviction priority order (first evicted first): a
         request's blocks reversed, so its last block is reused first.
         """
-        if self.free_order == "append" or not self.enable_caching:
-            released = []
-            for block in ordered_blocks:
-                block.ref_cnt -= 1
-                if block.ref_cnt == 0:
-                    released.append(block)
-                elif block.ref_cnt < 0:
-                    raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
-            if self.free_order == "append":
-                self.free_block_queue.append_n(released)
-            else:
-                self.free_block_queue.prepend_n(released)
-            return
+        # NOTE: one pass; blocks bound for the tail are linked in as they come
+        # (FreeKVCacheBlockQueue.append_n, inlined: this runs once per freed block).
+        q = self.free_block_queue
+        tail = q.tail
+        last = tail.prev_free_block
+        unhashed_first = self.free_order == "unhashed_first"
         first: list[KVCacheBlock] = []
-        last: list[KVCacheBlock] = []
+        n = 0
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                # Never-cached blocks can never be hit: reuse them first (LIFO);
-                # cached ones go to the tail for LRU eviction (vLLM's order).
-                (first if block.block_hash is None else last).append(block)
-            elif block.ref_cnt < 0:
+            rc = block.ref_cnt - 1
+            block.ref_cnt = rc
+            if rc == 0:
+                if unhashed_first and block.block_hash is None:
+                    # Never-cached blocks can never be hit: reuse them first (LIFO);
+                    # cached ones go to the tail for LRU eviction (vLLM's order).
+                    first.append(block)
+                else:
+                    block.prev_free_block = last
+                    last.next_free_block = block
+                    last = block
+                    n += 1
+            elif rc < 0:
                 raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
-        self.free_block_queue.prepend_n(first)
-        self.free_block_queue.append_n(last)
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        q.num_free_blocks += n
+        if first:
+            q.prepend_n(first)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. ``False`` (nothing changed) if any block is in use."""

@@ -292,9 +292,15 @@ class KVCacheManager:
             )
         if computed and not self.enable_caching:
             raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
+        # Hit blocks that sit in the free queue leave it when touched: they count
+        # against the free blocks too (vLLM's num_evictable_computed_blocks).
+        num_evictable = 0
+        pool_blocks = self.block_pool.blocks
         for b in computed:
-            if b.block_hash is None or self.block_pool.blocks[b.block_id] is not b:
+            if b.block_hash is None or pool_blocks[b.block_id] is not b:
                 raise ValueError(f"block {b.block_id} is not a cached block of this manager")
+            if b.ref_cnt == 0:
+                num_evictable += 1
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if st is None and computed and request.num_computed_tokens:
             raise ValueError(
@@ -319,9 +325,6 @@ class KVCacheManager:
         pool = self.block_pool
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
-        # Hit blocks that sit in the free queue leave it when touched: they count
-        # against the free blocks too (vLLM's num_evictable_computed_blocks).
-        num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks + num_evictable > pool.free_block_queue.num_free_blocks:
             self.num_failed_allocations += 1
             return None
