@@ -151,6 +151,7 @@ def replay(
             if len(running) >= concurrency:
                 free(running.popleft())
             t0 = perf()
+            t_mgr += t0 - t_start
             req = Request(
                 rid,
                 prompt,
