@@ -10,11 +10,14 @@
   model) that yields simulated TTFT per request.
 
 Host only: nothing here imports jax.
+
+NOTE: the replay function is imported from its module
+(``from prefixcache.sim.replay import replay``), not re-exported here: a package
+attribute ``replay`` would shadow the submodule of the same name.
 """
 
 from prefixcache.sim.cost_model import ACCELERATORS, Accelerator, CostModel, ModelShape
 from prefixcache.sim.des import SchedulerConfig, simulate
-from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import TraceError, TraceRequest, output_token, read_trace, write_trace
 from prefixcache.sim.workloads import WORKLOADS, generate, mooncake_scale
 
@@ -31,7 +34,6 @@ __all__ = [
     "mooncake_scale",
     "output_token",
     "read_trace",
-    "replay",
     "simulate",
     "write_trace",
 ]
