@@ -6,8 +6,10 @@ Command:
 
 Expected (tiny model, CPU): warm TTFT of a request with 1024 cached + 32 new tokens at
 most 1/8 of its cold TTFT (ttft_ratio <= 0.125); host side of one step with 64 running
-requests (scheduling + metadata) under 1 ms (median; host_step_min_ms is the cost
-without OS preemption, load_average_1min tells how busy the CPU was); the compiled-program count over 500
+requests (scheduling + metadata) under 1 ms (median inside real steps;
+host_step_min_ms is the cost without OS preemption, host_step_isolated_ms the same host
+work back to back without CPU-JAX device steps evicting the CPU caches in between,
+load_average_1min how busy the shared CPU was); the compiled-program count over 500
 requests well below its bound. The last stdout line is a JSON object with
 cold_ttft_s, warm_ttft_s, ttft_ratio, host_step_ms, device_step_ms,
 num_compiled_programs (and the rest).

@@ -9,6 +9,9 @@ Three measurements, each on its own engine, all after compile warm-up:
   engine step (scheduling + metadata/input building) and the device part (transfer +
   run + fetch of the sampled ids) timed separately; median over steps; plus the same
   host work timed back to back without device steps in between (`*_isolated_ms`).
+  NOTE: with CPU JAX the "device" step runs on the same cores and evicts the host's
+  CPU caches (weights + KV, tens of MB) between host phases, so the in-loop figure is
+  pessimistic for an accelerator; the isolated figure is the host work itself.
 * `compiled_programs`: a mixed workload of `num_requests` requests (shared prefixes,
   random lengths, greedy and sampled); the number of distinct step programs run, against
   the builder's bound.
