@@ -759,10 +759,20 @@ class BlockHasher:
                         dumps((parent, ids[i : i + block_size], None), _PICKLE_PROTOCOL)
                     ).digest()
                     out.append(parent)
-            else:
-                digest, serialize = self._digest, self.serialize
+            elif self._is_cbor:
+                # NOTE: for bytes, non-negative ints, tuples and None cbor2's default
+                # encoding is the canonical one (canonical mode only reorders maps and
+                # shortens floats) and costs about half as much; tests pin the bytes.
+                digest, dumps = self._digest, cbor2.dumps
                 for i in range(0, num_blocks * block_size, block_size):
-                    parent = digest(serialize((parent, ids[i : i + block_size], None)))
+                    parent = digest(dumps((parent, ids[i : i + block_size], None)))
+                    out.append(parent)
+            else:
+                digest, dumps = self._digest, pickle.dumps
+                for i in range(0, num_blocks * block_size, block_size):
+                    parent = digest(
+                        dumps((parent, ids[i : i + block_size], None), _PICKLE_PROTOCOL)
+                    )
                     out.append(parent)
             return out
         if plan is None:
@@ -783,7 +793,7 @@ class BlockHasher:
                 # The token array encodes the same alone as inside the key.
                 msg = (
                     b"\x83" + _cbor_head(2, len(parent)) + parent
-                    + cbor2.dumps(toks, canonical=True) + suffix
+                    + cbor2.dumps(toks) + suffix  # canonical for ints, see above
                 )
             else:
                 # pickle.dumps(toks) = PROTO FRAME(len8) [MARK] ints TUPLE MEMOIZE STOP;
