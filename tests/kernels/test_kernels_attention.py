@@ -120,10 +120,13 @@ class TestReference(AttentionChecks):
     # num_seqs is data: the same compiled program serves 1 and 2 live rows.
     case = make_case(8, [(3, 9), (2, 12)], num_kv_heads=1, group=2)
     fn = jax.jit(lambda *a: kernels.ragged_paged_attention_reference(*a, sm_scale=SCALE))
-    args = list(case.args())
-    full = np.asarray(fn(*args))
-    args[5] = jnp.array([1], jnp.int32)
-    one = np.asarray(fn(*args))
+    args = list(jax.device_put(case.args()))
+    one_seq = jax.device_put(jnp.array([1], jnp.int32))
+    with jax.transfer_guard("disallow"):  # no hidden host<->device traffic
+      full = fn(*args)
+      args[5] = one_seq
+      one = fn(*args)
+    full, one = np.asarray(full), np.asarray(one)
     np.testing.assert_array_equal(one[:3], full[:3])
     np.testing.assert_array_equal(one[3:], 0.0)
     assert fn._cache_size() == 1
