@@ -19,9 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-# NOTE: a large finite negative number rather than -inf for masked logits, so that
-# a fully masked row yields exp(mask - mask) = 1 weights over zeroed V (output 0)
-# instead of NaN. Kernels additionally zero the weights of masked keys.
+# NOTE: masked logits in the online-softmax kernels: a large finite negative number
+# rather than -inf keeps the running max finite (no inf - inf = NaN) while a row has
+# seen no visible key yet. The kernels also zero the weights of masked keys, so such a
+# row keeps l = 0 and its output is 0.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
