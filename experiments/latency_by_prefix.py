@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from experiments import _common
 
 
-
 # ----------------------------------------------------------------------------
 # simulated
 # ----------------------------------------------------------------------------

@@ -33,7 +33,6 @@ import array
 from experiments import _common
 
 
-
 def run(config, *, progress: bool = False) -> dict:
     """Replays the config's trace; writes ``config.out`` and the workdir outputs.
 

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from experiments import _common
 
 
-
 def measure(requests: Sequence, warmup: Sequence, *, num_blocks: int, block_size: int,
             cache_state: str, **replay_kwargs) -> dict:
     """Replays ``requests`` after ``warmup`` (warm) or alone (cold).
