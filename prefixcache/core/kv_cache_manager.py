@@ -111,6 +111,7 @@ class KVCacheManager:
         self.log_stats = bool(log_stats)
         self.enable_events = bool(enable_events)
         self.max_model_len = max_model_len
+        self._max_len = max_model_len if max_model_len is not None else 1 << 62
         self.block_pool = BlockPool(
             num_blocks,
             enable_caching=self.enable_caching,
@@ -212,56 +213,52 @@ class KVCacheManager:
                 ``max_model_len``. Nothing changed.
         """
         st = self._states.get(request.request_id)
-        if st is not None and st.request is not request:
-            raise ValueError(
-                f"request id {request.request_id!r} is already running as another Request"
+        if (
+            st is None
+            or st.request is not request
+            or num_new_computed_tokens
+            or new_computed_blocks
+            or num_lookahead_tokens
+            or num_new_tokens <= 0
+        ):
+            return self._allocate_slow(
+                request, st, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
             )
-        if st is not None and not num_new_computed_tokens and not new_computed_blocks:
-            # Fast path: a running request (decode or a later prefill chunk).
-            if num_new_tokens <= 0 or num_lookahead_tokens < 0:
-                self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
-            total = request.num_computed_tokens + num_new_tokens
-            mml = self.max_model_len
-            need = total + num_lookahead_tokens
-            if mml is not None:
-                if total > mml:
-                    raise ValueError(
-                        f"request {request.request_id!r} needs {total} tokens, beyond "
-                        f"max_model_len={mml}"
-                    )
-                if need > mml:
-                    need = mml
-            bs = self.block_size
-            blocks = st.blocks
-            num_new_blocks = -(-need // bs) - len(blocks)
-            if num_new_blocks > 0:
-                pool = self.block_pool
-                if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                    self.num_failed_allocations += 1
-                    return None
-                new_blocks = pool.get_new_blocks(num_new_blocks)
-                blocks.extend(new_blocks)
-            else:
-                new_blocks = []
-            # NOTE: most decode steps fill no block: total // bs bounds the full
-            # blocks, and only when it passes the cached ones are num_tokens and the
-            # hashes read.
-            if total // bs > st.num_cached_blocks and self.enable_caching:
-                num_tokens = request.num_tokens
-                num_full = (total if total < num_tokens else num_tokens) // bs
-                hashes = request.block_hashes
-                if num_full > len(hashes):
-                    num_full = len(hashes)
-                if num_full > st.num_cached_blocks:
-                    self.block_pool.cache_full_blocks(
-                        request, blocks, hashes, st.num_cached_blocks, num_full, bs
-                    )
-                    st.num_cached_blocks = num_full
-            return new_blocks
-        return self._allocate_slow(
-            request, st, num_new_tokens, num_new_computed_tokens,
-            new_computed_blocks, num_lookahead_tokens,
-        )
+        # Fast path: a running request (a decode step or a later prefill chunk).
+        total = request.num_computed_tokens + num_new_tokens
+        if total > self._max_len:
+            raise ValueError(
+                f"request {request.request_id!r} needs {total} tokens, beyond "
+                f"max_model_len={self.max_model_len}"
+            )
+        bs = self.block_size
+        blocks = st.blocks
+        num_new_blocks = -(-total // bs) - len(blocks)
+        if num_new_blocks > 0:
+            pool = self.block_pool
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                self.num_failed_allocations += 1
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        # NOTE: most decode steps fill no block: total // bs bounds the full blocks,
+        # and only when it passes the cached ones are num_tokens and the hashes read.
+        if total // bs > st.num_cached_blocks and self.enable_caching:
+            num_tokens = request.num_tokens
+            num_full = (total if total < num_tokens else num_tokens) // bs
+            hashes = request.block_hashes
+            if num_full > len(hashes):
+                num_full = len(hashes)
+            if num_full > st.num_cached_blocks:
+                self.block_pool.cache_full_blocks(
+                    request, blocks, hashes, st.num_cached_blocks, num_full, bs
+                )
+                st.num_cached_blocks = num_full
+        return new_blocks
+
 
     @staticmethod
     def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
@@ -278,8 +275,10 @@ class KVCacheManager:
         self, request, st, num_new_tokens, num_new_computed_tokens,
         new_computed_blocks, num_lookahead_tokens,
     ):
-        """``allocate_slots`` for a new request (or a running one with odd args)."""
+        """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
         rid = request.request_id
+        if st is not None and st.request is not request:
+            raise ValueError(f"request id {rid!r} is already running as another Request")
         self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         computed = list(new_computed_blocks) if new_computed_blocks else []
         bs = self.block_size

@@ -464,6 +464,13 @@ def test_usage_and_lookahead():
     new = m.allocate_slots(r, 5, 0, blocks, num_lookahead_tokens=4)
     assert ids(new) == [0, 1, 2]  # 5 + 4 slots
     assert m.usage == pytest.approx(0.3)
+    r.num_computed_tokens = 5
+    r.append_output_token_ids(6)
+    # A running step with lookahead: 5 computed + 1 new + 7 lookahead = 13 slots -> 4 blocks.
+    assert ids(m.allocate_slots(r, 1, num_lookahead_tokens=7)) == [3]
+    assert ids(m.allocate_slots(r, 1)) == []  # the slots are there already
+    assert m.usage == pytest.approx(0.4)
+    m.check_invariants()
     m.free(r)
     assert m.usage == 0.0
 
