@@ -625,11 +625,17 @@ class BlockHasher:
         n_hit = 0
         hits: list[bytes] = []
         if plan is not None:
-            suffixes, id_of = plan.suffixes, plan.id_of
-            for i in range(num_blocks):
-                d = memo.get(
-                    parent + packed[i * width : (i + 1) * width] + suffixes[id_of.get(i, 0)]
-                )
+            # Key: (parent + the block's token bytes, its suffix), a tuple so that keys
+            # of different block sizes can never collide.
+            chunks = [packed[j : j + width] for j in range(0, num_blocks * width, width)]
+            if plan.id_of:
+                suffixes, id_of = plan.suffixes, plan.id_of
+                tails = [suffixes[id_of.get(i, 0)] for i in range(num_blocks)]
+            else:
+                tails = [plan.suffixes[0]] * num_blocks
+            get = memo.get
+            for chunk, tail in zip(chunks, tails):
+                d = get((parent + chunk, tail))
                 if d is None:
                     break
                 hits.append(d)
@@ -645,10 +651,8 @@ class BlockHasher:
         if plan is not None:
             if len(memo) + len(rest) > _MEMO_SIZE:
                 memo.clear()
-            for i, d in enumerate(rest, n_hit):
-                memo[
-                    parent + packed[i * width : (i + 1) * width] + suffixes[id_of.get(i, 0)]
-                ] = d
+            for d, chunk, tail in zip(rest, chunks[n_hit:], tails[n_hit:]):
+                memo[parent + chunk, tail] = d
                 parent = d
         return hits + rest
 
