@@ -786,31 +786,36 @@ class BlockHasher:
                 ids, num_blocks, block_size, start_block, parent,
                 lora, mm_features, cache_salt,
             )
-        close_len = plan.close_len
         suffixes, id_of = plan.suffixes, plan.id_of
         digest = self._digest
+        sha256 = hashlib.sha256 if digest is _sha256_digest else None
+        ds = self._digest_size
+        cut = -1 - plan.close_len
+        proto = bytes([0x80, _PICKLE_PROTOCOL, 0x95])
+        cbor_head = b"\x83" + _cbor_head(2, ds)
+        pickle_head = b"C" + bytes([ds])
         out = []
         for i in range(num_blocks):
             toks = ids[i * block_size : (i + 1) * block_size]
-            suffix = suffixes[id_of.get(i, 0)]
+            suffix = suffixes[id_of.get(i, 0)] if id_of else suffixes[0]
             if self._is_cbor:
                 # The token array encodes the same alone as inside the key.
-                msg = (
-                    b"\x83" + _cbor_head(2, len(parent)) + parent
-                    + cbor2.dumps(toks) + suffix  # canonical for ints, see above
-                )
+                msg = b"".join((
+                    cbor_head if len(parent) == ds else b"\x83" + _cbor_head(2, len(parent)),
+                    parent,
+                    cbor2.dumps(toks),  # canonical for ints, see above
+                    suffix,
+                ))
             else:
-                # pickle.dumps(toks) = PROTO FRAME(len8) [MARK] ints TUPLE MEMOIZE STOP;
-                # ints are not memoised, so those opcodes read the same inside the key.
-                tp = pickle.dumps(toks, protocol=_PICKLE_PROTOCOL)
-                body = (
-                    b"C" + bytes([len(parent)]) + parent + b"\x94"
-                    + tp[11 : -1 - close_len] + suffix
-                )
+                # pickle.dumps(toks) = PROTO FRAME(len8) [MARK] ints TUPLE MEMOIZE STOP,
+                # one frame below 64 KiB; ints are not memoised, so those opcodes read
+                # the same inside the key.
+                tp = pickle.dumps(toks, _PICKLE_PROTOCOL)
+                body_len = len(parent) + 3 + len(tp) - 12 + cut + 1 + len(suffix)
                 if (
                     len(parent) >= 256  # BINBYTES
-                    or int.from_bytes(tp[3:11], "little") != len(tp) - 11  # split frame
-                    or len(body) > _MAX_FAST_PICKLE_FRAME
+                    or len(tp) > _MAX_FAST_PICKLE_FRAME
+                    or body_len > _MAX_FAST_PICKLE_FRAME
                 ):
                     b = start_block + i
                     extra = block_extra_keys(
@@ -821,11 +826,16 @@ class BlockHasher:
                     parent = digest(pickle.dumps((parent, toks, extra), _PICKLE_PROTOCOL))
                     out.append(parent)
                     continue
-                msg = (
-                    bytes([0x80, _PICKLE_PROTOCOL, 0x95])
-                    + len(body).to_bytes(8, "little") + body
-                )
-            parent = digest(msg)
+                msg = b"".join((
+                    proto,
+                    body_len.to_bytes(8, "little"),
+                    pickle_head if len(parent) == ds else b"C" + bytes([len(parent)]),
+                    parent,
+                    b"\x94",
+                    tp[11:cut],
+                    suffix,
+                ))
+            parent = sha256(msg).digest() if sha256 is not None else digest(msg)
             out.append(parent)
         return out
 
