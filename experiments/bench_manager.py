@@ -34,6 +34,8 @@ import tempfile
 
 from absl import app, flags
 
+FLAGS = flags.FLAGS
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _WORKLOADS = flags.DEFINE_list(
@@ -55,8 +57,9 @@ _PEERS = flags.DEFINE_string(
     "peers_dir", os.path.join(os.path.dirname(_REPO), "shared", "peers"),
     "Directory of make_traces.py and vllm_replay.py.")
 _TRACE_DIR = flags.DEFINE_string(
-    "trace_dir", os.path.join(tempfile.gettempdir(), "prefixcache-bench-traces"),
-    "Where the generated traces are written.")
+    "trace_dir", None,
+    "Where the generated traces (and vLLM's outputs) are written; default: a fresh "
+    "temporary directory, so concurrent invocations never overwrite each other's files.")
 _HASH_SEED = flags.DEFINE_integer(
     "hash_seed", 0, "Hash chain seed for both (vLLM gets PYTHONHASHSEED).")
 
@@ -205,6 +208,8 @@ def main(argv):
     del argv
     from experiments import _common  # noqa: PLC0415
 
+    if _TRACE_DIR.value is None:
+        FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
     paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
     results = []
     for name in _WORKLOADS.value:
