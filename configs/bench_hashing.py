@@ -10,12 +10,11 @@ rounds interleaved over algorithms, medians of 5 rounds after 1 warm-up round. W
 Command:
   python -m experiments.bench_hashing --config=configs/bench_hashing.py --workdir=/tmp/hash
 
-Expected: ~1-3M prompt tokens/s per algorithm on one CPU core of the dev
-machine (pure function: sha256 ~2.5M, sha256_cbor ~2.4M, xxhash ~3.0M, xxhash_cbor
-~3.2M; the per-request path somewhat lower), xxhash_cbor the fastest; against
-vLLM's hash-only benchmark on the same trace, 1.5x (pickle variants) to 2.4x (CBOR
-variants) for the pure function. Timings swing 20-40% on a shared machine: compare
-the per-round ratios.
+Expected (dev machine, 2 shared cores): pure function sha256 ~14M, sha256_cbor ~9M,
+xxhash ~16M, xxhash_cbor ~11M prompt tokens/s; the per-request path 5-15% lower;
+vLLM 0.33's hash-only on the same trace 1.8-4.5M tokens/s, i.e. 3.1-4.8x (request
+path) and 3.6-5.7x (pure). Timings swing 20-40% on a shared machine: compare the
+per-round ratios (median_round_ratio_vs_sha256).
 """
 
 import os
