@@ -173,7 +173,7 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit
         if self.log_stats:
             self.prefix_cache_stats.record(
-                num_tokens, num_hit, getattr(request, "num_preemptions", 0) > 0
+                num_tokens, num_hit, request.num_preemptions > 0
             )
         return computed, num_hit
 

@@ -170,7 +170,7 @@ class Request:
       - ``all_token_ids == prompt_token_ids + output_token_ids``; all ids are ints >= 0;
         the prompt is non-empty and a private copy.
       - ``mm_features`` are sorted by offset, lie inside the prompt and do not overlap.
-      - ``0 <= num_computed_tokens <= num_tokens``.
+      - ``0 <= num_computed_tokens <= num_tokens``; ``num_preemptions >= 0``.
       - once a hasher is bound: ``block_hashes[i]`` is the digest of tokens
         ``[i * block_size, (i + 1) * block_size)`` chained from block 0, for every full
         block (computed lazily, never recomputed); the binding never changes.
@@ -181,6 +181,7 @@ class Request:
         "_tokens",
         "_num_prompt_tokens",
         "_num_computed_tokens",
+        "_num_preemptions",
         "_mm_features",
         "_lora",
         "_cache_salt",
@@ -254,6 +255,7 @@ class Request:
         self._tokens = tokens
         self._num_prompt_tokens = n
         self._num_computed_tokens = 0
+        self._num_preemptions = 0
         self._mm_features = tuple(features)
         self._lora = lora
         self._cache_salt = cache_salt
@@ -311,6 +313,19 @@ class Request:
                 f"{len(self._tokens)}"
             )
         self._num_computed_tokens = v
+
+    @property
+    def num_preemptions(self) -> int:
+        """Times the scheduler preempted this request (by recompute); 0 for a new one.
+
+        The scheduler increments it when it preempts; the manager's prefix-cache stats
+        count lookups of requests with ``num_preemptions > 0`` as ``preempted``.
+        """
+        return self._num_preemptions
+
+    @num_preemptions.setter
+    def num_preemptions(self, value: int) -> None:
+        self._num_preemptions = _check_int("num_preemptions", value, 0)
 
     @property
     def mm_features(self) -> tuple[MultiModalFeature, ...]:

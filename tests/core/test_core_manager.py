@@ -432,6 +432,23 @@ def test_prefix_cache_stats_and_counters():
     assert KVCacheManager(4, 4, log_stats=False).make_prefix_cache_stats() is None
 
 
+def test_prefix_cache_stats_count_preempted_lookups():
+    m = KVCacheManager(16, 4)
+    a = Request("a", list(range(1, 11)))
+    admit(m, a)  # never preempted: 10 queried, no hit
+    m.free(a)
+    # The scheduler preempted it (blocks freed, computed tokens reset) and looks it up
+    # again: the lookup counts as preempted, with its hit (8 tokens of its own blocks).
+    a.num_computed_tokens = 0
+    a.num_preemptions += 1
+    blocks, hit = m.get_computed_blocks(a)
+    assert hit == 8
+    m.get_computed_blocks(Request("b", list(range(1, 6))))  # a fresh one: 5, hit 4
+    s = m.make_prefix_cache_stats()
+    assert (s.requests, s.queries, s.hits) == (2, 15, 4)
+    assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 8)
+
+
 def test_reset_prefix_cache():
     m = KVCacheManager(8, 4)
     a = Request("a", list(range(1, 10)))

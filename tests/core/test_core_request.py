@@ -187,3 +187,15 @@ def test_incremental_equals_whole_sequence(algo, block_size, prompt, chunks, sal
     assert list(req.block_hashes) == h.hash_token_blocks(
         everything, block_size, cache_salt=salt
     )
+
+
+def test_num_preemptions_settable_and_validated():
+    req = Request("r", [1, 2, 3])
+    assert req.num_preemptions == 0
+    req.num_preemptions += 1
+    req.num_preemptions = np.int64(3)
+    assert req.num_preemptions == 3 and type(req.num_preemptions) is int
+    for bad in (-1, 1.0, "1", None, True):
+        with pytest.raises(ValueError, match="num_preemptions"):
+            req.num_preemptions = bad
+    assert req.num_preemptions == 3
