@@ -260,6 +260,9 @@ class Scheduler:
         assert state.status is RequestStatus.RUNNING, state.request_id
         self.kv_cache_manager.free(state.request)
         state.request.num_computed_tokens = 0
+        # The core request's count makes the manager file its next prefix lookup under
+        # the preempted stats (vLLM's PrefixCacheStats.preempted_*).
+        state.request.num_preemptions += 1
         state.status = RequestStatus.WAITING
         state.num_preemptions += 1
         self.num_preemptions += 1
