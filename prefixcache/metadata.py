@@ -38,6 +38,7 @@ padding entries of `logits_indices` are 0.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from collections.abc import Sequence
@@ -240,6 +241,9 @@ class MetadataBuilder:
             if page_buckets is None else page_buckets,
             self.max_pages_per_seq,
         )
+        # 0, 1, 2, ... long enough for any row, token, or page index (`build_rows`).
+        self._iota = np.arange(max(self.max_num_tokens, self.max_num_seqs,
+                                   self.max_pages_per_seq) + 1, dtype=np.int64)
         self._token_arr = np.asarray(self.token_buckets)
         self._seq_arr = np.asarray(self.seq_buckets)
         self._page_arr = np.asarray(self.page_buckets)
@@ -452,6 +456,182 @@ class MetadataBuilder:
             distribution=distribution,
         )
         return StepInputs(input_ids=input_ids, metadata=metadata, logits_indices=logits_indices)
+
+    def build_rows(self, block_table: np.ndarray, rows, num_table_blocks, num_computed,
+                   q_lens, token_ids) -> StepInputs:
+        """`build` from columnar inputs and one 2-D block table (the engine's path).
+
+        NOTE: vLLM's persistent-batch layout: every running request owns a row of one int32
+        table that the engine appends to in place as blocks arrive, so a step builds no
+        per-sequence Python list or array, and the page table is one row gather. With
+        `cu = [0, cumsum(q_lens)]`, the result equals, array for array,
+        `build([ScheduledSeq(block_table[rows[i], :num_table_blocks[i]], num_computed[i],
+        token_ids[cu[i]:cu[i + 1]]) for i in range(n)])` -- except that only the block ids
+        a sequence needs in this step are read (and range-checked); cells past them are
+        ignored.
+
+        Args:
+          block_table: i32[R, W] block tables, one row per request; row `rows[i]` starts
+            with the `num_table_blocks[i]` block ids of sequence i.
+          rows: int[n] table row of each scheduled sequence (caller order).
+          num_table_blocks: int[n] block ids held in each sequence's row.
+          num_computed: int[n] tokens of KV each sequence holds before this step.
+          q_lens: int[n] tokens scheduled per sequence (>= 1).
+          token_ids: int[sum(q_lens)] the scheduled token ids, concatenated in caller order.
+
+        Returns:
+          `StepInputs`, as `build`.
+
+        Raises:
+          ValueError: what `build` raises (naming `seqs[i]`, the i-th sequence), plus a
+            block table that is not a 2-D int32 array, a row outside it, more block ids
+            than the row is wide, mis-shaped columns, or a token count that is not
+            `sum(q_lens)`.
+        """
+        n = len(rows)
+        if n == 0:
+            raise ValueError("build_rows() needs at least one scheduled sequence")
+        if n > self.max_num_seqs:
+            raise ValueError(f"{n} sequences scheduled, more than max_num_seqs={self.max_num_seqs}")
+        if (not isinstance(block_table, np.ndarray) or block_table.dtype != np.int32
+                or block_table.ndim != 2):
+            raise ValueError("block_table must be a 2-D int32 numpy array, got "
+                             f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                             f"of shape {getattr(block_table, 'shape', None)}")
+        try:
+            rows = np.asarray(rows, np.int64)
+            num_blk = np.asarray(num_table_blocks, np.int64)
+            computed = np.asarray(num_computed, np.int64)
+            q_lens = np.asarray(q_lens, np.int64)
+            tokens = np.asarray(token_ids, np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"build_rows() columns must be int sequences: {e}") from e
+        if not (rows.shape == num_blk.shape == computed.shape == q_lens.shape == (n,)
+                and tokens.ndim == 1):
+            raise ValueError(
+                f"build_rows() columns must be 1-D: rows {rows.shape}, num_table_blocks "
+                f"{num_blk.shape}, num_computed {computed.shape}, q_lens {q_lens.shape} "
+                f"(n={n}), token_ids {tokens.shape}")
+        bs = self.block_size
+        R, W = block_table.shape
+        kv_lens = computed + q_lens
+        pages_needed = (kv_lens + (bs - 1)) // bs
+        num_tokens = int(q_lens.sum())
+        # NOTE: one combined check on the fast path; the slow path names the culprit.
+        if (num_tokens > self.max_num_tokens or tokens.shape[0] != num_tokens or bool((
+                (q_lens < 1) | (computed < 0) | (pages_needed > num_blk)
+                | (pages_needed > self.max_pages_per_seq) | (num_blk > W) | (rows < 0)
+                | (rows >= R)).any())):
+            self._raise_rows_error(R, W, rows, num_blk, tokens, q_lens, computed, kv_lens,
+                                   pages_needed, num_tokens)
+        if tokens.min() < 0 or tokens.max() > _I32_MAX:
+            j = int(np.flatnonzero((tokens < 0) | (tokens > _I32_MAX))[0])
+            i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
+            raise ValueError(f"seqs[{i}]: token id {int(tokens[j])} is not a valid int32 id")
+
+        iota = self._iota
+        if num_tokens == n:
+            # NOTE: decode-only fast path (every q_len is 1): one group, caller order kept,
+            # row i holds token i.
+            order = None
+            distribution = np.full(3, n, np.int32)
+            q_s, pages_s, comp_s, kv_s, rows_s = q_lens, pages_needed, computed, kv_lens, rows
+            cu_s = iota[: n + 1]
+        else:
+            group = (q_lens > 1) * (1 + (computed > 0))
+            distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
+            if bool((group[1:] >= group[:-1]).all()):
+                order = None
+                q_s, pages_s, comp_s, kv_s, rows_s = (q_lens, pages_needed, computed,
+                                                      kv_lens, rows)
+            else:
+                order = np.argsort(group, kind="stable")  # sorted row r <- seqs[order[r]]
+                q_s, pages_s, comp_s, kv_s, rows_s = (
+                    q_lens[order], pages_needed[order], computed[order], kv_lens[order],
+                    rows[order])
+            cu_s = np.zeros(n + 1, np.int64)
+            np.cumsum(q_s, out=cu_s[1:])
+        max_pages = int(pages_s.max())
+        T = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        S = self.seq_buckets[bisect.bisect_left(self.seq_buckets, n)]
+        P = self.page_buckets[bisect.bisect_left(self.page_buckets, max_pages)]
+        pad_page = self.num_blocks
+
+        # Page table: one gather of the sorted rows' first w cells (w >= every row's need),
+        # the cells past each row's need masked to padding. Live cells must be real block
+        # ids (a negative id reads as a huge uint32: one comparison checks both ends).
+        w = min(P, W)
+        g = block_table[rows_s, :w]
+        live = iota[:w] < pages_s[:, None]
+        bad = (g.view(np.uint32) >= self.num_blocks) & live
+        if bad.any():
+            r, k = (int(x[0]) for x in np.nonzero(bad))
+            i = r if order is None else int(order[r])
+            raise ValueError(f"seqs[{i}]: block id {int(g[r, k])} out of range "
+                             f"0..{self.num_blocks - 1}")
+        page_indices = np.full((S, P), pad_page, np.int32)
+        np.copyto(page_indices[:n, :w], g, where=live)
+
+        # Token rows in sorted order (as `build`): row r's i-th token sits at position
+        # comp_s[r] + i and its K/V goes to cell (pos // bs) of the row's gathered table.
+        input_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.full(T, pad_page * bs, np.int32)
+        if num_tokens == n:
+            pos = comp_s
+            row_of_tok = iota[:n]
+        else:
+            row_of_tok = np.repeat(iota[:n], q_s)
+            pos = iota[:num_tokens] + (comp_s - cu_s[:-1])[row_of_tok]
+        if order is None:
+            input_ids[:num_tokens] = tokens
+        else:
+            cu_in = np.zeros(n + 1, np.int64)
+            np.cumsum(q_lens, out=cu_in[1:])
+            src = iota[:num_tokens] + (cu_in[:-1][order] - cu_s[:-1])[row_of_tok]
+            input_ids[:num_tokens] = tokens[src]
+        positions[:num_tokens] = pos
+        blk_col, offset = np.divmod(pos, bs)
+        slot_mapping[:num_tokens] = g[row_of_tok, blk_col] * bs + offset
+
+        kv_out = np.zeros(S, np.int32)
+        kv_out[:n] = kv_s
+        cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+        cu_q_lens[: n + 1] = cu_s
+        logits_indices = np.zeros(S, np.int32)
+        if order is None:
+            logits_indices[:n] = cu_s[1:] - 1
+        else:
+            logits_indices[order] = cu_s[1:] - 1
+        metadata = AttentionMetadata(
+            page_indices=page_indices,
+            kv_lens=kv_out,
+            cu_q_lens=cu_q_lens,
+            num_seqs=np.array([n], np.int32),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            distribution=distribution,
+        )
+        return StepInputs(input_ids=input_ids, metadata=metadata, logits_indices=logits_indices)
+
+    def _raise_rows_error(self, R, W, rows, num_blk, tokens, q_lens, computed, kv_lens,
+                          pages_needed, num_tokens):
+        """Raises the ValueError of a bad `build_rows` call (slow path)."""
+        bad_row = (rows < 0) | (rows >= R)
+        if bad_row.any():
+            i = int(np.flatnonzero(bad_row)[0])
+            raise ValueError(f"seqs[{i}]: row {int(rows[i])} outside the block table's "
+                             f"{R} rows")
+        too_wide = num_blk > W
+        if too_wide.any():
+            i = int(np.flatnonzero(too_wide)[0])
+            raise ValueError(f"seqs[{i}]: {int(num_blk[i])} block ids but the block table "
+                             f"is {W} wide")
+        if num_tokens <= self.max_num_tokens and tokens.shape[0] != num_tokens and not (
+                q_lens < 1).any():
+            raise ValueError(f"{tokens.shape[0]} token ids given for {num_tokens} scheduled "
+                             "tokens (sum of q_lens)")
+        self._raise_seq_error(q_lens, computed, num_blk, kv_lens, pages_needed, num_tokens)
 
     def _raise_seq_error(self, q_lens, computed, num_blk, kv_lens, pages_needed, num_tokens):
         """Raises the ValueError for the first offending sequence (slow path of `build`)."""
