@@ -557,6 +557,64 @@ class BlockHasher:
         """
         return self._digest(self.serialize(self.block_key(parent, token_ids, extra_keys)))
 
+    # -- one block, no extra keys (the decode path) ----------------------------------
+    def plain_block_tail(self, block_size: int) -> bytes:
+        """Memo tag of a ``block_size``-token block without extra keys.
+
+        The serialized bytes after its token items (the token tuple's close, then the
+        extra keys ``None`` and the key's close): the memo key suffix
+        `hash_token_blocks` uses for such blocks, so `hash_plain_block` shares its memo.
+
+        Raises:
+          ValueError: block_size not an int > 0.
+        """
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+            raise ValueError(f"block_size must be an int, got {block_size!r}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        return self._tail_plan(int(block_size), 1, None, (), None).suffixes[0]
+
+    def hash_plain_block(
+        self, parent: bytes, block: array.array, tail: bytes
+    ) -> bytes:
+        """Digest of one block with no extra keys, from already-validated tokens.
+
+        The decode hot path of `Request`: a block that just became full, past every
+        multimodal item, without LoRA and not the salted first block. Equal to
+        ``hash_block(parent, block, None)``; shares the memo of `hash_token_blocks`.
+
+        NOTE: no validation here -- the caller guarantees ``block`` is an
+        ``array('Q')`` (ids in [0, 2**64) by construction) holding exactly the block's
+        tokens, ``parent`` a digest of this hasher (or its root) and ``tail`` its
+        `plain_block_tail` for ``len(block)``; public callers use `hash_token_blocks`.
+
+        Args:
+          parent: digest of the previous block (``digest_size`` bytes).
+          block: ``array('Q')`` of the block's token ids.
+          tail: ``plain_block_tail(len(block))``.
+
+        Returns:
+          ``digest_size`` bytes.
+        """
+        key = (parent + block.tobytes(), tail)
+        memo = self._memo
+        d = memo.get(key)
+        if d is None:
+            # The spec itself: serialize (parent, tuple(ids), None) and hash it
+            # (cbor2's default encoding is the canonical one for these types).
+            if self._is_cbor:
+                d = self._digest(cbor2.dumps((parent, tuple(block), None)))
+            elif self._digest is _sha256_digest:
+                d = hashlib.sha256(
+                    pickle.dumps((parent, tuple(block), None), _PICKLE_PROTOCOL)
+                ).digest()
+            else:
+                d = self._digest(pickle.dumps((parent, tuple(block), None), _PICKLE_PROTOCOL))
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[key] = d
+        return d
+
     # -- whole sequences ------------------------------------------------------------
     def hash_token_blocks(
         self,

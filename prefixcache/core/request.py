@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import operator
 import struct
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +189,8 @@ class Request:
         "_hasher",
         "_block_size",
         "_block_hashes",
+        "_plain_from",
+        "_plain_tail",
         "_tokens_view",
         "_hashes_view",
     )
@@ -262,6 +265,8 @@ class Request:
         self._hasher: BlockHasher | None = None
         self._block_size: int | None = None
         self._block_hashes: list[bytes] = []
+        self._plain_from = sys.maxsize  # see bind_hasher
+        self._plain_tail = b""
         self._tokens_view = ReadOnlyList(self._tokens)
         self._hashes_view = ReadOnlyList(self._block_hashes)
         if hasher is not None:
@@ -306,6 +311,9 @@ class Request:
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
+        if type(value) is int and 0 <= value <= len(self._tokens):  # the common case
+            self._num_computed_tokens = value
+            return
         v = _check_int("num_computed_tokens", value, 0)
         if v > len(self._tokens):
             raise ValueError(
@@ -388,6 +396,14 @@ class Request:
                 f"request {self._request_id!r} is bound to {self._hasher!r} with block size "
                 f"{self._block_size}; cannot rebind to {hasher!r} with block size {block_size}"
             )
+        # NOTE: the decode fast path (`block_hashes`): blocks from _plain_from on carry
+        # no extra keys -- past every multimodal item, not the salted block 0, no LoRA.
+        plain_from = sys.maxsize
+        if self._lora is None:
+            mm_end = max((f.offset + f.length for f in self._mm_features), default=0)
+            plain_from = max(-(-mm_end // block_size), 1 if self._cache_salt else 0)
+        self._plain_tail = hasher.plain_block_tail(block_size)
+        self._plain_from = plain_from
         self._hasher = hasher
         self._block_size = block_size
 
@@ -408,8 +424,22 @@ class Request:
             )
         hashes = self._block_hashes
         bs = self._block_size
-        if (len(hashes) + 1) * bs <= len(self._tokens):
-            self._hash_new_blocks()
+        n = len(hashes)
+        end = (n + 1) * bs
+        tokens = self._tokens
+        if end <= len(tokens):
+            if end + bs > len(tokens) and n >= self._plain_from:
+                # Decode: exactly one new full block, without extra keys; its tokens
+                # are already valid (array('Q')), so straight to serializer + digest.
+                hashes.append(
+                    self._hasher.hash_plain_block(
+                        hashes[-1] if n else self._hasher.root,
+                        tokens[end - bs : end],
+                        self._plain_tail,
+                    )
+                )
+            else:
+                self._hash_new_blocks()
         return self._hashes_view
 
     @property

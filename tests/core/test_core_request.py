@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.hashing import BlockHasher, block_extra_keys
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
 
@@ -166,27 +166,105 @@ def test_decode_hashes_only_new_blocks(algo):
     )
 
 
-@settings(max_examples=40, deadline=None)
+def spec_chain(algo, seed, tokens, bs, *, lora=None, mm=(), salt=None):
+    """The spec, block by block, on a fresh hasher (no memo shared with the test's)."""
+    h = BlockHasher(algo, seed=seed)
+    parent, out = None, []
+    for b in range(len(tokens) // bs):
+        extra = block_extra_keys(b * bs, (b + 1) * bs, lora=lora, mm_features=mm,
+                                 cache_salt=salt)
+        parent = h.hash_block(parent, tokens[b * bs : (b + 1) * bs], extra)
+        out.append(parent)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     algo=st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
     block_size=st.integers(1, 9),
     prompt=st.lists(st.integers(0, 2**33), min_size=1, max_size=40),
-    chunks=st.lists(st.lists(st.integers(0, 70000), max_size=7), max_size=8),
-    salt=st.none() | st.just("salt"),
+    chunks=st.lists(st.integers(0, 2**40) | st.lists(st.integers(0, 70000), max_size=7),
+                    max_size=30),
+    salt=st.none() | st.just("") | st.just("salt"),
+    lora=st.none() | st.just(LoRARequest("l", "/l")),
+    mm=st.none() | st.tuples(st.integers(0, 39), st.integers(1, 40)),
     peek=st.booleans(),
 )
-def test_incremental_equals_whole_sequence(algo, block_size, prompt, chunks, salt, peek):
+def test_incremental_equals_whole_sequence(algo, block_size, prompt, chunks, salt, lora,
+                                           mm, peek):
+    feats = []
+    if mm is not None and mm[0] + mm[1] <= len(prompt):
+        feats = [MultiModalFeature("img", *mm)]
     h = BlockHasher(algo, seed=5)
-    req = Request("r", prompt, cache_salt=salt, hasher=h, block_size=block_size)
+    req = Request("r", prompt, cache_salt=salt, lora=lora, mm_features=feats, hasher=h,
+                  block_size=block_size)
     for chunk in chunks:
         if peek:
             _ = req.block_hashes
         req.append_output_token_ids(chunk)
-    everything = prompt + [t for c in chunks for t in c]
+    everything = prompt + [t for c in chunks for t in ([c] if isinstance(c, int) else c)]
     assert list(req.all_token_ids) == everything
-    assert list(req.block_hashes) == h.hash_token_blocks(
-        everything, block_size, cache_salt=salt
-    )
+    want = spec_chain(algo, 5, everything, block_size, lora=lora, mm=feats, salt=salt)
+    assert list(req.block_hashes) == want
+    assert h.hash_token_blocks(
+        everything, block_size, cache_salt=salt, lora=lora, mm_features=feats
+    ) == want
+
+
+class PlainCountingHasher(BlockHasher):
+    """Counts decode fast-path blocks and blocks the generic writers hash."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain = 0
+        self.written = 0
+
+    def hash_plain_block(self, parent, block, tail):
+        self.plain += 1
+        return super().hash_plain_block(parent, block, tail)
+
+    def _hash_blocks(self, packed, num_blocks, *args, **kwargs):
+        self.written += num_blocks
+        return super()._hash_blocks(packed, num_blocks, *args, **kwargs)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_decode_fast_path_takes_plain_blocks_only_and_shares_the_memo(algo):
+    bs = 4
+    h = PlainCountingHasher(algo, seed=0)
+    # Salt on block 0; the image covers tokens [5, 10): blocks 1 and 2 carry its key,
+    # block 2 fills during decode and must not take the fast path.
+    req = Request("r", list(range(1, 11)), cache_salt="s",
+                  mm_features=[MultiModalFeature("img", 5, 5)], hasher=h, block_size=bs)
+    assert len(req.block_hashes) == 2 and (h.plain, h.written) == (0, 2)
+    for step in range(10):
+        req.append_output_token_ids(100 + step)
+        _ = req.block_hashes
+    # Blocks 2 (image) through the generic path, 3 and 4 through the fast path.
+    assert (h.plain, h.written) == (2, 3)
+    tokens = list(req.all_token_ids)
+    mm = req.mm_features
+    assert list(req.block_hashes) == spec_chain(algo, 0, tokens, bs, mm=mm, salt="s")
+    # The prompt path finds the decode blocks in the memo: nothing is rewritten.
+    again = h.hash_token_blocks(tokens, bs, mm_features=mm, cache_salt="s")
+    assert again == list(req.block_hashes) and h.written == 3
+    # Without extra keys every decode block takes the fast path (spec digests).
+    plain_req = Request("p", tokens[:12], hasher=h, block_size=bs)
+    h.written = 0
+    assert len(plain_req.block_hashes) == 3 and h.written == 3
+    for t in tokens[12:]:
+        plain_req.append_output_token_ids(t)
+        _ = plain_req.block_hashes
+    assert h.plain == 4 and list(plain_req.block_hashes) == spec_chain(algo, 0, tokens, bs)
+    assert h.hash_plain_block(h.root, plain_req._tokens[:4], h.plain_block_tail(4)) == (
+        plain_req.block_hashes[0])
+
+
+def test_plain_block_tail_validation():
+    h = BlockHasher("sha256", seed=0)
+    for bad in (0, -1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="block_size"):
+            h.plain_block_tail(bad)
 
 
 def test_num_preemptions_settable_and_validated():
