@@ -108,11 +108,11 @@ def host_step_cost(model_config, *, num_running: int, prompt_len: int, block_siz
     # The same host work back to back, without the device step in between (warm CPU
     # caches, no XLA threads competing): the inherent cost of scheduling + metadata.
     isolated = []
-    sched, runner, mgr = engine.scheduler, engine.runner, engine.kv_cache_manager
+    sched, runner = engine.scheduler, engine.runner
     for _ in range(num_steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        runner.prepare(out.scheduled, mgr.get_block_ids)
+        runner.prepare(out.scheduled, sched.block_tables)
         isolated.append((time.perf_counter() - t0) * 1e3)
         assert len(out.scheduled) == num_running
         sched.update_from_output(out, {s.request_id: 1 for s in out.scheduled})

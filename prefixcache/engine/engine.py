@@ -13,6 +13,7 @@ sampled tokens and finish requests (host).
 
 from __future__ import annotations
 
+import operator
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,9 @@ from prefixcache.engine.outputs import EngineMetrics, RequestMetrics, RequestOut
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import (FINISH_ERROR, EngineRequest, RequestStatus,
                                           Scheduler, SchedulerOutput)
+
+
+_REQUEST_ID = operator.attrgetter("state.request.request_id")
 
 
 def _positive_int(name: str, value) -> int:
@@ -313,11 +317,11 @@ class Engine:
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         self._num_usage_samples += 1
         if sched.scheduled:
-            prepared = self.runner.prepare(sched.scheduled, self.kv_cache_manager.get_block_ids)
+            prepared = self.runner.prepare(sched.scheduled, self.scheduler.block_tables)
             t2 = time.perf_counter()
             tokens, logits = self.runner.execute(prepared, return_logits=self.record_logits)
             t3 = time.perf_counter()
-            sampled = {s.request_id: int(tok) for s, tok in zip(sched.scheduled, tokens)}
+            sampled = dict(zip(map(_REQUEST_ID, sched.scheduled), np.asarray(tokens).tolist()))
             if logits is not None:
                 self.step_logits.append({
                     s.request_id: logits[i] for i, s in enumerate(sched.scheduled)

@@ -2,7 +2,7 @@
 
 The only place the engine meets the device. Per step it
 1. builds the padded int32 index arrays with the `MetadataBuilder` (block tables from
-   `KVCacheManager.get_block_ids`), the per-row sampling parameters and, when a
+   the scheduler's `BlockTables`, one row gather), the per-row sampling parameters and, when a
    scheduled chunk covers multimodal placeholder positions, the embedding rows to inject;
 2. moves all of them to the device with ONE `jax.device_put` of the whole pytree;
 3. runs one jitted function (model step + sampling; the paged KV is donated);
@@ -15,6 +15,7 @@ Nothing else crosses the host/device boundary, so the step loop runs clean under
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -22,9 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampler import SamplingArrays, sample
 from prefixcache.engine.scheduler import ScheduledRequest
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq, StepInputs
+
+
+# ScheduledRequest / EngineRequest field getters (C-level iteration in `prepare`).
+_STATE = operator.attrgetter("state")
+_NUM_COMPUTED = operator.attrgetter("num_computed_tokens")
+_NUM_NEW = operator.attrgetter("num_new_tokens")
+_BLOCK_ROW = operator.attrgetter("block_row")
+_TEMPERATURE = operator.attrgetter("params.temperature")
+_MM_EMBEDDINGS = operator.attrgetter("mm_embeddings")
+_ALL_TOKEN_IDS = operator.attrgetter("request.all_token_ids")
 
 
 class DeviceInputs(NamedTuple):
@@ -209,28 +221,45 @@ class ModelRunner:
         return int(self.config.d_model)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest],
-                block_ids_of: Callable[[str], list[int]]) -> PreparedStep:
+                block_tables: BlockTables | Callable[[str], list[int]]) -> PreparedStep:
         """Builds the step's host arrays.
 
         Args:
           scheduled: the step's requests (>= 1).
-          block_ids_of: request id -> its block table (`KVCacheManager.get_block_ids`).
+          block_tables: the scheduler's `BlockTables` (each request's row is
+            `state.block_row`), or a function request id -> its block table (e.g.
+            `KVCacheManager.get_block_ids`; slower: whole tables every step).
 
         Returns:
           PreparedStep (numpy only; nothing is on the device yet).
         """
-        seqs = []
-        all_greedy = True
-        has_mm = False
-        for s in scheduled:
-            st = s.state
-            req = st.request
-            c = s.num_computed_tokens
-            seqs.append(ScheduledSeq(block_ids_of(req.request_id), c,
-                                     req.all_token_ids[c:c + s.num_new_tokens]))
-            all_greedy = all_greedy and st.params.temperature == 0.0
-            has_mm = has_mm or bool(st.mm_embeddings)
-        step = self.builder.build(seqs)
+        n = len(scheduled)
+        states = list(map(_STATE, scheduled))
+        all_greedy = not any(map(_TEMPERATURE, states))
+        has_mm = any(map(_MM_EMBEDDINGS, states))
+        if isinstance(block_tables, BlockTables):
+            # NOTE: the engine's path: columns gathered at C level, the page table one
+            # row gather from the persistent tables (no per-request lists or arrays).
+            comps = list(map(_NUM_COMPUTED, scheduled))
+            q_lens = list(map(_NUM_NEW, scheduled))
+            views = map(_ALL_TOKEN_IDS, states)
+            if sum(q_lens) == n:  # decode only: the token at position c
+                tokens = list(map(operator.getitem, views, comps))
+            else:
+                tokens = []
+                for v, c, q in zip(views, comps, q_lens):
+                    tokens += v[c:c + q]
+            rows = np.fromiter(map(_BLOCK_ROW, states), np.int64, n)
+            step = self.builder.build_rows(block_tables.table, rows,
+                                           block_tables.lengths[rows], comps, q_lens,
+                                           tokens)
+        else:
+            step = self.builder.build([
+                ScheduledSeq(block_tables(st.request.request_id), s.num_computed_tokens,
+                             st.request.all_token_ids[s.num_computed_tokens:
+                                                      s.num_computed_tokens
+                                                      + s.num_new_tokens])
+                for s, st in zip(scheduled, states)])
         num_rows = step.logits_indices.shape[0]
         if all_greedy:
             # NOTE: the all-greedy program never reads the sampling arrays; reuse one
@@ -245,8 +274,7 @@ class ModelRunner:
         mm = (mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
                                self.d_model, self._embed_dtype) if has_mm else None)
         mm_embeds, mm_mask = mm if mm is not None else (None, None)
-        return PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), len(seqs),
-                            all_greedy)
+        return PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), n, all_greedy)
 
     def execute(self, prepared: PreparedStep, *, return_logits: bool = False
                 ) -> tuple[np.ndarray, np.ndarray | None]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,6 +80,8 @@ class EngineRequest:
       num_cached_tokens: prefix hit of the first admission.
       num_preemptions: times it was preempted by recompute.
       admitted: whether it was ever scheduled.
+      block_row: its row in the scheduler's `BlockTables` while it is running (None
+        otherwise).
     """
 
     request: "Request"
@@ -95,6 +98,7 @@ class EngineRequest:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     admitted: bool = False
+    block_row: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -114,7 +118,8 @@ class ScheduledRequest:
       num_computed_tokens: tokens with KV before this step (cache hit included).
       num_new_tokens: tokens scheduled in this step (the query length).
       new_block_ids: block ids newly allocated for it in this step (prefix-hit blocks
-        excluded; the full table is `KVCacheManager.get_block_ids`).
+        excluded; the full table is `Scheduler.block_ids` or
+        `KVCacheManager.get_block_ids`).
       num_cached_tokens: prefix-cache hit counted at this admission (0 for a request
         that was already running).
     """
@@ -177,6 +182,9 @@ class Scheduler:
       - Every running request holds its blocks in the manager; no waiting request does.
       - A step schedules at most `max_num_batched_tokens` tokens and at most
         `max_num_seqs` requests are running.
+      - `block_tables` row `state.block_row` of every running request equals the
+        manager's `get_block_ids(request_id)` (kept from what `allocate_slots` and
+        `get_computed_blocks` return; released on preemption and finish).
 
     Args:
       kv_cache_manager: the block manager (`prefixcache.core.KVCacheManager`).
@@ -202,6 +210,9 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        # NOTE: engine-side int32 block tables, appended from allocate_slots' new blocks,
+        # so a step never rebuilds whole tables from the manager (see block_table.py).
+        self.block_tables = BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
 
     # -- queue management -------------------------------------------------------------
 
@@ -234,6 +245,7 @@ class Scheduler:
         if state.status is RequestStatus.RUNNING:
             self.running.remove(state)
             self.kv_cache_manager.free(state.request)
+            self._release_row(state)
         else:
             self.waiting.remove(state)
         state.status = RequestStatus.FINISHED
@@ -259,6 +271,7 @@ class Scheduler:
         # (still cached, so re-admission usually hits its own prefix again).
         assert state.status is RequestStatus.RUNNING, state.request_id
         self.kv_cache_manager.free(state.request)
+        self._release_row(state)
         state.request.num_computed_tokens = 0
         # The core request's count makes the manager file its next prefix lookup under
         # the preempted stats (vLLM's PrefixCacheStats.preempted_*).
@@ -267,6 +280,22 @@ class Scheduler:
         state.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(state)
+
+    def _release_row(self, state: EngineRequest) -> None:
+        if state.block_row is not None:
+            self.block_tables.release(state.block_row)
+            state.block_row = None
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """A running request's block table from `block_tables` (inspection and tests).
+
+        Raises:
+          ValueError: no running request has this id.
+        """
+        state = self.requests.get(request_id)
+        if state is None or state.block_row is None:
+            raise ValueError(f"no running request with id {request_id!r}")
+        return self.block_tables.block_ids(state.block_row)
 
     def _too_large_error(self, state: EngineRequest, num_tokens: int) -> str:
         mgr = self.kv_cache_manager
@@ -284,6 +313,7 @@ class Scheduler:
           already advanced when it returns.
         """
         mgr = self.kv_cache_manager
+        tables = self.block_tables
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -314,8 +344,12 @@ class Scheduler:
                                         self._too_large_error(state, num_computed + num_new))
                     finished.append(state)
                 break
-            scheduled.append(ScheduledRequest(
-                state, num_computed, num_new, [b.block_id for b in new_blocks]))
+            if new_blocks:
+                new_ids = [b.block_id for b in new_blocks]
+                tables.append(state.block_row, new_ids)
+            else:
+                new_ids = []
+            scheduled.append(ScheduledRequest(state, num_computed, num_new, new_ids))
             budget -= num_new
             i += 1
 
@@ -349,8 +383,10 @@ class Scheduler:
                     state.admitted = True
                     state.num_cached_tokens = num_hit
                     state.first_scheduled_time = time.perf_counter()
-                scheduled.append(ScheduledRequest(
-                    state, num_hit, num_new, [b.block_id for b in new_blocks], num_hit))
+                new_ids = [b.block_id for b in new_blocks]
+                state.block_row = tables.add_row(
+                    [b.block_id for b in hit_blocks] + new_ids if hit_blocks else new_ids)
+                scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
                 budget -= num_new
 
         # 3. Advance num_computed_tokens (the manager never does).
@@ -375,28 +411,32 @@ class Scheduler:
         """
         now = time.perf_counter()
         finished = []
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for s in output.scheduled:
             state = s.state
-            if state.status is not RequestStatus.RUNNING or not s.completes_sequence:
+            req = state.request
+            num_tokens = req.num_tokens
+            if (state.status is not running
+                    or s.num_computed_tokens + s.num_new_tokens != num_tokens):
                 continue  # mid-prefill chunk: its logits are not a next-token prediction
-            token = int(sampled_token_ids[state.request_id])
-            state.request.append_output_token_ids(token)
+            token = int(sampled_token_ids[req.request_id])
+            req.append_output_token_ids(token)
+            num_tokens += 1
             if state.first_token_time is None:
                 state.first_token_time = now
-            reason = self._check_stop(state, token)
-            if reason is not None:
-                self.finish_request(state, reason)
-                finished.append(state)
+            # NOTE: the order follows vLLM's check_stop: stop tokens, then length.
+            params = state.params
+            if token in params.stop_token_ids:
+                reason = FINISH_STOP
+            elif (num_tokens >= max_model_len
+                  or num_tokens - req.num_prompt_tokens >= params.max_tokens):
+                reason = FINISH_LENGTH
+            else:
+                continue
+            self.finish_request(state, reason)
+            finished.append(state)
         return finished
-
-    def _check_stop(self, state: EngineRequest, token: int) -> str | None:
-        # NOTE: the order follows vLLM's check_stop: stop tokens, then length.
-        if token in state.params.stop_token_ids:
-            return FINISH_STOP
-        if (state.request.num_tokens >= self.max_model_len
-                or state.num_output_tokens >= state.params.max_tokens):
-            return FINISH_LENGTH
-        return None
 
     def stats(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "num_steps": self.num_steps,

@@ -174,7 +174,24 @@ def test_memory_pressure_preemption_and_eviction_identical(config, engines):
     small = Engine(config, enable_caching=True, share_programs_with=engines[0],
                    **{**COMMON, "num_blocks": 14})
     small.record_logits = True
+    # Every step, the scheduler's incremental block tables equal the manager's, and the
+    # inputs prepared from them equal those prepared from get_block_ids.
+    prepare, checked = small.runner.prepare, []
+
+    def checking_prepare(scheduled, block_tables):
+        mgr = small.kv_cache_manager
+        for st in small.scheduler.running:
+            assert small.scheduler.block_ids(st.request_id) == mgr.get_block_ids(st.request_id)
+        got = prepare(scheduled, block_tables)
+        ref = prepare(scheduled, mgr.get_block_ids)
+        for a, b in zip(jax.tree.leaves(got.inputs), jax.tree.leaves(ref.inputs)):
+            np.testing.assert_array_equal(a, b)
+        checked.append(len(scheduled))
+        return got
+
+    small.runner.prepare = checking_prepare
     outs = small.generate(prompts, params)
+    assert len(checked) == small.metrics().num_steps
     m = small.metrics()
     assert m.num_preemptions > 0, m
     assert m.num_evictions > 0, m
@@ -204,6 +221,7 @@ def test_cached_1024_prefix_skips_prefill_and_shares_pages(config):
     assert counts == {"first": 1, "second": 32}  # only the uncached tokens
     assert sched.num_cached_tokens["second"] == 1024
     second_table = engine.kv_cache_manager.get_block_ids("second")
+    assert engine.scheduler.block_ids("second") == second_table  # hit blocks included
     # The first 64 pages are the very same blocks (shared, not copied)...
     assert second_table[:64] == first_table[:64]
     # ...and the only newly allocated ones are past the prefix.

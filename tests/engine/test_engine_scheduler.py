@@ -36,7 +36,26 @@ def run_step(sched, mgr):
                for s in out.scheduled if s.completes_sequence}
     finished = sched.update_from_output(out, sampled)
     mgr.check_invariants()
+    check_block_tables(sched, mgr)
     return out, finished
+
+
+def check_block_tables(sched, mgr):
+    # The scheduler's incremental int32 tables are exactly the manager's block tables;
+    # rows of requests that left are free (and padding).
+    tables = sched.block_tables
+    rows = set()
+    for st in sched.running:
+        assert st.block_row is not None and st.block_row not in rows
+        rows.add(st.block_row)
+        assert sched.block_ids(st.request_id) == mgr.get_block_ids(st.request_id)
+        assert (tables.table[st.block_row, tables.lengths[st.block_row]:]
+                == tables.pad_id).all()
+    for st in sched.waiting:
+        assert st.block_row is None
+    assert tables.num_rows_in_use == len(sched.running)
+    free = [r for r in range(tables.table.shape[0]) if r not in rows]
+    assert (tables.lengths[free] == 0).all() and (tables.table[free] == tables.pad_id).all()
 
 
 def test_chunked_prefill_budget_and_advance():
