@@ -557,13 +557,22 @@ class BlockHasher:
         """
         return self._digest(self.serialize(self.block_key(parent, token_ids, extra_keys)))
 
-    # -- one block, no extra keys (the decode path) ----------------------------------
-    def plain_block_tail(self, block_size: int) -> bytes:
-        """Memo tag of a ``block_size``-token block without extra keys.
+    # -- one block past the per-position keys (the decode path) ----------------------
+    def plain_block_tag(self, block_size: int, lora: Any = None) -> tuple | None:
+        """What `hash_plain_block` needs for blocks whose only extra key is the LoRA's.
 
-        The serialized bytes after its token items (the token tuple's close, then the
-        extra keys ``None`` and the key's close): the memo key suffix
-        `hash_token_blocks` uses for such blocks, so `hash_plain_block` shares its memo.
+        Such blocks (past every multimodal item, not the salted block 0) all carry the
+        same extra keys: ``(("lora", name, path),)``, or None without LoRA.
+
+        Args:
+          block_size: tokens per block, > 0.
+          lora: None, a LoRARequest (``.name``, ``.path``) or a (name, path) pair.
+
+        Returns:
+          An opaque tag ``(memo suffix, extra keys)`` -- the suffix is the serialized
+          bytes after the token items, the memo key part `hash_token_blocks` uses for
+          such blocks, so both share the memo -- or None when those extra keys cannot
+          be spliced (then only `hash_token_blocks` hashes such blocks).
 
         Raises:
           ValueError: block_size not an int > 0.
@@ -572,37 +581,42 @@ class BlockHasher:
             raise ValueError(f"block_size must be an int, got {block_size!r}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
-        return self._tail_plan(int(block_size), 1, None, (), None).suffixes[0]
+        plan = self._tail_plan(int(block_size), 1, lora, (), None)
+        if plan is None:
+            return None
+        return plan.suffixes[0], _extras_from_parts(_lora_pair(lora), (), None)
 
-    def hash_plain_block(
-        self, parent: bytes, block: array.array, tail: bytes
-    ) -> bytes:
-        """Digest of one block with no extra keys, from already-validated tokens.
+    def hash_plain_block(self, parent: bytes, block: array.array, tag: tuple) -> bytes:
+        """Digest of one block whose extra keys are at most the LoRA's, from
+        already-validated tokens.
 
         The decode hot path of `Request`: a block that just became full, past every
-        multimodal item, without LoRA and not the salted first block. Equal to
-        ``hash_block(parent, block, None)``; shares the memo of `hash_token_blocks`.
+        multimodal item and not the salted first block. Equal to ``hash_block(parent,
+        block, tag's extra keys)``; shares the memo of `hash_token_blocks`.
 
         NOTE: no validation here -- the caller guarantees ``block`` is an
         ``array('Q')`` (ids in [0, 2**64) by construction) holding exactly the block's
-        tokens, ``parent`` a digest of this hasher (or its root) and ``tail`` its
-        `plain_block_tail` for ``len(block)``; public callers use `hash_token_blocks`.
+        tokens, ``parent`` a digest of this hasher (or its root) and ``tag`` its
+        `plain_block_tag` for ``len(block)``; public callers use `hash_token_blocks`.
 
         Args:
           parent: digest of the previous block (``digest_size`` bytes).
           block: ``array('Q')`` of the block's token ids.
-          tail: ``plain_block_tail(len(block))``.
+          tag: ``plain_block_tag(len(block), lora)`` (not None).
 
         Returns:
           ``digest_size`` bytes.
         """
-        key = (parent + block.tobytes(), tail)
+        key = (parent + block.tobytes(), tag[0])
         memo = self._memo
         d = memo.get(key)
         if d is None:
-            # The spec itself: serialize (parent, tuple(ids), None) and hash it
-            # (cbor2's default encoding is the canonical one for these types).
-            if self._is_cbor:
+            # The spec itself: serialize (parent, tuple(ids), extra keys) and hash it.
+            extra = tag[1]
+            if extra is not None:
+                d = self._digest(self.serialize((parent, tuple(block), extra)))
+            elif self._is_cbor:
+                # cbor2's default encoding is the canonical one for these types.
                 d = self._digest(cbor2.dumps((parent, tuple(block), None)))
             elif self._digest is _sha256_digest:
                 d = hashlib.sha256(

@@ -190,7 +190,7 @@ class Request:
         "_block_size",
         "_block_hashes",
         "_plain_from",
-        "_plain_tail",
+        "_plain_tag",
         "_tokens_view",
         "_hashes_view",
     )
@@ -266,7 +266,7 @@ class Request:
         self._block_size: int | None = None
         self._block_hashes: list[bytes] = []
         self._plain_from = sys.maxsize  # see bind_hasher
-        self._plain_tail = b""
+        self._plain_tag: tuple | None = None
         self._tokens_view = ReadOnlyList(self._tokens)
         self._hashes_view = ReadOnlyList(self._block_hashes)
         if hasher is not None:
@@ -397,12 +397,13 @@ class Request:
                 f"{self._block_size}; cannot rebind to {hasher!r} with block size {block_size}"
             )
         # NOTE: the decode fast path (`block_hashes`): blocks from _plain_from on carry
-        # no extra keys -- past every multimodal item, not the salted block 0, no LoRA.
+        # at most the LoRA key -- past every multimodal item, not the salted block 0.
+        tag = hasher.plain_block_tag(block_size, self._lora)
         plain_from = sys.maxsize
-        if self._lora is None:
+        if tag is not None:
             mm_end = max((f.offset + f.length for f in self._mm_features), default=0)
             plain_from = max(-(-mm_end // block_size), 1 if self._cache_salt else 0)
-        self._plain_tail = hasher.plain_block_tail(block_size)
+        self._plain_tag = tag
         self._plain_from = plain_from
         self._hasher = hasher
         self._block_size = block_size
@@ -429,13 +430,13 @@ class Request:
         tokens = self._tokens
         if end <= len(tokens):
             if end + bs > len(tokens) and n >= self._plain_from:
-                # Decode: exactly one new full block, without extra keys; its tokens
-                # are already valid (array('Q')), so straight to serializer + digest.
+                # Decode: exactly one new full block, no per-position extra keys; its
+                # tokens are already valid (array('Q')): straight to serializer + digest.
                 hashes.append(
                     self._hasher.hash_plain_block(
                         hashes[-1] if n else self._hasher.root,
                         tokens[end - bs : end],
-                        self._plain_tail,
+                        self._plain_tag,
                     )
                 )
             else:

@@ -10,11 +10,17 @@ from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
 
 class CountingHasher(BlockHasher):
-    """Records (start_block, number of blocks hashed) of every hash_token_blocks call."""
+    """Records (start_block, number of blocks hashed) of every hash_token_blocks call,
+    and counts single blocks hashed by the decode fast path (hash_plain_block)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls = []
+        self.plain = 0
+
+    def hash_plain_block(self, parent, block, tag):
+        self.plain += 1
+        return super().hash_plain_block(parent, block, tag)
 
     def hash_token_blocks(self, token_ids, block_size, **kw):
         out = super().hash_token_blocks(token_ids, block_size, **kw)
@@ -152,13 +158,14 @@ def test_bind_hasher_rules():
 def test_decode_hashes_only_new_blocks(algo):
     h = CountingHasher(algo, seed=0)
     req = Request("r", list(range(37)), lora=LoRARequest("l", "/l"), cache_salt="s",
-                  mm_features=[MultiModalFeature("img", 3, 20)], hasher=h, block_size=8)
+                  mm_features=[MultiModalFeature("img", 3, 34)], hasher=h, block_size=8)
     assert len(req.block_hashes) == 4 and h.calls == [(0, 4)]
     for step in range(40):
         req.append_output_token_ids(1000 + step)
         _ = req.block_hashes
-    # Every new full block was hashed exactly once, never an earlier one.
-    assert [c for c in h.calls if c[1]] == [(0, 4), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)]
+    # Every new full block was hashed exactly once, never an earlier one: block 4 (it
+    # overlaps the image) by hash_token_blocks, blocks 5-8 by the decode fast path.
+    assert [c for c in h.calls if c[1]] == [(0, 4), (4, 1)] and h.plain == 4
     assert len(req.block_hashes) == 77 // 8
     all_ids = list(req.all_token_ids)
     assert list(req.block_hashes) == h.hash_token_blocks(
@@ -219,9 +226,9 @@ class PlainCountingHasher(BlockHasher):
         self.plain = 0
         self.written = 0
 
-    def hash_plain_block(self, parent, block, tail):
+    def hash_plain_block(self, parent, block, tag):
         self.plain += 1
-        return super().hash_plain_block(parent, block, tail)
+        return super().hash_plain_block(parent, block, tag)
 
     def _hash_blocks(self, packed, num_blocks, *args, **kwargs):
         self.written += num_blocks
@@ -256,15 +263,31 @@ def test_decode_fast_path_takes_plain_blocks_only_and_shares_the_memo(algo):
         plain_req.append_output_token_ids(t)
         _ = plain_req.block_hashes
     assert h.plain == 4 and list(plain_req.block_hashes) == spec_chain(algo, 0, tokens, bs)
-    assert h.hash_plain_block(h.root, plain_req._tokens[:4], h.plain_block_tail(4)) == (
+    assert h.hash_plain_block(h.root, plain_req._tokens[:4], h.plain_block_tag(4)) == (
         plain_req.block_hashes[0])
 
 
-def test_plain_block_tail_validation():
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_decode_fast_path_with_lora(algo):
+    bs = 4
+    lora = LoRARequest("adapter", "adapter")  # equal name and path: no pickle aliasing
+    h = PlainCountingHasher(algo, seed=0)
+    req = Request("r", list(range(1, 7)), lora=lora, cache_salt="s", hasher=h, block_size=bs)
+    for step in range(11):
+        req.append_output_token_ids(100 + step)
+        _ = req.block_hashes
+    assert (h.plain, h.written) == (3, 1)  # block 0 (salt) by the writers, 1-3 plain
+    tokens = list(req.all_token_ids)
+    assert list(req.block_hashes) == spec_chain(algo, 0, tokens, bs, lora=lora, salt="s")
+    again = h.hash_token_blocks(tokens, bs, lora=lora, cache_salt="s")
+    assert again == list(req.block_hashes) and h.written == 1  # all from the memo
+
+
+def test_plain_block_tag_validation():
     h = BlockHasher("sha256", seed=0)
     for bad in (0, -1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="block_size"):
-            h.plain_block_tail(bad)
+            h.plain_block_tag(bad)
 
 
 def test_num_preemptions_settable_and_validated():
