@@ -244,6 +244,10 @@ class MetadataBuilder:
         # 0, 1, 2, ... long enough for any row, token, or page index (`build_rows`).
         self._iota = np.arange(max(self.max_num_tokens, self.max_num_seqs,
                                    self.max_pages_per_seq) + 1, dtype=np.int64)
+        # NOTE: a decode-only step's distribution, cu_q_lens, logits_indices and num_seqs
+        # depend on its number of sequences only: built once per count, read-only and
+        # shared by the steps that return them (a memo, not per-step state).
+        self._decode_consts: dict[int, tuple[np.ndarray, ...]] = {}
         self._token_arr = np.asarray(self.token_buckets)
         self._seq_arr = np.asarray(self.seq_buckets)
         self._page_arr = np.asarray(self.page_buckets)
@@ -517,11 +521,13 @@ class MetadataBuilder:
         kv_lens = computed + q_lens
         pages_needed = (kv_lens + (bs - 1)) // bs
         num_tokens = int(q_lens.sum())
-        # NOTE: one combined check on the fast path; the slow path names the culprit.
-        if (num_tokens > self.max_num_tokens or tokens.shape[0] != num_tokens or bool((
-                (q_lens < 1) | (computed < 0) | (pages_needed > num_blk)
-                | (pages_needed > self.max_pages_per_seq) | (num_blk > W) | (rows < 0)
-                | (rows >= R)).any())):
+        max_pages = int(pages_needed.max())
+        # NOTE: reductions only (one numpy call per condition) on the fast path; the slow
+        # path names the culprit.
+        if (num_tokens > self.max_num_tokens or tokens.shape[0] != num_tokens
+                or max_pages > self.max_pages_per_seq or q_lens.min() < 1
+                or computed.min() < 0 or (num_blk - pages_needed).min() < 0
+                or num_blk.max() > W or rows.min() < 0 or rows.max() >= R):
             self._raise_rows_error(R, W, rows, num_blk, tokens, q_lens, computed, kv_lens,
                                    pages_needed, num_tokens)
         if tokens.min() < 0 or tokens.max() > _I32_MAX:
@@ -534,9 +540,11 @@ class MetadataBuilder:
             # NOTE: decode-only fast path (every q_len is 1): one group, caller order kept,
             # row i holds token i.
             order = None
-            distribution = np.full(3, n, np.int32)
+            consts = self._decode_consts.get(n)
+            if consts is None:
+                consts = self._decode_consts[n] = self._make_decode_consts(n)
+            distribution = consts[0]
             q_s, pages_s, comp_s, kv_s, rows_s = q_lens, pages_needed, computed, kv_lens, rows
-            cu_s = iota[: n + 1]
         else:
             group = (q_lens > 1) * (1 + (computed > 0))
             distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
@@ -551,7 +559,6 @@ class MetadataBuilder:
                     rows[order])
             cu_s = np.zeros(n + 1, np.int64)
             np.cumsum(q_s, out=cu_s[1:])
-        max_pages = int(pages_s.max())
         T = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
         S = self.seq_buckets[bisect.bisect_left(self.seq_buckets, n)]
         P = self.page_buckets[bisect.bisect_left(self.page_buckets, max_pages)]
@@ -596,23 +603,38 @@ class MetadataBuilder:
 
         kv_out = np.zeros(S, np.int32)
         kv_out[:n] = kv_s
-        cu_q_lens = np.full(S + 1, num_tokens, np.int32)
-        cu_q_lens[: n + 1] = cu_s
-        logits_indices = np.zeros(S, np.int32)
-        if order is None:
-            logits_indices[:n] = cu_s[1:] - 1
+        if num_tokens == n:
+            _, cu_q_lens, logits_indices, num_seqs = consts
         else:
-            logits_indices[order] = cu_s[1:] - 1
+            cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+            cu_q_lens[: n + 1] = cu_s
+            logits_indices = np.zeros(S, np.int32)
+            if order is None:
+                logits_indices[:n] = cu_s[1:] - 1
+            else:
+                logits_indices[order] = cu_s[1:] - 1
+            num_seqs = np.array([n], np.int32)
         metadata = AttentionMetadata(
             page_indices=page_indices,
             kv_lens=kv_out,
             cu_q_lens=cu_q_lens,
-            num_seqs=np.array([n], np.int32),
+            num_seqs=num_seqs,
             positions=positions,
             slot_mapping=slot_mapping,
             distribution=distribution,
         )
         return StepInputs(input_ids=input_ids, metadata=metadata, logits_indices=logits_indices)
+
+    def _make_decode_consts(self, n: int) -> tuple[np.ndarray, ...]:
+        """(distribution, cu_q_lens, logits_indices, num_seqs) of n one-token rows."""
+        S = self.seq_buckets[bisect.bisect_left(self.seq_buckets, n)]
+        iota = self._iota[: S + 1]
+        consts = (np.full(3, n, np.int32), np.minimum(iota, n).astype(np.int32),
+                  np.where(iota[:S] < n, iota[:S], 0).astype(np.int32),
+                  np.array([n], np.int32))
+        for a in consts:
+            a.flags.writeable = False
+        return consts
 
     def _raise_rows_error(self, R, W, rows, num_blk, tokens, q_lens, computed, kv_lens,
                           pages_needed, num_tokens):
