@@ -216,8 +216,11 @@ def replay(
             t_hash += t4 - t3
             output_appended += 1
             # ---- decode -----------------------------------------------------
-            # NOTE: three clock reads per step; each step's manager interval starts
-            # where the previous step's hashing interval ended.
+            # NOTE: two clock reads per step; each step's manager interval starts
+            # where the previous step's hashing interval ended. The scheduler's
+            # ``num_computed_tokens += 1`` of a step runs after its append, at the
+            # start of the next manager interval (conservative: on our manager clock;
+            # the append does not read it, so the order changes nothing).
             t0 = perf()
             for step in range(1, n_out):
                 new_blocks = allocate_slots(req, 1)
@@ -234,14 +237,13 @@ def replay(
                     if rec is not None:
                         rec["decode_truncated_at"] = step
                     break
-                req.num_computed_tokens += 1  # scheduler bookkeeping: on no clock
-                t1 = perf()
                 req.append_output_token_ids(out_tokens[step])
                 ntok += 1
                 if ntok % block_size == 0:
                     req.block_hashes
                 t0 = perf()
                 t_hash += t0 - t1
+                req.num_computed_tokens += 1  # scheduler bookkeeping
                 output_appended += 1
             t_loop += perf() - t_start
             if rec is not None:
