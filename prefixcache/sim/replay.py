@@ -84,8 +84,9 @@ def replay(
         loop incl. building requests and hashing; not reading the trace or computing
         the deterministic output tokens), ``hashing_s`` (request construction +
         appending tokens, i.e. prompt and incremental hashing), ``manager_s`` (the
-        manager calls); the rest of ``loop_s`` is the loop's own bookkeeping (window,
-        records, advancing ``num_computed_tokens``). Also ``requests_per_s`` and
+        manager calls, plus advancing ``num_computed_tokens`` after each decode
+        step); the rest of ``loop_s`` is the loop's own bookkeeping (window, records,
+        the prefill's ``num_computed_tokens``). Also ``requests_per_s`` and
         ``prompt_tokens_per_s`` over ``loop_s``.
 
     Raises:
