@@ -585,7 +585,7 @@ class BlockHasher:
         plan = self._tail_plan(int(block_size), 1, lora, (), None)
         if plan is None:
             return None
-        return plan.suffixes[0], _extras_from_parts(_lora_pair(lora), (), None)
+        return plan.suffixes[0], plan.extras[0]
 
     def hash_plain_block(self, parent: bytes, block: array.array, tag: tuple) -> bytes:
         """Digest of one block whose extra keys are at most the LoRA's, from
