@@ -565,14 +565,13 @@ class MetadataBuilder:
         pad_page = self.num_blocks
 
         # Page table: one gather of the sorted rows' first w cells (w >= every row's need),
-        # the cells past each row's need masked to padding. Live cells must be real block
-        # ids (a negative id reads as a huge uint32: one comparison checks both ends).
+        # the cells past each row's need zeroed (a valid id) so that one max checks the live
+        # ones (a negative id reads as a huge uint32), then masked to padding.
         w = min(P, W)
-        g = block_table[rows_s, :w]
         live = iota[:w] < pages_s[:, None]
-        bad = (g.view(np.uint32) >= self.num_blocks) & live
-        if bad.any():
-            r, k = (int(x[0]) for x in np.nonzero(bad))
+        g = np.where(live, block_table[rows_s, :w], 0)
+        if g.view(np.uint32).max() >= self.num_blocks:
+            r, k = (int(x[0]) for x in np.nonzero(g.view(np.uint32) >= self.num_blocks))
             i = r if order is None else int(order[r])
             raise ValueError(f"seqs[{i}]: block id {int(g[r, k])} out of range "
                              f"0..{self.num_blocks - 1}")
@@ -581,9 +580,11 @@ class MetadataBuilder:
 
         # Token rows in sorted order (as `build`): row r's i-th token sits at position
         # comp_s[r] + i and its K/V goes to cell (pos // bs) of the row's gathered table.
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.full(T, pad_page * bs, np.int32)
+        # NOTE: one allocation for the [T] arrays and kv_lens (views of one zeroed buffer).
+        buf = np.zeros(3 * T + S, np.int32)
+        input_ids, positions, slot_mapping, kv_out = (
+            buf[:T], buf[T:2 * T], buf[2 * T:3 * T], buf[3 * T:])
+        slot_mapping[num_tokens:] = pad_page * bs
         if num_tokens == n:
             pos = comp_s
             row_of_tok = iota[:n]
@@ -599,9 +600,9 @@ class MetadataBuilder:
             input_ids[:num_tokens] = tokens[src]
         positions[:num_tokens] = pos
         blk_col, offset = np.divmod(pos, bs)
-        slot_mapping[:num_tokens] = g[row_of_tok, blk_col] * bs + offset
-
-        kv_out = np.zeros(S, np.int32)
+        live_slots = slot_mapping[:num_tokens]
+        np.multiply(g[row_of_tok, blk_col], bs, out=live_slots)
+        live_slots += offset
         kv_out[:n] = kv_s
         if num_tokens == n:
             _, cu_q_lens, logits_indices, num_seqs = consts

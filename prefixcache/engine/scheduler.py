@@ -109,7 +109,7 @@ class EngineRequest:
         return self.request.num_tokens - self.request.num_prompt_tokens
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -320,23 +320,25 @@ class Scheduler:
         finished: list[EngineRequest] = []
 
         # 1. Running requests.
+        running = self.running
+        allocate = mgr.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            state = self.running[i]
+        while i < len(running) and budget > 0:
+            state = running[i]
             req = state.request
             num_computed = req.num_computed_tokens
-            num_new = min(req.num_tokens - num_computed, budget)
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
             assert num_new > 0, (state.request_id, req.num_tokens, num_computed)
-            new_blocks = None
-            while True:
-                new_blocks = mgr.allocate_slots(req, num_new)
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()
+            new_blocks = allocate(req, num_new)
+            while new_blocks is None:
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is state:
                     break
+                new_blocks = allocate(req, num_new)
             if new_blocks is None:
                 if not self.running:
                     # Nothing else holds a block: it can never fit.
