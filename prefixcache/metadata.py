@@ -12,7 +12,9 @@ a list of them into the int32 arrays of the index-array contract (`../shared/DES
     slot_mapping  i32[T]      page * block_size + offset where each new token's K/V goes
     distribution  i32[3]      cumulative group ends (decode, prefill, mixed), see below
 
-plus the step's `input_ids: i32[T]` and `logits_indices: i32[S]`.
+plus the step's `input_ids: i32[T]` and `logits_indices: i32[S]`. `build_rows` builds the
+same arrays from columns and one 2-D int32 block table (the engine's persistent-batch path:
+no per-sequence objects per step).
 
 Row order and `distribution` (the convention of the ragged paged attention v3 TPU kernel,
 "(i, j, k): sequences[0:i] are decode-only, sequences[i:j] are chunked-prefill-only and
