@@ -30,7 +30,8 @@ The hot path (`BlockHasher.hash_token_blocks`) has two writers of those bytes:
 
 Before either, a bounded per-hasher memo (parent digest, block tokens, serialized extra
 keys) -> digest skips every block this hasher has already hashed: requests that share a
-prefix (a system prompt, few-shot examples, an earlier turn) hash it once.
+prefix (a system prompt, few-shot examples, an earlier turn) hash it once. Runs of 8
+known blocks are also memoised whole, so a long shared prefix costs one lookup per run.
 
 Tests pin every message of both writers byte for byte to ``pickle.dumps`` /
 ``cbor2.dumps(canonical=True)`` of the key tuple, and the digests to vLLM's own.
@@ -99,9 +100,12 @@ _MIN_VECTOR_BLOCKS_PICKLE = 64
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
-# Bound of the per-hasher memo of block digests (cleared when full): 32 Ki blocks,
-# 512 Ki tokens of prefixes at block size 16, about 10 MiB.
+# Bound of the per-hasher memo of block digests (cleared when full): 32 Ki entries,
+# 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
+# per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
 _MEMO_SIZE = 1 << 15
+# Blocks per group entry of the memo (one lookup per run of this many known blocks).
+_MEMO_GROUP = 8
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
 # it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
@@ -697,37 +701,70 @@ class BlockHasher:
             plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
         n_hit = 0
         hits: list[bytes] = []
-        if plan is not None:
-            # Key: (parent + the block's token bytes, its suffix), a tuple so that keys
-            # of different block sizes can never collide.
-            chunks = [packed[j : j + width] for j in range(0, num_blocks * width, width)]
-            if plan.id_of:
-                suffixes, id_of = plan.suffixes, plan.id_of
-                tails = [suffixes[id_of.get(i, 0)] for i in range(num_blocks)]
-            else:
-                tails = [plan.suffixes[0]] * num_blocks
-            get = memo.get
-            for chunk, tail in zip(chunks, tails):
-                d = get((parent + chunk, tail))
-                if d is None:
-                    break
-                hits.append(d)
-                parent = d
-            n_hit = len(hits)
-            if n_hit == num_blocks:
-                return hits
-        rest = self._hash_blocks(
-            packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
-            start_block + n_hit, parent, lora, mm_features, cache_salt,
-            plan if n_hit == 0 else None,
-        )
-        if plan is not None:
-            if len(memo) + len(rest) > _MEMO_SIZE:
-                memo.clear()
-            for d, chunk, tail in zip(rest, chunks[n_hit:], tails[n_hit:]):
-                memo[parent + chunk, tail] = d
-                parent = d
-        return hits + rest
+        if plan is None:
+            return self._hash_blocks(
+                packed[: num_blocks * width], num_blocks, block_size, start_block,
+                parent, lora, mm_features, cache_salt,
+            )
+        # Block keys: (parent + the block's token bytes, its suffix). Group keys, for
+        # runs of _MEMO_GROUP blocks aligned to start_block: (parent, the run's token
+        # bytes, its suffix(es)) -> the run's digests; one lookup per run makes long
+        # shared prefixes cheap. Tuples of different lengths never collide, and a
+        # run's byte length fixes the block size.
+        get = memo.get
+        suffix0 = plan.suffixes[0]
+        tails = None
+        if plan.id_of:
+            suffixes, id_of = plan.suffixes, plan.id_of
+            tails = [suffixes[id_of.get(i, 0)] for i in range(num_blocks)]
+        group = _MEMO_GROUP
+        gw = group * width
+        n_groups = num_blocks // group
+        parent0 = parent
+        g = 0
+        while g < n_groups:
+            lo = g * group
+            run = get((
+                parent, packed[lo * width : lo * width + gw],
+                tuple(tails[lo : lo + group]) if tails else suffix0,
+            ))
+            if run is None:
+                break
+            hits.extend(run)
+            parent = run[-1]
+            g += 1
+        first = g * group
+        chunks = [packed[j : j + width] for j in range(first * width, num_blocks * width, width)]
+        btails = tails[first:] if tails else [suffix0] * len(chunks)
+        for chunk, tail in zip(chunks, btails):
+            d = get((parent + chunk, tail))
+            if d is None:
+                break
+            hits.append(d)
+            parent = d
+        n_hit = len(hits)
+        rest: list[bytes] = []
+        if n_hit < num_blocks:
+            rest = self._hash_blocks(
+                packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
+                start_block + n_hit, parent, lora, mm_features, cache_salt,
+                plan if n_hit == 0 else None,
+            )
+        if len(memo) + len(rest) + n_groups - g > _MEMO_SIZE:
+            memo.clear()
+        k = n_hit - first
+        for d, chunk, tail in zip(rest, chunks[k:], btails[k:]):
+            memo[parent + chunk, tail] = d
+            parent = d
+        out = hits + rest if rest else hits
+        for gg in range(g, n_groups):
+            lo = gg * group
+            memo[
+                out[lo - 1] if lo else parent0,
+                packed[lo * width : lo * width + gw],
+                tuple(tails[lo : lo + group]) if tails else suffix0,
+            ] = tuple(out[lo : lo + group])
+        return out
 
     def _hash_blocks(
         self, packed, num_blocks, block_size, start_block, parent,

@@ -613,3 +613,54 @@ def test_token_container_types_agree(algo, path):
         h.hash_token_blocks(array.array("i", [1, 2, -3, 4]), 2)
     with pytest.raises(ValueError, match="integers"):
         h.hash_token_blocks(array.array("d", [1.0, 2.0]), 2)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("extras", [False, True])
+def test_memo_groups_of_blocks(algo, extras, path):
+    """Runs of known blocks come back whole from the memo, with the spec's digests,
+    whatever mix of group and block entries the memo holds."""
+    h = BlockHasher(algo, seed=3)
+    rng = np.random.default_rng(2)
+    bs = 4
+    a = rng.integers(0, 100_000, size=40 * bs + 3).tolist()  # 40 blocks: 5 groups
+    b = a[: 20 * bs] + rng.integers(0, 100_000, size=20 * bs).tolist()
+    kw = dict(lora=("l", "/l"), mm_features=[("img", 30, 45)], cache_salt="s") if extras else {}
+    want_a, want_b = _chain_reference(h, a, bs, **kw), _chain_reference(h, b, bs, **kw)
+    got, msgs = _messages(h, a, bs, **kw)
+    assert got == want_a and len(msgs) == 40
+    got, msgs = _messages(h, a, bs, **kw)
+    assert got == want_a and msgs == []
+    # The group entries alone (white box: block entries are 2-tuples) give all 40.
+    saved = dict(h._memo)
+    for key in [k for k in h._memo if len(k) == 2]:
+        del h._memo[key]
+    got, msgs = _messages(h, a, bs, **kw)
+    assert got == want_a and msgs == []
+    h._memo.update(saved)
+    # b shares 20 blocks: two groups, then four single blocks, then 20 new ones.
+    got, msgs = _messages(h, b, bs, **kw)
+    assert got == want_b and len(msgs) == 20
+    got, msgs = _messages(h, b, bs, **kw)
+    assert got == want_b and msgs == []
+    # From the middle (groups aligned to another start): block entries, then its own.
+    for _ in range(2):
+        got, msgs = _messages(h, a, bs, parent=want_a[9], start_block=10, **kw)
+        assert got == want_a[10:] and msgs == []
+    # Another block size over the same bytes never hits.
+    got, msgs = _messages(h, a, 2 * bs, **kw)
+    assert got == _chain_reference(h, a, 2 * bs, **kw) and len(msgs) == 20
+    # Blocks known only one by one (the decode path) are found and then grouped.
+    h.clear_caches()
+    req = Request("r", a[:bs], hasher=h, block_size=bs, **(dict(
+        lora=LoRARequest("l", "/l"), mm_features=[MultiModalFeature("img", 1, 2)],
+        cache_salt="s") if extras else {}))
+    for t in a[bs:]:
+        req.append_output_token_ids(t)
+        _ = req.block_hashes
+    kw_r = dict(kw, mm_features=[("img", 1, 2)]) if extras else kw
+    want_r = _chain_reference(h, a, bs, **kw_r)
+    assert list(req.block_hashes) == want_r
+    for _ in range(2):
+        got, msgs = _messages(h, a, bs, **kw_r)
+        assert got == want_r and msgs == []
