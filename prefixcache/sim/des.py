@@ -255,6 +255,9 @@ def simulate(
                 manager.free(victim.req)
                 victim.req.num_computed_tokens = 0
                 victim.num_preemptions += 1
+                # The core request too: the manager files its re-admission lookup
+                # under the preempted prefix-cache stats.
+                victim.req.num_preemptions += 1
                 counts["preemptions"] += 1
                 waiting.appendleft(victim)
                 preempted = True
