@@ -63,6 +63,28 @@ _NUM_COMPUTED = operator.itemgetter(1)
 _TOKEN_IDS = operator.itemgetter(2)
 
 
+def _order_rows(q_lens: np.ndarray, computed: np.ndarray, columns: tuple):
+    """Row order: decode (q_len 1), prefill (no prior KV), mixed (prior KV); stable.
+
+    Args:
+      q_lens: int[n] scheduled tokens per caller sequence.
+      computed: int[n] tokens with KV before the step.
+      columns: int[n] per-sequence columns to put in row order.
+
+    Returns:
+      ``(order, distribution, sorted_columns)``: ``order`` int[n] with sorted row
+      ``r <- seqs[order[r]]``, or None when the caller order already is the row order;
+      ``distribution`` i32[3] cumulative group ends; ``columns`` in row order.
+    """
+    group = (q_lens > 1) * (1 + (computed > 0))
+    distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
+    # NOTE: fast path: a caller that already lists decodes first (vLLM's running-first
+    # order; any all-decode step) skips the permutation gathers.
+    if bool((group[1:] >= group[:-1]).all()):
+        return None, distribution, columns
+    order = np.argsort(group, kind="stable")
+    return order, distribution, tuple(c[order] for c in columns)
+
 class ScheduledSeq(NamedTuple):
     """One sequence scheduled in a step (host side).
 
@@ -378,23 +400,11 @@ class MetadataBuilder:
             i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
             raise ValueError(f"seqs[{i}]: token id {int(flat_tokens[j])} is not a valid int32 id")
 
-        # Row order: decode (q_len == 1), prefill (no prior KV), mixed (prior KV); stable.
-        group = (q_lens > 1) * (1 + (computed > 0))
-        distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
         blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start
         np.cumsum(num_blk[:-1], out=blk_start[1:])
-        # NOTE: fast paths: a caller that already lists decodes first (vLLM's running-first
-        # order; any all-decode step) skips the permutation gathers.
-        identity = bool((group[1:] >= group[:-1]).all())
-        if identity:
-            order = None
-            q_s, pages_s, comp_s, kv_s, blk_start_s = (q_lens, pages_needed, computed,
-                                                       kv_lens, blk_start)
-        else:
-            order = np.argsort(group, kind="stable")  # sorted row r <- seqs[order[r]]
-            q_s, pages_s, comp_s, kv_s, blk_start_s = (
-                q_lens[order], pages_needed[order], computed[order], kv_lens[order],
-                blk_start[order])
+        order, distribution, (q_s, pages_s, comp_s, kv_s, blk_start_s) = _order_rows(
+            q_lens, computed, (q_lens, pages_needed, computed, kv_lens, blk_start))
+        identity = order is None
         cu_s = np.zeros(n + 1, np.int64)
         np.cumsum(q_s, out=cu_s[1:])
         T, S, P = self.bucket_shape(num_tokens, n, int(pages_s.max()))
@@ -548,17 +558,8 @@ class MetadataBuilder:
             distribution = consts[0]
             q_s, pages_s, comp_s, kv_s, rows_s = q_lens, pages_needed, computed, kv_lens, rows
         else:
-            group = (q_lens > 1) * (1 + (computed > 0))
-            distribution = np.cumsum(np.bincount(group, minlength=3)).astype(np.int32)
-            if bool((group[1:] >= group[:-1]).all()):
-                order = None
-                q_s, pages_s, comp_s, kv_s, rows_s = (q_lens, pages_needed, computed,
-                                                      kv_lens, rows)
-            else:
-                order = np.argsort(group, kind="stable")  # sorted row r <- seqs[order[r]]
-                q_s, pages_s, comp_s, kv_s, rows_s = (
-                    q_lens[order], pages_needed[order], computed[order], kv_lens[order],
-                    rows[order])
+            order, distribution, (q_s, pages_s, comp_s, kv_s, rows_s) = _order_rows(
+                q_lens, computed, (q_lens, pages_needed, computed, kv_lens, rows))
             cu_s = np.zeros(n + 1, np.int64)
             np.cumsum(q_s, out=cu_s[1:])
         T = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
