@@ -164,7 +164,7 @@ def prepare_workdir(path: str | os.PathLike) -> pathlib.Path:
       ValueError: ``path`` is empty or exists and is not a directory.
     """
     if not str(path):
-        raise ValueError("workdir must be a non-empty path")
+        raise ValueError("a workdir is needed (--workdir or config.workdir)")
     p = pathlib.Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise ValueError(f"workdir {str(p)!r} exists and is not a directory")

@@ -23,8 +23,6 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.model import ModelConfig  # noqa: PLC0415
 
     del progress
-    if not config.workdir:
-        raise ValueError("--workdir (config.workdir) is required")
     workdir = _common.prepare_workdir(config.workdir)
     mc = ModelConfig.tiny()
     common = dict(block_size=config.block_size, seed=config.seed,

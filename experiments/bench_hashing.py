@@ -147,8 +147,6 @@ def run(config, *, progress: bool = False) -> dict:
     """Runs the benchmark; writes results.jsonl and bench_hashing.png into config.workdir."""
     from prefixcache.sim.trace import write_trace  # noqa: PLC0415
 
-    if not config.workdir:
-        raise ValueError("a workdir is needed (--workdir or config.workdir)")
     workdir = _common.prepare_workdir(config.workdir)
     requests = list(_common.requests_from_config(config, workdir))
     rows = bench(requests, algos=list(config.algos), block_size=config.block_size,

@@ -218,8 +218,6 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
 
 def run(config, *, progress: bool = False) -> dict:
     """Runs both parts; writes results.jsonl and latency_by_prefix.png into config.workdir."""
-    if not config.workdir:
-        raise ValueError("a workdir is needed (--workdir or config.workdir)")
     workdir = _common.prepare_workdir(config.workdir)
     rows = simulate_latency(lambda: _common.requests_from_config(config, workdir), config,
                             progress=progress)

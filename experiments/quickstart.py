@@ -24,8 +24,6 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.model import ModelConfig
 
     t_start = time.perf_counter()
-    if not config.workdir:
-        raise ValueError("--workdir (config.workdir) is required")
     workdir = _common.prepare_workdir(config.workdir)
     model_config = ModelConfig.tiny()
     engine = Engine(model_config, num_blocks=config.num_blocks, block_size=config.block_size,

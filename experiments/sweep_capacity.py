@@ -106,8 +106,6 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
 
 def run(config, *, progress: bool = False) -> dict:
     """Runs the sweep of ``config``; writes results.jsonl + the plot into config.workdir."""
-    if not config.workdir:
-        raise ValueError("a workdir is needed (--workdir or config.workdir)")
     workdir = _common.prepare_workdir(config.workdir)
     requests = list(_common.requests_from_config(config, workdir))
     rows = sweep(requests, capacities=list(config.capacities), block_size=config.block_size,
