@@ -38,7 +38,8 @@ import json
 import os
 import sys
 
-# The cases, shared verbatim with the test (keep in sync): token ids at every encoding
+# The cases (tests/core/test_core_hashing.py imports them; its pinned digests are this
+# script's output for them): token ids at every encoding
 # width boundary of CBOR and pickle; extra keys with LoRA, two images in one block
 # (pickle back-references the second "mm" label), an image spanning blocks (negative
 # relative offset) and a salt.

@@ -25,30 +25,12 @@ from prefixcache.core.hashing import (
     block_extra_keys,
     canonical_extra_keys,
 )
+from experiments.hash_parity_vllm import BOUNDARY_TOKENS, CASES
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
 SEED = 1234
-BOUNDARY_TOKENS = [
-    0, 1, 23, 24, 255, 256, 65535, 65536,
-    2**31 - 1, 2**31, 2**32 - 1, 2**32, 7, 8, 9, 10, 11,
-]
-CASES = {
-    "boundaries_bs4": dict(tokens=BOUNDARY_TOKENS, block_size=4),
-    "extras_bs4": dict(
-        tokens=list(range(100, 124)),
-        block_size=4,
-        lora=("lora-a", "/adapters/lora-a"),
-        mm=[("img-A", 2, 5), ("img-B", 7, 6)],
-        cache_salt="salt-1",
-        output=[5, 6, 7, 8, 9],
-    ),
-    "salt_only_bs16": dict(
-        tokens=[(i * 7919) % 50000 for i in range(40)],
-        block_size=16,
-        cache_salt="tenant-7",
-        output=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-    ),
-}
+# Digests computed by vLLM 0.33's own code on BOUNDARY_TOKENS / CASES (defined once, in
+# experiments/hash_parity_vllm.py, which recomputes these under the peer venv).
 VLLM_VECTORS = {
     "sha256": {
         "root": "8a7c43e934778270f0241e4efb933334518a7ad06e0070742b3f802652a2e249",
