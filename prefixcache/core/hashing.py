@@ -748,7 +748,7 @@ class BlockHasher:
             rest = self._hash_blocks(
                 packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
                 start_block + n_hit, parent, lora, mm_features, cache_salt,
-                plan if n_hit == 0 else None,
+                plan, n_hit,
             )
         if len(memo) + len(rest) + n_groups - g > _MEMO_SIZE:
             memo.clear()
@@ -768,10 +768,13 @@ class BlockHasher:
 
     def _hash_blocks(
         self, packed, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt, plan=None,
+        lora, mm_features, cache_salt, plan=None, plan_offset=0,
     ) -> list[bytes]:
         """Digests of ``num_blocks`` full blocks given as native u64 bytes: picks the
-        writer. ``plan``: the `_TailPlan` for ``start_block`` if already at hand."""
+        writer. ``plan``: the `_TailPlan` for block ``start_block - plan_offset`` if
+        already at hand (block ``start_block + i`` takes the plan's block
+        ``plan_offset + i``), so a request hashed after a run of memo hits reuses its
+        plan instead of planning from the first missing block."""
         n = num_blocks * block_size
         if num_blocks >= (
             _MIN_VECTOR_BLOCKS_CBOR if self._is_cbor else _MIN_VECTOR_BLOCKS_PICKLE
@@ -793,7 +796,8 @@ class BlockHasher:
                     start_block += 1
                 fast = self._hash_blocks_vectorised(
                     u32, num_blocks, block_size, start_block,
-                    parent, lora, mm_features, cache_salt, None if out else plan,
+                    parent, lora, mm_features, cache_salt,
+                    None if out else plan, plan_offset,
                 ) if num_blocks else []
                 if fast is not None:
                     return out + fast
@@ -805,7 +809,7 @@ class BlockHasher:
         ids = struct.unpack(f"={n}Q", packed[: 8 * n])
         return self._hash_blocks_small(
             ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt,
-            plan,
+            plan, plan_offset,
         )
 
     def _hash_blocks_generic(
@@ -851,7 +855,7 @@ class BlockHasher:
 
     def _hash_blocks_small(
         self, ids, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt, plan=None,
+        lora, mm_features, cache_salt, plan=None, plan_offset=0,
     ) -> list[bytes]:
         """Block by block (decode, short prompts): the serializer's C code per block.
 
@@ -890,8 +894,9 @@ class BlockHasher:
                     )
                     out.append(parent)
             return out
+        off = plan_offset
         if plan is None:
-            plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+            plan, off = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt), 0
         if plan is None:
             return self._hash_blocks_generic(
                 ids, num_blocks, block_size, start_block, parent,
@@ -908,7 +913,7 @@ class BlockHasher:
             if digest is _sha256_digest:
                 sha256 = hashlib.sha256
                 for i in range(num_blocks):
-                    extra = extras[id_of.get(i, 0)] if id_of else extras[0]
+                    extra = extras[id_of.get(off + i, 0)] if id_of else extras[0]
                     parent = sha256(dumps(
                         (parent, ids[i * block_size : (i + 1) * block_size], extra),
                         _PICKLE_PROTOCOL,
@@ -916,7 +921,7 @@ class BlockHasher:
                     out.append(parent)
             else:
                 for i in range(num_blocks):
-                    extra = extras[id_of.get(i, 0)] if id_of else extras[0]
+                    extra = extras[id_of.get(off + i, 0)] if id_of else extras[0]
                     parent = digest(dumps(
                         (parent, ids[i * block_size : (i + 1) * block_size], extra),
                         _PICKLE_PROTOCOL,
@@ -928,7 +933,7 @@ class BlockHasher:
         cbor_head = b"\x83" + _cbor_head(2, ds)
         for i in range(num_blocks):
             toks = ids[i * block_size : (i + 1) * block_size]
-            suffix = suffixes[id_of.get(i, 0)] if id_of else suffixes[0]
+            suffix = suffixes[id_of.get(off + i, 0)] if id_of else suffixes[0]
             # The token array encodes the same alone as inside the key.
             msg = b"".join((
                 cbor_head if len(parent) == ds else b"\x83" + _cbor_head(2, len(parent)),
@@ -1036,16 +1041,18 @@ class BlockHasher:
 
     def _hash_blocks_vectorised(
         self, u32, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt, plan=None,
+        lora, mm_features, cache_salt, plan=None, plan_offset=0,
     ) -> list[bytes] | None:
-        """All full blocks at once; None when only the generic path can write them."""
+        """All full blocks at once; None when only the generic path can write them.
+        ``plan``, ``plan_offset``: as in `_hash_blocks`."""
         if not self._is_cbor and u32.size and u32.max() >= 2**31:
             return None  # LONG1 opcodes: generic path
         if plan is None:
             plan = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt)
+            plan_offset = 0
         if plan is None:
             return None
-        buf, ends = self._write_keys(u32, num_blocks, block_size, plan.tables())
+        buf, ends = self._write_keys(u32, num_blocks, block_size, plan.tables(), plan_offset)
         if buf is None:
             return None
         hole = plan.hole
@@ -1075,12 +1082,13 @@ class BlockHasher:
                 a = b
         return out
 
-    def _write_keys(self, u32, nb, bs, plan):
+    def _write_keys(self, u32, nb, bs, plan, off=0):
         """Serialized keys of ``nb`` blocks, back to back, parent holes zero.
 
         Args:
           u32: u32[nb * bs] token ids (< 2**31 for pickle).
-          plan: the blocks' `_TailPlan` (head, suffixes).
+          plan: the blocks' `_TailPlan` (head, suffixes); block i takes the plan's
+            block ``off + i``.
 
         Returns:
           (buf, ends): a bytearray and the end offset of each block's message (list of
@@ -1106,9 +1114,14 @@ class BlockHasher:
         ends = tok_len.cumsum()[bs - 1 :: bs]
         ends += plan.fixed_len * (_ONE_TO[:nb] if nb < _ONE_TO.shape[0] else np.arange(1, nb + 1))
         adjust = None
-        if plan.positions is not None:
-            sel = plan.positions < nb
-            blocks, ids = plan.positions[sel], plan.ids[sel]
+        if plan.positions is not None and plan.positions[-1] >= off:
+            pos = plan.positions
+            if off:
+                sel = (pos >= off) & (pos < off + nb)
+                blocks, ids = pos[sel] - off, plan.ids[sel]
+            else:
+                sel = pos < nb
+                blocks, ids = pos[sel], plan.ids[sel]
             rows[blocks, p + bs :] = plan.suffix_rows[ids]
             mask[blocks, p + bs :] = plan.suffix_mask[ids]
             adjust = np.zeros(nb, dtype=np.int64)

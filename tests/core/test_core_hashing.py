@@ -571,6 +571,30 @@ def test_memo_skips_seen_blocks_and_keeps_digests(algo, path, monkeypatch):
     assert got == want_a and len(msgs) == 6
 
 
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("diverge", [3, 9, 10, 16])
+def test_memo_hits_then_misses_inside_multimodal_items(algo, diverge, path):
+    """A request that leaves a memoised prefix in the middle of its images: the blocks
+    after the divergence still carry the right image keys (the plan of the request is
+    reused from the first missing block on)."""
+    h = BlockHasher(algo, seed=4)
+    rng = np.random.default_rng(3)
+    bs = 4
+    a = rng.integers(0, 100_000, size=30 * bs).tolist()
+    c = a[: diverge * bs] + rng.integers(0, 100_000, size=(30 - diverge) * bs).tolist()
+    kw = dict(lora=("l", "/l"), cache_salt="s",
+              mm_features=[("img", 5, 20), ("img2", 30, 31), ("img", 70, 8)])
+    want_c = _chain_reference(h, c, bs, **kw)
+    assert h.hash_token_blocks(a, bs, **kw) == _chain_reference(h, a, bs, **kw)
+    got, msgs = _messages(h, c, bs, **kw)
+    assert got == want_c and len(msgs) == 30 - diverge
+    # And from a later start, with the prefix known.
+    h.clear_caches()
+    h.hash_token_blocks(c[: 14 * bs], bs, **kw)
+    got, msgs = _messages(h, c, bs, **kw)
+    assert got == want_c and len(msgs) == 16
+
+
 @pytest.mark.parametrize("algo", ["sha256", "xxhash_cbor"])
 def test_token_container_types_agree(algo, path):
     import array
