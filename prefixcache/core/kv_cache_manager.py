@@ -40,14 +40,19 @@ class _RequestState:
         request: the request object.
         blocks: its block table (append-only while it runs).
         num_cached_blocks: leading blocks of ``blocks`` already in the hash map.
+        idle_until: the decode fast path's bound: while the request's sequence
+            (computed + new tokens) stays <= this, a step needs no new block, fills
+            no block to cache and stays within max_model_len -- nothing to do. Set
+            after every allocation (-1: unknown, take the full path).
     """
 
-    __slots__ = ("request", "blocks", "num_cached_blocks")
+    __slots__ = ("request", "blocks", "num_cached_blocks", "idle_until")
 
     def __init__(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int):
         self.request = request
         self.blocks = blocks
         self.num_cached_blocks = num_cached_blocks
+        self.idle_until = -1
 
 
 class KVCacheManager:
@@ -227,6 +232,8 @@ class KVCacheManager:
             )
         # Fast path: a running request (a decode step or a later prefill chunk).
         total = request.num_computed_tokens + num_new_tokens
+        if total <= st.idle_until:
+            return []  # most decode steps: the last block has room, nothing fills
         if total > self._max_len:
             raise ValueError(
                 f"request {request.request_id!r} needs {total} tokens, beyond "
@@ -257,7 +264,21 @@ class KVCacheManager:
                     request, blocks, hashes, st.num_cached_blocks, num_full, bs
                 )
                 st.num_cached_blocks = num_full
+        self._set_idle_until(st)
         return new_blocks
+
+    def _set_idle_until(self, st: _RequestState) -> None:
+        """Recompute ``st.idle_until`` after its blocks or cached blocks changed."""
+        bs = self.block_size
+        limit = len(st.blocks) * bs
+        if self._max_len < limit:
+            limit = self._max_len
+        if self.enable_caching:
+            # One more token than this fills the next uncached block: cache it.
+            full = (st.num_cached_blocks + 1) * bs - 1
+            if full < limit:
+                limit = full
+        st.idle_until = limit
 
 
     @staticmethod
@@ -343,6 +364,7 @@ class KVCacheManager:
                     request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
                 )
                 st.num_cached_blocks = num_full
+        self._set_idle_until(st)
         return new_blocks
 
     def free(self, request) -> None:
@@ -463,6 +485,13 @@ class KVCacheManager:
             if len(set(map(id, blocks))) != len(blocks):
                 raise InvariantError(
                     f"request {rid!r} holds a block twice: {[b.block_id for b in blocks]}"
+                )
+            idle = st.idle_until
+            self._set_idle_until(st)
+            if idle != st.idle_until:
+                raise InvariantError(
+                    f"request {rid!r}: decode fast-path bound {idle} != {st.idle_until} "
+                    f"for {len(blocks)} blocks, {st.num_cached_blocks} cached"
                 )
             hashes = req.block_hashes if self.enable_caching else ()
             for i, b in enumerate(blocks):
