@@ -17,7 +17,9 @@ pool has ``num_blocks`` blocks including its null block; ours ``num_blocks - 1``
 vLLM's ``unhashed_first`` free order, so hits and block ids must agree request by
 request (checked: ``records_identical``). The speed ratio is the median over rounds of
 ``vllm loop_s / our loop_s``; both loops include request construction and hashing,
-neither includes reading the trace or computing the deterministic output tokens.
+neither includes reading the trace or computing the deterministic output tokens. Both
+sides are timed warm: ``--warmup`` untimed replays run first in our process and at the
+start of every peer process.
 
 Last stdout line: one JSON summary.
 """
@@ -48,7 +50,10 @@ _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 8, "Requests holding blocks at once.")
 _SEED = flags.DEFINE_integer("seed", 0, "make_traces.py seed.")
 _REPEAT = flags.DEFINE_integer("repeat", 3, "Timed rounds (medians reported).")
-_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed rounds of ours first.")
+_WARMUP = flags.DEFINE_integer(
+    "warmup", 1,
+    "Untimed replays before timing, for both sides: ours at the start (one process for "
+    "all rounds), the peer at the start of each of its rounds (a fresh process each).")
 _FREE_ORDER = flags.DEFINE_enum(
     "free_order", "unhashed_first", ["append", "unhashed_first"],
     "Our free order (vLLM's is unhashed_first; parity needs it).")
@@ -97,6 +102,10 @@ def run_vllm(path: str, algo: str, out: str | None) -> dict:
         "--trace", path, "--num-blocks", str(_NUM_BLOCKS.value),
         "--block-size", str(_BLOCK_SIZE.value), "--hash-algo", algo,
         "--concurrency", str(_CONCURRENCY.value), "--repeat", "1",
+        # NOTE: each round is a fresh interpreter; without a warm-up its one timed
+        # replay would be a cold one (first-touch allocations, cold caches: measured
+        # ~20% slower) against our warm rounds.
+        "--warmup", str(_WARMUP.value),
     ]
     if out:
         cmd += ["--out", out]
