@@ -77,7 +77,11 @@ class KVCacheManager:
         free_order: ``"append"`` (the seed's: freed blocks to the tail, in reverse
             block order) or ``"unhashed_first"`` (vLLM 0.33: never-cached freed
             blocks to the head).
-        log_stats: collect ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+        log_stats: collect ``PrefixCacheStats`` for ``make_prefix_cache_stats``: one
+            record per admitted request (its tokens and prefix-hit tokens, at the
+            ``allocate_slots`` that gives it its first blocks), as vLLM 0.33 records
+            at admission; lookups that did not lead to an admission are not counted
+            (``counters()`` counts every lookup).
         enable_events: queue KV cache events for ``take_events``.
         max_model_len: longest allowed sequence (tokens); ``None`` for no limit.
         int_event_hashes: events carry block hashes as vLLM publishes them by
@@ -176,10 +180,9 @@ class KVCacheManager:
         self.num_lookups += 1
         self.num_lookup_tokens += num_tokens
         self.num_hit_tokens += num_hit
-        if self.log_stats:
-            self.prefix_cache_stats.record(
-                num_tokens, num_hit, request.num_preemptions > 0
-            )
+        # NOTE: the prefix-cache stats record admissions, not lookups (see
+        # allocate_slots), as vLLM 0.33's scheduler does: a request whose lookup is
+        # retried because it did not fit yet counts once.
         return computed, num_hit
 
     def allocate_slots(
@@ -353,6 +356,11 @@ class KVCacheManager:
             pool.touch(computed)
             st = _RequestState(request, computed, len(computed))
             self._states[rid] = st
+            if self.log_stats and self.enable_caching:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens,
+                    request.num_preemptions > 0,
+                )
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         if self.enable_caching:

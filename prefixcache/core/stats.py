@@ -1,8 +1,10 @@
 """Prefix-cache statistics (vLLM's ``PrefixCacheStats``) and cumulative counters.
 
 ``PrefixCacheStats`` is the per-interval record vLLM's ``make_prefix_cache_stats()``
-returns and resets: lookups (``requests``), tokens queried (``queries``) and tokens
-hit (``hits``), with previously preempted requests counted apart. All counts are in
+returns and resets: admitted requests (``requests``; one record per admission, at the
+allocation that gives a request its first blocks, as vLLM 0.33's scheduler records),
+their tokens (``queries``) and prefix-hit tokens (``hits``), with previously preempted
+requests counted apart. All counts are in
 tokens except ``requests``; the token hit rate is ``hits / queries``.
 """
 
@@ -17,9 +19,9 @@ class PrefixCacheStats:
 
     Attributes:
         reset: whether ``reset_prefix_cache()`` succeeded in this interval.
-        requests: lookups of requests that were never preempted.
-        queries: tokens those lookups covered (``request.num_tokens`` each).
-        hits: tokens found in the cache by those lookups.
+        requests: admissions of requests that were never preempted.
+        queries: tokens those requests had at admission (``request.num_tokens``).
+        hits: their prefix-hit tokens (adopted cached blocks x block size).
         preempted_requests / preempted_queries / preempted_hits: the same for
             requests with ``num_preemptions > 0`` (recomputation after preemption).
     """
@@ -33,7 +35,7 @@ class PrefixCacheStats:
     preempted_hits: int = 0
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        """Add one lookup of ``num_tokens`` tokens that hit ``num_hits``."""
+        """Add one admission of ``num_tokens`` tokens that hit ``num_hits``."""
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
@@ -45,5 +47,5 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Token hit rate of the non-preempted lookups (0.0 when there were none)."""
+        """Token hit rate of the non-preempted admissions (0.0 when there were none)."""
         return self.hits / self.queries if self.queries else 0.0

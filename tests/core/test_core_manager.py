@@ -432,21 +432,44 @@ def test_prefix_cache_stats_and_counters():
     assert KVCacheManager(4, 4, log_stats=False).make_prefix_cache_stats() is None
 
 
-def test_prefix_cache_stats_count_preempted_lookups():
+def test_prefix_cache_stats_count_preempted_admissions():
     m = KVCacheManager(16, 4)
     a = Request("a", list(range(1, 11)))
     admit(m, a)  # never preempted: 10 queried, no hit
     m.free(a)
-    # The scheduler preempted it (blocks freed, computed tokens reset) and looks it up
-    # again: the lookup counts as preempted, with its hit (8 tokens of its own blocks).
+    # The scheduler preempted it (blocks freed, computed tokens reset) and admits it
+    # again: the admission counts as preempted, with its hit (8 tokens of its own blocks).
     a.num_computed_tokens = 0
     a.num_preemptions += 1
-    blocks, hit = m.get_computed_blocks(a)
-    assert hit == 8
-    m.get_computed_blocks(Request("b", list(range(1, 6))))  # a fresh one: 5, hit 4
+    assert admit(m, a)[0] == 8
+    admit(m, Request("b", list(range(1, 6))))  # a fresh one: 5, hit 4
     s = m.make_prefix_cache_stats()
     assert (s.requests, s.queries, s.hits) == (2, 15, 4)
     assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 10, 8)
+
+
+def test_prefix_cache_stats_count_admissions_not_lookups():
+    """vLLM 0.33 records at admission: a lookup whose allocation does not fit, retried
+    later, counts once; a lookup never followed by an admission not at all."""
+    m = KVCacheManager(4, 4)
+    a = Request("a", list(range(1, 14)))  # 4 blocks: the whole pool
+    admit(m, a)
+    b = Request("b", list(range(1, 10)) + [99, 98])  # shares a's first 2 blocks
+    for _ in range(3):  # the scheduler retries while a runs: nothing fits
+        blocks, hit = m.get_computed_blocks(b)
+        assert hit == 8 and m.allocate_slots(b, b.num_tokens - hit, hit, blocks) is None
+    s = m.make_prefix_cache_stats()
+    assert (s.requests, s.queries, s.hits) == (1, 13, 0)  # a only
+    m.free(a)
+    assert admit(m, b)[1] is not None
+    m.get_computed_blocks(Request("c", [5, 6, 7, 8, 9]))  # looked up, never admitted
+    s = m.make_prefix_cache_stats()
+    assert (s.requests, s.queries, s.hits) == (1, 11, 8)  # b, once
+    assert m.counters()["lookups"] == 1 + 3 + 1 + 1  # counters count every lookup
+    # Caching off: nothing is looked up, nothing recorded.
+    off = KVCacheManager(4, 4, enable_caching=False)
+    admit(off, Request("d", [1, 2, 3]))
+    assert off.make_prefix_cache_stats().requests == 0
 
 
 def test_reset_prefix_cache():

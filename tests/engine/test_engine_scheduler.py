@@ -158,13 +158,14 @@ def test_preemption_newest_first_and_resume():
         assert outputs_seen < 200
     assert preempted and b.num_preemptions >= 1
     assert sched.num_preemptions == len(preempted)
-    # The core request counts its preemptions too, so the manager files b's lookups on
-    # re-admission under the preempted stats (a and b's first lookups are plain ones).
+    # The core request counts its preemptions too, so the manager files b's re-admissions
+    # under the preempted stats (a and b's first admissions are plain ones), once per
+    # admission however often a lookup was retried before it fit.
     assert b.request.num_preemptions == b.num_preemptions
     assert a.request.num_preemptions == a.num_preemptions
     stats = mgr.make_prefix_cache_stats()
     assert stats.requests == 2
-    assert stats.preempted_requests >= b.num_preemptions + a.num_preemptions
+    assert stats.preempted_requests == b.num_preemptions + a.num_preemptions  # once each
     assert a.finish_reason == b.finish_reason == FINISH_LENGTH
     assert a.num_output_tokens == b.num_output_tokens == 12
     assert mgr.num_free_blocks == 6
