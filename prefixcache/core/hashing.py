@@ -715,8 +715,7 @@ class BlockHasher:
         suffix0 = plan.suffixes[0]
         tails = None
         if plan.id_of:
-            suffixes, id_of = plan.suffixes, plan.id_of
-            tails = [suffixes[id_of.get(i, 0)] for i in range(num_blocks)]
+            tails = plan.tails_for(num_blocks)
         group = _MEMO_GROUP
         gw = group * width
         n_groups = num_blocks // group
@@ -969,16 +968,18 @@ class BlockHasher:
         assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
         return dummy[head:]
 
-    def _tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
-        """Cached `_extra_tail` of the extra keys built from their parts."""
+    def _tail(self, lora_pair, mm: tuple, salt) -> tuple[bytes | None, tuple | None]:
+        """(`_extra_tail`, canonical extra keys) of the extra keys built from their
+        parts; cached."""
         key = (lora_pair, mm, salt or None)
         cache = self._tail_cache
-        tail = cache.get(key, cache)
-        if tail is cache:
+        got = cache.get(key)
+        if got is None:
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
-            tail = cache[key] = self._extra_tail(_extras_from_parts(lora_pair, mm, salt))
-        return tail
+            extra = _extras_from_parts(lora_pair, mm, salt)
+            got = cache[key] = (self._extra_tail(extra), extra)
+        return got
 
     def _tail_plan(self, bs, start_block, lora, mm_features, cache_salt) -> _TailPlan | None:
         """What follows the token items in each block's key (see `_TailPlan`).
@@ -1017,19 +1018,17 @@ class BlockHasher:
                 special.setdefault(b, []).append((identifier, offset - b * bs))
         if salt is not None:
             special.setdefault(0, [])
-        tails = [self._tail(lora_pair, (), None)]
-        extras = [_extras_from_parts(lora_pair, (), None)]
-        index: dict = {tails[0]: 0}
+        tail, extra = self._tail(lora_pair, (), None)
+        tails, extras = [tail], [extra]
+        index: dict = {tail: 0}
         positions, ids = [], []
         for b, mm in sorted(special.items()):
-            mm = tuple(mm)
-            block_salt = salt if b == 0 else None
-            tail = self._tail(lora_pair, mm, block_salt)
+            tail, extra = self._tail(lora_pair, tuple(mm), salt if b == 0 else None)
             k = index.get(tail)
             if k is None:
                 k = index[tail] = len(tails)
                 tails.append(tail)
-                extras.append(_extras_from_parts(lora_pair, mm, block_salt))
+                extras.append(extra)
             positions.append(b - start_block)
             ids.append(k)
         if any(t is None for t in tails):
@@ -1164,7 +1163,7 @@ class _TailPlan:
     __slots__ = (
         "head", "hole", "close_len", "block_size", "suffixes", "extras", "id_of", "positions",
         "ids", "template", "template_mask", "head_rows", "fixed_len", "suffix_rows",
-        "suffix_mask", "suffix_lens",
+        "suffix_mask", "suffix_lens", "_tail_seq",
     )
 
     def __init__(self, head, hole, close, block_size, suffixes, extras, positions, ids):
@@ -1179,6 +1178,18 @@ class _TailPlan:
             self.ids = np.array(ids, dtype=np.intp)
             self.positions.flags.writeable = self.ids.flags.writeable = False
         self.template = None
+        self._tail_seq = None
+
+    def tails_for(self, n: int) -> list[bytes]:
+        """The suffix of each of the first ``n`` blocks (a fresh list)."""
+        seq = self._tail_seq
+        if seq is None:
+            get, suffixes = self.id_of.get, self.suffixes
+            last = max(self.id_of, default=-1)
+            seq = self._tail_seq = [suffixes[get(i, 0)] for i in range(last + 1)]
+        if n <= len(seq):
+            return seq[:n]
+        return seq + [self.suffixes[0]] * (n - len(seq))
 
     def tables(self) -> "_TailPlan":
         """Build (once) the numpy rows the vectorised writer copies; returns self."""
