@@ -10,16 +10,21 @@ workload x hash algorithm replays the trace through ``prefixcache.sim.replay`` a
 requests/s, prompt tokens/s and the split of the loop between hashing (request
 construction + incremental hashing on append) and bookkeeping (manager calls).
 
-With ``--vllm_python`` the peer ``vllm_replay.py`` runs on the same trace in the same
-invocation, its repeats interleaved with ours (ours, vLLM, ours, vLLM, ...: a 2-core
-machine drifts by 20-40% between runs, so only side-by-side ratios mean anything). Its
-pool has ``num_blocks`` blocks including its null block; ours ``num_blocks - 1`` with
-vLLM's ``unhashed_first`` free order, so hits and block ids must agree request by
-request (checked: ``records_identical``). The speed ratio is the median over rounds of
-``vllm loop_s / our loop_s``; both loops include request construction and hashing,
-neither includes reading the trace or computing the deterministic output tokens. Both
-sides are timed warm: ``--warmup`` untimed replays run first in our process and at the
-start of every peer process.
+With ``--vllm_python`` the peer runs on the same trace in the same invocation
+(``records_identical``: hits, failures and block ids agree request by request; its pool
+has ``num_blocks`` blocks including its null block, ours ``num_blocks - 1`` with vLLM's
+``unhashed_first`` free order). A 2-core machine drifts by 20-40% over seconds, so only
+side-by-side ratios mean anything:
+
+- ``--peer_mode=inprocess`` (default): the peer venv's Python runs
+  ``experiments.peer_inprocess``, which alternates vLLM's harness (``vllm_replay``'s own
+  ``replay_once``) and our replay round by round in one interpreter, with the same
+  libraries and the same warm-up; the ratio is the median of the per-round ratios.
+- ``--peer_mode=subprocess``: ours in this process, ``vllm_replay.py`` in a fresh
+  process per round (with the same warm-up), interleaved; median of per-round ratios.
+
+Both loops include request construction and hashing; neither includes reading the trace
+or computing the deterministic output tokens.
 
 Last stdout line: one JSON summary.
 """
@@ -58,6 +63,11 @@ _FREE_ORDER = flags.DEFINE_enum(
     "free_order", "unhashed_first", ["append", "unhashed_first"],
     "Our free order (vLLM's is unhashed_first; parity needs it).")
 _VLLM_PYTHON = flags.DEFINE_string("vllm_python", None, "Python of the vLLM peer venv.")
+_PEER_MODE = flags.DEFINE_enum(
+    "peer_mode", "inprocess", ["inprocess", "subprocess"],
+    "inprocess: both replays alternate in ONE interpreter (the peer venv's Python runs "
+    "experiments.peer_inprocess with our package on PYTHONPATH; same libraries, same "
+    "drift); subprocess: ours here, vllm_replay.py in a fresh process per round.")
 _PEERS = flags.DEFINE_string(
     "peers_dir", os.path.join(os.path.dirname(_REPO), "shared", "peers"),
     "Directory of make_traces.py and vllm_replay.py.")
@@ -193,6 +203,69 @@ def bench_one(name: str, path: str, algo: str) -> dict:
     return result
 
 
+def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
+    """All algorithms of one workload through ``experiments.peer_inprocess``."""
+    from prefixcache.sim.trace import read_trace  # noqa: PLC0415
+
+    trace = list(read_trace(path))
+    num_requests = len(trace)
+    prompt_tokens = sum(len(t.prompt) for t in trace)
+    cmd = [
+        _VLLM_PYTHON.value, "-m", "experiments.peer_inprocess", "--trace", path,
+        "--hash_algos", ",".join(algos), "--num_blocks", str(_NUM_BLOCKS.value),
+        "--block_size", str(_BLOCK_SIZE.value), "--concurrency", str(_CONCURRENCY.value),
+        "--rounds", str(_REPEAT.value), "--warmup", str(_WARMUP.value),
+        "--hash_seed", str(_HASH_SEED.value), "--free_order", _FREE_ORDER.value,
+    ]
+    env = dict(
+        os.environ, PYTHONHASHSEED=str(_HASH_SEED.value),
+        PYTHONPATH=os.pathsep.join([_REPO, _PEERS.value]),
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+    )
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_REPO)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+    med = statistics.median
+    results = []
+    for line in res.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        o, v = d["ours"], d["vllm"]
+        side = lambda runs, hits: {  # noqa: E731
+            "loop_s": med([t["loop_s"] for t in runs]),
+            "hashing_s": med([t["hashing_s"] for t in runs]),
+            "manager_s": med([t["manager_s"] for t in runs]),
+            "loop_s_runs": [t["loop_s"] for t in runs],
+            "requests_per_s": num_requests / med([t["loop_s"] for t in runs]),
+            "prompt_tokens_per_s": prompt_tokens / med([t["loop_s"] for t in runs]),
+            "hit_tokens": hits,
+        }
+        r = {
+            "workload": name,
+            "hash_algo": d["hash_algo"],
+            "peer_mode": "inprocess",
+            "requests": num_requests,
+            "prompt_tokens": prompt_tokens,
+            "hit_tokens": d["ours_hit_tokens"],
+            "hit_rate_tokens": d["ours_hit_tokens"] / prompt_tokens,
+            "ours": side(o, d["ours_hit_tokens"]),
+            "vllm": side(v, d["vllm_hit_tokens"]),
+            "hit_tokens_equal": d["ours_hit_tokens"] == d["vllm_hit_tokens"],
+            "records_identical": d["records_identical"],
+            # Rounds are pairs timed back to back: the median of per-pair ratios.
+            "speedup_loop": med([a["loop_s"] / b["loop_s"] for a, b in zip(v, o)]),
+            "speedup_manager": med([a["manager_s"] / b["manager_s"] for a, b in zip(v, o)]),
+            "speedup_hashing": med([a["hashing_s"] / b["hashing_s"] for a, b in zip(v, o)]),
+            "speedup_loop_min": min(t["loop_s"] for t in v) / min(t["loop_s"] for t in o),
+            "peer_versions": d["versions"],
+        }
+        results.append(r)
+    if len(results) != len(algos):
+        raise RuntimeError(f"peer_inprocess printed {len(results)} results for {algos}")
+    return results
+
+
 def _line(r: dict) -> str:
     o = r["ours"]
     s = (
@@ -222,8 +295,11 @@ def main(argv):
     paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
     results = []
     for name in _WORKLOADS.value:
-        for algo in _ALGOS.value:
-            r = bench_one(name, paths[name], algo)
+        if _VLLM_PYTHON.value and _PEER_MODE.value == "inprocess":
+            rs = bench_inprocess(name, paths[name], _ALGOS.value)
+        else:
+            rs = (bench_one(name, paths[name], algo) for algo in _ALGOS.value)
+        for r in rs:
             results.append(r)
             print(_line(r), flush=True)
     summary = {
@@ -234,6 +310,8 @@ def main(argv):
         "concurrency": _CONCURRENCY.value,
         "free_order": _FREE_ORDER.value,
         "repeat": _REPEAT.value,
+        "warmup": _WARMUP.value,
+        "peer_mode": _PEER_MODE.value if _VLLM_PYTHON.value else None,
         "results": results,
         "provenance": _common.provenance(None, seed=_SEED.value),
     }
