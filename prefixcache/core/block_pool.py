@@ -363,7 +363,7 @@ class BlockPool:
                     ),
                     token_ids=list(request.all_token_ids[start:end]),
                     block_size=block_size,
-                    lora_id=None,
+                    lora_id=lora.int_id if lora is not None else None,
                     medium=MEDIUM_GPU,
                     lora_name=lora.name if lora is not None else None,
                     extra_keys=extra if any(e is not None for e in extra) else None,

@@ -38,8 +38,9 @@ class BlockStored(KVCacheEvent):
         token_ids: the token ids of all stored blocks, concatenated
             (``len == len(block_hashes) * block_size``).
         block_size: tokens per block.
-        lora_id: deprecated in vLLM (integer adapter id); ``None`` here, consumers
-            key on ``lora_name``.
+        lora_id: vLLM's integer adapter id (``LoRARequest.int_id``; ``None`` without
+            LoRA or when the request's LoRARequest has none); deprecated in vLLM,
+            consumers key on ``lora_name``.
         medium: ``"GPU"``.
         lora_name: the LoRA adapter name, or ``None``.
         extra_keys: one untagged entry per block (see the module docstring), or

@@ -66,16 +66,25 @@ class MultiModalFeature:
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """A LoRA adapter. Name and path both enter every block key (vLLM 0.33): re-pointing
-    a name at another adapter does not reuse KV computed with the previous one."""
+    a name at another adapter does not reuse KV computed with the previous one.
+
+    ``int_id`` is vLLM's ``lora_int_id`` (an integer >= 1 its frontend assigns, unique
+    per adapter): it does not enter block keys; KV events carry it as ``lora_id``
+    (``None`` when not given).
+    """
 
     name: str
     path: str
+    int_id: int | None = None
 
     def __post_init__(self):
         for field_name in ("name", "path"):
             value = getattr(self, field_name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"LoRARequest.{field_name} must be a non-empty str, got {value!r}")
+        i = self.int_id
+        if i is not None and (type(i) is not int or i < 1):
+            raise ValueError(f"LoRARequest.int_id must be None or an int >= 1, got {i!r}")
 
 
 class ReadOnlyList(Sequence):

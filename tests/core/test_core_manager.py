@@ -343,7 +343,7 @@ def test_events_content():
     assert ev.token_ids == [0, 0, 0, 5, 6, 7, 8, 9]
     assert ev.block_size == 4 and ev.medium == "GPU" and ev.group_idx == 0
     assert ev.kv_cache_spec_kind == "full_attention"
-    assert ev.lora_name == "lo" and ev.lora_id is None
+    assert ev.lora_name == "lo" and ev.lora_id is None  # this LoRARequest has no int id
     # Untagged per-block keys (vLLM's to_event_extra_keys): lora name, (mm id, offset
     # in block) pairs, salt on block 0 only.
     assert ev.extra_keys == [("lo", ("img", 1), "salt"), ("lo", ("img", -3))]
@@ -386,6 +386,20 @@ VLLM_EVENTS = [
 ]
 
 
+def test_events_carry_the_lora_int_id():
+    m = KVCacheManager(16, 4, enable_events=True)
+    a = Request("a", list(range(1, 10)), lora=LoRARequest("lo", "/p", int_id=3))
+    admit(m, a)
+    (ev,) = m.take_events()
+    assert ev.lora_id == 3 and ev.lora_name == "lo"
+    # The id is not part of the cache key (vLLM: name and path are).
+    b = Request("b", list(range(1, 10)), lora=LoRARequest("lo", "/p", int_id=4))
+    assert m.get_computed_blocks(b)[1] == 8
+    for bad in (0, -1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="int_id"):
+            LoRARequest("lo", "/p", int_id=bad)
+
+
 def test_events_equal_vllm_events():
     import json
 
@@ -400,8 +414,8 @@ def test_events_equal_vllm_events():
         assert m.allocate_slots(r, 1) is not None
         r.num_computed_tokens = r.num_computed_tokens + 1
     evs = m.take_events()
-    # NOTE: lora_id (vLLM's deprecated integer adapter id, assigned by its frontend)
-    # has no counterpart in LoRARequest(name, path): ours is None.
+    # NOTE: lora_id (vLLM's deprecated integer adapter id, assigned by its frontend) is
+    # LoRARequest.int_id: compared in test_events_carry_the_lora_int_id.
     got = [
         json.loads(json.dumps({k: getattr(e, k) for k in VLLM_EVENTS[0]})) for e in evs
     ]
