@@ -154,3 +154,29 @@ def test_missing_config_and_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf_config()))
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_hf_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen2"])
+def test_bf16_model_logits_track_the_float64_forward(tmp_path, hf_helpers, flavour):
+    """The model run in bfloat16 (weights, activations, KV cache) against the float64
+    oracle: errors of bf16 rounding size, far below what a real bug changes."""
+    hf_cfg = (hf_helpers.llama_hf_config() if flavour == "llama"
+              else hf_helpers.qwen2_hf_config())
+    weights = hf_helpers.random_hf_weights(hf_cfg, seed=1)
+    hf_helpers.write_hf_checkpoint(tmp_path, hf_cfg, weights)
+    config, model = load_hf_checkpoint(str(tmp_path), dtype="bfloat16")
+    assert config.dtype == "bfloat16"
+    tokens = np.random.default_rng(3).integers(0, hf_cfg["vocab_size"], 40).tolist()
+    lengths = [1, 17, 40]  # 58 tokens: one step
+    got = run_prefixes(config, model, tokens, lengths).astype(np.float64)
+    want = hf_helpers.np_forward(hf_cfg, weights, tokens)
+    for row, n in enumerate(lengths):
+        ref = want[n - 1]
+        scale = np.abs(ref).max()
+        # Measured: max error 0.9-1.4% of the largest |logit| (bf16 keeps 8 mantissa
+        # bits); a wrong position, mask or RoPE moves logits by ~100% of it.
+        err = np.abs(got[row] - ref).max()
+        assert err <= 0.03 * scale, f"{flavour}, prefix of {n}: max error {err:.4f} vs {scale:.3f}"
+        assert got[row].argmax() == ref.argmax()
+        if n > 1:  # the tolerance is far below what one token of context changes
+            assert np.abs(want[n - 2] - ref).max() > 10 * 0.03 * scale
