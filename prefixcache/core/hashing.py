@@ -434,6 +434,7 @@ class BlockHasher:
         "_tail_cache",
         "_plan_cache",
         "_memo",
+        "_packers",
     )
 
     def __init__(self, algo: str = "sha256", seed: Any = None):
@@ -479,6 +480,7 @@ class BlockHasher:
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
         self._memo: dict = {}  # block key -> digest, see hash_token_blocks
+        self._packers: dict = {}  # block size -> struct pack of a u16 CBOR token array
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -881,13 +883,7 @@ class BlockHasher:
                     ).digest()
                     out.append(parent)
             elif self._is_cbor:
-                # NOTE: for bytes, non-negative ints, tuples and None cbor2's default
-                # encoding is the canonical one (canonical mode only reorders maps and
-                # shortens floats) and costs about half as much; tests pin the bytes.
-                digest, dumps = self._digest, cbor2.dumps
-                for i in range(0, num_blocks * block_size, block_size):
-                    parent = digest(dumps((parent, ids[i : i + block_size], None)))
-                    out.append(parent)
+                return self._cbor_chain(ids, num_blocks, block_size, parent, (b"\xf6",), None, 0)
             else:
                 digest, dumps = self._digest, pickle.dumps
                 for i in range(0, num_blocks * block_size, block_size):
@@ -930,21 +926,50 @@ class BlockHasher:
                     ))
                     out.append(parent)
             return out
+        return self._cbor_chain(ids, num_blocks, block_size, parent, suffixes, id_of, off)
+
+    def _cbor_chain(self, ids, num_blocks, bs, parent, suffixes, id_of, off) -> list[bytes]:
+        """CBOR block by block: ``0x83``, the parent's bytes, the token array, the suffix
+        (serialized extra keys) of each block (``suffixes[id_of.get(off + i, 0)]``).
+
+        The token array of a block whose ids all lie in [256, 65536) -- most blocks of
+        a real vocabulary -- is packed by one precompiled ``struct`` (head ``0x19`` and
+        a big-endian u16 per id: CBOR's canonical form); any other block goes through
+        ``cbor2.dumps`` (its default encoding is the canonical one for non-negative ints
+        and tuples; canonical mode only reorders maps and shortens floats). Tests pin
+        the bytes to ``cbor2.dumps(key, canonical=True)``.
+        """
+        digest = self._digest
         sha256 = hashlib.sha256 if digest is _sha256_digest else None
         ds = self._digest_size
-        cbor_head = b"\x83" + _cbor_head(2, ds)
+        head = b"\x83" + _cbor_head(2, ds)
+        arr = _cbor_head(4, bs)
+        pack = self._packers.get(bs)
+        if pack is None:
+            pack = self._packers[bs] = struct.Struct(">" + "BH" * bs).pack
+        args = [0x19] * (2 * bs)
+        dumps, error = cbor2.dumps, struct.error
+        out = []
+        append = out.append
         for i in range(num_blocks):
-            toks = ids[i * block_size : (i + 1) * block_size]
-            suffix = suffixes[id_of.get(off + i, 0)] if id_of else suffixes[0]
-            # The token array encodes the same alone as inside the key.
+            toks = ids[i * bs : (i + 1) * bs]
+            tb = None
+            if min(toks) >= 256:
+                args[1::2] = toks
+                try:
+                    tb = arr + pack(*args)
+                except error:  # an id >= 65536
+                    pass
+            if tb is None:
+                tb = dumps(toks)  # the token array encodes the same alone as in the key
             msg = b"".join((
-                cbor_head if len(parent) == ds else b"\x83" + _cbor_head(2, len(parent)),
+                head if len(parent) == ds else b"\x83" + _cbor_head(2, len(parent)),
                 parent,
-                cbor2.dumps(toks),  # canonical for ints, see above
-                suffix,
+                tb,
+                suffixes[id_of.get(off + i, 0)] if id_of else suffixes[0],
             ))
             parent = sha256(msg).digest() if sha256 is not None else digest(msg)
-            out.append(parent)
+            append(parent)
         return out
 
     # -- vectorised path ------------------------------------------------------------

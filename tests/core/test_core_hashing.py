@@ -361,6 +361,33 @@ def test_width_edges_byte_for_byte(algo, block_size, path):
             parent = got[b]
 
 
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_u16_blocks_byte_for_byte(algo, path):
+    """Blocks whose ids all lie in [256, 65536) (CBOR's packed u16 path per block),
+    next to blocks that leave that range by one id at either end."""
+    bs = 4
+    blocks = [
+        [256, 300, 65535, 1000],  # all u16: packed
+        [256, 257, 258, 255],  # one id below: cbor2
+        [65535, 65536, 300, 400],  # one id above: cbor2
+        [40000, 256, 65535, 31999],  # packed again
+        [0, 23, 24, 65535],
+        [70000, 2**32 - 1, 2**32, 2**40],
+    ]
+    tokens = [t for b in blocks for t in b]
+    hasher = BlockHasher(algo, seed=12)
+    for kw in ({}, dict(lora=("l", "/l"), cache_salt="s", mm_features=[("i", 2, 5)])):
+        got, messages = _messages(hasher, tokens, bs, **kw)
+        assert len(messages) == len(blocks)
+        parent = hasher.root
+        for b, msg in enumerate(messages):
+            key = (parent, tuple(blocks[b]), block_extra_keys(b * bs, (b + 1) * bs, **kw))
+            assert msg == hasher.serialize(key), (b, msg)
+            parent = got[b]
+        assert got == _chain_reference(hasher, tokens, bs, **kw)
+        hasher.clear_caches()
+
+
 def test_lookup_tables_equal_arithmetic_and_serializers():
     """The import-time token tables: same rows as the arithmetic writer, and the bytes
     cbor2 / pickle write, at every width boundary below the table size."""
