@@ -272,6 +272,10 @@ class KVCacheManager:
 
     def _set_idle_until(self, st: _RequestState) -> None:
         """Recompute ``st.idle_until`` after its blocks or cached blocks changed."""
+        st.idle_until = self._idle_bound(st)
+
+    def _idle_bound(self, st: _RequestState) -> int:
+        """The ``idle_until`` of ``st``'s current blocks and cached blocks."""
         bs = self.block_size
         limit = len(st.blocks) * bs
         if self._max_len < limit:
@@ -281,8 +285,7 @@ class KVCacheManager:
             full = (st.num_cached_blocks + 1) * bs - 1
             if full < limit:
                 limit = full
-        st.idle_until = limit
-
+        return limit
 
     @staticmethod
     def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
@@ -494,11 +497,10 @@ class KVCacheManager:
                 raise InvariantError(
                     f"request {rid!r} holds a block twice: {[b.block_id for b in blocks]}"
                 )
-            idle = st.idle_until
-            self._set_idle_until(st)
-            if idle != st.idle_until:
+            want = self._idle_bound(st)
+            if st.idle_until != want:
                 raise InvariantError(
-                    f"request {rid!r}: decode fast-path bound {idle} != {st.idle_until} "
+                    f"request {rid!r}: decode fast-path bound {st.idle_until} != {want} "
                     f"for {len(blocks)} blocks, {st.num_cached_blocks} cached"
                 )
             hashes = req.block_hashes if self.enable_caching else ()

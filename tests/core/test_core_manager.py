@@ -543,6 +543,16 @@ def test_check_invariants_catches_corruption():
     with pytest.raises(InvariantError, match=f"hash {h.hex()} maps to block 0"):
         m.check_invariants()
     m.block_pool.blocks[0].block_hash = h
+    # The decode fast path's bound: 9 tokens in 3 blocks, 2 cached -> 11 (the 12th token
+    # fills block 2, which must then be cached). A stale bound would skip that.
+    st = m._states["r"]
+    assert st.idle_until == 11
+    st.idle_until = 12
+    with pytest.raises(InvariantError, match="fast-path bound 12 != 11"):
+        m.check_invariants()
+    assert st.idle_until == 12  # checking repairs nothing
+    st.idle_until = 11
+    m.check_invariants()
     m.free(r)
     q = m.block_pool.free_block_queue
     q.remove(m.block_pool.blocks[3])
