@@ -85,6 +85,28 @@ def _order_rows(q_lens: np.ndarray, computed: np.ndarray, columns: tuple):
     order = np.argsort(group, kind="stable")
     return order, distribution, tuple(c[order] for c in columns)
 
+
+def _check_token_ids(tokens: np.ndarray, q_lens: np.ndarray) -> None:
+    """ValueError naming the sequence of the first token id outside int32 (ids >= 0)."""
+    if tokens.min() < 0 or tokens.max() > _I32_MAX:
+        j = int(np.flatnonzero((tokens < 0) | (tokens > _I32_MAX))[0])
+        i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
+        raise ValueError(f"seqs[{i}]: token id {int(tokens[j])} is not a valid int32 id")
+
+
+def _cu_and_logits(S: int, n: int, num_tokens: int, cu_s: np.ndarray, order):
+    """``cu_q_lens`` i32[S+1] (padding rows empty) and ``logits_indices`` i32[S] (caller
+    sequence ``order[r]`` ends at sorted row r; padding entries 0)."""
+    cu_q_lens = np.full(S + 1, num_tokens, np.int32)
+    cu_q_lens[: n + 1] = cu_s
+    logits_indices = np.zeros(S, np.int32)
+    if order is None:
+        logits_indices[:n] = cu_s[1:] - 1
+    else:
+        logits_indices[order] = cu_s[1:] - 1
+    return cu_q_lens, logits_indices
+
+
 class ScheduledSeq(NamedTuple):
     """One sequence scheduled in a step (host side).
 
@@ -395,10 +417,7 @@ class MetadataBuilder:
         flat_tokens = np.fromiter(
             itertools.chain.from_iterable(token_lists), np.int64, num_tokens
         )
-        if flat_tokens.min() < 0 or flat_tokens.max() > _I32_MAX:
-            j = int(np.flatnonzero((flat_tokens < 0) | (flat_tokens > _I32_MAX))[0])
-            i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
-            raise ValueError(f"seqs[{i}]: token id {int(flat_tokens[j])} is not a valid int32 id")
+        _check_token_ids(flat_tokens, q_lens)
 
         blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start
         np.cumsum(num_blk[:-1], out=blk_start[1:])
@@ -453,14 +472,7 @@ class MetadataBuilder:
 
         kv_out = np.zeros(S, np.int32)
         kv_out[:n] = kv_s
-        cu_q_lens = np.full(S + 1, num_tokens, np.int32)
-        cu_q_lens[: n + 1] = cu_s
-
-        logits_indices = np.zeros(S, np.int32)
-        if order is None:
-            logits_indices[:n] = cu_s[1:] - 1
-        else:
-            logits_indices[order] = cu_s[1:] - 1  # caller seq order[r] ends at sorted row r
+        cu_q_lens, logits_indices = _cu_and_logits(S, n, num_tokens, cu_s, order)
 
         metadata = AttentionMetadata(
             page_indices=page_indices,
@@ -542,10 +554,7 @@ class MetadataBuilder:
                 or num_blk.max() > W or rows.min() < 0 or rows.max() >= R):
             self._raise_rows_error(R, W, rows, num_blk, tokens, q_lens, computed, kv_lens,
                                    pages_needed, num_tokens)
-        if tokens.min() < 0 or tokens.max() > _I32_MAX:
-            j = int(np.flatnonzero((tokens < 0) | (tokens > _I32_MAX))[0])
-            i = int(np.searchsorted(np.cumsum(q_lens), j, side="right"))
-            raise ValueError(f"seqs[{i}]: token id {int(tokens[j])} is not a valid int32 id")
+        _check_token_ids(tokens, q_lens)
 
         iota = self._iota
         if num_tokens == n:
@@ -610,13 +619,7 @@ class MetadataBuilder:
         if num_tokens == n:
             _, cu_q_lens, logits_indices, num_seqs = consts
         else:
-            cu_q_lens = np.full(S + 1, num_tokens, np.int32)
-            cu_q_lens[: n + 1] = cu_s
-            logits_indices = np.zeros(S, np.int32)
-            if order is None:
-                logits_indices[:n] = cu_s[1:] - 1
-            else:
-                logits_indices[order] = cu_s[1:] - 1
+            cu_q_lens, logits_indices = _cu_and_logits(S, n, num_tokens, cu_s, order)
             num_seqs = np.array([n], np.int32)
         metadata = AttentionMetadata(
             page_indices=page_indices,
