@@ -267,15 +267,12 @@ class KVCacheManager:
                     request, blocks, hashes, st.num_cached_blocks, num_full, bs
                 )
                 st.num_cached_blocks = num_full
-        self._set_idle_until(st)
+        st.idle_until = self._idle_bound(st)
         return new_blocks
 
-    def _set_idle_until(self, st: _RequestState) -> None:
-        """Recompute ``st.idle_until`` after its blocks or cached blocks changed."""
-        st.idle_until = self._idle_bound(st)
-
     def _idle_bound(self, st: _RequestState) -> int:
-        """The ``idle_until`` of ``st``'s current blocks and cached blocks."""
+        """``st.idle_until`` for its current blocks and cached blocks (recomputed after
+        every allocation)."""
         bs = self.block_size
         limit = len(st.blocks) * bs
         if self._max_len < limit:
@@ -375,7 +372,7 @@ class KVCacheManager:
                     request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
                 )
                 st.num_cached_blocks = num_full
-        self._set_idle_until(st)
+        st.idle_until = self._idle_bound(st)
         return new_blocks
 
     def free(self, request) -> None:
