@@ -232,15 +232,17 @@ def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
             continue
         d = json.loads(line)
         o, v = d["ours"], d["vllm"]
-        side = lambda runs, hits: {  # noqa: E731
-            "loop_s": med([t["loop_s"] for t in runs]),
-            "hashing_s": med([t["hashing_s"] for t in runs]),
-            "manager_s": med([t["manager_s"] for t in runs]),
-            "loop_s_runs": [t["loop_s"] for t in runs],
-            "requests_per_s": num_requests / med([t["loop_s"] for t in runs]),
-            "prompt_tokens_per_s": prompt_tokens / med([t["loop_s"] for t in runs]),
-            "hit_tokens": hits,
-        }
+        def side(runs, hits):
+            loop = med([t["loop_s"] for t in runs])
+            return {
+                "loop_s": loop,
+                "hashing_s": med([t["hashing_s"] for t in runs]),
+                "manager_s": med([t["manager_s"] for t in runs]),
+                "loop_s_runs": [t["loop_s"] for t in runs],
+                "requests_per_s": num_requests / loop,
+                "prompt_tokens_per_s": prompt_tokens / loop,
+                "hit_tokens": hits,
+            }
         r = {
             "workload": name,
             "hash_algo": d["hash_algo"],

@@ -49,10 +49,6 @@ def _versions() -> dict:
     }
 
 
-def _ours_records(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "evictions_so_far"} for r in records]
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, help="peer-format JSONL trace")
@@ -124,7 +120,7 @@ def main(argv=None) -> None:
                 timed[name].append(t)
                 first.setdefault(name, records)
         theirs = [dict(r, block_ids=[b - 1 for b in r["block_ids"]]) for r in first["vllm"]]
-        ours = _ours_records(first["ours"])
+        ours = first["ours"]
         print(json.dumps({
             "hash_algo": algo,
             "trace": os.path.abspath(args.trace),
