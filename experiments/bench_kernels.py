@@ -7,6 +7,8 @@ Quick run:
 CPU smoke test of the accelerator path (interpret mode; timings meaningless):
   python -m experiments.bench_kernels --sizes=small --backend=pallas_gpu --interpret \
       --bandwidth --iters=1
+Tile sweep of the decode bandwidth case (GPU/TPU; each candidate compiles once):
+  python -m experiments.bench_kernels --dtype=bfloat16 --tile_sweep
 Expected on CPU: paged_over_dense <= 1.5 for every case (reference backend). On a GPU
 or TPU the same command times the Pallas kernel ("auto") and adds the decode bandwidth
 case (batch 64 x 4096, bf16) against the measured device copy bandwidth.
@@ -35,6 +37,12 @@ _INTERPRET = flags.DEFINE_bool(
 _ITERS = flags.DEFINE_integer("iters", 9, "Timed iterations per measurement.")
 _BW = flags.DEFINE_bool("bandwidth", None,
                         "Run the decode bandwidth case (default: on GPU/TPU only).")
+_SWEEP = flags.DEFINE_bool(
+    "tile_sweep", False, "In the decode bandwidth case, also time the Pallas backend's "
+    "candidate block sizes (kernels.benchmark.tile_candidates) and report the best.")
+_JAX_PEER = flags.DEFINE_bool(
+    "jax_gpu_peer", None, "In the decode bandwidth case, also time jax's own Pallas GPU "
+    "decode kernel on the same data (default: on GPU only).")
 
 
 def main(argv):
@@ -50,23 +58,41 @@ def main(argv):
           f"KV {rec['kv_bytes'] / 1e6:.1f} MB  {rec['flops'] / 1e9:.2f} GFLOP  "
           f"{rec['paged_kv_gbps']:.1f} GB/s  {rec['paged_gflops']:.1f} GFLOP/s  "
           f"max|paged-dense| {rec['max_abs_diff_vs_dense']:.1e}", flush=True)
-  bw = None
+  bw, sweep = None, None
   run_bw = _BW.value if _BW.value is not None else jax.default_backend() in ("gpu", "tpu")
+  if _SWEEP.value and not run_bw:
+    raise app.UsageError("--tile_sweep needs the decode bandwidth case (--bandwidth)")
   if run_bw:
     batch, context = (64, 4096) if _SIZES.value == "full" else (8, 512)
-    bw = benchmark.decode_bandwidth(backend=_BACKEND.value, batch=batch, context=context,
-                                    dtype=jnp.bfloat16, iters=_ITERS.value,
-                                    interpret=_INTERPRET.value)
-    print(f"{bw['case']:<40} {bw['paged_s'] * 1e3:.3f} ms  {bw['achieved_gbps']:.1f} GB/s "
-          f"of copy {bw['copy_gbps']:.1f} GB/s = {bw['fraction_of_copy_bw']:.1%}", flush=True)
+    tiles = (benchmark.tile_candidates(_BACKEND.value, _INTERPRET.value) if _SWEEP.value
+             else [None])
+    jax_peer = (_JAX_PEER.value if _JAX_PEER.value is not None
+                else jax.default_backend() == "gpu")
+    sweep = benchmark.decode_bandwidth_sweep(
+        backend=_BACKEND.value, batch=batch, context=context, dtype=jnp.bfloat16,
+        iters=_ITERS.value, interpret=_INTERPRET.value, tiles=tiles, jax_gpu_peer=jax_peer)
+    for rec in sweep:
+      print(f"{rec['case']:<40} {rec['paged_s'] * 1e3:.3f} ms  {rec['achieved_gbps']:.1f} "
+            f"GB/s of copy {rec['copy_gbps']:.1f} GB/s = {rec['fraction_of_copy_bw']:.1%}  "
+            f"{rec['backend']} tiles {rec['block_sizes'] or 'default'}  "
+            f"max|diff vs default| {rec['max_abs_diff_vs_first_tile']:.1e}", flush=True)
+    bw = sweep[0]
+    ours = [r for r in sweep if r["backend"] != benchmark.JAX_GPU_PEER]
+    if len(ours) > 1:
+      best = min(ours, key=lambda r: r["paged_s"])
+      print(f"best tiles {best['block_sizes'] or 'default'}: "
+            f"{best['fraction_of_copy_bw']:.1%} of copy bandwidth", flush=True)
   summary = {
       "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
       "cases": records, "decode_bandwidth": bw,
+      "tile_sweep": sweep,
       "max_paged_over_dense": max(r["paged_over_dense"] for r in records),
       "provenance": provenance({"sizes": _SIZES.value, "dtype": _DTYPE.value,
                                 "backend": _BACKEND.value, "iters": _ITERS.value,
                                 "interpret": _INTERPRET.value,
-                                "bandwidth": run_bw}, seed=0),
+                                "bandwidth": run_bw, "tile_sweep": _SWEEP.value,
+                                "jax_gpu_peer": _JAX_PEER.value},
+                               seed=0),
   }
   print(json.dumps(to_jsonable(summary)))
 

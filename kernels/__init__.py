@@ -2,7 +2,7 @@
 
 Public API:
 - `paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-  sliding_window=None, soft_cap=None, backend="auto", interpret=False)`
+  sliding_window=None, soft_cap=None, backend="auto", interpret=False, block_sizes=None)`
 - `ragged_paged_attention_reference(...)`: the same minus backend/interpret.
 - `write_kv(kv_pages, k, v, slot_mapping) -> kv_pages`.
 - `ragged_paged_attention_tpu(..., block_sizes=TPUBlockSizes(), interpret=False)`: Pallas

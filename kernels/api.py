@@ -4,12 +4,13 @@ from __future__ import annotations
 import jax
 
 from kernels.common import validate_inputs
-from kernels.pallas_gpu import ragged_paged_attention_gpu
-from kernels.pallas_tpu import ragged_paged_attention_tpu
+from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
+from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
 from kernels.reference import ragged_paged_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_TILES_OF = {"pallas_tpu": TPUBlockSizes, "pallas_gpu": GPUBlockSizes}
 
 
 def resolve_backend(backend: str, interpret: bool = False, platform: str | None = None) -> str:
@@ -42,7 +43,7 @@ def resolve_backend(backend: str, interpret: bool = False, platform: str | None 
 
 def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     sm_scale, sliding_window=None, soft_cap=None, backend="auto",
-                    interpret=False):
+                    interpret=False, block_sizes=None):
   """Ragged paged attention (see `ragged_paged_attention_reference` for semantics).
 
   Args:
@@ -55,18 +56,30 @@ def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     sm_scale, sliding_window, soft_cap: static scalars.
     backend: "auto" | "reference" | "pallas_tpu" | "pallas_gpu".
     interpret: run a Pallas backend in interpret mode (any platform).
+    block_sizes: tiles of the Pallas backend that runs: a `TPUBlockSizes` for
+      pallas_tpu, a `GPUBlockSizes` for pallas_gpu, None for its defaults. The reference
+      takes none.
 
   Returns:
     [num_tokens, num_q_heads, head_dim] in q's dtype.
 
   Raises:
-    ValueError: unknown/unavailable backend, or bad shapes/dtypes.
+    ValueError: unknown/unavailable backend, bad shapes/dtypes, or block sizes of
+      another backend.
   """
   name = resolve_backend(backend, interpret)
+  if block_sizes is not None:
+    want = _TILES_OF.get(name)
+    if want is None or not isinstance(block_sizes, want):
+      raise ValueError(
+          f"block_sizes {block_sizes!r} do not fit backend {name!r} (resolved from "
+          f"{backend!r}); expected " + (f"a {want.__name__} or None" if want else "None"))
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
   kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
   args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  if block_sizes is not None:
+    kw["block_sizes"] = block_sizes
   if name == "pallas_tpu":
     return ragged_paged_attention_tpu(*args, interpret=interpret, **kw)
   if name == "pallas_gpu":

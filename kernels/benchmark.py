@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.api import paged_attention
+from kernels.api import paged_attention, resolve_backend
+from kernels.pallas_gpu import GPUBlockSizes
+from kernels.pallas_tpu import TPUBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,21 +194,85 @@ def device_copy_bandwidth(num_bytes: int, *, iters: int) -> float:
   return 2 * x.size * 4 / t
 
 
+JAX_GPU_PEER = "jax.experimental.pallas.ops.gpu.paged_attention"
+
+
 def decode_bandwidth(*, backend: str, batch: int, context: int, dtype, iters: int,
                      num_kv_heads: int = 8, num_q_heads: int = 32, head_dim: int = 128,
-                     page_size: int = 16, interpret: bool = False) -> dict:
+                     page_size: int = 16, interpret: bool = False,
+                     block_sizes=None) -> dict:
   """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth."""
+  return decode_bandwidth_sweep(
+      backend=backend, batch=batch, context=context, dtype=dtype, iters=iters,
+      num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
+      page_size=page_size, interpret=interpret, tiles=(block_sizes,))[0]
+
+
+def decode_bandwidth_sweep(*, backend: str, batch: int, context: int, dtype, iters: int,
+                           tiles, num_kv_heads: int = 8, num_q_heads: int = 32,
+                           head_dim: int = 128, page_size: int = 16,
+                           interpret: bool = False, jax_gpu_peer: bool = False) -> list[dict]:
+  """`decode_bandwidth` for each of `tiles` (block sizes, None = the kernel's defaults).
+
+  The inputs are built once and the copy bandwidth is measured once, after the kernels;
+  every tile's output is checked against the first tile's (they compute the same
+  attention), so a fast but wrong tile cannot win. With `jax_gpu_peer`, jax's own
+  decode kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, its default tiles)
+  is timed last on the same data (K and V split into its layout, q pre-scaled, both
+  outside the timing) and added as a final record whose backend names it.
+  """
   case = BenchCase(f"decode_bw_{batch}x{context}", tuple([(1, context)] * batch),
                    num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
                    page_size=page_size)
   args, _, _ = build_paged_inputs(case, dtype)
   sm_scale = 1.0 / float(np.sqrt(head_dim))
-  paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend,
-                                    interpret=interpret))
-  t = time_fn(paged, *args, iters=iters)
   kv_bytes = roofline(case, dtype)["kv_bytes"]
+  first = None
+  timed = []
+  for block_sizes in tiles:
+    paged = jax.jit(functools.partial(paged_attention, sm_scale=sm_scale, backend=backend,
+                                      interpret=interpret, block_sizes=block_sizes))
+    t = time_fn(paged, *args, iters=iters)
+    out = np.asarray(paged(*args).astype(jnp.float32))
+    if first is None:
+      first = out
+    timed.append((backend, block_sizes, t, float(np.max(np.abs(out - first)))))
+  if jax_gpu_peer:
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
+    q, kv_pages, kv_lens, page_indices = args[:4]
+    k_pages = kv_pages[:, :, 0::2].transpose(2, 0, 1, 3)
+    v_pages = kv_pages[:, :, 1::2].transpose(2, 0, 1, 3)
+    q_scaled = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    peer = jax.jit(functools.partial(jax_gpu_paged.paged_attention, interpret=interpret))
+    peer_args = (q_scaled, k_pages, v_pages, page_indices, kv_lens)
+    t = time_fn(peer, *peer_args, iters=iters)
+    out = np.asarray(peer(*peer_args).astype(jnp.float32))
+    timed.append((JAX_GPU_PEER, None, t, float(np.max(np.abs(out - first)))))
   copy_bw = device_copy_bandwidth(kv_bytes, iters=iters)
-  achieved = kv_bytes / t
-  return {"case": case.name, "backend": backend, "dtype": jnp.dtype(dtype).name,
-          "interpret": interpret, "paged_s": t, "kv_bytes": int(kv_bytes), "achieved_gbps": achieved / 1e9,
-          "copy_gbps": copy_bw / 1e9, "fraction_of_copy_bw": achieved / copy_bw}
+  return [{"case": case.name, "backend": name, "dtype": jnp.dtype(dtype).name,
+           "interpret": interpret,
+           "block_sizes": None if bs is None else dataclasses.asdict(bs),
+           "paged_s": t, "kv_bytes": int(kv_bytes), "achieved_gbps": kv_bytes / t / 1e9,
+           "copy_gbps": copy_bw / 1e9, "fraction_of_copy_bw": kv_bytes / t / copy_bw,
+           "max_abs_diff_vs_first_tile": diff}
+          for name, bs, t, diff in timed]
+
+
+def tile_candidates(backend: str, interpret: bool = False) -> list:
+  """Block sizes a decode tile sweep tries for the backend `backend` resolves to.
+
+  The kernel's defaults come first (None); the reference has no tiles (just [None]).
+  """
+  name = resolve_backend(backend, interpret)
+  if name == "pallas_gpu":
+    grid = [  # (q per block, KV pages per block, KV splits, warps, stages)
+        (4, 8, 8, 4, 2), (4, 4, 8, 4, 2), (4, 16, 8, 4, 2), (4, 8, 4, 4, 2),
+        (4, 8, 16, 4, 2), (4, 8, 2, 4, 2), (4, 16, 4, 8, 2), (4, 8, 8, 4, 3),
+        (4, 16, 8, 8, 3), (4, 32, 4, 8, 2), (8, 8, 8, 4, 2)]
+    return [None] + [GPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p, k_splits=k,
+                                   num_warps=w, num_stages=st) for q, p, k, w, st in grid]
+  if name == "pallas_tpu":
+    grid = [(8, 8, 1), (8, 16, 1), (8, 32, 1), (16, 16, 1), (8, 16, 2), (8, 16, 8)]
+    return [None] + [TPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p,
+                                   num_kv_heads_per_block=h) for q, p, h in grid]
+  return [None]

@@ -212,3 +212,34 @@ def test_backend_resolution():
 def test_block_sizes_validated(make):
   with pytest.raises(ValueError, match="BlockSizes"):
     make()
+
+
+def test_paged_attention_passes_block_sizes(monkeypatch):
+  case = make_case(22, [(1, 9), (4, 12)], num_kv_heads=1, group=2)
+  tiles = kernels.GPUBlockSizes(num_q_per_block=4, num_kv_pages_per_block=2, k_splits=2)
+  seen = {}
+  real = kernels.api.ragged_paged_attention_gpu
+
+  def spy(*args, **kw):
+    seen.update(kw)
+    return real(*args, **kw)
+
+  monkeypatch.setattr(kernels.api, "ragged_paged_attention_gpu", spy)
+  out = kernels.paged_attention(*case.args(), sm_scale=SCALE, backend="pallas_gpu",
+                                interpret=True, block_sizes=tiles)
+  assert seen["block_sizes"] is tiles
+  live = case.num_live_tokens
+  np.testing.assert_allclose(np.asarray(out)[:live], oracle(case, sm_scale=SCALE)[:live],
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,tiles", [
+    ("reference", kernels.GPUBlockSizes()),
+    ("pallas_tpu", kernels.GPUBlockSizes()),
+    ("pallas_gpu", kernels.TPUBlockSizes()),
+])
+def test_paged_attention_rejects_block_sizes_of_another_backend(backend, tiles):
+  case = make_case(23, [(1, 9)], num_kv_heads=1, group=2)
+  with pytest.raises(ValueError, match="do not fit backend"):
+    kernels.paged_attention(*case.args(), sm_scale=SCALE, backend=backend, interpret=True,
+                            block_sizes=tiles)
