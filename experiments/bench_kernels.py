@@ -72,12 +72,16 @@ def main(argv):
         backend=_BACKEND.value, batch=batch, context=context, dtype=jnp.bfloat16,
         iters=_ITERS.value, interpret=_INTERPRET.value, tiles=tiles, jax_gpu_peer=jax_peer)
     for rec in sweep:
+      if rec["error"]:
+        print(f"{rec['case']:<40} {rec['backend']} tiles {rec['block_sizes'] or 'default'}"
+              f"  FAILED {rec['error']}", flush=True)
+        continue
       print(f"{rec['case']:<40} {rec['paged_s'] * 1e3:.3f} ms  {rec['achieved_gbps']:.1f} "
             f"GB/s of copy {rec['copy_gbps']:.1f} GB/s = {rec['fraction_of_copy_bw']:.1%}  "
             f"{rec['backend']} tiles {rec['block_sizes'] or 'default'}  "
             f"max|diff vs default| {rec['max_abs_diff_vs_first_tile']:.1e}", flush=True)
     bw = sweep[0]
-    ours = [r for r in sweep if r["backend"] != benchmark.JAX_GPU_PEER]
+    ours = [r for r in sweep if r["backend"] != benchmark.JAX_GPU_PEER and not r["error"]]
     if len(ours) > 1:
       best = min(ours, key=lambda r: r["paged_s"])
       print(f"best tiles {best['block_sizes'] or 'default'}: "

@@ -1,6 +1,7 @@
 """kernels.benchmark: roofline arithmetic, tile candidates, and the decode sweep."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -51,3 +52,22 @@ def test_decode_sweep_rejects_tiles_of_another_backend():
     benchmark.decode_bandwidth_sweep(
         backend="reference", batch=1, context=16, dtype=jnp.float32, iters=1,
         tiles=[kernels.GPUBlockSizes()], num_kv_heads=1, num_q_heads=1, head_dim=16)
+
+
+def test_decode_sweep_records_a_tile_the_device_cannot_run_and_goes_on(monkeypatch):
+  bad = kernels.GPUBlockSizes(k_splits=3)
+  real = benchmark.paged_attention
+
+  def flaky(*args, block_sizes=None, **kw):
+    if block_sizes == bad:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+    return real(*args, block_sizes=block_sizes, **kw)
+
+  monkeypatch.setattr(benchmark, "paged_attention", flaky)
+  recs = benchmark.decode_bandwidth_sweep(
+      backend="pallas_gpu", interpret=True, batch=1, context=32, dtype=jnp.float32,
+      iters=1, tiles=[bad, None], num_kv_heads=1, num_q_heads=2, head_dim=64)
+  assert recs[0]["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
+  assert recs[0]["paged_s"] is None and recs[0]["fraction_of_copy_bw"] is None
+  assert recs[1]["error"] is None and recs[1]["paged_s"] > 0
+  assert recs[1]["max_abs_diff_vs_first_tile"] == 0.0  # the first tile that ran

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -58,10 +59,12 @@ def _jax_tpu():
 def _jax_gpu():
   case = _decode_case()
   k_pages, v_pages = _split_layout(case)
-  out = jax_gpu_paged.paged_attention(
-      jnp.asarray(case.q) * SCALE, k_pages, v_pages, jnp.asarray(case.page_indices),
-      jnp.asarray(case.kv_lens), block_h=16, pages_per_compute_block=1, k_splits=2,
-      interpret=True)
+  # Its dots take the default precision: TF32 on a GPU (interpret mode runs there too).
+  with jax.default_matmul_precision("highest"):
+    out = jax_gpu_paged.paged_attention(
+        jnp.asarray(case.q) * SCALE, k_pages, v_pages, jnp.asarray(case.page_indices),
+        jnp.asarray(case.kv_lens), block_h=16, pages_per_compute_block=1, k_splits=2,
+        interpret=True)
   return np.asarray(out)
 
 
