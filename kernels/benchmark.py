@@ -278,14 +278,16 @@ def tile_candidates(backend: str, interpret: bool = False) -> list:
   name = resolve_backend(backend, interpret)
   if name == "pallas_gpu":
     grid = [  # (q per block, KV pages per block, KV splits, warps, stages)
-        (16, 8, 8, 4, 1), (16, 4, 8, 4, 2), (4, 8, 8, 4, 2), (4, 8, 8, 4, 1),
-        (4, 4, 8, 4, 2), (4, 4, 8, 4, 1), (4, 4, 16, 4, 2), (4, 2, 16, 4, 2),
-        (4, 16, 8, 4, 2), (4, 16, 8, 8, 1), (4, 8, 4, 4, 2), (4, 8, 16, 4, 2),
-        (4, 8, 8, 8, 2), (4, 8, 8, 4, 3), (4, 16, 4, 8, 2), (8, 8, 8, 4, 2)]
-    return [None] + [GPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p, k_splits=k,
-                                   num_warps=w, num_stages=st) for q, p, k, w, st in grid]
+        (4, 4, 8, 4, 2), (4, 2, 8, 4, 1), (4, 4, 8, 8, 1), (4, 4, 8, 2, 1),
+        (4, 4, 4, 4, 1), (4, 4, 16, 4, 1), (4, 2, 16, 4, 1), (4, 4, 32, 4, 1),
+        (4, 8, 8, 4, 1), (4, 8, 8, 8, 1), (4, 8, 4, 8, 1), (4, 8, 16, 8, 1),
+        (4, 2, 8, 2, 1), (16, 8, 8, 4, 2), (16, 4, 8, 4, 1)]
+    cands = [GPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p, k_splits=k,
+                           num_warps=w, num_stages=st) for q, p, k, w, st in grid]
+    return [None] + [t for t in cands if t != GPUBlockSizes()]
   if name == "pallas_tpu":
     grid = [(8, 8, 1), (8, 16, 1), (8, 32, 1), (16, 16, 1), (8, 16, 2), (8, 16, 8)]
-    return [None] + [TPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p,
-                                   num_kv_heads_per_block=h) for q, p, h in grid]
+    cands = [TPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p,
+                           num_kv_heads_per_block=h) for q, p, h in grid]
+    return [None] + [t for t in cands if t != TPUBlockSizes()]
   return [None]

@@ -40,11 +40,15 @@ class GPUBlockSizes:
   `num_q_per_block * padded group >= 16` is enforced by padding rows (Triton dots
   need M >= 16); `k_splits >= 1`.
   """
-  num_q_per_block: int = 16
-  num_kv_pages_per_block: int = 8
+  # NOTE: defaults = the best decode tiles of the sweep on an H200 (batch 64 x 4096,
+  # bf16, page 16; `bench_kernels --tile_sweep`, WORKSPACE_NOTES): 4 tokens per item
+  # (16 rows with a group of 4: no padded decode rows beyond Triton's M >= 16), 64 keys
+  # per step, 8 KV splits, no software pipelining (the page gathers do not pipeline).
+  num_q_per_block: int = 4
+  num_kv_pages_per_block: int = 4
   k_splits: int = 8
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 1
 
   def __post_init__(self):
     for name in ("num_q_per_block", "num_kv_pages_per_block", "k_splits", "num_warps",
@@ -58,6 +62,17 @@ class GPUBlockSizes:
         raise ValueError(f"GPUBlockSizes.{name} must be a power of two, got {value}")
 
 
+def _part_dtype(dtype):
+  """dtype of the per-split partial outputs.
+
+  NOTE: bf16 for bf16 queries: a partial is a normalised softmax average (|o| <= max |v|),
+  so bf16 adds one rounding of the same size as the final output's; it halves the bytes
+  the split merge writes and reads, which a bandwidth-bound decode feels (measured on
+  an H200, WORKSPACE_NOTES). f32 queries keep f32 partials. The log-sum-exps stay f32.
+  """
+  return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
@@ -68,7 +83,7 @@ def _kernel(
     q_ref,  # [rows, head_dim] block: item's rows of one kv head
     k_ref,  # [num_pages, page_size, head_dim] block: K of this kv head
     v_ref,  # [num_pages, page_size, head_dim] block: V of this kv head
-    o_ref,  # f32[rows, head_dim] block: partial output of this split
+    o_ref,  # [rows, head_dim] block: partial output of this split (see _part_dtype)
     lse_ref,  # f32[rows] block: log-sum-exp of this split (-inf when it saw nothing)
     *,
     sm_scale: float,
@@ -136,7 +151,7 @@ def _kernel(
   l = jnp.zeros((rows,), f32)
   acc, m, l = lax.fori_loop(blk_lo, jnp.maximum(blk_lo, blk_hi), body, (acc, m, l))
   seen = l > 0.0
-  o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+  o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
@@ -239,7 +254,8 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
           pl.BlockSpec((None, None, None, rows), lambda h, i, s: (s, h, i, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((k_splits, num_kv_heads, num_items, rows, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((k_splits, num_kv_heads, num_items, rows, head_dim),
+                               _part_dtype(q.dtype)),
           jax.ShapeDtypeStruct((k_splits, num_kv_heads, num_items, rows), jnp.float32),
       ],
       compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
@@ -254,7 +270,7 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
   safe_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
   weights = jnp.exp(lse_parts - safe_max[None])  # exp(-inf) = 0 for empty splits
   denom = jnp.sum(weights, axis=0)
-  o = jnp.sum(weights[..., None] * o_parts, axis=0)
+  o = jnp.sum(weights[..., None] * o_parts.astype(jnp.float32), axis=0)
   o = o / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # [Hkv, items, rows, D]
   o = o.reshape(num_kv_heads, num_items, block_q, group_pad, head_dim)[:, :, :, :group]
 
