@@ -6,7 +6,7 @@ Quick run:
   python -m experiments.bench_kernels --sizes=small
 CPU smoke test of the accelerator path (interpret mode; timings meaningless):
   python -m experiments.bench_kernels --sizes=small --backend=pallas_gpu --interpret \
-      --bandwidth --iters=1
+      --bandwidth --iters=1 --inner=1
 Tile sweep of the decode bandwidth case (GPU/TPU; each candidate compiles once):
   python -m experiments.bench_kernels --dtype=bfloat16 --tile_sweep
 Expected on CPU: paged_over_dense <= 1.5 for every case (reference backend). On a GPU
@@ -35,6 +35,9 @@ _INTERPRET = flags.DEFINE_bool(
     "interpret", False, "Run a Pallas backend in interpret mode (CPU smoke test of the "
     "accelerator path; timings then mean nothing).")
 _ITERS = flags.DEFINE_integer("iters", 9, "Timed iterations per measurement.")
+_INNER = flags.DEFINE_integer(
+    "inner", 10, "Back-to-back calls per timed round of the decode bandwidth case "
+    "(kernels.benchmark.time_device).")
 _BW = flags.DEFINE_bool("bandwidth", None,
                         "Run the decode bandwidth case (default: on GPU/TPU only).")
 _SWEEP = flags.DEFINE_bool(
@@ -70,7 +73,8 @@ def main(argv):
                 else jax.default_backend() == "gpu")
     sweep = benchmark.decode_bandwidth_sweep(
         backend=_BACKEND.value, batch=batch, context=context, dtype=jnp.bfloat16,
-        iters=_ITERS.value, interpret=_INTERPRET.value, tiles=tiles, jax_gpu_peer=jax_peer)
+        iters=_ITERS.value, interpret=_INTERPRET.value, tiles=tiles, jax_gpu_peer=jax_peer,
+        inner=_INNER.value)
     for rec in sweep:
       if rec["error"]:
         print(f"{rec['case']:<40} {rec['backend']} tiles {rec['block_sizes'] or 'default'}"
@@ -92,7 +96,7 @@ def main(argv):
       "tile_sweep": sweep,
       "max_paged_over_dense": max(r["paged_over_dense"] for r in records),
       "provenance": provenance({"sizes": _SIZES.value, "dtype": _DTYPE.value,
-                                "backend": _BACKEND.value, "iters": _ITERS.value,
+                                "backend": _BACKEND.value, "iters": _ITERS.value, "inner": _INNER.value,
                                 "interpret": _INTERPRET.value,
                                 "bandwidth": run_bw, "tile_sweep": _SWEEP.value,
                                 "jax_gpu_peer": _JAX_PEER.value},

@@ -42,12 +42,13 @@ class GPUBlockSizes:
   """
   # NOTE: defaults = the best decode tiles of the sweep on an H200 (batch 64 x 4096,
   # bf16, page 16; `bench_kernels --tile_sweep`, WORKSPACE_NOTES): 4 tokens per item
-  # (16 rows with a group of 4: no padded decode rows beyond Triton's M >= 16), 64 keys
-  # per step, 8 KV splits, no software pipelining (the page gathers do not pipeline).
+  # (16 rows with a group of 4: no padded decode rows beyond Triton's M >= 16), 32 keys
+  # per step, 8 KV splits, 2 warps, no software pipelining (the page gathers do not
+  # pipeline).
   num_q_per_block: int = 4
-  num_kv_pages_per_block: int = 4
+  num_kv_pages_per_block: int = 2
   k_splits: int = 8
-  num_warps: int = 4
+  num_warps: int = 2
   num_stages: int = 1
 
   def __post_init__(self):

@@ -34,7 +34,7 @@ def test_decode_sweep_times_each_tile_and_the_jax_peer_on_the_same_data():
                                        k_splits=2)]
   recs = benchmark.decode_bandwidth_sweep(
       backend="pallas_gpu", interpret=True, batch=2, context=256, dtype=jnp.float32,
-      iters=1, tiles=tiles, num_kv_heads=1, num_q_heads=4, head_dim=64,
+      iters=1, inner=1, tiles=tiles, num_kv_heads=1, num_q_heads=4, head_dim=64,
       jax_gpu_peer=True)
   assert [r["backend"] for r in recs] == ["pallas_gpu", "pallas_gpu", benchmark.JAX_GPU_PEER]
   assert recs[0]["block_sizes"] is None
@@ -66,7 +66,7 @@ def test_decode_sweep_records_a_tile_the_device_cannot_run_and_goes_on(monkeypat
   monkeypatch.setattr(benchmark, "paged_attention", flaky)
   recs = benchmark.decode_bandwidth_sweep(
       backend="pallas_gpu", interpret=True, batch=1, context=32, dtype=jnp.float32,
-      iters=1, tiles=[bad, None], num_kv_heads=1, num_q_heads=2, head_dim=64)
+      iters=1, inner=1, tiles=[bad, None], num_kv_heads=1, num_q_heads=2, head_dim=64)
   assert recs[0]["error"].startswith("JaxRuntimeError: RESOURCE_EXHAUSTED")
   assert recs[0]["paged_s"] is None and recs[0]["fraction_of_copy_bw"] is None
   assert recs[1]["error"] is None and recs[1]["paged_s"] > 0
