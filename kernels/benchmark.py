@@ -306,7 +306,7 @@ def tile_candidates(backend: str, interpret: bool = False) -> list:
     grid = [  # (q per block, KV pages per block, KV splits, warps, stages)
         (4, 4, 8, 4, 1), (4, 4, 8, 2, 1), (4, 2, 8, 4, 1), (4, 2, 8, 1, 1),
         (4, 1, 8, 2, 1), (4, 2, 4, 2, 1), (4, 2, 16, 2, 1), (4, 2, 8, 2, 2),
-        (4, 8, 8, 4, 1), (4, 4, 8, 4, 2), (4, 2, 16, 4, 1), (16, 8, 8, 4, 2)]
+        (4, 8, 8, 4, 1), (4, 2, 8, 2, 1), (4, 2, 16, 4, 1), (16, 8, 8, 4, 2)]
     cands = [GPUBlockSizes(num_q_per_block=q, num_kv_pages_per_block=p, k_splits=k,
                            num_warps=w, num_stages=st) for q, p, k, w, st in grid]
     return [None] + [t for t in cands if t != GPUBlockSizes()]

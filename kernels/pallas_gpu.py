@@ -40,16 +40,15 @@ class GPUBlockSizes:
   `num_q_per_block * padded group >= 16` is enforced by padding rows (Triton dots
   need M >= 16); `k_splits >= 1`.
   """
-  # NOTE: defaults = the best decode tiles of the sweep on an H200 (batch 64 x 4096,
-  # bf16, page 16; `bench_kernels --tile_sweep`, WORKSPACE_NOTES): 4 tokens per item
-  # (16 rows with a group of 4: no padded decode rows beyond Triton's M >= 16), 32 keys
-  # per step, 8 KV splits, 2 warps, no software pipelining (the page gathers do not
-  # pipeline).
+  # NOTE: defaults = the decode tiles with the best mean over two sweeps on an H200
+  # (batch 64 x 4096, bf16, page 16; `bench_kernels --tile_sweep`, WORKSPACE_NOTES):
+  # 4 tokens per item (16 rows with a group of 4: no padded decode rows beyond Triton's
+  # M >= 16), 64 keys per step, 8 KV splits, 4 warps, 2 stages.
   num_q_per_block: int = 4
-  num_kv_pages_per_block: int = 2
+  num_kv_pages_per_block: int = 4
   k_splits: int = 8
-  num_warps: int = 2
-  num_stages: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
 
   def __post_init__(self):
     for name in ("num_q_per_block", "num_kv_pages_per_block", "k_splits", "num_warps",
