@@ -161,6 +161,14 @@ def _token_tables(bits: int) -> tuple[np.ndarray, ...]:
 _TABLE_BITS = 17
 _CBOR_ROW, _CBOR_ROW_LEN, _PICKLE_ROW, _PICKLE_ROW_LEN = _token_tables(_TABLE_BITS)
 _ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
+# The per-block CBOR writer (`BlockHasher._cbor_chain`) reads native u64 ids bytewise:
+# byte 0 / byte 1 of an id, and a mask of bytes 2..7 of every id (an immutable int).
+_BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
+_HIGH_BYTES = b"\0\0" + b"\xff" * 6 if sys.byteorder == "little" else b"\xff" * 6 + b"\0\0"
+_HIGH_MASK_IDS = 4096
+# CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
+_CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
+_HIGH_BYTES_MASK = int.from_bytes(_HIGH_BYTES * _HIGH_MASK_IDS, "little")
 _ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
@@ -434,7 +442,6 @@ class BlockHasher:
         "_tail_cache",
         "_plan_cache",
         "_memo",
-        "_packers",
     )
 
     def __init__(self, algo: str = "sha256", seed: Any = None):
@@ -480,7 +487,6 @@ class BlockHasher:
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
         self._memo: dict = {}  # block key -> digest, see hash_token_blocks
-        self._packers: dict = {}  # block size -> struct pack of a u16 CBOR token array
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -810,10 +816,12 @@ class BlockHasher:
                     tuple(u32.tolist()), num_blocks, block_size, start_block, parent,
                     lora, mm_features, cache_salt,
                 )
-        ids = struct.unpack(f"={n}Q", packed[: 8 * n])
+        packed = packed[: 8 * n]
+        # CBOR writes from the packed bytes; pickle takes the ids as ints.
+        ids = None if self._is_cbor else struct.unpack(f"={n}Q", packed)
         return self._hash_blocks_small(
             ids, num_blocks, block_size, start_block, parent, lora, mm_features, cache_salt,
-            plan, plan_offset,
+            plan, plan_offset, packed,
         )
 
     def _hash_blocks_generic(
@@ -859,19 +867,22 @@ class BlockHasher:
 
     def _hash_blocks_small(
         self, ids, num_blocks, block_size, start_block, parent,
-        lora, mm_features, cache_salt, plan=None, plan_offset=0,
+        lora, mm_features, cache_salt, plan=None, plan_offset=0, packed=None,
     ) -> list[bytes]:
-        """Block by block (decode, short prompts): the serializer's C code per block.
+        """Block by block (decode, short prompts).
 
-        pickle, and CBOR without extra keys: the key tuple goes to the serializer whole
-        (extra keys from the plan). CBOR with extra keys: only the token array does and
-        the cached serialized extra keys are spliced in.
+        pickle: the key tuple goes to the serializer whole (extra keys from the plan).
+        CBOR: `_cbor_chain` writes the token arrays and splices in the cached serialized
+        extra keys. ``ids``: the blocks' ids as ints (may be None when ``packed``, the
+        same ids as native u64 bytes, is given).
         """
+        if packed is None and self._is_cbor:
+            packed = struct.pack(f"={num_blocks * block_size}Q", *ids[: num_blocks * block_size])
         lo = start_block * block_size
         if (
             lora is None
             and not (cache_salt and start_block == 0)
-            and all(f[1] + f[2] <= lo for f in map(_mm_fields, mm_features))
+            and (not mm_features or all(f[1] + f[2] <= lo for f in map(_mm_fields, mm_features)))
         ):
             # No block has extra keys: exactly vLLM's computation, minus its overhead.
             out = []
@@ -883,7 +894,7 @@ class BlockHasher:
                     ).digest()
                     out.append(parent)
             elif self._is_cbor:
-                return self._cbor_chain(ids, num_blocks, block_size, parent, (b"\xf6",), None, 0)
+                return self._cbor_chain(packed, num_blocks, block_size, parent, (b"\xf6",), None, 0)
             else:
                 digest, dumps = self._digest, pickle.dumps
                 for i in range(0, num_blocks * block_size, block_size):
@@ -896,6 +907,8 @@ class BlockHasher:
         if plan is None:
             plan, off = self._tail_plan(block_size, start_block, lora, mm_features, cache_salt), 0
         if plan is None:
+            if ids is None:
+                ids = struct.unpack(f"={num_blocks * block_size}Q", packed)
             return self._hash_blocks_generic(
                 ids, num_blocks, block_size, start_block, parent,
                 lora, mm_features, cache_salt,
@@ -926,50 +939,82 @@ class BlockHasher:
                     ))
                     out.append(parent)
             return out
-        return self._cbor_chain(ids, num_blocks, block_size, parent, suffixes, id_of, off)
+        return self._cbor_chain(packed, num_blocks, block_size, parent, suffixes, id_of, off)
 
-    def _cbor_chain(self, ids, num_blocks, bs, parent, suffixes, id_of, off) -> list[bytes]:
+    def _cbor_chain(self, packed, num_blocks, bs, parent, suffixes, id_of, off) -> list[bytes]:
         """CBOR block by block: ``0x83``, the parent's bytes, the token array, the suffix
         (serialized extra keys) of each block (``suffixes[id_of.get(off + i, 0)]``).
 
-        The token array of a block whose ids all lie in [256, 65536) -- most blocks of
-        a real vocabulary -- is packed by one precompiled ``struct`` (head ``0x19`` and
-        a big-endian u16 per id: CBOR's canonical form); any other block goes through
-        ``cbor2.dumps`` (its default encoding is the canonical one for non-negative ints
-        and tuples; canonical mode only reorders maps and shortens floats). Tests pin
-        the bytes to ``cbor2.dumps(key, canonical=True)``.
+        ``packed``: the blocks' ids as native u64 bytes (8 per id, ``num_blocks * bs``
+        ids). Token arrays of blocks whose ids all lie in [256, 65536) -- most blocks of
+        a real vocabulary -- are cut from one stream written for all ids at once with
+        C-level byte slicing: CBOR's canonical item for such an id is ``0x19`` and its
+        two big-endian bytes, i.e. the id's byte 1 then byte 0. Blocks with an id
+        outside that range go through ``cbor2.dumps`` (its default encoding is the
+        canonical one for non-negative ints and arrays; canonical mode only reorders
+        maps and shortens floats). Tests pin the bytes to ``cbor2.dumps(key,
+        canonical=True)``.
         """
-        digest = self._digest
-        sha256 = hashlib.sha256 if digest is _sha256_digest else None
+        n = num_blocks * bs
         ds = self._digest_size
-        head = b"\x83" + _cbor_head(2, ds)
+        digest = self._digest
         arr = _cbor_head(4, bs)
-        pack = self._packers.get(bs)
-        if pack is None:
-            pack = self._packers[bs] = struct.Struct(">" + "BH" * bs).pack
-        args = [0x19] * (2 * bs)
-        dumps, error = cbor2.dumps, struct.error
+        sfx = (
+            [suffixes[id_of.get(off + i, 0)] for i in range(num_blocks)]
+            if id_of else [suffixes[0]] * num_blocks
+        )
+        # Ids >= 65536: a nonzero byte among bytes 2..7 of their u64 (one big-int AND).
+        high = int.from_bytes(packed, "little") & (
+            _HIGH_BYTES_MASK if n <= _HIGH_MASK_IDS
+            else int.from_bytes(_HIGH_BYTES * n, "little")
+        )
+        b1 = packed[_BYTE1::8]
+        stream = bytearray(3 * n)
+        stream[0::3] = b"\x19" * n
+        stream[1::3] = b1
+        stream[2::3] = packed[_BYTE0::8]
+        w = 3 * bs
+        pieces = [arr + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
+        # Ids >= 65536 make their block's items longer: cbor2 writes those blocks.
+        big = ()
+        if high:
+            hb = high.to_bytes(8 * n, "little")
+            full = 8 * bs
+            big = {k for k in range(num_blocks) if hb.count(0, k * full, (k + 1) * full) != full}
+            ids = memoryview(packed).cast("Q")
+            for k in big:
+                pieces[k] = cbor2.dumps(ids[k * bs : (k + 1) * bs].tolist()) + sfx[k]
+        # Ids < 256 (byte 1 zero) have shorter items: splice theirs into the stream's.
+        i = b1.find(0)
+        while i >= 0:
+            k = i // bs
+            end = (k + 1) * bs
+            if k in big:
+                i = b1.find(0, end)
+                continue
+            parts = [arr]
+            a = k * bs
+            while 0 <= i < end:
+                parts.append(stream[3 * a : 3 * i])
+                parts.append(_CBOR_SMALL_ITEM[packed[8 * i + _BYTE0]])
+                a = i + 1
+                i = b1.find(0, a)
+            parts.append(stream[3 * a : 3 * end])
+            parts.append(sfx[k])
+            pieces[k] = b"".join(parts)
+        head = b"\x83" + _cbor_head(2, ds)
         out = []
-        append = out.append
-        for i in range(num_blocks):
-            toks = ids[i * bs : (i + 1) * bs]
-            tb = None
-            if min(toks) >= 256:
-                args[1::2] = toks
-                try:
-                    tb = arr + pack(*args)
-                except error:  # an id >= 65536
-                    pass
-            if tb is None:
-                tb = dumps(toks)  # the token array encodes the same alone as in the key
-            msg = b"".join((
-                head if len(parent) == ds else b"\x83" + _cbor_head(2, len(parent)),
-                parent,
-                tb,
-                suffixes[id_of.get(off + i, 0)] if id_of else suffixes[0],
-            ))
-            parent = sha256(msg).digest() if sha256 is not None else digest(msg)
-            append(parent)
+        if len(parent) != ds:  # a foreign parent (not one of our digests): its own head
+            parent = digest(b"\x83" + _cbor_head(2, len(parent)) + parent + pieces[0])
+            out.append(parent)
+            pieces = pieces[1:]
+        # NOTE: the chain is sequential; one concatenation and one digest call per block
+        # (SHA-256 called directly, no Python-level wrapper frame).
+        if digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            out += [parent := sha256(head + parent + x).digest() for x in pieces]
+        else:
+            out += [parent := digest(head + parent + x) for x in pieces]
         return out
 
     # -- vectorised path ------------------------------------------------------------

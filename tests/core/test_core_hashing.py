@@ -362,18 +362,25 @@ def test_width_edges_byte_for_byte(algo, block_size, path):
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
-def test_u16_blocks_byte_for_byte(algo, path):
-    """Blocks whose ids all lie in [256, 65536) (CBOR's packed u16 path per block),
-    next to blocks that leave that range by one id at either end."""
+@pytest.mark.parametrize("with_high", [True, False])
+def test_u16_blocks_byte_for_byte(algo, with_high, path):
+    """Blocks whose ids all lie in [256, 65536) (CBOR's per-block writer cuts them from
+    one byte stream), next to blocks that leave that range by one id at either end;
+    with and without ids >= 65536 elsewhere in the call (the writer's big-int check)."""
     bs = 4
     blocks = [
-        [256, 300, 65535, 1000],  # all u16: packed
+        [256, 300, 65535, 1000],  # all u16: from the stream
         [256, 257, 258, 255],  # one id below: cbor2
         [65535, 65536, 300, 400],  # one id above: cbor2
-        [40000, 256, 65535, 31999],  # packed again
-        [0, 23, 24, 65535],
+        [40000, 256, 65535, 31999],  # from the stream again
+        [0, 23, 24, 65535],  # ids < 256 spliced into the stream's items
+        [300, 400, 7, 255],
         [70000, 2**32 - 1, 2**32, 2**40],
+        [2**64 - 1, 256, 256, 256],
+        [1 << 16, 1 << 24, 1 << 48, 511],
     ]
+    if not with_high:
+        blocks = [b for b in blocks if max(b) < 65536]
     tokens = [t for b in blocks for t in b]
     hasher = BlockHasher(algo, seed=12)
     for kw in ({}, dict(lora=("l", "/l"), cache_salt="s", mm_features=[("i", 2, 5)])):
@@ -388,6 +395,22 @@ def test_u16_blocks_byte_for_byte(algo, path):
         hasher.clear_caches()
 
 
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
+@pytest.mark.parametrize("high_at", [None, 5, 38])
+def test_cbor_per_block_writer_over_4096_ids(algo, high_at):
+    """More ids than the writer's precomputed high-byte mask covers (block size 128,
+    40 blocks = 5120 ids, below the vectorised crossover): the mask is built for the
+    call; one block with an id >= 65536 (or none) and one with an id < 256."""
+    bs, nb = 128, 40
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(256, 65536, size=bs * nb).tolist()
+    tokens[2 * bs + 7] = 17
+    if high_at is not None:
+        tokens[high_at * bs + 100] = 70000  # byte 1 nonzero: only the high-byte mask sees it
+    hasher = BlockHasher(algo, seed=5)
+    assert hasher.hash_token_blocks(tokens, bs) == _chain_reference(hasher, tokens, bs)
+
+
 def test_lookup_tables_equal_arithmetic_and_serializers():
     """The import-time token tables: same rows as the arithmetic writer, and the bytes
     cbor2 / pickle write, at every width boundary below the table size."""
@@ -400,6 +423,7 @@ def test_lookup_tables_equal_arithmetic_and_serializers():
         np.testing.assert_array_equal(table_rows, rows)
         np.testing.assert_array_equal(table_lens, lens)
         assert not table_rows.flags.writeable
+    assert [cbor2.dumps(v, canonical=True) for v in range(256)] == list(hashing._CBOR_SMALL_ITEM)
     for v in [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << hashing._TABLE_BITS) - 1]:
         row = hashing._CBOR_ROW[v].tobytes()
         assert row[: hashing._CBOR_ROW_LEN[v]] == cbor2.dumps(v, canonical=True)
