@@ -166,6 +166,8 @@ _ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
 _BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
 _HIGH_BYTES = b"\0\0" + b"\xff" * 6 if sys.byteorder == "little" else b"\xff" * 6 + b"\0\0"
 _HIGH_MASK_IDS = 4096
+# Ids < 256 per block the writer splices into the stream (more: cbor2 writes the block).
+_MAX_SPLICED_SMALL_IDS = 2
 # CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
 _CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
 _HIGH_BYTES_MASK = int.from_bytes(_HIGH_BYTES * _HIGH_MASK_IDS, "little")
@@ -690,10 +692,15 @@ class BlockHasher:
         if start_block < 0:
             raise ValueError(f"start_block must be >= 0, got {start_block}")
         block_size, start_block = int(block_size), int(start_block)
-        tokens = token_ids[start_block * block_size :]
-        num_blocks = len(tokens) // block_size
+        if type(token_ids) is array.array and token_ids.typecode == "Q":
+            # A Request's own tokens (valid by construction): one copy of the new part.
+            packed = memoryview(token_ids)[start_block * block_size :].tobytes()
+            num_blocks = len(packed) // (8 * block_size)
+        else:
+            tokens = token_ids[start_block * block_size :]
+            num_blocks = len(tokens) // block_size
+            packed = _pack_tokens(tokens)  # validates every id, the partial block's too
         parent = self._parent_bytes(parent)
-        packed = _pack_tokens(tokens)  # validates every id, the partial block's too
         if not num_blocks:
             return []
         if packed is None:  # ids >= 2**64: only the spec path writes those
@@ -755,17 +762,27 @@ class BlockHasher:
         n_hit = len(hits)
         rest: list[bytes] = []
         if n_hit < num_blocks:
-            rest = self._hash_blocks(
-                packed[n_hit * width : num_blocks * width], num_blocks - n_hit, block_size,
-                start_block + n_hit, parent, lora, mm_features, cache_salt,
-                plan, n_hit,
-            )
+            if self._is_cbor and num_blocks - n_hit < _MIN_VECTOR_BLOCKS_CBOR:
+                # The per-block CBOR writer straight from the plan (the parent is one
+                # of our digests: the plan exists).
+                rest = self._cbor_chain(
+                    packed[n_hit * width : num_blocks * width], num_blocks - n_hit,
+                    block_size, parent, plan.suffixes, plan.id_of, n_hit,
+                )
+            else:
+                rest = self._hash_blocks(
+                    packed[n_hit * width : num_blocks * width], num_blocks - n_hit,
+                    block_size, start_block + n_hit, parent, lora, mm_features, cache_salt,
+                    plan, n_hit,
+                )
         if len(memo) + len(rest) + n_groups - g > _MEMO_SIZE:
             memo.clear()
-        k = n_hit - first
-        for d, chunk, tail in zip(rest, chunks[k:], btails[k:]):
-            memo[parent + chunk, tail] = d
-            parent = d
+        if rest:
+            # Block entries of the new digests: (parent + the block's bytes, suffix).
+            k = n_hit - first
+            parents = [parent]
+            parents += rest[:-1]
+            memo.update(zip(zip(map(bytes.__add__, parents, chunks[k:]), btails[k:]), rest))
         out = hits + rest if rest else hits
         for gg in range(g, n_groups):
             lo = gg * group
@@ -984,12 +1001,21 @@ class BlockHasher:
             ids = memoryview(packed).cast("Q")
             for k in big:
                 pieces[k] = cbor2.dumps(ids[k * bs : (k + 1) * bs].tolist()) + sfx[k]
-        # Ids < 256 (byte 1 zero) have shorter items: splice theirs into the stream's.
+        # Ids < 256 (byte 1 zero) have shorter items: splice a few into the stream's;
+        # blocks with more (multimodal placeholder runs) and blocks with big ids go to
+        # cbor2 whole.
         i = b1.find(0)
+        ids = None
         while i >= 0:
             k = i // bs
             end = (k + 1) * bs
             if k in big:
+                i = b1.find(0, end)
+                continue
+            if b1.count(0, i, end) > _MAX_SPLICED_SMALL_IDS:
+                if ids is None:
+                    ids = memoryview(packed).cast("Q")
+                pieces[k] = cbor2.dumps(ids[k * bs : end].tolist()) + sfx[k]
                 i = b1.find(0, end)
                 continue
             parts = [arr]

@@ -230,9 +230,17 @@ class PlainCountingHasher(BlockHasher):
         self.plain += 1
         return super().hash_plain_block(parent, block, tag)
 
+    # Every CBOR block the writers hash goes through _cbor_chain (hash_token_blocks
+    # calls it directly after the memo, _hash_blocks otherwise); pickle blocks through
+    # _hash_blocks.
     def _hash_blocks(self, packed, num_blocks, *args, **kwargs):
-        self.written += num_blocks
+        if not self._is_cbor:
+            self.written += num_blocks
         return super()._hash_blocks(packed, num_blocks, *args, **kwargs)
+
+    def _cbor_chain(self, packed, num_blocks, *args, **kwargs):
+        self.written += num_blocks
+        return super()._cbor_chain(packed, num_blocks, *args, **kwargs)
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
