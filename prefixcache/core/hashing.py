@@ -631,11 +631,20 @@ class BlockHasher:
         if d is None:
             # The spec itself: serialize (parent, tuple(ids), extra keys) and hash it.
             extra = tag[1]
-            if extra is not None:
+            if self._is_cbor:
+                if extra is None:
+                    # cbor2's default encoding is the canonical one for these types.
+                    d = self._digest(cbor2.dumps((parent, tuple(block), None)))
+                else:
+                    # array(3), the parent's bytes, the token array, then the tag's
+                    # serialized extra keys (canonical, cached): no canonical-mode
+                    # encoding of the extra keys per block.
+                    d = self._digest(
+                        b"\x83" + _cbor_head(2, len(parent)) + parent
+                        + cbor2.dumps(tuple(block)) + tag[0]
+                    )
+            elif extra is not None:
                 d = self._digest(self.serialize((parent, tuple(block), extra)))
-            elif self._is_cbor:
-                # cbor2's default encoding is the canonical one for these types.
-                d = self._digest(cbor2.dumps((parent, tuple(block), None)))
             elif self._digest is _sha256_digest:
                 d = hashlib.sha256(
                     pickle.dumps((parent, tuple(block), None), _PICKLE_PROTOCOL)
@@ -1093,12 +1102,18 @@ class BlockHasher:
         lora_pair = _lora_pair(lora)
         salt = cache_salt if (cache_salt and start_block == 0) else None
         lo = start_block * bs
-        feats = tuple(
-            sorted(
-                (f for f in map(_mm_fields, mm_features) if f[1] + f[2] > lo),
-                key=lambda f: f[1],
+        if not mm_features:
+            feats = ()
+        elif len(mm_features) == 1:  # the common case: nothing to sort
+            f = _mm_fields(mm_features[0])
+            feats = (f,) if f[1] + f[2] > lo else ()
+        else:
+            feats = tuple(
+                sorted(
+                    (f for f in map(_mm_fields, mm_features) if f[1] + f[2] > lo),
+                    key=lambda f: f[1],
+                )
             )
-        ) if mm_features else ()
         # Without items or salt the plan does not depend on where the blocks start.
         key = (lora_pair, feats, salt, start_block if (feats or salt) else -1, bs)
         cache = self._plan_cache
