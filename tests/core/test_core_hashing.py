@@ -7,6 +7,7 @@ the cases below are copied from that script.
 
 import os
 import pickle
+import struct
 import sys
 
 import cbor2
@@ -138,6 +139,8 @@ def path(request, monkeypatch):
     threshold = 1 if request.param == "vectorised" else 10**9
     monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_CBOR", threshold)
     monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
+    # CBOR blocks of ids < 65536 take the per-block writer up to this many blocks.
+    monkeypatch.setattr(hashing, "_MAX_STREAM_BLOCKS_CBOR", 0 if threshold == 1 else 10**9)
     return request.param
 
 
@@ -468,9 +471,10 @@ mm_strategy = st.lists(
     mm=mm_strategy,
     start_block=st.integers(0, 3),
     vector_from=st.sampled_from([1, 3, 10**9]),
+    stream_to=st.sampled_from([0, 4, 10**9]),
 )
 def test_specialised_encoder_bytes_equal_generic_serializers(
-    algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from
+    algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from, stream_to
 ):
     """Every message the fast path digests equals pickle.dumps / cbor2.dumps(canonical)
     of the canonical key tuple (vLLM's bytes)."""
@@ -478,12 +482,16 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
         tokens[huge[0]] = huge[1]  # sometimes an id only the generic path writes
     # From how many blocks on the numpy writer takes over (hypothesis cannot use
     # function-scoped fixtures).
-    saved = hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE
+    # CBOR: up to stream_to blocks of ids < 65536 stay with the per-block writer.
+    saved = (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
+             hashing._MAX_STREAM_BLOCKS_CBOR)
     hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
+    hashing._MAX_STREAM_BLOCKS_CBOR = stream_to
     try:
         _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
     finally:
-        hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE = saved
+        (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
+         hashing._MAX_STREAM_BLOCKS_CBOR) = saved
 
 
 def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
@@ -721,3 +729,14 @@ def test_memo_groups_of_blocks(algo, extras, path):
     for _ in range(2):
         got, msgs = _messages(h, a, bs, **kw_r)
         assert got == want_r and msgs == []
+
+
+@pytest.mark.parametrize("n", [1, 4096, 5000])
+def test_ids_below_65536_checks_every_high_byte(n):
+    base = [65535] * n
+    assert hashing._ids_below_65536(struct.pack(f"={n}Q", *base))
+    for v in (65536, 1 << 24, 1 << 40, 2**64 - 1):
+        for at in (0, n - 1):
+            ids = list(base)
+            ids[at] = v
+            assert not hashing._ids_below_65536(struct.pack(f"={n}Q", *ids)), (v, at)
