@@ -430,6 +430,10 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([m | 27]) + n.to_bytes(8, "big")
 
 
+# CBOR array heads of block sizes < 256 (the per-block writer's, looked up, not built).
+_CBOR_ARRAY_HEAD = tuple(_cbor_head(4, n) for n in range(256))
+
+
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -459,6 +463,7 @@ class BlockHasher:
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
+        "_cbor_key_head",
         "_memo",
     )
 
@@ -489,6 +494,8 @@ class BlockHasher:
             self._digest_size = 32
         self._algo = algo
         self._is_cbor = algo.endswith("_cbor")
+        # A CBOR key's head up to its parent: array(3), bytes(digest_size).
+        self._cbor_key_head = b"\x83" + _cbor_head(2, self._digest_size)
         if seed is None:
             env_seed = os.environ.get("PYTHONHASHSEED")
             if env_seed is not None:
@@ -796,8 +803,8 @@ class BlockHasher:
                 # The per-block CBOR writer straight from the plan (the parent is one
                 # of our digests: the plan exists).
                 rest = self._cbor_chain(
-                    packed[n_hit * width : num_blocks * width], n_new,
-                    block_size, parent, plan.suffixes, plan.id_of, n_hit,
+                    packed[n_hit * width : num_blocks * width], n_new, block_size, parent,
+                    btails[n_hit - first :],
                 )
             else:
                 rest = self._hash_blocks(
@@ -941,7 +948,9 @@ class BlockHasher:
                     ).digest()
                     out.append(parent)
             elif self._is_cbor:
-                return self._cbor_chain(packed, num_blocks, block_size, parent, (b"\xf6",), None, 0)
+                return self._cbor_chain(
+                    packed, num_blocks, block_size, parent, [b"\xf6"] * num_blocks
+                )
             else:
                 digest, dumps = self._digest, pickle.dumps
                 for i in range(0, num_blocks * block_size, block_size):
@@ -986,11 +995,15 @@ class BlockHasher:
                     ))
                     out.append(parent)
             return out
-        return self._cbor_chain(packed, num_blocks, block_size, parent, suffixes, id_of, off)
+        sfx = (
+            [suffixes[id_of.get(off + i, 0)] for i in range(num_blocks)]
+            if id_of else [suffixes[0]] * num_blocks
+        )
+        return self._cbor_chain(packed, num_blocks, block_size, parent, sfx)
 
-    def _cbor_chain(self, packed, num_blocks, bs, parent, suffixes, id_of, off) -> list[bytes]:
+    def _cbor_chain(self, packed, num_blocks, bs, parent, sfx) -> list[bytes]:
         """CBOR block by block: ``0x83``, the parent's bytes, the token array, the suffix
-        (serialized extra keys) of each block (``suffixes[id_of.get(off + i, 0)]``).
+        (serialized extra keys) of each block (``sfx[i]``, one per block).
 
         ``packed``: the blocks' ids as native u64 bytes (8 per id, ``num_blocks * bs``
         ids). Token arrays of blocks whose ids all lie in [256, 65536) -- most blocks of
@@ -1005,11 +1018,7 @@ class BlockHasher:
         n = num_blocks * bs
         ds = self._digest_size
         digest = self._digest
-        arr = _cbor_head(4, bs)
-        sfx = (
-            [suffixes[id_of.get(off + i, 0)] for i in range(num_blocks)]
-            if id_of else [suffixes[0]] * num_blocks
-        )
+        arr = _CBOR_ARRAY_HEAD[bs] if bs < len(_CBOR_ARRAY_HEAD) else _cbor_head(4, bs)
         # Ids >= 65536: a nonzero byte among bytes 2..7 of their u64 (one big-int AND).
         high = int.from_bytes(packed, "little") & (
             _HIGH_BYTES_MASK if n <= _HIGH_MASK_IDS
@@ -1058,7 +1067,7 @@ class BlockHasher:
             parts.append(stream[3 * a : 3 * end])
             parts.append(sfx[k])
             pieces[k] = b"".join(parts)
-        head = b"\x83" + _cbor_head(2, ds)
+        head = self._cbor_key_head
         out = []
         if len(parent) != ds:  # a foreign parent (not one of our digests): its own head
             parent = digest(b"\x83" + _cbor_head(2, len(parent)) + parent + pieces[0])
