@@ -129,9 +129,6 @@ class KVCacheManager:
             int_event_hashes=int_event_hashes,
         )
         self._states: dict[str, _RequestState] = {}
-        # The same states keyed by the Request object itself (identity hash): the
-        # decode fast path finds its state without reading the request_id property.
-        self._state_of: dict[object, _RequestState] = {}
         self.prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if self.log_stats else None
         )
@@ -223,17 +220,18 @@ class KVCacheManager:
                 blocks, hit blocks for a running request, or a sequence beyond
                 ``max_model_len``. Nothing changed.
         """
-        st = self._state_of.get(request)
+        st = self._states.get(request.request_id)
         if (
             st is None
+            or st.request is not request
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
             or num_new_tokens <= 0
         ):
             return self._allocate_slow(
-                request, self._states.get(request.request_id), num_new_tokens,
-                num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+                request, st, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
             )
         # Fast path: a running request (a decode step or a later prefill chunk).
         total = request.num_computed_tokens + num_new_tokens
@@ -358,7 +356,6 @@ class KVCacheManager:
             pool.touch(computed)
             st = _RequestState(request, computed, len(computed))
             self._states[rid] = st
-            self._state_of[request] = st
             if self.log_stats and self.enable_caching:
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens,
@@ -391,7 +388,6 @@ class KVCacheManager:
         st = self._states.pop(rid, None)
         if st is None:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
-        del self._state_of[st.request]
         blocks = st.blocks
         blocks.reverse()
         self.block_pool.free_blocks(blocks)
@@ -484,13 +480,6 @@ class KVCacheManager:
         pool.check_invariants()
         refs = [0] * self.num_blocks
         bs = self.block_size
-        if len(self._state_of) != len(self._states) or any(
-            self._state_of.get(st.request) is not st for st in self._states.values()
-        ):
-            raise InvariantError(
-                "the states by request object do not mirror the states by request id: "
-                f"{len(self._state_of)} vs {len(self._states)}"
-            )
         for rid, st in self._states.items():
             req = st.request
             if req.request_id != rid:
