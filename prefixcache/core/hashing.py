@@ -406,14 +406,15 @@ def _pack_tokens(token_ids: Any) -> bytes | None:
         return None  # only ids >= 2**64
 
 
-def _ids_below_65536(packed: bytes) -> bool:
-    """Whether every native-u64 id in ``packed`` is < 65536 (bytes 2..7 all zero)."""
+def _high_id_bytes(packed: bytes) -> int:
+    """Bytes 2..7 of every native-u64 id in ``packed`` (one big-int AND): nonzero
+    exactly where an id is >= 65536."""
     n = len(packed) // 8
     mask = (
         _HIGH_BYTES_MASK if n <= _HIGH_MASK_IDS
         else int.from_bytes(_HIGH_BYTES * n, "little")
     )
-    return not int.from_bytes(packed, "little") & mask
+    return int.from_bytes(packed, "little") & mask
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -798,7 +799,7 @@ class BlockHasher:
             if self._is_cbor and (
                 n_new < _MIN_VECTOR_BLOCKS_CBOR
                 or (n_new <= _MAX_STREAM_BLOCKS_CBOR
-                    and _ids_below_65536(packed[n_hit * width : num_blocks * width]))
+                    and not _high_id_bytes(packed[n_hit * width : num_blocks * width]))
             ):
                 # The per-block CBOR writer straight from the plan (the parent is one
                 # of our digests: the plan exists).
@@ -995,11 +996,10 @@ class BlockHasher:
                     ))
                     out.append(parent)
             return out
-        sfx = (
-            [suffixes[id_of.get(off + i, 0)] for i in range(num_blocks)]
-            if id_of else [suffixes[0]] * num_blocks
+        return self._cbor_chain(
+            packed, num_blocks, block_size, parent,
+            plan.tails_for(off + num_blocks)[off:] if id_of else [suffixes[0]] * num_blocks,
         )
-        return self._cbor_chain(packed, num_blocks, block_size, parent, sfx)
 
     def _cbor_chain(self, packed, num_blocks, bs, parent, sfx) -> list[bytes]:
         """CBOR block by block: ``0x83``, the parent's bytes, the token array, the suffix
@@ -1019,11 +1019,7 @@ class BlockHasher:
         ds = self._digest_size
         digest = self._digest
         arr = _CBOR_ARRAY_HEAD[bs] if bs < len(_CBOR_ARRAY_HEAD) else _cbor_head(4, bs)
-        # Ids >= 65536: a nonzero byte among bytes 2..7 of their u64 (one big-int AND).
-        high = int.from_bytes(packed, "little") & (
-            _HIGH_BYTES_MASK if n <= _HIGH_MASK_IDS
-            else int.from_bytes(_HIGH_BYTES * n, "little")
-        )
+        high = _high_id_bytes(packed)
         b1 = packed[_BYTE1::8]
         stream = bytearray(3 * n)
         stream[0::3] = b"\x19" * n
@@ -1033,6 +1029,7 @@ class BlockHasher:
         pieces = [arr + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
         # Ids >= 65536 make their block's items longer: cbor2 writes those blocks.
         big = ()
+        ids = None
         if high:
             hb = high.to_bytes(8 * n, "little")
             full = 8 * bs
@@ -1044,7 +1041,6 @@ class BlockHasher:
         # blocks with more (multimodal placeholder runs) and blocks with big ids go to
         # cbor2 whole.
         i = b1.find(0)
-        ids = None
         while i >= 0:
             k = i // bs
             end = (k + 1) * bs

@@ -732,11 +732,11 @@ def test_memo_groups_of_blocks(algo, extras, path):
 
 
 @pytest.mark.parametrize("n", [1, 4096, 5000])
-def test_ids_below_65536_checks_every_high_byte(n):
+def test_high_id_bytes_checks_every_high_byte(n):
     base = [65535] * n
-    assert hashing._ids_below_65536(struct.pack(f"={n}Q", *base))
+    assert not hashing._high_id_bytes(struct.pack(f"={n}Q", *base))
     for v in (65536, 1 << 24, 1 << 40, 2**64 - 1):
         for at in (0, n - 1):
             ids = list(base)
             ids[at] = v
-            assert not hashing._ids_below_65536(struct.pack(f"={n}Q", *ids)), (v, at)
+            assert hashing._high_id_bytes(struct.pack(f"={n}Q", *ids)), (v, at)
