@@ -219,23 +219,13 @@ def device_copy_bandwidth(num_bytes: int, *, iters: int, inner: int = 10) -> flo
 JAX_GPU_PEER = "jax.experimental.pallas.ops.gpu.paged_attention"
 
 
-def decode_bandwidth(*, backend: str, batch: int, context: int, dtype, iters: int,
-                     num_kv_heads: int = 8, num_q_heads: int = 32, head_dim: int = 128,
-                     page_size: int = 16, interpret: bool = False,
-                     block_sizes=None, inner: int = 10) -> dict:
-  """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth."""
-  return decode_bandwidth_sweep(
-      backend=backend, batch=batch, context=context, dtype=dtype, iters=iters,
-      num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
-      page_size=page_size, interpret=interpret, tiles=(block_sizes,), inner=inner)[0]
-
-
 def decode_bandwidth_sweep(*, backend: str, batch: int, context: int, dtype, iters: int,
                            tiles, num_kv_heads: int = 8, num_q_heads: int = 32,
                            head_dim: int = 128, page_size: int = 16,
                            interpret: bool = False, jax_gpu_peer: bool = False,
                            inner: int = 10) -> list[dict]:
-  """`decode_bandwidth` for each of `tiles` (block sizes, None = the kernel's defaults).
+  """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth,
+  for each of `tiles` (block sizes, None = the kernel's defaults).
 
   The inputs are built once and the copy bandwidth is measured once, after the kernels;
   every tile's output is checked against the first tile's that ran (they compute the
