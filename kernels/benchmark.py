@@ -227,8 +227,8 @@ def decode_bandwidth_sweep(*, backend: str, batch: int, context: int, dtype, ite
   """Achieved KV-read bandwidth of a decode batch against the device copy bandwidth,
   for each of `tiles` (block sizes, None = the kernel's defaults).
 
-  The inputs are built once and the copy bandwidth is measured once, after the kernels;
-  every tile's output is checked against the first tile's that ran (they compute the
+  The inputs are built once; the copy bandwidth is measured before and after the
+  kernels (the faster counts); every tile's output is checked against the first tile's that ran (they compute the
   same attention), so a fast but wrong tile cannot win. A tile the device cannot run
   (a `JaxRuntimeError`: too much shared memory, say) gets a record with `error` set and
   no timing; the sweep goes on. With `jax_gpu_peer`, jax's own
