@@ -809,7 +809,7 @@ class BlockHasher:
                 )
             else:
                 rest = self._hash_blocks(
-                    packed[n_hit * width : num_blocks * width], num_blocks - n_hit,
+                    packed[n_hit * width : num_blocks * width], n_new,
                     block_size, start_block + n_hit, parent, lora, mm_features, cache_salt,
                     plan, n_hit,
                 )
