@@ -172,8 +172,6 @@ _ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
 _BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
 _HIGH_BYTES = b"\0\0" + b"\xff" * 6 if sys.byteorder == "little" else b"\xff" * 6 + b"\0\0"
 _HIGH_MASK_IDS = 4096
-# Ids < 256 per block the writer splices into the stream (more: cbor2 writes the block).
-_MAX_SPLICED_SMALL_IDS = 2
 # CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
 _CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
 _HIGH_BYTES_MASK = int.from_bytes(_HIGH_BYTES * _HIGH_MASK_IDS, "little")
@@ -431,6 +429,30 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([m | 27]) + n.to_bytes(8, "big")
 
 
+class _NotCborStr(Exception):
+    """A part `BlockHasher._cbor_tail` does not write itself (not a str, or not UTF-8
+    encodable): cbor2 writes those extra keys."""
+
+
+class _CborStrs(dict):
+    """str -> its canonical CBOR item (text string head + UTF-8 bytes), filled on
+    demand; cleared when it reaches _TAIL_CACHE_SIZE entries. One per hasher."""
+
+    __slots__ = ()
+
+    def __missing__(self, s):
+        if type(s) is not str:
+            raise _NotCborStr
+        try:
+            data = s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _NotCborStr from None
+        if len(self) >= _TAIL_CACHE_SIZE:
+            self.clear()
+        item = self[s] = _cbor_head(3, len(data)) + data
+        return item
+
+
 # CBOR array heads of block sizes < 256 (the per-block writer's, looked up, not built).
 _CBOR_ARRAY_HEAD = tuple(_cbor_head(4, n) for n in range(256))
 
@@ -464,6 +486,7 @@ class BlockHasher:
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
+        "_cbor_strs",
         "_cbor_key_head",
         "_memo",
     )
@@ -512,6 +535,7 @@ class BlockHasher:
         # Bounded caches of serialized extra keys (pure functions of values).
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
+        self._cbor_strs = _CborStrs()  # str -> its CBOR item (labels, names, ids)
         self._memo: dict = {}  # block key -> digest, see hash_token_blocks
 
     # -- identity -------------------------------------------------------------------
@@ -559,6 +583,7 @@ class BlockHasher:
         self._memo.clear()
         self._tail_cache.clear()
         self._plan_cache.clear()
+        self._cbor_strs.clear()
 
     def _parent_bytes(self, parent: Any) -> bytes:
         if parent is None:
@@ -1009,11 +1034,11 @@ class BlockHasher:
         ids). Token arrays of blocks whose ids all lie in [256, 65536) -- most blocks of
         a real vocabulary -- are cut from one stream written for all ids at once with
         C-level byte slicing: CBOR's canonical item for such an id is ``0x19`` and its
-        two big-endian bytes, i.e. the id's byte 1 then byte 0. Blocks with an id
-        outside that range go through ``cbor2.dumps`` (its default encoding is the
-        canonical one for non-negative ints and arrays; canonical mode only reorders
-        maps and shortens floats). Tests pin the bytes to ``cbor2.dumps(key,
-        canonical=True)``.
+        two big-endian bytes, i.e. the id's byte 1 then byte 0. Runs of ids < 256 are
+        spliced in (ids < 24: their low bytes, one slice per run). Blocks with an id
+        >= 65536 go through ``cbor2.dumps`` (its default encoding is the canonical one
+        for non-negative ints and arrays; canonical mode only reorders maps and shortens
+        floats). Tests pin the bytes to ``cbor2.dumps(key, canonical=True)``.
         """
         n = num_blocks * bs
         ds = self._digest_size
@@ -1029,7 +1054,6 @@ class BlockHasher:
         pieces = [arr + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
         # Ids >= 65536 make their block's items longer: cbor2 writes those blocks.
         big = ()
-        ids = None
         if high:
             hb = high.to_bytes(8 * n, "little")
             full = 8 * bs
@@ -1037,9 +1061,9 @@ class BlockHasher:
             ids = memoryview(packed).cast("Q")
             for k in big:
                 pieces[k] = cbor2.dumps(ids[k * bs : (k + 1) * bs].tolist()) + sfx[k]
-        # Ids < 256 (byte 1 zero) have shorter items: splice a few into the stream's;
-        # blocks with more (multimodal placeholder runs) and blocks with big ids go to
-        # cbor2 whole.
+        # Ids < 256 (byte 1 zero) have shorter items: each run of them is spliced into
+        # the block's stream; a run of ids < 24 (multimodal placeholders, typically) is
+        # its own CBOR items, i.e. the ids' low bytes: one slice of the packed bytes.
         i = b1.find(0)
         while i >= 0:
             k = i // bs
@@ -1047,20 +1071,20 @@ class BlockHasher:
             if k in big:
                 i = b1.find(0, end)
                 continue
-            if b1.count(0, i, end) > _MAX_SPLICED_SMALL_IDS:
-                if ids is None:
-                    ids = memoryview(packed).cast("Q")
-                pieces[k] = cbor2.dumps(ids[k * bs : end].tolist()) + sfx[k]
-                i = b1.find(0, end)
-                continue
             parts = [arr]
             a = k * bs
             while 0 <= i < end:
-                parts.append(stream[3 * a : 3 * i])
-                parts.append(_CBOR_SMALL_ITEM[packed[8 * i + _BYTE0]])
-                a = i + 1
+                if a < i:
+                    parts.append(stream[3 * a : 3 * i])
+                a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
+                low = packed[8 * i + _BYTE0 : 8 * a : 8]
+                if max(low) < 24:
+                    parts.append(low)
+                else:
+                    parts += map(_CBOR_SMALL_ITEM.__getitem__, low)
                 i = b1.find(0, a)
-            parts.append(stream[3 * a : 3 * end])
+            if a < end:
+                parts.append(stream[3 * a : 3 * end])
             parts.append(sfx[k])
             pieces[k] = b"".join(parts)
         head = self._cbor_key_head
@@ -1102,18 +1126,53 @@ class BlockHasher:
         assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
         return dummy[head:]
 
-    def _tail(self, lora_pair, mm: tuple, salt) -> tuple[bytes | None, tuple | None]:
-        """(`_extra_tail`, canonical extra keys) of the extra keys built from their
-        parts; cached."""
+    def _tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
+        """`_extra_tail` of the extra keys built from their parts
+        (`_extras_from_parts`); cached."""
         key = (lora_pair, mm, salt or None)
         cache = self._tail_cache
         got = cache.get(key)
         if got is None:
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
-            extra = _extras_from_parts(lora_pair, mm, salt)
-            got = cache[key] = (self._extra_tail(extra), extra)
+            got = self._cbor_tail(*key) if self._is_cbor else None
+            if got is None:
+                got = self._extra_tail(_extras_from_parts(*key))
+            cache[key] = got
         return got
+
+    def _cbor_tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
+        """``cbor2.dumps(_extras_from_parts(lora_pair, mm, salt), canonical=True)``
+        written from its parts: each labelled key is an array of its label, its
+        strings' items (cached) and, for an item, its relative offset's int item; the
+        extra keys are the array of those. None when a part is not a str / int of
+        that form (cbor2 writes those).
+
+        NOTE: a request shape's plan has one suffix per block that overlaps a
+        multimodal item (the item's offset relative to each block differs), so a new
+        image or adapter means dozens of these; cbor2's canonical mode costs ~3 us a
+        call, this ~1 us. Tests pin the bytes to cbor2's.
+        """
+        strs = self._cbor_strs
+        try:
+            items = []
+            if lora_pair is not None:
+                name, path = lora_pair
+                items.append(b"\x83" + strs[LORA_LABEL] + strs[name] + strs[path])
+            for identifier, rel in mm:
+                if type(rel) is not int:
+                    return None
+                items.append(
+                    b"\x83" + strs[MM_LABEL] + strs[identifier]
+                    + (_cbor_head(0, rel) if rel >= 0 else _cbor_head(1, -1 - rel))
+                )
+            if salt:
+                items.append(b"\x82" + strs[CACHE_SALT_LABEL] + strs[salt])
+        except _NotCborStr:
+            return None
+        if not items:
+            return b"\xf6"
+        return _cbor_head(4, len(items)) + b"".join(items)
 
     def _tail_plan(self, bs, start_block, lora, mm_features, cache_salt) -> _TailPlan | None:
         """What follows the token items in each block's key (see `_TailPlan`).
@@ -1158,24 +1217,26 @@ class BlockHasher:
                 special.setdefault(b, []).append((identifier, offset - b * bs))
         if salt is not None:
             special.setdefault(0, [])
-        tail, extra = self._tail(lora_pair, (), None)
-        tails, extras = [tail], [extra]
-        index: dict = {tail: 0}
+        tail = self._tail
+        plain = tail(lora_pair, (), None)
+        tails, parts = [plain], [(lora_pair, (), None)]
+        index: dict = {plain: 0}
         positions, ids = [], []
         for b, mm in sorted(special.items()):
-            tail, extra = self._tail(lora_pair, tuple(mm), salt if b == 0 else None)
-            k = index.get(tail)
+            key = (lora_pair, tuple(mm), salt if b == 0 else None)
+            t = tail(*key)
+            k = index.get(t)
             if k is None:
-                k = index[tail] = len(tails)
-                tails.append(tail)
-                extras.append(extra)
+                k = index[t] = len(tails)
+                tails.append(t)
+                parts.append(key)
             positions.append(b - start_block)
             ids.append(k)
-        if any(t is None for t in tails):
+        if None in tails:
             return _UNSPLICEABLE
         head, hole, close = self._frame(bs)
         return _TailPlan(
-            head, hole, close, bs, [close + t for t in tails], extras, positions, ids
+            head, hole, close, bs, [close + t for t in tails], parts, positions, ids
         )
 
     def _hash_blocks_vectorised(
@@ -1290,7 +1351,8 @@ class _TailPlan:
         offset ``hole``; close_len: bytes of the token tuple's close, which starts
         every suffix.
       suffixes: the U distinct suffixes (close + serialized extra keys) as bytes;
-        extras: the U extra keys themselves (canonical tuples or None), same order.
+        extras: the U extra keys themselves (canonical tuples or None), same order
+        (built on first use from their parts: the CBOR writers never read them).
       id_of: block ``start_block + i`` takes suffix ``id_of.get(i, 0)``; positions,
         ids: intp[k] the same map as arrays (None when every block takes suffix 0);
         may reach past the last block.
@@ -1301,16 +1363,19 @@ class _TailPlan:
     """
 
     __slots__ = (
-        "head", "hole", "close_len", "block_size", "suffixes", "extras", "id_of", "positions",
+        "head", "hole", "close_len", "block_size", "suffixes", "id_of", "positions",
         "ids", "template", "template_mask", "head_rows", "fixed_len", "suffix_rows",
-        "suffix_mask", "suffix_lens", "_tail_seq",
+        "suffix_mask", "suffix_lens", "_tail_seq", "_parts", "_extras",
     )
 
-    def __init__(self, head, hole, close, block_size, suffixes, extras, positions, ids):
+    def __init__(self, head, hole, close, block_size, suffixes, parts, positions, ids):
+        """``parts``: per suffix, the (lora pair, items, salt) its extra keys are built
+        from (`_extras_from_parts`)."""
         self.head, self.hole, self.close_len = head, hole, len(close)
         self.block_size = block_size
         self.suffixes = suffixes
-        self.extras = extras
+        self._parts = parts
+        self._extras = None
         self.id_of = dict(zip(positions, ids))
         self.positions = self.ids = None
         if positions:
@@ -1319,6 +1384,13 @@ class _TailPlan:
             self.positions.flags.writeable = self.ids.flags.writeable = False
         self.template = None
         self._tail_seq = None
+
+    @property
+    def extras(self) -> list:
+        """The extra keys of each suffix (canonical tuples or None), same order."""
+        if self._extras is None:
+            self._extras = [_extras_from_parts(*p) for p in self._parts]
+        return self._extras
 
     def tails_for(self, n: int) -> list[bytes]:
         """The suffix of each of the first ``n`` blocks (a fresh list)."""

@@ -378,6 +378,11 @@ def test_u16_blocks_byte_for_byte(algo, with_high, path):
         [40000, 256, 65535, 31999],  # from the stream again
         [0, 23, 24, 65535],  # ids < 256 spliced into the stream's items
         [300, 400, 7, 255],
+        [0, 0, 0, 0],  # a run of ids < 24 (placeholders): the low bytes
+        [300, 0, 23, 1],  # a run of ids < 24 after an u16 id
+        [5, 6, 300, 7],  # runs of ids < 24 around an u16 id
+        [24, 0, 255, 300],  # a run of ids < 256 with some >= 24
+        [1, 2, 3, 255],
         [70000, 2**32 - 1, 2**32, 2**40],
         [2**64 - 1, 256, 256, 256],
         [1 << 16, 1 << 24, 1 << 48, 511],
@@ -740,3 +745,62 @@ def test_high_id_bytes_checks_every_high_byte(n):
             ids = list(base)
             ids[at] = v
             assert hashing._high_id_bytes(struct.pack(f"={n}Q", *ids)), (v, at)
+
+
+_CBOR_TAIL_STRS = ["a", "img-0", "é" * 30, "x" * 300, "画像-🙂"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lora=st.none() | st.tuples(st.sampled_from(_CBOR_TAIL_STRS), st.sampled_from(_CBOR_TAIL_STRS)),
+    mm=st.lists(
+        st.tuples(
+            st.sampled_from(_CBOR_TAIL_STRS),
+            st.sampled_from([0, 1, 23, 24, 255, 256, 65535, 65536, 2**32, -1, -24, -25,
+                             -256, -257, -65537, -(2**32) - 1])
+            | st.integers(-(2**40), 2**40),
+        ),
+        max_size=3,
+    ).map(tuple),
+    salt=st.none() | st.sampled_from(["", "s", "salt-1", "ü" * 40]),
+)
+def test_cbor_tail_equals_cbor2_canonical(lora, mm, salt):
+    """The extra keys' CBOR written from cached parts is cbor2's canonical encoding
+    (string lengths and int widths at every head boundary, negative offsets, non-ASCII)."""
+    hasher = BlockHasher("xxhash_cbor", seed=0)
+    extra = hashing._extras_from_parts(lora, mm, salt)
+    want = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
+    assert hasher._cbor_tail(lora, mm, salt) == want
+    assert hasher._tail(lora, mm, salt) == want  # cached copy
+    assert hasher._tail(lora, mm, salt) == want
+
+
+def test_cbor_tail_leaves_odd_parts_to_cbor2():
+    """Parts the writer does not encode itself (a lone surrogate, a str subclass value
+    it has not seen) give None: the spec path writes them."""
+    hasher = BlockHasher("sha256_cbor", seed=0)
+    assert hasher._cbor_tail(None, (("\ud800", 3),), None) is None
+
+    class S(str):
+        pass
+
+    assert hasher._cbor_tail((S("n"), "p"), (), None) is None
+    assert hasher._cbor_tail(None, (("img", 3),), S("salt")) is None
+    # The plan's suffixes and extra keys for such parts still match the spec.
+    tokens = list(range(300, 340))
+    kw = dict(lora=(S("lora-x"), "/p"), mm_features=[("img-q", 3, 20)], cache_salt=S("s"))
+    assert hasher.hash_token_blocks(tokens, 8, **kw) == _chain_reference(hasher, tokens, 8, **kw)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_plan_extras_are_the_blocks_extra_keys(algo):
+    """A plan's extra keys (built on first use from their parts) are block_extra_keys of
+    each block it covers."""
+    bs = 4
+    hasher = BlockHasher(algo, seed=0)
+    lora, mm, salt = ("l", "/l"), [("i", 5, 9)], "s"
+    plan = hasher._tail_plan(bs, 0, lora, mm, salt)
+    for b in range(6):
+        want = block_extra_keys(b * bs, (b + 1) * bs, lora=lora, mm_features=mm,
+                                cache_salt=salt, is_first_block=b == 0)
+        assert plan.extras[plan.id_of.get(b, 0)] == want, b
