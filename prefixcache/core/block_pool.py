@@ -326,10 +326,18 @@ class BlockPool:
             num_full_blocks: blocks that are full after this step.
             block_size: tokens per block.
         """
+        if len(block_hashes) < num_full_blocks:
+            raise InvariantError(
+                f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} "
+                "block hashes"
+            )
         cached = self.cached_block_hash_to_block
-        for i in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[i]
-            h = block_hashes[i]
+        # NOTE: one slice of each (a Request's hashes are a read-only view whose
+        # per-item indexing is a Python-level call).
+        for blk, h in zip(
+            blocks[num_cached_blocks:num_full_blocks],
+            block_hashes[num_cached_blocks:num_full_blocks],
+        ):
             if blk.block_hash is not None:
                 raise InvariantError(
                     f"block {blk.block_id} is being cached as {h.hex()} but already "

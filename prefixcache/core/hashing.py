@@ -486,6 +486,7 @@ class BlockHasher:
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
+        "_plain_tags",
         "_cbor_strs",
         "_cbor_key_head",
         "_memo",
@@ -535,6 +536,7 @@ class BlockHasher:
         # Bounded caches of serialized extra keys (pure functions of values).
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
+        self._plain_tags: dict = {}  # (block size, lora pair) -> plain_block_tag
         self._cbor_strs = _CborStrs()  # str -> its CBOR item (labels, names, ids)
         self._memo: dict = {}  # block key -> digest, see hash_token_blocks
 
@@ -583,6 +585,7 @@ class BlockHasher:
         self._memo.clear()
         self._tail_cache.clear()
         self._plan_cache.clear()
+        self._plain_tags.clear()
         self._cbor_strs.clear()
 
     def _parent_bytes(self, parent: Any) -> bytes:
@@ -648,10 +651,16 @@ class BlockHasher:
             raise ValueError(f"block_size must be an int, got {block_size!r}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
-        plan = self._tail_plan(int(block_size), 1, lora, (), None)
-        if plan is None:
-            return None
-        return plan.suffixes[0], plan.extras[0]
+        lora_pair = _lora_pair(lora)
+        key = (int(block_size), lora_pair)
+        tag = self._plain_tags.get(key, self)
+        if tag is self:
+            plan = self._tail_plan(int(block_size), 1, lora_pair, (), None)
+            tag = None if plan is None else (plan.suffixes[0], plan.extras[0])
+            if len(self._plain_tags) >= _TAIL_CACHE_SIZE:
+                self._plain_tags.clear()
+            self._plain_tags[key] = tag
+        return tag
 
     def hash_plain_block(self, parent: bytes, block: array.array, tag: tuple) -> bytes:
         """Digest of one block whose extra keys are at most the LoRA's, from
@@ -741,15 +750,15 @@ class BlockHasher:
         Raises:
           ValueError: block_size <= 0, start_block < 0, negative or non-int token ids.
         """
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-            raise ValueError(f"block_size must be an int, got {block_size!r}")
+        if type(block_size) is not int or type(start_block) is not int:
+            for name, v in (("block_size", block_size), ("start_block", start_block)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ValueError(f"{name} must be an int, got {v!r}")
+            block_size, start_block = int(block_size), int(start_block)
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
-        if isinstance(start_block, bool) or not isinstance(start_block, (int, np.integer)):
-            raise ValueError(f"start_block must be an int, got {start_block!r}")
         if start_block < 0:
             raise ValueError(f"start_block must be >= 0, got {start_block}")
-        block_size, start_block = int(block_size), int(start_block)
         if type(token_ids) is array.array and token_ids.typecode == "Q":
             # A Request's own tokens (valid by construction): one copy of the new part.
             packed = memoryview(token_ids)[start_block * block_size :].tobytes()
@@ -758,7 +767,8 @@ class BlockHasher:
             tokens = token_ids[start_block * block_size :]
             num_blocks = len(tokens) // block_size
             packed = _pack_tokens(tokens)  # validates every id, the partial block's too
-        parent = self._parent_bytes(parent)
+        if type(parent) is not bytes or not parent:
+            parent = self._parent_bytes(parent)
         if not num_blocks:
             return []
         if packed is None:  # ids >= 2**64: only the spec path writes those

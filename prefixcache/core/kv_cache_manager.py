@@ -338,8 +338,9 @@ class KVCacheManager:
                     f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
                 )
             need = min(need, mml)
-        if self.enable_caching and request.hasher is not None and (
-            request.hasher != self.hasher or request.block_size != bs
+        hasher = request.hasher
+        if self.enable_caching and hasher is not None and (
+            (hasher is not self.hasher and hasher != self.hasher) or request.block_size != bs
         ):
             raise ValueError(
                 f"request {rid!r} is bound to {request.hasher!r} with block size "

@@ -140,6 +140,11 @@ def _validated_tokens(name: str, token_ids: Any) -> array.array:
     NOTE: values only: numpy ints (and bools, an int subclass) are stored as the int of
     the same value. Ids must lie in [0, 2**64).
     """
+    if type(token_ids) is list:  # the common case: array checks every id at C speed
+        try:
+            return array.array("Q", token_ids)
+        except (OverflowError, TypeError):
+            pass  # below: the error names the first bad id
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise ValueError(
@@ -243,7 +248,8 @@ class Request:
                     f"request {request_id!r}: mm_features items must be MultiModalFeature, got {f!r}"
                 )
             features.append(f)
-        features.sort(key=lambda f: f.offset)
+        if len(features) > 1:
+            features.sort(key=lambda f: f.offset)
         for f in features:
             if f.offset + f.length > n:
                 raise ValueError(
@@ -411,7 +417,10 @@ class Request:
         tag = hasher.plain_block_tag(block_size, self._lora)
         plain_from = sys.maxsize
         if tag is not None:
-            mm_end = max((f.offset + f.length for f in self._mm_features), default=0)
+            feats = self._mm_features
+            mm_end = (
+                feats[-1].offset + feats[-1].length if feats else 0  # sorted, disjoint
+            )
             plain_from = max(-(-mm_end // block_size), 1 if self._cache_salt else 0)
         self._plain_tag = tag
         self._plain_from = plain_from

@@ -590,8 +590,18 @@ def test_bad_arguments():
     for bs in (0, -4, 2.0, True):
         with pytest.raises(ValueError, match="block_size"):
             h.hash_token_blocks([1, 2], bs)
-    with pytest.raises(ValueError, match="start_block"):
-        h.hash_token_blocks([1, 2], 1, start_block=-1)
+    for sb in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="start_block"):
+            h.hash_token_blocks([1, 2], 1, start_block=sb)
+    for parent in ("abc", 5, [1]):
+        with pytest.raises(ValueError, match="parent"):
+            h.hash_token_blocks([1, 2], 1, parent=parent)
+    # numpy ints are ints; an empty or bytearray parent is the root / its bytes.
+    want = h.hash_token_blocks([1, 2, 3], 1)
+    assert h.hash_token_blocks([1, 2, 3], np.int64(1), start_block=np.int32(0)) == want
+    assert h.hash_token_blocks([1, 2, 3], 1, parent=b"") == want
+    assert h.hash_token_blocks([1, 2, 3], 1, parent=bytearray(h.root)) == want
+    assert h.hash_token_blocks([1, 2, 3], 1, start_block=1, parent=memoryview(want[0])) == want[1:]
     with pytest.raises(ValueError, match="parent"):
         h.hash_block("abc", [1])
     with pytest.raises(ValueError, match="extra"):
