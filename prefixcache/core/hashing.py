@@ -109,6 +109,7 @@ _MAX_STREAM_BLOCKS_CBOR = 256
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
+_NOT_BUILT = object()  # extra keys of a CBOR tail written from their parts
 # Bound of the per-hasher memo of block digests (cleared when full): 32 Ki entries,
 # 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
 # per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
@@ -1136,18 +1137,22 @@ class BlockHasher:
         assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
         return dummy[head:]
 
-    def _tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
-        """`_extra_tail` of the extra keys built from their parts
-        (`_extras_from_parts`); cached."""
+    def _tail(self, lora_pair, mm: tuple, salt) -> tuple[bytes | None, Any]:
+        """(`_extra_tail`, extra keys) of the extra keys built from their parts
+        (`_extras_from_parts`); cached. The extra keys are `_NOT_BUILT` when the CBOR
+        tail was written from the parts directly (`_TailPlan.extras` builds them)."""
         key = (lora_pair, mm, salt or None)
         cache = self._tail_cache
         got = cache.get(key)
         if got is None:
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
-            got = self._cbor_tail(*key) if self._is_cbor else None
-            if got is None:
-                got = self._extra_tail(_extras_from_parts(*key))
+            tail = self._cbor_tail(*key) if self._is_cbor else None
+            if tail is None:
+                extra = _extras_from_parts(*key)
+                got = (self._extra_tail(extra), extra)
+            else:
+                got = (tail, _NOT_BUILT)
             cache[key] = got
         return got
 
@@ -1228,17 +1233,18 @@ class BlockHasher:
         if salt is not None:
             special.setdefault(0, [])
         tail = self._tail
-        plain = tail(lora_pair, (), None)
-        tails, parts = [plain], [(lora_pair, (), None)]
+        plain, extra = tail(lora_pair, (), None)
+        tails, extras, parts = [plain], [extra], [(lora_pair, (), None)]
         index: dict = {plain: 0}
         positions, ids = [], []
         for b, mm in sorted(special.items()):
             key = (lora_pair, tuple(mm), salt if b == 0 else None)
-            t = tail(*key)
+            t, extra = tail(*key)
             k = index.get(t)
             if k is None:
                 k = index[t] = len(tails)
                 tails.append(t)
+                extras.append(extra)
                 parts.append(key)
             positions.append(b - start_block)
             ids.append(k)
@@ -1246,7 +1252,7 @@ class BlockHasher:
             return _UNSPLICEABLE
         head, hole, close = self._frame(bs)
         return _TailPlan(
-            head, hole, close, bs, [close + t for t in tails], parts, positions, ids
+            head, hole, close, bs, [close + t for t in tails], extras, parts, positions, ids
         )
 
     def _hash_blocks_vectorised(
@@ -1378,14 +1384,15 @@ class _TailPlan:
         "suffix_mask", "suffix_lens", "_tail_seq", "_parts", "_extras",
     )
 
-    def __init__(self, head, hole, close, block_size, suffixes, parts, positions, ids):
-        """``parts``: per suffix, the (lora pair, items, salt) its extra keys are built
-        from (`_extras_from_parts`)."""
+    def __init__(self, head, hole, close, block_size, suffixes, extras, parts, positions, ids):
+        """``extras``: per suffix, its extra keys or `_NOT_BUILT`; ``parts``: per
+        suffix, the (lora pair, items, salt) they are built from
+        (`_extras_from_parts`); kept until they are built."""
         self.head, self.hole, self.close_len = head, hole, len(close)
         self.block_size = block_size
         self.suffixes = suffixes
-        self._parts = parts
-        self._extras = None
+        self._extras = extras
+        self._parts = parts if any(e is _NOT_BUILT for e in extras) else None
         self.id_of = dict(zip(positions, ids))
         self.positions = self.ids = None
         if positions:
@@ -1398,8 +1405,12 @@ class _TailPlan:
     @property
     def extras(self) -> list:
         """The extra keys of each suffix (canonical tuples or None), same order."""
-        if self._extras is None:
-            self._extras = [_extras_from_parts(*p) for p in self._parts]
+        if self._parts is not None:
+            self._extras = [
+                _extras_from_parts(*p) if e is _NOT_BUILT else e
+                for e, p in zip(self._extras, self._parts)
+            ]
+            self._parts = None
         return self._extras
 
     def tails_for(self, n: int) -> list[bytes]:
