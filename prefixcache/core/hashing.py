@@ -109,7 +109,6 @@ _MAX_STREAM_BLOCKS_CBOR = 256
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
-_NOT_BUILT = object()  # extra keys of a CBOR tail written from their parts
 # Bound of the per-hasher memo of block digests (cleared when full): 32 Ki entries,
 # 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
 # per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
@@ -452,6 +451,21 @@ class _CborStrs(dict):
             self.clear()
         item = self[s] = _cbor_head(3, len(data)) + data
         return item
+
+
+def _cbor_int(v: int) -> bytes:
+    """Canonical CBOR item of an int in [-2**64, 2**64)."""
+    return _cbor_head(0, v) if v >= 0 else _cbor_head(1, -1 - v)
+
+
+def _pickle_int(v: int) -> bytes:
+    """pickle's opcodes for an int in [-2**31, 2**31) (protocol >= 1): BININT1,
+    BININT2 or BININT."""
+    if 0 <= v < 256:
+        return b"K" + bytes((v,))
+    if 0 <= v < 65536:
+        return b"M" + v.to_bytes(2, "little")
+    return b"J" + v.to_bytes(4, "little", signed=True)
 
 
 # CBOR array heads of block sizes < 256 (the per-block writer's, looked up, not built).
@@ -1137,23 +1151,18 @@ class BlockHasher:
         assert dummy[head - 4 : head] == b"K\x00\x85\x94", dummy
         return dummy[head:]
 
-    def _tail(self, lora_pair, mm: tuple, salt) -> tuple[bytes | None, Any]:
-        """(`_extra_tail`, extra keys) of the extra keys built from their parts
-        (`_extras_from_parts`); cached. The extra keys are `_NOT_BUILT` when the CBOR
-        tail was written from the parts directly (`_TailPlan.extras` builds them)."""
+    def _tail(self, lora_pair, mm: tuple, salt) -> tuple[bytes | None, tuple | None]:
+        """(`_extra_tail`, canonical extra keys) of the extra keys built from their
+        parts; cached."""
         key = (lora_pair, mm, salt or None)
         cache = self._tail_cache
         got = cache.get(key)
         if got is None:
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
+            extra = _extras_from_parts(*key)
             tail = self._cbor_tail(*key) if self._is_cbor else None
-            if tail is None:
-                extra = _extras_from_parts(*key)
-                got = (self._extra_tail(extra), extra)
-            else:
-                got = (tail, _NOT_BUILT)
-            cache[key] = got
+            got = cache[key] = (self._extra_tail(extra) if tail is None else tail, extra)
         return got
 
     def _cbor_tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
@@ -1163,10 +1172,8 @@ class BlockHasher:
         extra keys are the array of those. None when a part is not a str / int of
         that form (cbor2 writes those).
 
-        NOTE: a request shape's plan has one suffix per block that overlaps a
-        multimodal item (the item's offset relative to each block differs), so a new
-        image or adapter means dozens of these; cbor2's canonical mode costs ~3 us a
-        call, this ~1 us. Tests pin the bytes to cbor2's.
+        NOTE: cbor2's canonical mode costs ~3 us a call, this ~1 us. Tests pin the
+        bytes to cbor2's.
         """
         strs = self._cbor_strs
         try:
@@ -1175,12 +1182,9 @@ class BlockHasher:
                 name, path = lora_pair
                 items.append(b"\x83" + strs[LORA_LABEL] + strs[name] + strs[path])
             for identifier, rel in mm:
-                if type(rel) is not int:
+                if type(rel) is not int or not -(2**64) <= rel < 2**64:
                     return None
-                items.append(
-                    b"\x83" + strs[MM_LABEL] + strs[identifier]
-                    + (_cbor_head(0, rel) if rel >= 0 else _cbor_head(1, -1 - rel))
-                )
+                items.append(b"\x83" + strs[MM_LABEL] + strs[identifier] + _cbor_int(rel))
             if salt:
                 items.append(b"\x82" + strs[CACHE_SALT_LABEL] + strs[salt])
         except _NotCborStr:
@@ -1226,34 +1230,115 @@ class BlockHasher:
         return None if plan is _UNSPLICEABLE else plan
 
     def _make_tail_plan(self, lora_pair, feats, salt, start_block, bs):
+        if len(feats) == 1:
+            plan = self._one_item_plan(lora_pair, feats[0], salt, start_block, bs)
+            if plan is not None:
+                return plan
         special: dict[int, list] = {}
         for identifier, offset, length in feats:
             for b in range(max(offset // bs, start_block), (offset + length - 1) // bs + 1):
                 special.setdefault(b, []).append((identifier, offset - b * bs))
         if salt is not None:
             special.setdefault(0, [])
-        tail = self._tail
-        plain, extra = tail(lora_pair, (), None)
-        tails, extras, parts = [plain], [extra], [(lora_pair, (), None)]
-        index: dict = {plain: 0}
+        tail, extra = self._tail(lora_pair, (), None)
+        tails, extras = [tail], [extra]
+        index: dict = {tail: 0}
         positions, ids = [], []
         for b, mm in sorted(special.items()):
-            key = (lora_pair, tuple(mm), salt if b == 0 else None)
-            t, extra = tail(*key)
-            k = index.get(t)
+            tail, extra = self._tail(lora_pair, tuple(mm), salt if b == 0 else None)
+            k = index.get(tail)
             if k is None:
-                k = index[t] = len(tails)
-                tails.append(t)
+                k = index[tail] = len(tails)
+                tails.append(tail)
                 extras.append(extra)
-                parts.append(key)
             positions.append(b - start_block)
             ids.append(k)
         if None in tails:
             return _UNSPLICEABLE
         head, hole, close = self._frame(bs)
         return _TailPlan(
-            head, hole, close, bs, [close + t for t in tails], extras, parts, positions, ids
+            head, hole, close, bs, [close + t for t in tails], extras, positions, ids
         )
+
+    def _one_item_plan(self, lora_pair, feat, salt, start_block, bs):
+        """`_make_tail_plan` for one multimodal item, or None (then the generic one).
+
+        NOTE: every block the item overlaps has its own extra keys -- the item's offset
+        relative to the block differs -- so a new image, adapter or salt used to cost
+        one serialization per block (~2-9 us each, dozens per image). Those keys differ
+        only in that int, the last value before the keys' closing opcodes (pickle) or
+        the last item (CBOR): their bytes are one template around the int's encoding,
+        cut once per (adapter, item) from two serializations (`_item_template`). Only
+        block 0 with a salt goes through `_tail`. Tests pin every suffix and extra
+        key to the generic builder's.
+        """
+        identifier, offset, length = feat
+        b0 = max(offset // bs, start_block)
+        b1 = (offset + length - 1) // bs
+        rels = range(offset - b0 * bs, offset - (b1 + 1) * bs, -bs)
+        if type(offset) is not int or not -(2**31) <= rels[-1] <= rels[0] < 2**31:
+            return None
+        template = self._item_template(lora_pair, identifier)
+        if template is None:
+            return None
+        pre, post, lora_key, ident = template
+        plain, plain_extra = self._tail(lora_pair, (), None)
+        if plain is None:
+            return None
+        tails, extras = [plain], [plain_extra]
+        positions: list[int] = []
+        if salt is not None:  # block 0's key also carries the salt (start_block is 0)
+            mm = ((identifier, offset),) if b0 == 0 else ()
+            tail, extra = self._tail(lora_pair, mm, salt)
+            if tail is None:
+                return None
+            tails.append(tail)
+            extras.append(extra)
+            positions.append(0)
+            if b0 == 0:
+                rels = rels[1:]
+                b0 = 1
+        enc = _cbor_int if self._is_cbor else _pickle_int
+        tails += [pre + enc(r) + post for r in rels]
+        mm_label = MM_LABEL
+        if lora_key is None:
+            extras += [((mm_label, ident, r),) for r in rels]
+        else:
+            extras += [(lora_key, (mm_label, ident, r)) for r in rels]
+        positions += range(b0 - start_block, b1 + 1 - start_block)
+        head, hole, close = self._frame(bs)
+        return _TailPlan(
+            head, hole, close, bs, [close + t for t in tails], extras,
+            positions, range(1, len(tails)),
+        )
+
+    def _item_template(self, lora_pair, identifier):
+        """(pre, post, LoRA key, identifier) such that ``pre + enc(r) + post`` is the
+        `_extra_tail` of ``_extras_from_parts(lora_pair, ((identifier, r),), None)``
+        (``enc``: `_cbor_int` / `_pickle_int`) and its extra keys are ``((MM_LABEL,
+        identifier, r),)`` after the LoRA key; cached. None when the serialization is
+        not of that form (then the generic builder)."""
+        key = ("item", lora_pair, identifier)
+        cache = self._tail_cache
+        got = cache.get(key, self)
+        if got is not self:
+            return got
+        got = None
+        t0, e0 = self._tail(lora_pair, ((identifier, 0),), None)
+        t1, _ = self._tail(lora_pair, ((identifier, 1),), None)
+        if t0 is not None and t1 is not None and len(t0) == len(t1):
+            # The int's encoding: its last byte is the only one that differs (0 / 1).
+            p = next((i for i, (x, y) in enumerate(zip(t0, t1)) if x != y), -1)
+            zero = b"\0" if self._is_cbor else b"K\0"
+            if p >= 0 and t0[p + 1 - len(zero) : p + 1] == zero and t0[p + 1 :] == t1[p + 1 :]:
+                got = (
+                    t0[: p + 1 - len(zero)], t0[p + 1 :],
+                    e0[0] if lora_pair is not None else None, e0[-1][1],
+                )
+        if len(cache) >= _TAIL_CACHE_SIZE:
+            cache.clear()
+        cache[key] = got
+        return got
 
     def _hash_blocks_vectorised(
         self, u32, num_blocks, block_size, start_block, parent,
@@ -1367,8 +1452,7 @@ class _TailPlan:
         offset ``hole``; close_len: bytes of the token tuple's close, which starts
         every suffix.
       suffixes: the U distinct suffixes (close + serialized extra keys) as bytes;
-        extras: the U extra keys themselves (canonical tuples or None), same order
-        (built on first use from their parts: the CBOR writers never read them).
+        extras: the U extra keys themselves (canonical tuples or None), same order.
       id_of: block ``start_block + i`` takes suffix ``id_of.get(i, 0)``; positions,
         ids: intp[k] the same map as arrays (None when every block takes suffix 0);
         may reach past the last block.
@@ -1381,18 +1465,14 @@ class _TailPlan:
     __slots__ = (
         "head", "hole", "close_len", "block_size", "suffixes", "id_of", "positions",
         "ids", "template", "template_mask", "head_rows", "fixed_len", "suffix_rows",
-        "suffix_mask", "suffix_lens", "_tail_seq", "_parts", "_extras",
+        "suffix_mask", "suffix_lens", "_tail_seq", "extras",
     )
 
-    def __init__(self, head, hole, close, block_size, suffixes, extras, parts, positions, ids):
-        """``extras``: per suffix, its extra keys or `_NOT_BUILT`; ``parts``: per
-        suffix, the (lora pair, items, salt) they are built from
-        (`_extras_from_parts`); kept until they are built."""
+    def __init__(self, head, hole, close, block_size, suffixes, extras, positions, ids):
         self.head, self.hole, self.close_len = head, hole, len(close)
         self.block_size = block_size
         self.suffixes = suffixes
-        self._extras = extras
-        self._parts = parts if any(e is _NOT_BUILT for e in extras) else None
+        self.extras = extras
         self.id_of = dict(zip(positions, ids))
         self.positions = self.ids = None
         if positions:
@@ -1401,17 +1481,6 @@ class _TailPlan:
             self.positions.flags.writeable = self.ids.flags.writeable = False
         self.template = None
         self._tail_seq = None
-
-    @property
-    def extras(self) -> list:
-        """The extra keys of each suffix (canonical tuples or None), same order."""
-        if self._parts is not None:
-            self._extras = [
-                _extras_from_parts(*p) if e is _NOT_BUILT else e
-                for e, p in zip(self._extras, self._parts)
-            ]
-            self._parts = None
-        return self._extras
 
     def tails_for(self, n: int) -> list[bytes]:
         """The suffix of each of the first ``n`` blocks (a fresh list)."""

@@ -814,3 +814,63 @@ def test_plan_extras_are_the_blocks_extra_keys(algo):
         want = block_extra_keys(b * bs, (b + 1) * bs, lora=lora, mm_features=mm,
                                 cache_salt=salt, is_first_block=b == 0)
         assert plan.extras[plan.id_of.get(b, 0)] == want, b
+
+
+class _GenericPlans(BlockHasher):
+    """Plans from the generic builder only."""
+
+    def _one_item_plan(self, *args):
+        return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    algo=st.sampled_from(HASH_ALGOS),
+    bs=st.integers(1, 20) | st.sampled_from([256, 300, 70000]),
+    lora=st.none() | st.sampled_from([("lora-a", "/adapters/lora-a"), ("a", "b"), ("i", "/p")]),
+    ident=st.sampled_from(["img-0", "i", "é" * 30, "x" * 300]),
+    offset=st.sampled_from([0, 1, 15, 16, 255, 256, 257, 65535, 65536, 65537, 2**31 - 5, 2**31 + 3])
+    | st.integers(0, 400),
+    length=st.sampled_from([1, 2, 16, 17, 300]) | st.integers(1, 64),
+    salt=st.none() | st.sampled_from(["s", "salt-1"]),
+    start_block=st.integers(0, 3),
+)
+def test_one_item_plan_equals_the_generic_builder(
+    algo, bs, lora, ident, offset, length, salt, start_block
+):
+    """The one-item plan (suffixes from a template around the item's relative offset)
+    is the generic builder's, suffix for suffix, extra key for extra key, block for
+    block -- at the int width boundaries of both encodings and for items beyond
+    2**31 (the generic builder writes those)."""
+    lo = start_block * bs
+    if offset + length <= lo:
+        offset = lo  # the item must reach past start_block (as _tail_plan filters)
+    salt = salt if start_block == 0 else None
+    feats = ((ident, offset, length),)
+    fast = BlockHasher(algo, seed=0)._make_tail_plan(lora, feats, salt, start_block, bs)
+    generic = _GenericPlans(algo, seed=0)._make_tail_plan(lora, feats, salt, start_block, bs)
+    if generic is hashing._UNSPLICEABLE:
+        assert fast is generic
+        return
+    blocks = set(fast.id_of) | set(generic.id_of) | {0, max(generic.id_of, default=0) + 1}
+    assert set(fast.id_of) == set(generic.id_of)
+    for i in sorted(blocks):
+        assert fast.suffixes[fast.id_of.get(i, 0)] == generic.suffixes[generic.id_of.get(i, 0)]
+        got = fast.extras[fast.id_of.get(i, 0)]
+        want = generic.extras[generic.id_of.get(i, 0)]
+        assert got == want, i
+        key = (bytes(32), (1, 2), got)
+        if not algo.endswith("_cbor"):  # same objects aliased the same way: same pickle
+            assert pickle.dumps(key, protocol=5) == pickle.dumps(
+                (key[0], key[1], want), protocol=5
+            )
+    assert (fast.head, fast.hole, fast.close_len) == (generic.head, generic.hole, generic.close_len)
+
+
+def test_int_encodings_at_every_width_boundary():
+    """The one-item plan's int encodings are cbor2's canonical items and pickle's
+    opcodes (the latter cut from pickling the int alone)."""
+    for v in [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, -1, -24, -25, -256, -257,
+              -65536, -65537, -(2**31)]:
+        assert hashing._cbor_int(v) == cbor2.dumps(v, canonical=True), v
+        assert hashing._pickle_int(v) == _pickled_int(v), v
