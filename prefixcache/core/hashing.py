@@ -1101,12 +1101,16 @@ class BlockHasher:
             while 0 <= i < end:
                 if a < i:
                     parts.append(stream[3 * a : 3 * i])
-                a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
-                low = packed[8 * i + _BYTE0 : 8 * a : 8]
-                if max(low) < 24:
-                    parts.append(low)
-                else:
-                    parts += map(_CBOR_SMALL_ITEM.__getitem__, low)
+                a = i + 1
+                if a < end and not b1[a]:
+                    a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
+                    low = packed[8 * i + _BYTE0 : 8 * a : 8]
+                    if max(low) < 24:
+                        parts.append(low)
+                    else:
+                        parts += map(_CBOR_SMALL_ITEM.__getitem__, low)
+                else:  # a single id < 256 (scattered among larger ids: most of them)
+                    parts.append(_CBOR_SMALL_ITEM[packed[8 * i + _BYTE0]])
                 i = b1.find(0, a)
             if a < end:
                 parts.append(stream[3 * a : 3 * end])
