@@ -705,17 +705,16 @@ class BlockHasher:
             # The spec itself: serialize (parent, tuple(ids), extra keys) and hash it.
             extra = tag[1]
             if self._is_cbor:
-                if extra is None:
-                    # cbor2's default encoding is the canonical one for these types.
-                    d = self._digest(cbor2.dumps((parent, tuple(block), None)))
-                else:
-                    # array(3), the parent's bytes, the token array, then the tag's
-                    # serialized extra keys (canonical, cached): no canonical-mode
-                    # encoding of the extra keys per block.
-                    d = self._digest(
-                        b"\x83" + _cbor_head(2, len(parent)) + parent
-                        + cbor2.dumps(tuple(block)) + tag[0]
-                    )
+                # array(3), the parent's bytes, the token array (cbor2's default
+                # encoding of a list of non-negative ints is the canonical one), then
+                # the tag's serialized extra keys (0xf6 for None; canonical, cached).
+                # NOTE: ~17% fewer instructions than cbor2 writing the whole key from a
+                # tuple of the ids (measured with cachegrind).
+                head = (
+                    self._cbor_key_head if len(parent) == self._digest_size
+                    else b"\x83" + _cbor_head(2, len(parent))
+                )
+                d = self._digest(head + parent + cbor2.dumps(block.tolist()) + tag[0])
             elif extra is not None:
                 d = self._digest(self.serialize((parent, tuple(block), extra)))
             elif self._digest is _sha256_digest:
