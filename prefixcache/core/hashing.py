@@ -1279,7 +1279,7 @@ class BlockHasher:
         b0 = max(offset // bs, start_block)
         b1 = (offset + length - 1) // bs
         rels = range(offset - b0 * bs, offset - (b1 + 1) * bs, -bs)
-        if type(offset) is not int or not -(2**31) <= rels[-1] <= rels[0] < 2**31:
+        if not -(2**31) <= rels[-1] <= rels[0] < 2**31:  # pickle: BININT at most
             return None
         template = self._item_template(lora_pair, identifier)
         if template is None:
