@@ -228,8 +228,9 @@ def decode_bandwidth_sweep(*, backend: str, batch: int, context: int, dtype, ite
   for each of `tiles` (block sizes, None = the kernel's defaults).
 
   The inputs are built once; the copy bandwidth is measured before and after the
-  kernels (the faster counts); every tile's output is checked against the first tile's that ran (they compute the
-  same attention), so a fast but wrong tile cannot win. A tile the device cannot run
+  kernels (the faster counts); every tile's output is checked against the output of the
+  first tile that ran (they compute the same attention), so a fast but wrong tile
+  cannot win. A tile the device cannot run
   (a `JaxRuntimeError`: too much shared memory, say) gets a record with `error` set and
   no timing; the sweep goes on. With `jax_gpu_peer`, jax's own
   decode kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, its default tiles)

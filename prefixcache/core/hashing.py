@@ -429,30 +429,6 @@ def _cbor_head(major: int, n: int) -> bytes:
     return bytes([m | 27]) + n.to_bytes(8, "big")
 
 
-class _NotCborStr(Exception):
-    """A part `BlockHasher._cbor_tail` does not write itself (not a str, or not UTF-8
-    encodable): cbor2 writes those extra keys."""
-
-
-class _CborStrs(dict):
-    """str -> its canonical CBOR item (text string head + UTF-8 bytes), filled on
-    demand; cleared when it reaches _TAIL_CACHE_SIZE entries. One per hasher."""
-
-    __slots__ = ()
-
-    def __missing__(self, s):
-        if type(s) is not str:
-            raise _NotCborStr
-        try:
-            data = s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _NotCborStr from None
-        if len(self) >= _TAIL_CACHE_SIZE:
-            self.clear()
-        item = self[s] = _cbor_head(3, len(data)) + data
-        return item
-
-
 def _cbor_int(v: int) -> bytes:
     """Canonical CBOR item of an int in [-2**64, 2**64)."""
     return _cbor_head(0, v) if v >= 0 else _cbor_head(1, -1 - v)
@@ -501,8 +477,6 @@ class BlockHasher:
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
-        "_plain_tags",
-        "_cbor_strs",
         "_cbor_key_head",
         "_memo",
     )
@@ -551,8 +525,6 @@ class BlockHasher:
         # Bounded caches of serialized extra keys (pure functions of values).
         self._tail_cache: dict = {}
         self._plan_cache: dict = {}
-        self._plain_tags: dict = {}  # (block size, lora pair) -> plain_block_tag
-        self._cbor_strs = _CborStrs()  # str -> its CBOR item (labels, names, ids)
         self._memo: dict = {}  # block key -> digest, see hash_token_blocks
 
     # -- identity -------------------------------------------------------------------
@@ -600,8 +572,6 @@ class BlockHasher:
         self._memo.clear()
         self._tail_cache.clear()
         self._plan_cache.clear()
-        self._plain_tags.clear()
-        self._cbor_strs.clear()
 
     def _parent_bytes(self, parent: Any) -> bytes:
         if parent is None:
@@ -666,16 +636,10 @@ class BlockHasher:
             raise ValueError(f"block_size must be an int, got {block_size!r}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
-        lora_pair = _lora_pair(lora)
-        key = (int(block_size), lora_pair)
-        tag = self._plain_tags.get(key, self)
-        if tag is self:
-            plan = self._tail_plan(int(block_size), 1, lora_pair, (), None)
-            tag = None if plan is None else (plan.suffixes[0], plan.extras[0])
-            if len(self._plain_tags) >= _TAIL_CACHE_SIZE:
-                self._plain_tags.clear()
-            self._plain_tags[key] = tag
-        return tag
+        plan = self._tail_plan(int(block_size), 1, lora, (), None)
+        if plan is None:
+            return None
+        return plan.suffixes[0], plan.extras[0]
 
     def hash_plain_block(self, parent: bytes, block: array.array, tag: tuple) -> bytes:
         """Digest of one block whose extra keys are at most the LoRA's, from
@@ -845,22 +809,21 @@ class BlockHasher:
         rest: list[bytes] = []
         if n_hit < num_blocks:
             n_new = num_blocks - n_hit
+            new = packed[n_hit * width : num_blocks * width]
+            high = None
             if self._is_cbor and (
                 n_new < _MIN_VECTOR_BLOCKS_CBOR
-                or (n_new <= _MAX_STREAM_BLOCKS_CBOR
-                    and not _high_id_bytes(packed[n_hit * width : num_blocks * width]))
+                or (n_new <= _MAX_STREAM_BLOCKS_CBOR and not (high := _high_id_bytes(new)))
             ):
                 # The per-block CBOR writer straight from the plan (the parent is one
                 # of our digests: the plan exists).
                 rest = self._cbor_chain(
-                    packed[n_hit * width : num_blocks * width], n_new, block_size, parent,
-                    btails[n_hit - first :],
+                    new, n_new, block_size, parent, btails[n_hit - first :], high
                 )
             else:
                 rest = self._hash_blocks(
-                    packed[n_hit * width : num_blocks * width], n_new,
-                    block_size, start_block + n_hit, parent, lora, mm_features, cache_salt,
-                    plan, n_hit,
+                    new, n_new, block_size, start_block + n_hit, parent,
+                    lora, mm_features, cache_salt, plan, n_hit,
                 )
         if len(memo) + len(rest) + n_groups - g > _MEMO_SIZE:
             memo.clear()
@@ -1050,7 +1013,7 @@ class BlockHasher:
             plan.tails_for(off + num_blocks)[off:] if id_of else [suffixes[0]] * num_blocks,
         )
 
-    def _cbor_chain(self, packed, num_blocks, bs, parent, sfx) -> list[bytes]:
+    def _cbor_chain(self, packed, num_blocks, bs, parent, sfx, high=None) -> list[bytes]:
         """CBOR block by block: ``0x83``, the parent's bytes, the token array, the suffix
         (serialized extra keys) of each block (``sfx[i]``, one per block).
 
@@ -1062,13 +1025,15 @@ class BlockHasher:
         spliced in (ids < 24: their low bytes, one slice per run). Blocks with an id
         >= 65536 go through ``cbor2.dumps`` (its default encoding is the canonical one
         for non-negative ints and arrays; canonical mode only reorders maps and shortens
-        floats). Tests pin the bytes to ``cbor2.dumps(key, canonical=True)``.
+        floats). Tests pin the bytes to ``cbor2.dumps(key, canonical=True)``. ``high``:
+        ``_high_id_bytes(packed)`` if the caller has it (None: computed here).
         """
         n = num_blocks * bs
         ds = self._digest_size
         digest = self._digest
         arr = _CBOR_ARRAY_HEAD[bs] if bs < len(_CBOR_ARRAY_HEAD) else _cbor_head(4, bs)
-        high = _high_id_bytes(packed)
+        if high is None:
+            high = _high_id_bytes(packed)
         b1 = packed[_BYTE1::8]
         stream = bytearray(3 * n)
         stream[0::3] = b"\x19" * n
@@ -1164,37 +1129,8 @@ class BlockHasher:
             if len(cache) >= _TAIL_CACHE_SIZE:
                 cache.clear()
             extra = _extras_from_parts(*key)
-            tail = self._cbor_tail(*key) if self._is_cbor else None
-            got = cache[key] = (self._extra_tail(extra) if tail is None else tail, extra)
+            got = cache[key] = (self._extra_tail(extra), extra)
         return got
-
-    def _cbor_tail(self, lora_pair, mm: tuple, salt) -> bytes | None:
-        """``cbor2.dumps(_extras_from_parts(lora_pair, mm, salt), canonical=True)``
-        written from its parts: each labelled key is an array of its label, its
-        strings' items (cached) and, for an item, its relative offset's int item; the
-        extra keys are the array of those. None when a part is not a str / int of
-        that form (cbor2 writes those).
-
-        NOTE: cbor2's canonical mode costs ~3 us a call, this ~1 us. Tests pin the
-        bytes to cbor2's.
-        """
-        strs = self._cbor_strs
-        try:
-            items = []
-            if lora_pair is not None:
-                name, path = lora_pair
-                items.append(b"\x83" + strs[LORA_LABEL] + strs[name] + strs[path])
-            for identifier, rel in mm:
-                if type(rel) is not int or not -(2**64) <= rel < 2**64:
-                    return None
-                items.append(b"\x83" + strs[MM_LABEL] + strs[identifier] + _cbor_int(rel))
-            if salt:
-                items.append(b"\x82" + strs[CACHE_SALT_LABEL] + strs[salt])
-        except _NotCborStr:
-            return None
-        if not items:
-            return b"\xf6"
-        return _cbor_head(4, len(items)) + b"".join(items)
 
     def _tail_plan(self, bs, start_block, lora, mm_features, cache_salt) -> _TailPlan | None:
         """What follows the token items in each block's key (see `_TailPlan`).
@@ -1466,9 +1402,9 @@ class _TailPlan:
     """
 
     __slots__ = (
-        "head", "hole", "close_len", "block_size", "suffixes", "id_of", "positions",
+        "head", "hole", "close_len", "block_size", "suffixes", "extras", "id_of", "positions",
         "ids", "template", "template_mask", "head_rows", "fixed_len", "suffix_rows",
-        "suffix_mask", "suffix_lens", "_tail_seq", "extras",
+        "suffix_mask", "suffix_lens", "_tail_seq",
     )
 
     def __init__(self, head, hole, close, block_size, suffixes, extras, positions, ids):

@@ -343,7 +343,7 @@ class KVCacheManager:
             (hasher is not self.hasher and hasher != self.hasher) or request.block_size != bs
         ):
             raise ValueError(
-                f"request {rid!r} is bound to {request.hasher!r} with block size "
+                f"request {rid!r} is bound to {hasher!r} with block size "
                 f"{request.block_size}, not this manager's {self.hasher!r} / {bs}"
             )
         pool = self.block_pool

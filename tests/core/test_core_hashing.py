@@ -757,15 +757,15 @@ def test_high_id_bytes_checks_every_high_byte(n):
             assert hashing._high_id_bytes(struct.pack(f"={n}Q", *ids)), (v, at)
 
 
-_CBOR_TAIL_STRS = ["a", "img-0", "é" * 30, "x" * 300, "画像-🙂"]
+_TAIL_STRS = ["a", "img-0", "é" * 30, "x" * 300, "画像-🙂"]
 
 
 @settings(max_examples=150, deadline=None)
 @given(
-    lora=st.none() | st.tuples(st.sampled_from(_CBOR_TAIL_STRS), st.sampled_from(_CBOR_TAIL_STRS)),
+    lora=st.none() | st.tuples(st.sampled_from(_TAIL_STRS), st.sampled_from(_TAIL_STRS)),
     mm=st.lists(
         st.tuples(
-            st.sampled_from(_CBOR_TAIL_STRS),
+            st.sampled_from(_TAIL_STRS),
             st.sampled_from([0, 1, 23, 24, 255, 256, 65535, 65536, 2**32, -1, -24, -25,
                              -256, -257, -65537, -(2**32) - 1])
             | st.integers(-(2**40), 2**40),
@@ -774,29 +774,23 @@ _CBOR_TAIL_STRS = ["a", "img-0", "é" * 30, "x" * 300, "画像-🙂"]
     ).map(tuple),
     salt=st.none() | st.sampled_from(["", "s", "salt-1", "ü" * 40]),
 )
-def test_cbor_tail_equals_cbor2_canonical(lora, mm, salt):
-    """The extra keys' CBOR written from cached parts is cbor2's canonical encoding
-    (string lengths and int widths at every head boundary, negative offsets, non-ASCII)."""
+def test_tail_equals_cbor2_canonical(lora, mm, salt):
+    """The cached CBOR suffix of extra keys is cbor2's canonical encoding (string
+    lengths and int widths at every head boundary, negative offsets, non-ASCII)."""
     hasher = BlockHasher("xxhash_cbor", seed=0)
     extra = hashing._extras_from_parts(lora, mm, salt)
     want = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
-    assert hasher._cbor_tail(lora, mm, salt) == want
-    assert hasher._tail(lora, mm, salt)[0] == want  # cached copy
     assert hasher._tail(lora, mm, salt)[0] == want
+    assert hasher._tail(lora, mm, salt)[0] == want  # cached copy
 
 
-def test_cbor_tail_leaves_odd_parts_to_cbor2():
-    """Parts the writer does not encode itself (a lone surrogate, a str subclass value
-    it has not seen) give None: the spec path writes them."""
+def test_str_subclass_parts_hash_as_their_values():
+    """Extra-key parts given as str subclasses hash as the plain strings (the spec)."""
     hasher = BlockHasher("sha256_cbor", seed=0)
-    assert hasher._cbor_tail(None, (("\ud800", 3),), None) is None
 
     class S(str):
         pass
 
-    assert hasher._cbor_tail((S("n"), "p"), (), None) is None
-    assert hasher._cbor_tail(None, (("img", 3),), S("salt")) is None
-    # The plan's suffixes and extra keys for such parts still match the spec.
     tokens = list(range(300, 340))
     kw = dict(lora=(S("lora-x"), "/p"), mm_features=[("img-q", 3, 20)], cache_salt=S("s"))
     assert hasher.hash_token_blocks(tokens, 8, **kw) == _chain_reference(hasher, tokens, 8, **kw)
@@ -804,8 +798,7 @@ def test_cbor_tail_leaves_odd_parts_to_cbor2():
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_plan_extras_are_the_blocks_extra_keys(algo):
-    """A plan's extra keys (built on first use from their parts) are block_extra_keys of
-    each block it covers."""
+    """A plan's extra keys are block_extra_keys of each block it covers."""
     bs = 4
     hasher = BlockHasher(algo, seed=0)
     lora, mm, salt = ("l", "/l"), [("i", 5, 9)], "s"
@@ -874,3 +867,21 @@ def test_int_encodings_at_every_width_boundary():
               -65536, -65537, -(2**31)]:
         assert hashing._cbor_int(v) == cbor2.dumps(v, canonical=True), v
         assert hashing._pickle_int(v) == _pickled_int(v), v
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
+@pytest.mark.parametrize("high_at", [None, 77])
+def test_cbor_crossover_between_the_writers_at_default_knobs(algo, high_at):
+    """100 new blocks (between the vectorised crossover and _MAX_STREAM_BLOCKS_CBOR):
+    all ids < 65536 -> the per-block writer (reusing the crossover's high-byte check),
+    one id >= 65536 -> the vectorised one; both equal the spec."""
+    bs, nb = 4, 100
+    assert hashing._MIN_VECTOR_BLOCKS_CBOR <= nb <= hashing._MAX_STREAM_BLOCKS_CBOR
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(256, 65536, size=bs * nb).tolist()
+    tokens[5] = tokens[6] = 0
+    tokens[41] = 200
+    if high_at is not None:
+        tokens[high_at * bs + 1] = 70000
+    hasher = BlockHasher(algo, seed=3)
+    assert hasher.hash_token_blocks(tokens, bs) == _chain_reference(hasher, tokens, bs)
