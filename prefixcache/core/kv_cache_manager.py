@@ -20,7 +20,7 @@ ids. See ``tests/core/test_core_manager*.py`` and the replay goldens.
 from __future__ import annotations
 
 from itertools import islice
-from typing import Sequence
+from typing import Any, Sequence
 
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
@@ -129,6 +129,9 @@ class KVCacheManager:
             int_event_hashes=int_event_hashes,
         )
         self._states: dict[str, _RequestState] = {}
+        # The same states keyed by the Request object (identity hash, C speed): the
+        # decode fast path finds its state without calling the request_id property.
+        self._states_by_request: dict[Any, _RequestState] = {}
         self.prefix_cache_stats: PrefixCacheStats | None = (
             PrefixCacheStats() if self.log_stats else None
         )
@@ -220,17 +223,16 @@ class KVCacheManager:
                 blocks, hit blocks for a running request, or a sequence beyond
                 ``max_model_len``. Nothing changed.
         """
-        st = self._states.get(request.request_id)
+        st = self._states_by_request.get(request)
         if (
             st is None
-            or st.request is not request
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
             or num_new_tokens <= 0
         ):
             return self._allocate_slow(
-                request, st, num_new_tokens, num_new_computed_tokens,
+                request, num_new_tokens, num_new_computed_tokens,
                 new_computed_blocks, num_lookahead_tokens,
             )
         # Fast path: a running request (a decode step or a later prefill chunk).
@@ -296,11 +298,12 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
 
     def _allocate_slow(
-        self, request, st, num_new_tokens, num_new_computed_tokens,
+        self, request, num_new_tokens, num_new_computed_tokens,
         new_computed_blocks, num_lookahead_tokens,
     ):
         """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
         rid = request.request_id
+        st = self._states.get(rid)
         if st is not None and st.request is not request:
             raise ValueError(f"request id {rid!r} is already running as another Request")
         self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
@@ -357,6 +360,7 @@ class KVCacheManager:
             pool.touch(computed)
             st = _RequestState(request, computed, len(computed))
             self._states[rid] = st
+            self._states_by_request[request] = st
             if self.log_stats and self.enable_caching:
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens,
@@ -389,6 +393,7 @@ class KVCacheManager:
         st = self._states.pop(rid, None)
         if st is None:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        del self._states_by_request[st.request]
         blocks = st.blocks
         blocks.reverse()
         self.block_pool.free_blocks(blocks)
@@ -481,10 +486,17 @@ class KVCacheManager:
         pool.check_invariants()
         refs = [0] * self.num_blocks
         bs = self.block_size
+        if len(self._states_by_request) != len(self._states):
+            raise InvariantError(
+                f"{len(self._states_by_request)} states by request object but "
+                f"{len(self._states)} by request id"
+            )
         for rid, st in self._states.items():
             req = st.request
             if req.request_id != rid:
                 raise InvariantError(f"state of {rid!r} holds request {req.request_id!r}")
+            if self._states_by_request.get(req) is not st:
+                raise InvariantError(f"request {rid!r}: its state is not found by its object")
             blocks = st.blocks
             if st.num_cached_blocks > len(blocks):
                 raise InvariantError(

@@ -244,7 +244,7 @@ def replay(
                     req.block_hashes
                 t0 = perf()
                 t_hash += t0 - t1
-                req.num_computed_tokens += 1  # scheduler bookkeeping
+                req.num_computed_tokens = ntok - 1  # scheduler bookkeeping: += 1
                 output_appended += 1
             t_loop += perf() - t_start
             if rec is not None:

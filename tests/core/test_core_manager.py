@@ -629,6 +629,27 @@ def test_bad_manager_calls_change_nothing():
     m.check_invariants()
 
 
+def test_a_freed_request_object_never_reaches_a_new_one_with_its_id():
+    """The decode fast path finds a request's state by the object: freeing must drop
+    that entry, or the freed object would keep stepping on stale (freed) blocks."""
+    m = KVCacheManager(8, 4)
+    a = Request("x", list(range(1, 7)))
+    admit(m, a)
+    a.append_output_token_ids(7)  # the prefill's sampled token
+    decode(m, a, 9)
+    m.free(a)
+    b = Request("x", list(range(20, 26)))  # the id again, another object
+    admit(m, b)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="already running as another Request"):
+        m.allocate_slots(a, 1)
+    assert snapshot(m) == before
+    m.check_invariants()
+    m.free("x")
+    assert m.num_free_blocks == 8
+    m.check_invariants()
+
+
 def test_public_exports():
     import prefixcache
     import prefixcache.core as core
