@@ -67,6 +67,11 @@ class KVCacheManager:
         * Only full blocks are cached; a lookup hits at most ``num_tokens - 1``
           tokens (the last token is always recomputed to produce logits).
         * A call that raises or returns ``None`` changes no state.
+        * A running request's ``num_computed_tokens`` (a plain attribute its scheduler
+          advances) is an int in ``[0, num_tokens]`` covered by its blocks;
+          ``allocate_slots`` raises ``ValueError`` on a value that is not, before it
+          changes anything (a decode step that allocates and caches nothing does not
+          compare it with ``num_tokens``).
 
     Args:
         num_blocks: allocatable blocks (ids ``0 .. num_blocks - 1``); > 0.
@@ -220,12 +225,16 @@ class KVCacheManager:
 
         Raises:
             ValueError: negative counts, hit tokens that do not match the hit
-                blocks, hit blocks for a running request, or a sequence beyond
-                ``max_model_len``. Nothing changed.
+                blocks, hit blocks for a running request, a sequence beyond
+                ``max_model_len``, or ``request.num_computed_tokens`` not an int in
+                ``[0, num_tokens]``. Nothing changed.
         """
         st = self._states_by_request.get(request)
+        nc = request.num_computed_tokens
         if (
             st is None
+            or type(nc) is not int
+            or nc < 0
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
@@ -236,9 +245,15 @@ class KVCacheManager:
                 new_computed_blocks, num_lookahead_tokens,
             )
         # Fast path: a running request (a decode step or a later prefill chunk).
-        total = request.num_computed_tokens + num_new_tokens
+        total = nc + num_new_tokens
         if total <= st.idle_until:
             return []  # most decode steps: the last block has room, nothing fills
+        num_tokens = request.num_tokens
+        if nc > num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: num_computed_tokens={nc} > "
+                f"num_tokens={num_tokens}"
+            )
         if total > self._max_len:
             raise ValueError(
                 f"request {request.request_id!r} needs {total} tokens, beyond "
@@ -256,10 +271,9 @@ class KVCacheManager:
             blocks.extend(new_blocks)
         else:
             new_blocks = []
-        # NOTE: most decode steps fill no block: total // bs bounds the full blocks,
-        # and only when it passes the cached ones are num_tokens and the hashes read.
+        # NOTE: total // bs bounds the full blocks; only when it passes the cached
+        # ones are the hashes read.
         if total // bs > st.num_cached_blocks and self.enable_caching:
-            num_tokens = request.num_tokens
             num_full = (total if total < num_tokens else num_tokens) // bs
             hashes = request.block_hashes
             if num_full > len(hashes):
@@ -307,6 +321,12 @@ class KVCacheManager:
         if st is not None and st.request is not request:
             raise ValueError(f"request id {rid!r} is already running as another Request")
         self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        nc = request.num_computed_tokens
+        if type(nc) is not int or not 0 <= nc <= request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: num_computed_tokens={nc!r} is not an int in "
+                f"[0, num_tokens={request.num_tokens}]"
+            )
         computed = list(new_computed_blocks) if new_computed_blocks else []
         bs = self.block_size
         if st is not None and computed:
@@ -327,10 +347,10 @@ class KVCacheManager:
                 raise ValueError(f"block {b.block_id} is not a cached block of this manager")
             if b.ref_cnt == 0:
                 num_evictable += 1
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if st is None and computed and request.num_computed_tokens:
+        total = nc + num_new_computed_tokens + num_new_tokens
+        if st is None and computed and nc:
             raise ValueError(
-                f"request {rid!r} has num_computed_tokens={request.num_computed_tokens} "
+                f"request {rid!r} has num_computed_tokens={nc} "
                 "but no blocks; it cannot adopt prefix-hit blocks"
             )
         mml = self.max_model_len
@@ -531,7 +551,13 @@ class KVCacheManager:
                         f"{st.num_cached_blocks} cached blocks but has hash "
                         f"{b.block_hash.hex()}"
                     )
-            if -(-max(req.num_computed_tokens, 0) // bs) > len(blocks):
+            nc = req.num_computed_tokens
+            if type(nc) is not int or not 0 <= nc <= req.num_tokens:
+                raise InvariantError(
+                    f"request {rid!r}: num_computed_tokens={nc!r} is not an int in "
+                    f"[0, num_tokens={req.num_tokens}]"
+                )
+            if -(-nc // bs) > len(blocks):
                 raise InvariantError(
                     f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
                     f"only {len(blocks)} blocks"

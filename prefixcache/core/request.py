@@ -191,7 +191,10 @@ class Request:
       - ``all_token_ids == prompt_token_ids + output_token_ids``; all ids are ints >= 0;
         the prompt is non-empty and a private copy.
       - ``mm_features`` are sorted by offset, lie inside the prompt and do not overlap.
-      - ``0 <= num_computed_tokens <= num_tokens``; ``num_preemptions >= 0``.
+      - ``num_preemptions >= 0``.
+      - ``num_computed_tokens`` is a plain attribute (vLLM's): the scheduler advances
+        it and keeps it an int in ``[0, num_tokens]``; the KV cache manager checks it
+        whenever it acts on it (a bad value: ``ValueError``, nothing changed).
       - once a hasher is bound: ``block_hashes[i]`` is the digest of tokens
         ``[i * block_size, (i + 1) * block_size)`` chained from block 0, for every full
         block (computed lazily, never recomputed); the binding never changes.
@@ -201,7 +204,7 @@ class Request:
         "_request_id",
         "_tokens",
         "_num_prompt_tokens",
-        "_num_computed_tokens",
+        "num_computed_tokens",
         "_num_preemptions",
         "_mm_features",
         "_lora",
@@ -278,7 +281,10 @@ class Request:
         self._request_id = request_id
         self._tokens = tokens
         self._num_prompt_tokens = n
-        self._num_computed_tokens = 0
+        # NOTE: a plain attribute, not a validated property: the decode loop reads and
+        # writes it every step, and a property's Python frame per access cost ~7% of
+        # a whole replay's instructions (multi_turn, cachegrind). The manager checks it.
+        self.num_computed_tokens = 0
         self._num_preemptions = 0
         self._mm_features = tuple(features)
         self._lora = lora
@@ -324,24 +330,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose KV is computed; the scheduler advances it (never the manager)."""
-        return self._num_computed_tokens
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        if type(value) is int and 0 <= value <= len(self._tokens):  # the common case
-            self._num_computed_tokens = value
-            return
-        v = _check_int("num_computed_tokens", value, 0)
-        if v > len(self._tokens):
-            raise ValueError(
-                f"request {self._request_id!r}: num_computed_tokens={v} > num_tokens="
-                f"{len(self._tokens)}"
-            )
-        self._num_computed_tokens = v
 
     @property
     def num_preemptions(self) -> int:
@@ -493,5 +481,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request(id={self._request_id!r}, num_prompt_tokens={self._num_prompt_tokens}, "
-            f"num_tokens={len(self._tokens)}, num_computed_tokens={self._num_computed_tokens})"
+            f"num_tokens={len(self._tokens)}, num_computed_tokens={self.num_computed_tokens!r})"
         )

@@ -629,6 +629,37 @@ def test_bad_manager_calls_change_nothing():
     m.check_invariants()
 
 
+def test_bad_num_computed_tokens_changes_nothing():
+    """num_computed_tokens is a plain attribute (vLLM's): the manager rejects a value
+    that is not an int in [0, num_tokens] before it changes anything."""
+    m = KVCacheManager(8, 4)
+    a = Request("a", list(range(1, 7)))  # 6 tokens: blocks [0, 4) [4, 8)
+    admit(m, a)
+    a.append_output_token_ids(7)  # 7 tokens
+    before = snapshot(m)
+    for bad in (-1, 1.5, True, None, "6"):  # the decode fast path's checks
+        a.num_computed_tokens = bad
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            m.allocate_slots(a, 1)
+        with pytest.raises(InvariantError, match="num_computed_tokens"):
+            m.check_invariants()
+    a.num_computed_tokens = 9  # > num_tokens, and the step needs a new block
+    with pytest.raises(ValueError, match="num_computed_tokens=9 > num_tokens=7"):
+        m.allocate_slots(a, 1)
+    assert snapshot(m) == before
+    a.num_computed_tokens = 6
+    m.check_invariants()
+    assert m.allocate_slots(a, 1) == []
+    b = Request("b", list(range(1, 7)))
+    blocks, hit = m.get_computed_blocks(b)
+    for bad in (7, -1, 2.0):  # a new request (the slow path)
+        b.num_computed_tokens = bad
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            m.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+    assert snapshot(m) == before
+    m.check_invariants()
+
+
 def test_a_freed_request_object_never_reaches_a_new_one_with_its_id():
     """The decode fast path finds a request's state by the object: freeing must drop
     that entry, or the freed object would keep stepping on stale (freed) blocks."""
