@@ -746,15 +746,15 @@ def test_memo_groups_of_blocks(algo, extras, path):
         assert got == want_r and msgs == []
 
 
-@pytest.mark.parametrize("n", [1, 4096, 5000])
-def test_high_id_bytes_checks_every_high_byte(n):
-    base = [65535] * n
-    assert not hashing._high_id_bytes(struct.pack(f"={n}Q", *base))
-    for v in (65536, 1 << 24, 1 << 40, 2**64 - 1):
-        for at in (0, n - 1):
-            ids = list(base)
-            ids[at] = v
-            assert hashing._high_id_bytes(struct.pack(f"={n}Q", *ids)), (v, at)
+@pytest.mark.parametrize("n", [1, 2, 4096, 5000])
+def test_low_u16s_cuts_every_id_to_its_low_16_bits(n):
+    ids = [65535, 0, 256, 255] * max(n, 2)
+    ids[-1] = 2**64 - 1
+    for k in range(2, 8):
+        ids[k] = (1 << (8 * k)) + 0x1234
+    packed = struct.pack(f"={len(ids)}Q", *ids)
+    low = hashing._low_u16s(packed, packed[hashing._BYTE0 :: 8], packed[hashing._BYTE1 :: 8])
+    assert low == struct.pack(f"={len(ids)}Q", *(v & 0xFFFF for v in ids))
 
 
 _TAIL_STRS = ["a", "img-0", "é" * 30, "x" * 300, "画像-🙂"]
