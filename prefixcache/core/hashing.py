@@ -1229,36 +1229,60 @@ class BlockHasher:
         template = self._item_template(lora_pair, identifier)
         if template is None:
             return None
-        pre, post, lora_key, ident = template
         plain, plain_extra = self._tail(lora_pair, (), None)
         if plain is None:
             return None
-        tails, extras = [plain], [plain_extra]
+        head, hole, close = self._frame(bs)
+        suffixes, extras = [close + plain], [plain_extra]
         positions: list[int] = []
+        # Block i (from start_block) takes suffix lead + [plain] * pad + items (and plain
+        # past them): tails_for's list, materialized on first use.
+        lead: list[bytes] = []
+        pad, item_sfx = 0, []
         if salt is not None:  # block 0's key also carries the salt (start_block is 0)
             mm = ((identifier, offset),) if b0 == 0 else ()
             tail, extra = self._tail(lora_pair, mm, salt)
             if tail is None:
                 return None
-            tails.append(tail)
+            suffixes.append(close + tail)
             extras.append(extra)
             positions.append(0)
+            lead.append(suffixes[-1])
             if b0 == 0:
                 rels = rels[1:]
                 b0 = 1
-        enc = _cbor_int if self._is_cbor else _pickle_int
-        tails += [pre + enc(r) + post for r in rels]
-        mm_label = MM_LABEL
-        if lora_key is None:
-            extras += [((mm_label, ident, r),) for r in rels]
-        else:
-            extras += [(lora_key, (mm_label, ident, r)) for r in rels]
-        positions += range(b0 - start_block, b1 + 1 - start_block)
-        head, hole, close = self._frame(bs)
+        if rels:
+            item_sfx, item_extras = self._item_suffixes(template, rels, close)
+            suffixes += item_sfx
+            extras += item_extras
+            positions += range(b0 - start_block, b1 + 1 - start_block)
+            pad = b0 - start_block - len(lead)
         return _TailPlan(
-            head, hole, close, bs, [close + t for t in tails], extras,
-            positions, range(1, len(tails)),
+            head, hole, close, bs, suffixes, extras, positions, range(1, len(suffixes)),
+            (lead, pad, item_sfx),
         )
+
+    def _item_suffixes(self, template, rels: range, close: bytes) -> tuple[list, list]:
+        """(suffixes, extra keys) of the blocks an item overlaps at relative offsets
+        ``rels``: ``close + pre + enc(r) + post`` and its key; cached per (adapter, item,
+        rels), so plans that differ only in the salt (block 0) or in the position of
+        the same run of blocks share them."""
+        key = ("item-suffixes", template, rels.start, rels.stop, rels.step, close)
+        cache = self._tail_cache
+        got = cache.get(key)
+        if got is None:
+            pre, post, lora_key, ident = template
+            enc = _cbor_int if self._is_cbor else _pickle_int
+            pre = close + pre
+            mm_label = MM_LABEL
+            if lora_key is None:
+                extras = [((mm_label, ident, r),) for r in rels]
+            else:
+                extras = [(lora_key, (mm_label, ident, r)) for r in rels]
+            if len(cache) >= _TAIL_CACHE_SIZE:
+                cache.clear()
+            got = cache[key] = ([pre + enc(r) + post for r in rels], extras)
+        return got
 
     def _item_template(self, lora_pair, identifier):
         """(pre, post, LoRA key, identifier) such that ``pre + enc(r) + post`` is the
@@ -1416,24 +1440,29 @@ class _TailPlan:
         "suffix_mask", "suffix_lens", "_tail_seq",
     )
 
-    def __init__(self, head, hole, close, block_size, suffixes, extras, positions, ids):
+    def __init__(
+        self, head, hole, close, block_size, suffixes, extras, positions, ids, tail_seq=None
+    ):
         self.head, self.hole, self.close_len = head, hole, len(close)
         self.block_size = block_size
         self.suffixes = suffixes
         self.extras = extras
         self.id_of = dict(zip(positions, ids))
-        self.positions = self.ids = None
-        if positions:
-            self.positions = np.array(positions, dtype=np.intp)
-            self.ids = np.array(ids, dtype=np.intp)
-            self.positions.flags.writeable = self.ids.flags.writeable = False
+        # NOTE: the arrays only serve the vectorised writer: built by tables().
+        self.positions = positions if positions else None
+        self.ids = ids
         self.template = None
-        self._tail_seq = None
+        # tails_for's list; the builder may give it as (lead, pad, items): lead + pad
+        # times suffix 0 + items, built on first use.
+        self._tail_seq = tail_seq
 
     def tails_for(self, n: int) -> list[bytes]:
         """The suffix of each of the first ``n`` blocks (a fresh list)."""
         seq = self._tail_seq
-        if seq is None:
+        if type(seq) is tuple:
+            lead, pad, items = seq
+            seq = self._tail_seq = lead + [self.suffixes[0]] * pad + items
+        elif seq is None:
             get, suffixes = self.id_of.get, self.suffixes
             last = max(self.id_of, default=-1)
             seq = self._tail_seq = [suffixes[get(i, 0)] for i in range(last + 1)]
@@ -1445,6 +1474,10 @@ class _TailPlan:
         """Build (once) the numpy rows the vectorised writer copies; returns self."""
         if self.template is not None:
             return self
+        if self.positions is not None:
+            self.positions = np.array(self.positions, dtype=np.intp)
+            self.ids = np.array(self.ids, dtype=np.intp)
+            self.positions.flags.writeable = self.ids.flags.writeable = False
         head, suffixes, bs = self.head, self.suffixes, self.block_size
         width = 8 * max(-(-len(x) // 8) for x in suffixes)
         self.suffix_rows = np.frombuffer(

@@ -840,11 +840,22 @@ def test_one_item_plan_equals_the_generic_builder(
         offset = lo  # the item must reach past start_block (as _tail_plan filters)
     salt = salt if start_block == 0 else None
     feats = ((ident, offset, length),)
-    fast = BlockHasher(algo, seed=0)._make_tail_plan(lora, feats, salt, start_block, bs)
+    hasher = BlockHasher(algo, seed=0)
+    # Another salt and a longer item first: item suffixes are cached (the first plan's
+    # shared with this one; the second's, starting at the same block, not).
+    other = "other-salt" if start_block == 0 else None
+    hasher._make_tail_plan(lora, feats, other, start_block, bs)
+    hasher._make_tail_plan(lora, ((ident, offset, length + bs),), salt, start_block, bs)
+    fast = hasher._make_tail_plan(lora, feats, salt, start_block, bs)
     generic = _GenericPlans(algo, seed=0)._make_tail_plan(lora, feats, salt, start_block, bs)
     if generic is hashing._UNSPLICEABLE:
         assert fast is generic
         return
+    n = max(generic.id_of, default=0) + 2
+    if n < 100_000:  # the suffix of every block, in order
+        assert fast.tails_for(n) == [
+            generic.suffixes[generic.id_of.get(i, 0)] for i in range(n)
+        ]
     blocks = set(fast.id_of) | set(generic.id_of) | {0, max(generic.id_of, default=0) + 1}
     assert set(fast.id_of) == set(generic.id_of)
     for i in sorted(blocks):
