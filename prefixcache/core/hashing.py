@@ -663,7 +663,7 @@ class BlockHasher:
         Returns:
           ``digest_size`` bytes.
         """
-        key = (parent + block.tobytes(), tag[0])
+        key = (parent, block.tobytes(), tag[0])  # a block key (see hash_token_blocks)
         memo = self._memo
         d = memo.get(key)
         if d is None:
@@ -771,11 +771,14 @@ class BlockHasher:
                 packed[: num_blocks * width], num_blocks, block_size, start_block,
                 parent, lora, mm_features, cache_salt,
             )
-        # Block keys: (parent + the block's token bytes, its suffix). Group keys, for
-        # runs of _MEMO_GROUP blocks aligned to start_block: (parent, the run's token
-        # bytes, its suffix(es)) -> the run's digests; one lookup per run makes long
-        # shared prefixes cheap. Tuples of different lengths never collide, and a
-        # run's byte length fixes the block size.
+        # Block keys: (parent, the block's token bytes, its suffix) -> its digest. Group
+        # keys, for runs of _MEMO_GROUP blocks aligned to start_block: (the run's token
+        # bytes, parent, its suffix(es)) -> the run's digests; one lookup per run makes
+        # long shared prefixes cheap. The two never collide: a block key starts with a
+        # digest (digest_size bytes), a group key with at least 64 bytes of tokens.
+        # A block's / run's byte length fixes the block size. NOTE: tuples, not
+        # parent + tokens: no concatenation, and a chunk looked up then inserted is
+        # hashed once (bytes cache their hash).
         get = memo.get
         suffix0 = plan.suffixes[0]
         tails = None
@@ -789,7 +792,7 @@ class BlockHasher:
         while g < n_groups:
             lo = g * group
             run = get((
-                parent, packed[lo * width : lo * width + gw],
+                packed[lo * width : lo * width + gw], parent,
                 tuple(tails[lo : lo + group]) if tails else suffix0,
             ))
             if run is None:
@@ -801,7 +804,7 @@ class BlockHasher:
         chunks = [packed[j : j + width] for j in range(first * width, num_blocks * width, width)]
         btails = tails[first:] if tails else [suffix0] * len(chunks)
         for chunk, tail in zip(chunks, btails):
-            d = get((parent + chunk, tail))
+            d = get((parent, chunk, tail))
             if d is None:
                 break
             hits.append(d)
@@ -830,17 +833,17 @@ class BlockHasher:
         if len(memo) + len(rest) + n_groups - g > _MEMO_SIZE:
             memo.clear()
         if rest:
-            # Block entries of the new digests: (parent + the block's bytes, suffix).
+            # Block entries of the new digests: (parent, the block's bytes, suffix).
             k = n_hit - first
             parents = [parent]
             parents += rest[:-1]
-            memo.update(zip(zip(map(bytes.__add__, parents, chunks[k:]), btails[k:]), rest))
+            memo.update(zip(zip(parents, chunks[k:], btails[k:]), rest))
         out = hits + rest if rest else hits
         for gg in range(g, n_groups):
             lo = gg * group
             memo[
-                out[lo - 1] if lo else parent0,
                 packed[lo * width : lo * width + gw],
+                out[lo - 1] if lo else parent0,
                 tuple(tails[lo : lo + group]) if tails else suffix0,
             ] = tuple(out[lo : lo + group])
         return out
