@@ -679,7 +679,11 @@ class BlockHasher:
                     self._cbor_key_head if len(parent) == self._digest_size
                     else b"\x83" + _cbor_head(2, len(parent))
                 )
-                d = self._digest(head + parent + cbor2.dumps(block.tolist()) + tag[0])
+                msg = head + parent + cbor2.dumps(block.tolist()) + tag[0]
+                d = (
+                    hashlib.sha256(msg).digest() if self._digest is _sha256_digest
+                    else self._digest(msg)
+                )
             elif extra is not None:
                 d = self._digest(self.serialize((parent, tuple(block), extra)))
             elif self._digest is _sha256_digest:

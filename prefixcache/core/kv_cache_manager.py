@@ -229,7 +229,10 @@ class KVCacheManager:
                 ``max_model_len``, or ``request.num_computed_tokens`` not an int in
                 ``[0, num_tokens]``. Nothing changed.
         """
-        st = self._states_by_request.get(request)
+        try:
+            st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
+        except KeyError:
+            st = None
         nc = request.num_computed_tokens
         if (
             st is None
