@@ -1043,10 +1043,10 @@ class BlockHasher:
         arr = _CBOR_ARRAY_HEAD[bs] if bs < len(_CBOR_ARRAY_HEAD) else _cbor_head(4, bs)
         b0 = packed[_BYTE0::8]
         b1 = packed[_BYTE1::8]
-        low = None
+        low16 = None
         if high is None:
-            low = _low_u16s(packed, b0, b1)
-            high = low != packed
+            low16 = _low_u16s(packed, b0, b1)
+            high = low16 != packed
         stream = bytearray(3 * n)
         stream[0::3] = b"\x19" * n
         stream[1::3] = b1
@@ -1056,12 +1056,12 @@ class BlockHasher:
         # Ids >= 65536 make their block's items longer: cbor2 writes those blocks.
         big = ()
         if high:
-            if low is None:
-                low = _low_u16s(packed, b0, b1)
+            if low16 is None:
+                low16 = _low_u16s(packed, b0, b1)
             full = 8 * bs
             big = {
                 k for k in range(num_blocks)
-                if low[k * full : (k + 1) * full] != packed[k * full : (k + 1) * full]
+                if low16[k * full : (k + 1) * full] != packed[k * full : (k + 1) * full]
             }
             ids = memoryview(packed).cast("Q")
             for k in big:
