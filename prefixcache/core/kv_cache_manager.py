@@ -55,6 +55,18 @@ class _RequestState:
         self.idle_until = -1
 
 
+def _bad_num_computed_tokens(request) -> str | None:
+    """Why ``request.num_computed_tokens`` (a plain attribute the scheduler sets) is not
+    an int in ``[0, num_tokens]``, or None when it is."""
+    nc = request.num_computed_tokens
+    if type(nc) is int and 0 <= nc <= request.num_tokens:
+        return None
+    return (
+        f"request {request.request_id!r}: num_computed_tokens={nc!r} is not an int in "
+        f"[0, num_tokens={request.num_tokens}]"
+    )
+
+
 class KVCacheManager:
     """Allocates KV cache blocks to requests and reuses cached prefixes.
 
@@ -324,12 +336,10 @@ class KVCacheManager:
         if st is not None and st.request is not request:
             raise ValueError(f"request id {rid!r} is already running as another Request")
         self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        bad = _bad_num_computed_tokens(request)
+        if bad:
+            raise ValueError(bad)
         nc = request.num_computed_tokens
-        if type(nc) is not int or not 0 <= nc <= request.num_tokens:
-            raise ValueError(
-                f"request {rid!r}: num_computed_tokens={nc!r} is not an int in "
-                f"[0, num_tokens={request.num_tokens}]"
-            )
         computed = list(new_computed_blocks) if new_computed_blocks else []
         bs = self.block_size
         if st is not None and computed:
@@ -554,13 +564,10 @@ class KVCacheManager:
                         f"{st.num_cached_blocks} cached blocks but has hash "
                         f"{b.block_hash.hex()}"
                     )
-            nc = req.num_computed_tokens
-            if type(nc) is not int or not 0 <= nc <= req.num_tokens:
-                raise InvariantError(
-                    f"request {rid!r}: num_computed_tokens={nc!r} is not an int in "
-                    f"[0, num_tokens={req.num_tokens}]"
-                )
-            if -(-nc // bs) > len(blocks):
+            bad = _bad_num_computed_tokens(req)
+            if bad:
+                raise InvariantError(bad)
+            if -(-req.num_computed_tokens // bs) > len(blocks):
                 raise InvariantError(
                     f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
                     f"only {len(blocks)} blocks"

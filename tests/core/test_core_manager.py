@@ -646,6 +646,8 @@ def test_bad_num_computed_tokens_changes_nothing():
     a.num_computed_tokens = 9  # > num_tokens, and the step needs a new block
     with pytest.raises(ValueError, match="num_computed_tokens=9 > num_tokens=7"):
         m.allocate_slots(a, 1)
+    with pytest.raises(InvariantError, match="num_computed_tokens=9 is not an int in"):
+        m.check_invariants()
     assert snapshot(m) == before
     a.num_computed_tokens = 6
     m.check_invariants()
@@ -656,6 +658,10 @@ def test_bad_num_computed_tokens_changes_nothing():
         b.num_computed_tokens = bad
         with pytest.raises(ValueError, match="num_computed_tokens"):
             m.allocate_slots(b, b.num_tokens - hit, hit, blocks)
+    c = Request("c", [90, 91, 92])  # no prefix hit: only the range check can refuse it
+    c.num_computed_tokens = 4
+    with pytest.raises(ValueError, match="num_computed_tokens=4 is not an int in"):
+        m.allocate_slots(c, 3)
     assert snapshot(m) == before
     m.check_invariants()
 
