@@ -4,9 +4,12 @@ Command:
   python -m experiments.bench_engine --config=configs/bench_engine.py --workdir=/tmp/bench_engine
   (the config is the default; override fields as --config.ttft.num_trials=10)
 
-Expected (tiny model, CPU): warm TTFT of a request with 1024 cached + 32 new tokens at
-most 1/8 of its cold TTFT (ttft_ratio <= 0.125); host side of one step with 64 running
-requests (scheduling + metadata) under 1 ms (median inside real steps;
+Expected (tiny model, CPU; issue 18's targets, tighter than issue 4's 1/8 and 1 ms):
+warm TTFT of a request with 1024 cached + 32 new tokens at most 1/10 of its cold TTFT
+(ttft_ratio <= ttft_ratio_target = 0.10; ttft_ratio_min is the same from the minima, and
+warm_{schedule,prepare,device}_ms say where the warm step went); host side of one step
+with 64 running requests (scheduling + metadata) under host_step_target_ms = 0.5 ms
+(median inside real steps;
 host_step_min_ms is the cost without OS preemption, host_step_isolated_ms the same host
 work back to back without CPU-JAX device steps evicting the CPU caches in between,
 load_average_1min how busy the shared CPU was); the compiled-program count over 500
@@ -34,7 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Comma-separated subset of "ttft,host,programs" (e.g. --config.sections=host to
     # repeat only the host-step measurement, ~30 s instead of ~2.5 min).
     c.sections = "ttft,host,programs"
-    c.ttft = ml_collections.ConfigDict(dict(prefix_len=1024, new_len=32, num_trials=5))
+    c.ttft_ratio_target = 0.10  # warm / cold TTFT (median), issue 18
+    c.host_step_target_ms = 0.5  # host side of a step with 64 running (median), issue 18
+    # NOTE: 9 trials (was 5): the median of 5 moved +-15% between runs on the shared CPU.
+    c.ttft = ml_collections.ConfigDict(dict(prefix_len=1024, new_len=32, num_trials=9))
     c.host = ml_collections.ConfigDict(dict(num_running=64, prompt_len=64, num_steps=100))
     c.programs = ml_collections.ConfigDict(dict(
         num_requests=500, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512))
