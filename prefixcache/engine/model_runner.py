@@ -186,8 +186,13 @@ class StepProgram:
         # program) and the paged KV donated.
         pure = step.pure
         self.params = step.params
+        # NOTE: the weights go in as their flat leaf list (flattened once here): an
+        # nnx.State argument is flattened by Python code on every call (~15 us a step).
+        self._param_leaves, param_treedef = jax.tree.flatten(step.params)
 
-        def device_step(params, kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
+        def device_step(param_leaves, kv_caches, inputs: DeviceInputs, *,
+                        all_greedy: bool):
+            params = jax.tree.unflatten(param_treedef, param_leaves)
             logits, kv_caches = pure(params, kv_caches, inputs.step.input_ids,
                                      inputs.step.metadata, inputs.step.logits_indices,
                                      inputs.mm_embeds, inputs.mm_mask)
@@ -204,10 +209,11 @@ class StepProgram:
         else:
             out_shardings = None
             self.input_sharding = None
-        def packed_step(params, kv_caches, packed, mm_embeds, mm_mask, *, layout,
+
+        def packed_step(param_leaves, kv_caches, packed, mm_embeds, mm_mask, *, layout,
                         all_greedy: bool):
             step_inputs, sampling = unpack_inputs(packed, layout)
-            return device_step(params, kv_caches,
+            return device_step(param_leaves, kv_caches,
                                DeviceInputs(step_inputs, sampling, mm_embeds, mm_mask),
                                all_greedy=all_greedy)
 
@@ -219,12 +225,12 @@ class StepProgram:
 
     def __call__(self, kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
         """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated."""
-        return self._jitted(self.params, kv_caches, inputs, all_greedy=all_greedy)
+        return self._jitted(self._param_leaves, kv_caches, inputs, all_greedy=all_greedy)
 
     def run_packed(self, kv_caches, packed, mm_embeds, mm_mask, *, layout: PackLayout,
                    all_greedy: bool):
         """`__call__` on a `pack_inputs` buffer (device arrays; mm_* may be None)."""
-        return self._jitted_packed(self.params, kv_caches, packed, mm_embeds, mm_mask,
+        return self._jitted_packed(self._param_leaves, kv_caches, packed, mm_embeds, mm_mask,
                                    layout=layout, all_greedy=all_greedy)
 
 
