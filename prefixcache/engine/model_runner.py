@@ -63,9 +63,9 @@ class DeviceInputs(NamedTuple):
 PackLayout = tuple
 
 
-def pack_inputs(step: StepInputs, sampling: SamplingArrays
+def pack_inputs(step: StepInputs, sampling: SamplingArrays | None
                 ) -> tuple[np.ndarray, PackLayout]:
-    """The step's index and sampling arrays as ONE flat int32 buffer (one transfer).
+    """The step's index and sampling arrays (None: none) as ONE flat int32 buffer.
 
     Every array has a 4-byte dtype (int32, float32, uint32); float32 and uint32 go in
     bit for bit (`view`), so `unpack_inputs` returns them unchanged.
@@ -82,7 +82,8 @@ def pack_inputs(step: StepInputs, sampling: SamplingArrays
     return packed, (treedef, tuple((a.shape, a.dtype) for a in leaves))
 
 
-def unpack_inputs(packed, layout: PackLayout) -> tuple[StepInputs, SamplingArrays]:
+def unpack_inputs(packed, layout: PackLayout
+                  ) -> tuple[StepInputs, SamplingArrays | None]:
     """Inverse of `pack_inputs` (traced: static slices and bitcasts of `packed`)."""
     treedef, specs = layout
     out, off = [], 0
@@ -350,7 +351,9 @@ class ModelRunner:
         prepared = PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), n,
                                 all_greedy)
         if self.pack_transfers:
-            prepared.packed, prepared.layout = pack_inputs(step, sampling)
+            # NOTE: the all-greedy program never reads the sampling arrays: not packed.
+            prepared.packed, prepared.layout = pack_inputs(
+                step, None if all_greedy else sampling)
         return prepared
 
     def execute(self, prepared: PreparedStep, *, return_logits: bool = False

@@ -37,6 +37,13 @@ def test_pack_round_trip_is_bit_exact():
         g = np.asarray(g)
         assert g.dtype == a.dtype and g.shape == a.shape
         assert g.tobytes() == a.tobytes()
+    # An all-greedy step ships no sampling arrays.
+    packed, layout = pack_inputs(step, None)
+    assert packed.size == sum(a.size for a in jax.tree.leaves(step))
+    got_step, none = jax.jit(unpack_inputs, static_argnums=1)(packed, layout)
+    assert none is None
+    for a, g in zip(jax.tree.leaves(step), jax.tree.leaves(got_step)):
+        assert np.asarray(g).tobytes() == a.tobytes()
 
 
 def test_pack_rejects_other_dtypes():
