@@ -61,24 +61,27 @@ class DeviceInputs(NamedTuple):
 
 # (treedef, ((shape, dtype), ...)) of the packed arrays: static in the jitted step.
 PackLayout = tuple
+_I32 = np.dtype(np.int32)
 
 
 def pack_inputs(step: StepInputs, sampling: SamplingArrays | None
                 ) -> tuple[np.ndarray, PackLayout]:
     """The step's index and sampling arrays (None: none) as ONE flat int32 buffer.
 
-    Every array has a 4-byte dtype (int32, float32, uint32); float32 and uint32 go in
-    bit for bit (`view`), so `unpack_inputs` returns them unchanged.
+    Every array has a native 4-byte dtype (int32, float32, uint32); float32 and uint32
+    go in bit for bit (`view`), so `unpack_inputs` returns them unchanged.
 
     Returns:
       (i32[sum of sizes], layout): `layout` (hashable) says how to cut it back.
     """
     leaves, treedef = jax.tree.flatten((step, sampling))
     for a in leaves:
-        if a.dtype.itemsize != 4:
+        if a.dtype.itemsize != 4 or not a.dtype.isnative:
             raise ValueError(f"pack_inputs: {a.dtype} array of shape {a.shape} is not a "
-                             "4-byte dtype")
-    packed = np.concatenate([a.reshape(-1).view(np.int32) for a in leaves])
+                             "native 4-byte dtype")
+    # NOTE: `ravel` alone for the int32 arrays (a `view` each costs ~0.3 us).
+    packed = np.concatenate([a.ravel() if a.dtype is _I32 else a.ravel().view(_I32)
+                             for a in leaves])
     return packed, (treedef, tuple((a.shape, a.dtype) for a in leaves))
 
 

@@ -53,6 +53,9 @@ def test_pack_rejects_other_dtypes():
     sampling = SamplingArrays.build([], 4)._replace(top_k=np.zeros(4, np.int64))
     with pytest.raises(ValueError, match="4-byte"):
         pack_inputs(step, sampling)
+    swapped = SamplingArrays.build([], 4)._replace(top_k=np.zeros(4, ">i4"))
+    with pytest.raises(ValueError, match="native 4-byte"):
+        pack_inputs(step, swapped)
 
 
 def test_packed_and_plain_transfers_give_identical_steps():
