@@ -23,6 +23,14 @@ Measured (2 shared CPU cores, load average 4.6-4.9, another engineer benchmarkin
 host_step_min_ms 0.37-0.39 (before 0.55-0.58), host_step_isolated_ms 0.20-0.41
 (before 0.37-0.44). The engine keeps int32 block tables (`BlockTables`) and builds with
 `MetadataBuilder.build_rows`.
+
+Issue 18 (session 6; base f1d567e on a quiet machine, load 0.25: cold 34.8 ms, warm 3.89
+ms, ttft_ratio 0.112): the warm step's device part was a device_put of 14 arrays (0.24
+ms) + the program (~2.0 ms: attention 2 x 0.75 ms, the rest 0.5 ms) + ~0.55 ms of cache
+refill after the cold step. The runner now ships one packed int32 buffer: warm device
+phase min 3.42 vs 3.91 ms and TTFT ratio of the minima 0.096 vs 0.114 over 12
+interleaved runs each at load 13-18 (medians there are noise: cold 40-240 ms); the
+host step stays 0.28-0.45 ms median at load 14 (before 0.30-0.37).
 """
 
 import ml_collections
