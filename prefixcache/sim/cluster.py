@@ -64,6 +64,7 @@ def simulate_cluster(
     hash_algo: str = "sha256",
     hash_seed: int | str | None = None,
     free_order: str = "append",
+    scheduling: str = "fcfs",
     router_options: dict[str, Any] | None = None,
     arrival_rate: float | None = None,
     time_scale: float = 1.0,
@@ -81,7 +82,7 @@ def simulate_cluster(
       router: a registered routing policy name or a ``Router`` built for
         ``num_replicas`` replicas.
       cost_model, num_blocks, block_size, scheduler, hash_algo, hash_seed,
-        free_order: every replica's server, as in ``des.simulate``.
+        free_order, scheduling: every replica's server, as in ``des.simulate``.
       router_options: keyword options of the named router.
       arrival_rate: Poisson arrivals (req/s) instead of the trace timestamps.
       time_scale: multiplies every arrival time (> 0; < 1 compresses the trace,
@@ -147,7 +148,8 @@ def simulate_cluster(
         def fail(s, rec, i=i):
             totals.fail(s, {**rec, "replica": i})
 
-        servers.append(Server(manager, cost_model, scheduler, on_finish=finish, on_fail=fail))
+        servers.append(Server(manager, cost_model, scheduler, on_finish=finish, on_fail=fail,
+                              scheduling=scheduling))
 
     hasher = servers[0].manager.hasher
     arrivals = _scaled(_arrivals(requests, arrival_rate, seed), float(time_scale))

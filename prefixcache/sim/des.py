@@ -16,7 +16,8 @@ scheduler use; FCFS, chunked prefill, a per-step token budget):
    request is preempted by recompute (blocks freed, ``num_computed_tokens = 0``,
    put at the front of the waiting queue) and the allocation retried, until it
    fits or the request preempted itself.
-2. If nothing was preempted this step: waiting requests in FCFS order while
+2. If nothing was preempted this step: waiting requests in the scheduling
+   policy's order (``prefixcache.scheduling``; FCFS by default) while
    the budget and ``max_num_seqs`` allow: ``get_computed_blocks`` then
    ``allocate_slots(req, n, hit, blocks)``; the first that does not fit stops
    admission for the step.
@@ -47,6 +48,7 @@ import numpy as np
 
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.trace import TraceRequest, output_token
 
@@ -151,6 +153,8 @@ class Server:
       scheduler: batching limits.
       on_finish: called with ``(sim_request, record)`` when a request finishes.
       on_fail: called with ``(sim_request, record)`` when a request fails.
+      scheduling: the waiting queue's admission order (``prefixcache.scheduling``
+        name or policy; default FCFS).
 
     Attributes:
       now: the server's clock (s): when its next step may start.
@@ -162,7 +166,10 @@ class Server:
     def __init__(self, manager: KVCacheManager, cost_model: CostModel,
                  scheduler: SchedulerConfig, *,
                  on_finish: Callable[[_SimRequest, dict[str, Any]], None],
-                 on_fail: Callable[[_SimRequest, dict[str, Any]], None]):
+                 on_fail: Callable[[_SimRequest, dict[str, Any]], None],
+                 scheduling: "str | WaitingPolicy" = "fcfs"):
+        self.policy = (scheduling if isinstance(scheduling, WaitingPolicy)
+                       else make_scheduling_policy(scheduling))
         self.manager = manager
         self.cost_model = cost_model
         self.scheduler = scheduler
@@ -195,6 +202,30 @@ class Server:
             self.fail(s, f"needs {needed} blocks > num_blocks={m.num_blocks}")
         else:
             self.waiting.append(s)
+
+    def _admit(self, s: _SimRequest, budget: int, scheduled: list) -> int | None:
+        """Tries to admit the waiting ``s``; the budget left, or ``None`` if it does not
+        fit now (admission stops for the step). One that can never fit fails."""
+        manager = self.manager
+        req = s.req
+        blocks, hit = manager.get_computed_blocks(req)
+        n = min(req.num_tokens - hit, budget)
+        if manager.allocate_slots(req, n, hit, blocks) is None:
+            if not self.running:  # the whole pool is free and it still does not fit
+                self.waiting.remove(s)
+                self.policy.forget(req)
+                self.fail(s, "does not fit in the pool")
+                return budget
+            return None
+        self.waiting.remove(s)
+        req.num_computed_tokens = hit
+        if s.first_scheduled_s is None:
+            s.first_scheduled_s = self.now
+            s.num_cached_tokens = hit
+            self.counts["hit_tokens"] += hit
+        self.running.append(s)
+        scheduled.append((s, n, hit))
+        return budget - n
 
     def step(self) -> bool:
         """Schedule and run one step at ``self.now``; advance the clock past it.
@@ -237,27 +268,28 @@ class Server:
                 scheduled.append((s, n, req.num_computed_tokens))
                 budget -= n
                 i += 1
-            if not preempted:
-                while waiting and budget > 0 and len(running) < self.scheduler.max_num_seqs:
-                    s = waiting[0]
-                    req = s.req
-                    blocks, hit = manager.get_computed_blocks(req)
-                    n = min(req.num_tokens - hit, budget)
-                    if manager.allocate_slots(req, n, hit, blocks) is None:
-                        if not running:  # the whole pool is free and it still does not fit
-                            waiting.popleft()
-                            self.fail(s, "does not fit in the pool")
-                            continue
-                        break
-                    waiting.popleft()
-                    req.num_computed_tokens = hit
-                    if s.first_scheduled_s is None:
-                        s.first_scheduled_s = self.now
-                        s.num_cached_tokens = hit
-                        counts["hit_tokens"] += hit
-                    running.append(s)
-                    scheduled.append((s, n, hit))
-                    budget -= n
+            if not preempted and waiting:
+                policy = self.policy
+                if policy.is_fcfs:
+                    while waiting and budget > 0 and len(running) < self.scheduler.max_num_seqs:
+                        left = self._admit(waiting[0], budget, scheduled)
+                        if left is None:
+                            break
+                        budget = left
+                else:
+                    fcfs = list(waiting)
+                    admitted = []
+                    for s in policy.order(fcfs, _core_of, manager):
+                        if budget <= 0 or len(running) >= self.scheduler.max_num_seqs:
+                            break
+                        n_running = len(running)
+                        left = self._admit(s, budget, scheduled)
+                        if left is None:
+                            break
+                        if len(running) > n_running:
+                            admitted.append(s)
+                        budget = left
+                    policy.after_admission(fcfs, admitted, _core_of)
             if scheduled:
                 break
             if not running and not waiting:
@@ -301,6 +333,10 @@ class Server:
         return True
 
 
+def _core_of(s: _SimRequest) -> Request:
+    return s.req
+
+
 def make_sim_request(tr: TraceRequest, arrival_s: float) -> _SimRequest:
     """The simulator's state for trace entry ``tr`` arriving at ``arrival_s``."""
     return _SimRequest(tr, to_core_request(tr), arrival_s, max(1, int(tr.output_len)))
@@ -340,6 +376,7 @@ def simulate(
     hash_seed: int | str | None = None,
     free_order: str = "append",
     enable_caching: bool = True,
+    scheduling: str = "fcfs",
     warmup: Iterable[TraceRequest] | None = None,
     arrival_rate: float | None = None,
     seed: int = 0,
@@ -356,6 +393,8 @@ def simulate(
       num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching:
         the ``KVCacheManager`` the simulated server uses.
       scheduler: batching limits.
+      scheduling: the waiting queue's admission order (``fcfs``, ``lpm``,
+        ``dfs_weight``; ``prefixcache.scheduling``).
       warmup: if given, these prompts are prefilled one by one (and freed)
         before the first arrival: the run starts with a warm cache.
       arrival_rate: if set, Poisson arrivals at this rate (req/s) replace the
@@ -378,6 +417,7 @@ def simulate(
     Raises:
       ValueError: missing/unsorted timestamps, or a bad arrival rate.
     """
+    make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
                              log_stats=False)
@@ -398,7 +438,8 @@ def simulate(
             bar.update(1)
 
     totals = _Totals(emit)
-    server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail)
+    server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail,
+                    scheduling=scheduling)
     server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.

@@ -21,6 +21,8 @@ Workloads (what reuse each one exercises):
 * ``few_shot``: a few long few-shot headers x many short questions, shuffled.
 * ``rag``: a system prompt + ``docs_per_request`` documents drawn by Zipf
   popularity + a question; optional Poisson arrivals.
+* ``tenant_prefixes``: many tenants, each with a long private prefix, Poisson
+  arrivals (llm-d's routing benchmark shape: what routing across replicas decides).
 * ``mm_salt``: token-identical prompts (text prefix + image placeholders + unique
   suffix) where only the image identity, cache salt and LoRA adapter decide
   which requests may share blocks.
