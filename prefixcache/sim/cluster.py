@@ -46,10 +46,12 @@ def _load(i: int, srv: Server) -> ReplicaLoad:
     bs = m.block_size
     queued = 0
     for s in srv.waiting:
-        queued += -(-(s.req.num_tokens - s.req.num_computed_tokens) // bs)
-    return ReplicaLoad(index=i, outstanding=len(srv.running) + len(srv.waiting),
-                       waiting=len(srv.waiting), active_blocks=m.num_blocks - m.num_free_blocks,
-                       queued_blocks=queued, num_blocks=m.num_blocks)
+        r = s.req
+        queued += -(-(r.num_tokens - r.num_computed_tokens) // bs)
+    # NOTE: positional: (index, outstanding, waiting, active_blocks, queued_blocks,
+    # num_blocks); this runs for every replica on every routing decision.
+    return ReplicaLoad(i, len(srv.running) + len(srv.waiting), len(srv.waiting),
+                       m.num_blocks - m.num_free_blocks, queued, m.num_blocks)
 
 
 def simulate_cluster(

@@ -12,12 +12,10 @@ A new router is one file in this package plus one line in ``ROUTERS``
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaLoad:
+class ReplicaLoad(NamedTuple):
     """What a router may know about one replica's load at decision time.
 
     Attributes:
@@ -27,6 +25,9 @@ class ReplicaLoad:
       active_blocks: KV blocks held by its running requests.
       queued_blocks: blocks its queued requests' prompts will need.
       num_blocks: its KV cache capacity in blocks.
+
+    NOTE: a NamedTuple (built once per replica per decision: a frozen dataclass's
+    ``__init__`` cost ~3x more on the routing clock).
     """
 
     index: int
