@@ -36,6 +36,15 @@ def _scaled(arrivals, time_scale: float):
         yield t * time_scale, tr
 
 
+def _check(servers: list[Server], router: Router) -> None:
+    for i, srv in enumerate(servers):
+        srv.manager.check_invariants()
+        q = sum(s.queued_blocks for s in srv.waiting)
+        if q != srv.queued_blocks:
+            raise AssertionError(f"replica {i}: queued_blocks {srv.queued_blocks} != {q}")
+    router.check_invariants()
+
+
 def _us(seconds: list[float]) -> dict[str, float]:
     return {k: (v * 1e6 if k != "count" else v)
             for k, v in percentiles(np.asarray(seconds)).items()}
@@ -43,15 +52,11 @@ def _us(seconds: list[float]) -> dict[str, float]:
 
 def _load(i: int, srv: Server) -> ReplicaLoad:
     m = srv.manager
-    bs = m.block_size
-    queued = 0
-    for s in srv.waiting:
-        r = s.req
-        queued += -(-(r.num_tokens - r.num_computed_tokens) // bs)
     # NOTE: positional: (index, outstanding, waiting, active_blocks, queued_blocks,
     # num_blocks); this runs for every replica on every routing decision.
-    return ReplicaLoad(i, len(srv.running) + len(srv.waiting), len(srv.waiting),
-                       m.num_blocks - m.num_free_blocks, queued, m.num_blocks)
+    w = len(srv.waiting)
+    return ReplicaLoad(i, len(srv.running) + w, w, m.num_blocks - m.num_free_blocks,
+                       srv.queued_blocks, m.num_blocks)
 
 
 def simulate_cluster(
@@ -140,9 +145,11 @@ def simulate_cluster(
     totals = _Totals(emit)
     servers: list[Server] = []
     for i in range(num_replicas):
+        # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
+        # the router then keys its index on the request's own block hashes directly.
         manager = KVCacheManager(num_blocks, block_size, hash_algo=hash_algo,
                                  hash_seed=hash_seed, free_order=free_order, log_stats=False,
-                                 enable_events=router.needs_events)
+                                 enable_events=router.needs_events, int_event_hashes=False)
 
         def finish(s, rec, i=i):
             totals.finish(s, {**rec, "replica": i})
@@ -193,9 +200,7 @@ def simulate_cluster(
                 per_req[r] += 1
                 routed += 1
                 if check_every and routed % check_every == 0:
-                    for s in servers:
-                        s.manager.check_invariants()
-                    router.check_invariants()
+                    _check(servers, router)
                 pending = next(arrivals, None)
                 continue
             if nxt is None:
@@ -207,9 +212,7 @@ def simulate_cluster(
         if bar is not None:
             bar.close()
     if check_every:
-        for s in servers:
-            s.manager.check_invariants()
-        router.check_invariants()
+        _check(servers, router)
 
     counts = sum((s.counts for s in servers), start=type(servers[0].counts)())
     makespan = max(s.now for s in servers)

@@ -94,6 +94,7 @@ class _SimRequest:
     num_cached_tokens: int | None = None  # hit at first admission
     num_preemptions: int = 0
     finished: bool = False
+    queued_blocks: int = 0  # blocks it needed when it was last queued
 
 
 def _arrivals(requests: Iterable[TraceRequest], arrival_rate: float | None,
@@ -161,6 +162,8 @@ class Server:
       waiting / running: queued and admitted requests.
       counts: ``steps``, ``preemptions``, ``hit_tokens``, ``prefill_tokens``
         (prompt tokens computed, i.e. not hit), ``finished``, ``failed``.
+      queued_blocks: blocks the waiting requests still need, counted when each was
+        queued (a router's load signal, kept in O(1) per queue change).
     """
 
     def __init__(self, manager: KVCacheManager, cost_model: CostModel,
@@ -179,6 +182,20 @@ class Server:
         self.waiting: collections.deque[_SimRequest] = collections.deque()
         self.running: list[_SimRequest] = []
         self.counts = collections.Counter()
+        self.queued_blocks = 0  # blocks the queued requests still need (at enqueue time)
+
+    def _enqueue(self, s: _SimRequest, *, front: bool = False) -> None:
+        r = s.req
+        s.queued_blocks = -(-(r.num_tokens - r.num_computed_tokens) // self.manager.block_size)
+        self.queued_blocks += s.queued_blocks
+        if front:
+            self.waiting.appendleft(s)
+        else:
+            self.waiting.append(s)
+
+    def _dequeue(self, s: _SimRequest) -> None:
+        self.waiting.remove(s)
+        self.queued_blocks -= s.queued_blocks
 
     @property
     def has_work(self) -> bool:
@@ -201,7 +218,7 @@ class Server:
         if needed > m.num_blocks:
             self.fail(s, f"needs {needed} blocks > num_blocks={m.num_blocks}")
         else:
-            self.waiting.append(s)
+            self._enqueue(s)
 
     def _admit(self, s: _SimRequest, budget: int, scheduled: list) -> int | None:
         """Tries to admit the waiting ``s``; the budget left, or ``None`` if it does not
@@ -212,12 +229,12 @@ class Server:
         n = min(req.num_tokens - hit, budget)
         if manager.allocate_slots(req, n, hit, blocks) is None:
             if not self.running:  # the whole pool is free and it still does not fit
-                self.waiting.remove(s)
+                self._dequeue(s)
                 self.policy.forget(req)
                 self.fail(s, "does not fit in the pool")
                 return budget
             return None
-        self.waiting.remove(s)
+        self._dequeue(s)
         req.num_computed_tokens = hit
         if s.first_scheduled_s is None:
             s.first_scheduled_s = self.now
@@ -259,7 +276,7 @@ class Server:
                     # under the preempted prefix-cache stats.
                     victim.req.num_preemptions += 1
                     counts["preemptions"] += 1
-                    waiting.appendleft(victim)
+                    self._enqueue(victim, front=True)
                     preempted = True
                     if victim is s:
                         break

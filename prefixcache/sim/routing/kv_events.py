@@ -17,8 +17,10 @@ decode blocks outweigh a whole cached prefix on the tenant workload (hit rate 0.
 0.83 with the normalised cost at 4 replicas, ``configs/route.py``); normalising both
 terms to [0, 1] keeps the weight meaningful across block sizes and pool sizes.
 
-Hashes are compared as vLLM publishes them (the digest's low 64 bits as an int); a
-replica may hold one hash in several blocks (append-only block tables), so the index
+The index keys on whatever the events carry: raw digests (the simulator's replicas
+publish them, so a request's own block hashes are the keys) or vLLM's default ints (the
+digest's low 64 bits: pass ``int_event_hashes=True`` to the router). A replica may hold
+one hash in several blocks (append-only block tables), so the index
 counts blocks per (hash, replica) and a replica leaves a hash's set only when its last
 such block is removed.
 """
@@ -47,8 +49,8 @@ class GlobalBlockIndex:
 
     def __init__(self, num_replicas: int):
         self.num_replicas = num_replicas
-        self.holders: dict[int, int] = {}  # hash -> bitmask of replicas
-        self.counts: list[dict[int, int]] = [{} for _ in range(num_replicas)]
+        self.holders: dict = {}  # hash (digest or int) -> bitmask of replicas
+        self.counts: list[dict] = [{} for _ in range(num_replicas)]
 
     def apply(self, replica: int, events: Sequence) -> None:
         bit = 1 << replica
@@ -66,7 +68,7 @@ class GlobalBlockIndex:
                     c = cnt.get(h, 0)
                     if c <= 0:
                         raise ValueError(
-                            f"replica {replica}: BlockRemoved for hash {h:#x} it never stored")
+                            f"replica {replica}: BlockRemoved for hash {h!r} it never stored")
                     if c == 1:
                         del cnt[h]
                         m = holders[h] & ~bit
@@ -116,13 +118,13 @@ class GlobalBlockIndex:
 
     def check(self) -> None:
         for h, m in self.holders.items():
-            assert m, f"hash {h:#x} with an empty replica set"
+            assert m, f"hash {h!r} with an empty replica set"
             for r in range(self.num_replicas):
                 assert bool(m >> r & 1) == (self.counts[r].get(h, 0) > 0), (
-                    f"hash {h:#x}: replica {r} bit and count disagree")
+                    f"hash {h!r}: replica {r} bit and count disagree")
         for r, cnt in enumerate(self.counts):
             for h, c in cnt.items():
-                assert c > 0 and self.holders.get(h, 0) >> r & 1, f"replica {r} hash {h:#x}"
+                assert c > 0 and self.holders.get(h, 0) >> r & 1, f"replica {r} hash {h!r}"
 
 
 class KVEventsRouter(Router):
@@ -130,18 +132,21 @@ class KVEventsRouter(Router):
     needs_events = True
 
     def __init__(self, num_replicas: int, *, block_size: int, seed: int = 0,
-                 overlap_weight: float = 1.0):
+                 overlap_weight: float = 1.0, int_event_hashes: bool = False):
         super().__init__(num_replicas, block_size=block_size, seed=seed)
         if not float(overlap_weight) >= 0.0:
             raise ValueError(f"kv_events: overlap_weight must be >= 0, got {overlap_weight!r}")
         self.overlap_weight = float(overlap_weight)
+        self.int_event_hashes = bool(int_event_hashes)
         self.index = GlobalBlockIndex(num_replicas)
 
     def on_events(self, replica, events):
         self.index.apply(replica, events)
 
     def route(self, request, loads, now):
-        hashes = [event_hash(h) for h in request.block_hashes]
+        hashes = request.block_hashes
+        if self.int_event_hashes:
+            hashes = [event_hash(h) for h in hashes]
         overlaps = self.index.overlaps(hashes)
         w = self.overlap_weight / max(len(hashes), 1)
         n = len(hashes)
