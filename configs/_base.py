@@ -23,6 +23,9 @@ WORKLOAD_KWARGS = {
     "rag": dict(num_requests=1000, num_documents=200, doc_len=(256, 1024), docs_per_request=2,
                 zipf_a=1.1, system_len=256, question_len=(16, 64), output_len=(16, 128),
                 vocab=32000),
+    "tenant_prefixes": dict(num_requests=3000, num_tenants=150, prefix_len=6000,
+                            question_len=(128, 1024), output_len=(64, 256), vocab=32000,
+                            arrival_rate=20.0),
     "mooncake_scale": dict(num_requests=20000),
 }
 
@@ -68,4 +71,23 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "",
     c.concurrency = concurrency
     c.max_model_len = 0  # 0 -> no limit
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given
+    return c
+
+
+def route_config(workload: str = "tenant_prefixes", *, trace: str = "", **kwargs
+                 ) -> ml_collections.ConfigDict:
+    """A config of ``experiments.route``."""
+    c = requests_config(workload, trace=trace, **kwargs)
+    c.replicas = "1,2,4,8"  # comma-separated, as the --replicas flag
+    c.policies = "random,round_robin,least_loaded,session,cache_aware,kv_events"
+    c.num_blocks = 0  # per replica; 0 -> all HBM left after the weights
+    c.block_size = 16
+    c.model = "llama_3_1_8b"
+    c.accelerator = "h100"
+    c.num_chips = 1
+    c.max_num_batched_tokens = 8192
+    c.max_num_seqs = 256
+    c.time_scale = 1.0
+    c.arrival_rate = 0.0  # 0 -> the trace's timestamps
+    c.hash_algo = "sha256"
     return c

@@ -390,7 +390,7 @@ def run_cli(run_fn, *, config_name: str, extra_flags: Mapping[str, tuple[str, st
     Args:
       run_fn: ``(config, *, progress) -> JSON-able summary``.
       config_name: the default config's file stem.
-      extra_flags: flag name -> (``"string"`` | ``"integer"``, help); each
+      extra_flags: flag name -> (``"string"`` | ``"integer"`` | ``"float"``, help); each
         overrides ``config.<name>`` when given.
       argv: for tests; default ``sys.argv``.
     """
@@ -406,7 +406,8 @@ def run_cli(run_fn, *, config_name: str, extra_flags: Mapping[str, tuple[str, st
                                               "(overrides config.workdir).")}
     progress = flags.DEFINE_bool("progress", True, "Show tqdm progress bars on stderr.")
     for name, (kind, help_) in (extra_flags or {}).items():
-        define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer}[kind]
+        define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer,
+                  "float": flags.DEFINE_float}[kind]
         holders[name] = define(name, None, f"{help_} (overrides config.{name}).")
 
     def main(args):

@@ -205,6 +205,24 @@ class KVCacheManager:
         # retried because it did not fit yet counts once.
         return computed, num_hit
 
+    def peek_computed_tokens(self, request) -> int:
+        """The prefix-hit tokens ``get_computed_blocks`` would return now.
+
+        Counts no lookup and changes nothing (a scheduler ordering its waiting queue
+        by cached prefix calls it for every waiting request, every step).
+        """
+        if not self.enable_caching:
+            return 0
+        request.bind_hasher(self.hasher, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cached = self.block_pool.cached_block_hash_to_block
+        n = 0
+        for h in islice(request.block_hashes, max_blocks):
+            if h not in cached:
+                break
+            n += 1
+        return n * self.block_size
+
     def allocate_slots(
         self,
         request,

@@ -70,6 +70,9 @@ class Engine:
       lora_cache_key_only: the model applies no LoRA adapters, so requests with a
         `lora` are rejected (ValueError) unless this is True: then they run the base
         model and the adapter only keys the cache (for cache-isolation studies).
+      scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
+        default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
+        `prefixcache.scheduling`).
 
     Attributes:
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
@@ -90,8 +93,9 @@ class Engine:
                  model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
                  manager_kwargs: Mapping[str, Any] | None = None,
                  share_programs_with: "Engine | None" = None,
-                 lora_cache_key_only: bool = False):
+                 lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs"):
         from prefixcache.core import KVCacheManager
+        from prefixcache.scheduling import make_scheduling_policy
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -100,6 +104,7 @@ class Engine:
                                                max_num_batched_tokens)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        policy = make_scheduling_policy(scheduling_policy)  # unknown name: ValueError
         model_max = _model_max_len(model_config)
         if max_model_len is None:
             max_model_len = model_max if model_max is not None else num_blocks * block_size
@@ -120,7 +125,8 @@ class Engine:
             hash_seed=hash_seed, max_model_len=max_model_len, **dict(manager_kwargs or {}))
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len,
+                                   scheduling_policy=policy)
         program = None
         if share_programs_with is not None:
             if model is not None and model is not share_programs_with.model:

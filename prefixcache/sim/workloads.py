@@ -21,6 +21,8 @@ Workloads (what reuse each one exercises):
 * ``few_shot``: a few long few-shot headers x many short questions, shuffled.
 * ``rag``: a system prompt + ``docs_per_request`` documents drawn by Zipf
   popularity + a question; optional Poisson arrivals.
+* ``tenant_prefixes``: many tenants, each with a long private prefix, Poisson
+  arrivals (llm-d's routing benchmark shape: what routing across replicas decides).
 * ``mm_salt``: token-identical prompts (text prefix + image placeholders + unique
   suffix) where only the image identity, cache salt and LoRA adapter decide
   which requests may share blocks.
@@ -503,6 +505,48 @@ def write_mooncake_trace(path: str | os.PathLike, lines: Iterable[dict[str, Any]
     return stats
 
 
+def tenant_prefixes(
+    *,
+    num_requests: int = 3000,
+    num_tenants: int = 150,
+    prefix_len: int = 6000,
+    question_len: Sequence[int] = (128, 1024),
+    output_len: Sequence[int] = (64, 256),
+    vocab: int = VOCAB,
+    arrival_rate: float | None = 20.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Many tenants, each with a long private prefix (llm-d's routing benchmark shape).
+
+    Each request picks a tenant uniformly at random and sends the tenant's prefix
+    (system prompt + shared documents) followed by a unique question; arrivals are
+    Poisson by default. The prefixes of all tenants (``num_tenants * prefix_len``
+    tokens) typically exceed one replica's cache, so routing decides the hit rate.
+
+    Args:
+      num_requests: requests (ids ``tp-00000`` ...).
+      num_tenants: tenants, each with its own prefix.
+      prefix_len: tokens of every tenant's prefix.
+      question_len: inclusive range of the unique suffix length.
+      output_len: inclusive range of output tokens.
+      vocab: text token ids are in ``[1, vocab)``.
+      arrival_rate: Poisson arrivals (req/s) as timestamps; ``None`` for none.
+      seed: RNG seed.
+    """
+    num_requests = _positive("num_requests", num_requests)
+    num_tenants = _positive("num_tenants", num_tenants)
+    prefix_len = _positive("prefix_len", prefix_len)
+    question_len, output_len = _range("question_len", question_len), _range("output_len", output_len)
+    rng = _rng(seed, "tenant_prefixes")
+    prefixes = [_tokens(rng, prefix_len, vocab) for _ in range(num_tenants)]
+    reqs = []
+    for i in range(num_requests):
+        t = int(rng.integers(num_tenants))
+        q = _tokens(rng, _draw(rng, question_len), vocab)
+        reqs.append(_make(f"tp-{i:05d}", prefixes[t] + q, _draw(rng, output_len)))
+    return _maybe_poisson(reqs, arrival_rate, seed)
+
+
 # ----------------------------------------------------------------------------
 # registry
 # ----------------------------------------------------------------------------
@@ -515,6 +559,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "few_shot": few_shot,
     "mm_salt": mm_salt,
     "rag": rag,
+    "tenant_prefixes": tenant_prefixes,
 }
 
 _STREAMS = {name: i for i, name in enumerate(WORKLOADS)}

@@ -38,6 +38,8 @@ def _small():
         "few_shot": dict(num_headers=3, num_questions=5, header_len=70),
         "mm_salt": dict(num_requests=40),
         "rag": dict(num_requests=30, num_documents=10, doc_len=(20, 60)),
+        "tenant_prefixes": dict(num_requests=30, num_tenants=4, prefix_len=64,
+                                question_len=(8, 20)),
     }
 
 
@@ -210,3 +212,16 @@ def test_bad_generator_arguments():
         wl.rag(num_documents=2, docs_per_request=3)
     with pytest.raises(ValueError, match="arrival rate"):
         wl.poisson_arrivals(3, 0.0)
+
+
+def test_tenant_prefixes_share_each_tenants_prefix_only():
+    reqs = wl.generate("tenant_prefixes", num_requests=60, num_tenants=5, prefix_len=48,
+                       question_len=(16, 16), output_len=(4, 4), arrival_rate=10.0)
+    prefixes = {tuple(r.prompt[:48]) for r in reqs}
+    assert len(prefixes) == 5
+    assert all(len(r.prompt) == 64 for r in reqs)
+    ts = [r.timestamp for r in reqs]
+    assert ts == sorted(ts) and ts[0] > 0
+    summary, _ = _replay(reqs)
+    # Every request after its tenant's first hits the 48-token (3-block) prefix.
+    assert summary["hit_tokens"] == (60 - 5) * 48
