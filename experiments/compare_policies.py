@@ -143,13 +143,19 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     """Hit rate vs capacity: a line per (policy, index), the ideal and belady bounds."""
-    fig, ax = _common.new_figure(figsize=(7, 4.2))
+    fig, ax = _common.new_figure(figsize=(8.5, 4.2))
     cells = [r for r in rows if r["record"] == "cell"]
+    # One color per policy, one line style per index (so 8 policies x 2 indexes stay legible).
+    colors = {p: f"C{i % 10}" for i, p in enumerate(
+        dict.fromkeys(r["policy"] for r in cells if r["policy"] != "belady"))}
+    styles = dict(zip(dict.fromkeys(r["index"] for r in cells), ("-", ":", "-.", (0, (5, 1)))))
     for policy, index in dict.fromkeys((r["policy"], r["index"]) for r in cells):
         pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
                      key=lambda r: r["num_blocks"])
-        style = dict(color="black", linestyle="--", linewidth=2) if policy == "belady" else dict(
-            marker="o", linestyle="-" if index == "hash" else ":")
+        style = dict(color="black" if policy == "belady" else colors[policy],
+                     linestyle=styles.get(index, "-"))
+        style.update(dict(linewidth=2.5, alpha=0.6) if policy == "belady" else
+                     dict(marker="o", markersize=4))
         label = f"{policy} / {index}" + (" (offline bound)" if policy == "belady" else "")
         ax.plot([r["num_blocks"] for r in pts], [r["hit_rate_tokens"] for r in pts],
                 label=label, **style)
@@ -162,7 +168,7 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(title, fontsize=9)
     _common.save_plot(fig, path)
 
