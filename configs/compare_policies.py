@@ -38,3 +38,26 @@ def get_config():
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""  # "": a local Ray instance
     return c
+
+
+def mooncake_config(trace_file: str):
+    """Mooncake's Table 1 grid on one Mooncake trace (``configs/compare_policies_mooncake_*``).
+
+    512-token blocks, one request at a time, 1k-200k blocks, every registered policy on
+    the hash index; xxhash with a fixed root (hit rates do not depend on the algorithm,
+    and it is the fastest); Llama-3.1-70B's KV for bytes (160 MiB per block).
+    """
+    c = get_config()
+    src = _base.requests_config("shared_system_prompt", trace=f"{_base.MOONCAKE_DIR}/{trace_file}")
+    for key in ("trace", "workload"):
+        c[key] = src[key]
+    c.trace_format = "mooncake"
+    c.block_size = 512
+    c.capacities = "1000,3000,10000,30000,50000,100000,200000"
+    c.policies = "all"
+    c.indexes = "hash"
+    c.concurrency = 1
+    c.hash_algo = "xxhash"
+    c.hash_seed = "0"
+    c.model = "llama_3_1_70b"
+    return c
