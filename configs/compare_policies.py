@@ -28,6 +28,7 @@ def get_config():
     c.block_size = 16
     c.capacities = "256,512,1024,2048,4096,8192,16384,32768"  # blocks, comma-separated
     c.policies = "all"  # comma-separated names of prefixcache.core.eviction, or all
+    c.belady_bound = True  # add belady (the offline bound) when it is registered
     c.indexes = "hash"  # comma-separated: hash, radix (or all)
     c.concurrency = 8
     c.free_order = "unhashed_first"  # vLLM's

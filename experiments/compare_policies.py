@@ -16,7 +16,8 @@ aside). One more cell replays the trace at a capacity where nothing is ever evic
 the infinite-cache ideal (``record: "ideal"``; see ``compare.ideal_num_blocks``).
 
 ``--policies`` / ``--indexes`` take comma-separated names or ``all`` (every registered
-one); ``--capacities`` comma-separated block counts.
+one); ``--capacities`` comma-separated block counts. ``belady`` (the offline bound) joins
+the policies whenever it is registered, unless ``--config.belady_bound=false``.
 
 Outputs in ``--workdir``:
   * ``compare_policies.jsonl``: one row per cell (``policy``, ``index``,
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from experiments import _common, _parallel
 
 ROWS_FILE = "compare_policies.jsonl"
+BELADY = "belady"  # the offline optimum: the bound drawn in the plot
 PNG_FILE = "compare_policies.png"
 
 
@@ -64,9 +66,14 @@ def resolve_grid(config) -> dict:
         raise ValueError(f"unknown hash_algo {config.hash_algo!r}; expected one of {HASH_ALGOS}")
     if config.free_order not in FREE_ORDERS:
         raise ValueError(f"unknown free_order {config.free_order!r}; expected one of {FREE_ORDERS}")
+    known = compare.policy_names()
+    policies = compare.parse_names(config.policies, known=known, what="eviction policy")
+    # NOTE: the offline bound is drawn whenever it exists: belady joins the grid unless
+    # belady_bound is off (before the policy seam is merged it is not registered yet).
+    if config.belady_bound and BELADY in known and BELADY not in policies:
+        policies += (BELADY,)
     grid = {
-        "policies": compare.parse_names(config.policies, known=compare.policy_names(),
-                                        what="eviction policy"),
+        "policies": policies,
         "indexes": compare.parse_names(config.indexes, known=compare.index_names(),
                                        what="index"),
         "capacities": compare.parse_capacities(config.capacities),

@@ -110,6 +110,20 @@ def test_a_cell_this_replay_cannot_run_is_refused(config):
         cp.run(config)
 
 
+def test_belady_bound_joins_the_grid_when_registered(config, monkeypatch):
+    monkeypatch.setattr(compare, "policy_names", lambda: ("lru", "lfu", "belady"))
+    monkeypatch.setattr(compare, "check_replay_supports", lambda *a, **k: None)
+    config.policies = "lfu,lru"
+    assert cp.resolve_grid(config)["policies"] == ("lfu", "lru", "belady")
+    config.policies = "belady,lru"
+    assert cp.resolve_grid(config)["policies"] == ("belady", "lru")
+    config.policies, config.belady_bound = "lru", False
+    assert cp.resolve_grid(config)["policies"] == ("lru",)
+    monkeypatch.setattr(compare, "policy_names", lambda: ("lru",))  # not registered: no bound
+    config.belady_bound = True
+    assert cp.resolve_grid(config)["policies"] == ("lru",)
+
+
 def test_ray_executor_without_ray(config, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     config.executor = "ray"
