@@ -109,9 +109,21 @@ def mooncake_block_tokens(
     splitmix64 of ``(hash_id, position)``: deterministic on every platform, equal ids
     give equal blocks, distinct ids give unrelated blocks.
     """
+    return mooncake_tokens([hash_id], block_tokens=block_tokens, vocab_size=vocab_size)
+
+
+def mooncake_tokens(
+    hash_ids, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> np.ndarray:
+    """``mooncake_block_tokens`` of every id, concatenated: ``i64[len(hash_ids) * block_tokens]``.
+
+    NOTE: one vectorised splitmix64 over the whole prompt (elementwise, so equal to the
+    blocks one by one); a call per block was a fifth of a Mooncake policy cell's time.
+    """
+    ids = np.fromiter((h & 0xFFFFFFFFFFFFFFFF for h in hash_ids), dtype=np.uint64)
     pos = np.arange(block_tokens, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = (np.uint64(hash_id & 0xFFFFFFFFFFFFFFFF) * np.uint64(block_tokens) + pos) * _GOLDEN
+        z = ((ids * np.uint64(block_tokens))[:, None] + pos[None, :]).ravel() * _GOLDEN
         z = (z ^ (z >> np.uint64(30))) * _MIX1
         z = (z ^ (z >> np.uint64(27))) * _MIX2
         z = z ^ (z >> np.uint64(31))
@@ -119,7 +131,7 @@ def mooncake_block_tokens(
 
 
 def _mooncake_request(
-    obj: dict, where: str, lineno: int, vocab_size: int, cache: dict[int, np.ndarray]
+    obj: dict, where: str, lineno: int, vocab_size: int
 ) -> TraceRequest:
     for field in ("input_length", "output_length", "hash_ids"):
         if field not in obj:
@@ -137,16 +149,7 @@ def _mooncake_request(
             f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length={n_in} "
             f"needs ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
         )
-    parts = []
-    for h in hash_ids:
-        blk = cache.get(h)
-        if blk is None:
-            blk = mooncake_block_tokens(h, vocab_size=vocab_size)
-            if len(cache) >= 4096:  # NOTE: bounded memo, memory stays O(1) in the trace
-                cache.clear()
-            cache[h] = blk
-        parts.append(blk)
-    prompt = np.concatenate(parts)[:n_in].tolist()
+    prompt = mooncake_tokens(hash_ids, vocab_size=vocab_size)[:n_in].tolist()
     ts = obj.get("timestamp")
     if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
         raise TraceError(f"{where}: field 'timestamp' must be a number (ms), got {ts!r}")
@@ -272,7 +275,6 @@ def read_trace(
 
 
 def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
-    cache: dict[int, np.ndarray] = {}
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -286,7 +288,7 @@ def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
             if not isinstance(obj, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
-                yield _mooncake_request(obj, where, lineno, vocab_size, cache)
+                yield _mooncake_request(obj, where, lineno, vocab_size)
             else:
                 yield _parse_request(obj, where)
 

@@ -46,6 +46,9 @@ from prefixcache.sim.trace import TraceRequest, output_token
 
 VOCAB = 32000
 MM_PLACEHOLDER_TOKEN = 0
+# Where a prompt's stable part (system prompt, few-shot header) goes: before the
+# request-specific part (the seeds' advice) or after it. Both draw the same tokens.
+LAYOUTS = ("stable_first", "stable_last")
 MOONCAKE_BLOCK_SIZE = 512
 
 
@@ -83,6 +86,13 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
     return np.random.default_rng([int(seed), _STREAMS[stream]])
+
+
+def _layout(layout: str) -> bool:
+    """True when the stable part goes first; ``ValueError`` for an unknown layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return layout == "stable_first"
 
 
 def _make(rid: str, prompt: list[int], output_len: int, *, cache_salt=None, lora=None,
@@ -141,6 +151,7 @@ def shared_system_prompt(
     output_len: Sequence[int] = (16, 64),
     vocab: int = VOCAB,
     arrival_rate: float | None = None,
+    layout: str = "stable_first",
     seed: int = 0,
 ) -> list[TraceRequest]:
     """One system prompt shared by every request + a unique suffix each.
@@ -152,13 +163,17 @@ def shared_system_prompt(
       output_len: inclusive range of output tokens per request.
       vocab: text token ids are in ``[1, vocab)``.
       arrival_rate: if set, Poisson arrivals at this rate (req/s) as timestamps.
+      layout: ``"stable_first"`` (system prompt + suffix) or ``"stable_last"``
+        (the unique part first: the same tokens, reordered).
       seed: RNG seed.
 
     Returns:
       ``num_requests`` requests. Expected hits (block size B, enough blocks):
       every request after the first reuses ``(system_len // B) * B`` tokens
-      (more only if its suffix happens to repeat, which random tokens do not).
+      (more only if its suffix happens to repeat, which random tokens do not);
+      with ``stable_last``, none.
     """
+    stable_first = _layout(layout)
     num_requests = _positive("num_requests", num_requests)
     unique_len, output_len = _range("unique_len", unique_len), _range("output_len", output_len)
     rng = _rng(seed, "shared_system_prompt")
@@ -167,7 +182,7 @@ def shared_system_prompt(
     for i in range(num_requests):
         uniq = _tokens(rng, _draw(rng, unique_len), vocab)
         out = _draw(rng, output_len)
-        reqs.append(_make(f"ssp-{i:05d}", system + uniq, out))
+        reqs.append(_make(f"ssp-{i:05d}", system + uniq if stable_first else uniq + system, out))
     return _maybe_poisson(reqs, arrival_rate, seed)
 
 
@@ -234,16 +249,20 @@ def few_shot(
     output_len: Sequence[int] = (16, 64),
     vocab: int = VOCAB,
     arrival_rate: float | None = None,
+    layout: str = "stable_first",
     seed: int = 0,
 ) -> list[TraceRequest]:
     """``num_headers`` long few-shot headers x ``num_questions`` questions, shuffled.
 
     Expected hits (block size B, enough blocks): the first request of each
     header misses; every later one reuses ``(header_len // B) * B`` tokens.
+    ``layout="stable_last"`` puts the question before the header (same tokens):
+    then nothing is reused.
 
     Returns:
       ``num_headers * num_questions`` requests, ids ``fs-hH-qQQQ``.
     """
+    stable_first = _layout(layout)
     num_headers = _positive("num_headers", num_headers)
     num_questions = _positive("num_questions", num_questions)
     question_len, output_len = _range("question_len", question_len), _range("output_len", output_len)
@@ -254,7 +273,8 @@ def few_shot(
         for q in range(num_questions):
             question = _tokens(rng, _draw(rng, question_len), vocab)
             out = _draw(rng, output_len)
-            reqs.append(_make(f"fs-h{h}-q{q:03d}", headers[h] + question, out))
+            prompt = headers[h] + question if stable_first else question + headers[h]
+            reqs.append(_make(f"fs-h{h}-q{q:03d}", prompt, out))
     order = rng.permutation(len(reqs))
     return _maybe_poisson([reqs[i] for i in order], arrival_rate, seed)
 
