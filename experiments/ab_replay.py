@@ -13,7 +13,7 @@ min and median of ``loop_s`` (and the hashing / manager split) for both, the rat
 new/base (< 1: the working tree is faster), and whether both produced identical records.
 
 Workloads come from ``prefixcache.sim.workloads`` (the peer traces' generators, same
-seed -> the same requests as ``../shared/peers/make_traces.py``). Last stdout line: one
+seed -> the same requests as ``experiments/peers/make_traces.py``). Last stdout line: one
 JSON summary with provenance.
 """
 
@@ -31,6 +31,8 @@ import tarfile
 import tempfile
 
 from absl import app, flags
+
+from experiments import _common
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,4 +173,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _common.run_app(main)

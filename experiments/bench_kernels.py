@@ -24,6 +24,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
+from experiments import _common
 from experiments._common import provenance, to_jsonable
 from kernels import benchmark
 
@@ -106,4 +107,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run_app(main)

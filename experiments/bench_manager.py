@@ -4,7 +4,10 @@ r"""Manager benchmark: our replay (hashing + KVCacheManager) vs vLLM 0.33's, sam
   python -m experiments.bench_manager \
       --vllm_python=$HOME/.cache/prefixcache-peers/vllm-venv/bin/python   # + the peer
 
-Generates the peer workloads with ``../shared/peers/make_traces.py`` itself (same code,
+The vLLM peer venv: ``bash experiments/peers/setup_vllm_env.sh`` (pinned vLLM 0.33.0 +
+CPU torch in its own venv; prints the python to pass as ``--vllm_python``).
+
+Generates the peer workloads with ``experiments/peers/make_traces.py`` itself (same code,
 same seed: byte-identical traces to the ones vLLM's harness replays), then for every
 workload x hash algorithm replays the trace through ``prefixcache.sim.replay`` and prints
 requests/s, prompt tokens/s and the split of the loop between hashing (request
@@ -41,6 +44,8 @@ import tempfile
 
 from absl import app, flags
 
+from experiments import _common
+
 FLAGS = flags.FLAGS
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +74,7 @@ _PEER_MODE = flags.DEFINE_enum(
     "experiments.peer_inprocess with our package on PYTHONPATH; same libraries, same "
     "drift); subprocess: ours here, vllm_replay.py in a fresh process per round.")
 _PEERS = flags.DEFINE_string(
-    "peers_dir", os.path.join(os.path.dirname(_REPO), "shared", "peers"),
+    "peers_dir", os.path.join(_REPO, "experiments", "peers"),
     "Directory of make_traces.py and vllm_replay.py.")
 _TRACE_DIR = flags.DEFINE_string(
     "trace_dir", None,
@@ -290,7 +295,6 @@ def _line(r: dict) -> str:
 
 def main(argv):
     del argv
-    from experiments import _common  # noqa: PLC0415
 
     if _TRACE_DIR.value is None:
         FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
@@ -325,4 +329,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _common.run_app(main)

@@ -18,6 +18,7 @@ import timeit
 from absl import app, flags
 import numpy as np
 
+from experiments import _common
 from experiments._common import provenance
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq
 
@@ -78,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run_app(main)

@@ -224,7 +224,7 @@ def run(config, *, progress: bool = False) -> dict:
     if config.measured.enable:
         rows += measure_engine_ttft(config.measured, seed=config.seed,
                                     hash_algo=config.hash_algo, progress=progress)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     provs = {state: _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                                        cache_state=state, extra={"source": source})
              for state in (None, *_common.CACHE_STATES)}

@@ -13,7 +13,7 @@ Outputs:
     ``num_computed_tokens``, ``block_ids``, ``prompt_tokens``, ``failed`` /
     ``decode_truncated_at``) -- no timing and no provenance, so the same trace,
     flags and seed give a byte-identical file (and it can be diffed against
-    ``../shared/peers/vllm_replay.py --out``).
+    ``experiments/peers/vllm_replay.py --out``).
   * the last stdout line: the summary JSON (``requests``, ``prompt_tokens``,
     ``hit_tokens``, ``hit_rate_tokens``, ``evictions``, ``failed``, ``timing``
     with ``loop_s``/``hashing_s``/``manager_s``, rates, ``peak_rss_mib``).
@@ -54,7 +54,7 @@ def run(config, *, progress: bool = False) -> dict:
 
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
-    requests = _common.requests_from_config(config, workdir, progress=progress)
+    requests, total = _common.load_requests(config, workdir, progress=progress)
     prompt = array.array("q")  # per-request prompt tokens, for the plot
     hits = array.array("q")
 
@@ -69,14 +69,15 @@ def run(config, *, progress: bool = False) -> dict:
             requests, num_blocks=config.num_blocks, block_size=config.block_size,
             hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
             free_order=config.free_order, concurrency=config.concurrency,
-            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress)
+            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
+            total=total)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
             summary = run_with(writer)
     else:
         summary = run_with(None)
-    summary = {"trace": config.trace or f"workload:{config.workload.name}", **summary,
+    summary = {"trace": _common.source_name(config), **summary,
                "peak_rss_mib": _common.peak_rss_mib()}
     if workdir is not None:
         prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
@@ -109,6 +110,8 @@ def plot_cumulative_hit_rate(prompt_tokens, hit_tokens, path, *, title: str = ""
 def main() -> None:
     _common.run_cli(run, config_name="replay", extra_flags={
         "trace": ("string", "Trace file (our JSONL or Mooncake)"),
+        "dataset": ("string", "Public trace by name, e.g. mooncake_conversation "
+                              "(downloaded once into $PREFIXCACHE_DATA)"),
         "num_blocks": ("integer", "KV cache blocks"),
         "block_size": ("integer", "Tokens per block"),
         "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
