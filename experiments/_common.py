@@ -461,6 +461,33 @@ def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
             setattr(config, name, holder.value)
 
 
+def progress_bar(iterable=None, *, enabled: bool, total: int | None = None,
+                 desc: str | None = None, unit: str = "it"):
+    """A tqdm progress bar on stderr; a silent pass-through when not ``enabled``.
+
+    Args:
+      iterable: what to iterate (its ``len`` is the total when it has one).
+      enabled: the script's ``--[no]progress``.
+      total: units of work when known in advance (the bar shows an ETA).
+      desc: the bar's label.
+      unit: the unit's name.
+
+    Returns:
+      A ``tqdm`` object (iterate it, or ``update``/``close`` it / use it in ``with``).
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled)
+
+
+def define_progress_flag():
+    """``--[no]progress`` for a script that defines its flags at module level."""
+    from absl import flags  # noqa: PLC0415
+
+    return flags.DEFINE_bool("progress", True, "Show a tqdm progress bar on stderr "
+                             "(--noprogress: none).")
+
+
 # absl's help flags (``-?`` is --help's short name).
 _HELP_FLAGS = frozenset({"help", "helpshort", "helpfull", "helpxml", "?"})
 

@@ -82,6 +82,7 @@ _TRACE_DIR = flags.DEFINE_string(
     "temporary directory, so concurrent invocations never overwrite each other's files.")
 _HASH_SEED = flags.DEFINE_integer(
     "hash_seed", 0, "Hash chain seed for both (vLLM gets PYTHONHASHSEED).")
+_PROGRESS = _common.define_progress_flag()
 
 
 def generate_traces(peers_dir: str, out_dir: str, seed: int, names: list[str]) -> dict[str, str]:
@@ -208,6 +209,29 @@ def bench_one(name: str, path: str, algo: str) -> dict:
     return result
 
 
+def peer_import_dir(parent: str) -> str:
+    """A directory that shows the peer venv's python only ``prefixcache`` and ``experiments``.
+
+    NOTE: the checkout root also holds our ``kernels`` package (it needs jax, which the
+    peer venv lacks); transformers, imported by vLLM, probes for the Hugging Face
+    package of that name by importing it, so the root itself must not be on the peer's
+    path (nor be its working directory: ``python -m`` puts the cwd first).
+
+    Args:
+      parent: where to create it (the run's trace directory).
+
+    Returns:
+      The directory (symlinks to this checkout's two packages).
+    """
+    d = os.path.join(parent, "peer-import-path")
+    os.makedirs(d, exist_ok=True)
+    for pkg in ("prefixcache", "experiments"):
+        link = os.path.join(d, pkg)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(_REPO, pkg), link)
+    return d
+
+
 def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
     """All algorithms of one workload through ``experiments.peer_inprocess``."""
     from prefixcache.sim.trace import read_trace  # noqa: PLC0415
@@ -222,12 +246,13 @@ def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
         "--rounds", str(_REPEAT.value), "--warmup", str(_WARMUP.value),
         "--hash_seed", str(_HASH_SEED.value), "--free_order", _FREE_ORDER.value,
     ]
+    imports = peer_import_dir(_TRACE_DIR.value)
     env = dict(
         os.environ, PYTHONHASHSEED=str(_HASH_SEED.value),
-        PYTHONPATH=os.pathsep.join([_REPO, _PEERS.value]),
+        PYTHONPATH=os.pathsep.join([imports, _PEERS.value]),
         VLLM_LOGGING_STREAM="ext://sys.stderr",
     )
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_REPO)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=imports)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
     med = statistics.median
@@ -300,6 +325,8 @@ def main(argv):
         FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
     paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
     results = []
+    bar = _common.progress_bar(enabled=_PROGRESS.value, desc="bench_manager", unit="cell",
+                               total=len(_WORKLOADS.value) * len(_ALGOS.value))
     for name in _WORKLOADS.value:
         if _VLLM_PYTHON.value and _PEER_MODE.value == "inprocess":
             rs = bench_inprocess(name, paths[name], _ALGOS.value)
@@ -307,7 +334,9 @@ def main(argv):
             rs = (bench_one(name, paths[name], algo) for algo in _ALGOS.value)
         for r in rs:
             results.append(r)
+            bar.update(1)
             print(_line(r), flush=True)
+    bar.close()
     summary = {
         "benchmark": "bench_manager",
         "num_blocks_vllm": _NUM_BLOCKS.value,
