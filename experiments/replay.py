@@ -3,6 +3,8 @@ r"""Replay a request trace (or a generated workload) through the KV cache manage
   python -m experiments.replay --trace=T.jsonl --num_blocks=4096 --block_size=16 \
       --hash_algo=sha256 --free_order=append --concurrency=8 --out=O.jsonl
   python -m experiments.replay --config=configs/replay_few_shot.py --workdir=/tmp/r
+  python -m experiments.replay --dataset=mooncake_synthetic --block_size=512 \
+      --num_blocks=200000 --concurrency=1    # a public trace by name (downloaded once)
 
 Flags given on the command line override the config (default:
 ``configs/replay.py``); ``--config.<field>=...`` overrides work too.
@@ -21,8 +23,8 @@ Outputs:
     ``cold``) and ``replay.png`` (cumulative token hit rate over the trace).
 
 Bad input (malformed line, missing field, negative length, mm range outside
-the prompt, unknown hash algorithm, missing file) -> ``error: ...`` on stderr,
-exit status 1, and no output file is left behind (outputs are written to a
+the prompt, unknown hash algorithm, missing file, empty trace, unknown dataset)
+-> ``error: ...`` on stderr, exit status 1, and no output file is left behind (outputs are written to a
 temporary file and renamed only when the replay completed).
 """
 
@@ -37,7 +39,7 @@ def run(config, *, progress: bool = False) -> dict:
     """Replays the config's trace; writes ``config.out`` and the workdir outputs.
 
     Args:
-      config: a replay config (see ``configs/replay.py``): trace / workload,
+      config: a replay config (see ``configs/replay.py``): dataset / trace / workload,
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
         ``free_order``, ``concurrency``, ``max_model_len`` (0: none), ``out``,
         ``workdir``, ``max_requests``, ``seed``.
