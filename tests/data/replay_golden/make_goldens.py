@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     manifest = {"block_size": BLOCK_SIZE, "free_order": "unhashed_first", "runs": []}
     for name, (src, select) in CUTS.items():
         with open(os.path.join(args.traces, f"{src}.jsonl")) as f:
