@@ -225,8 +225,12 @@ class AtomicJsonlWriter:
 
     def __enter__(self) -> "AtomicJsonlWriter":
         directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
+                                       dir=directory)
+        except OSError as e:
+            raise ValueError(f"cannot write {str(self.path)!r}: {e.strerror or e}") from e
         self._tmp_path = pathlib.Path(tmp)
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         return self

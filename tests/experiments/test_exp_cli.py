@@ -47,6 +47,8 @@ def test_command_line_mistakes_are_one_line_errors(tmp_path, trace):
     empty.write_text("\n")
     cases = [
         ([f"--workdir={blocker}/sub"], ["workdir", str(blocker / "sub"), "not writable"]),
+        ([f"--trace={trace}", f"--out={blocker}/o.jsonl"], ["cannot write",
+                                                          str(blocker / "o.jsonl")]),
         (["--config.num_blockz=3"], ["--config.num_blockz", "no such config field",
                                      'Did you mean "num_blocks"']),
         (["--config.workload.kwargs.num_requestz=3"], ["--config.workload.kwargs.num_requestz"]),
