@@ -41,7 +41,7 @@ def get_config():
     return c
 
 
-def mooncake_config(trace_file: str):
+def mooncake_config(dataset: str):
     """Mooncake's Table 1 grid on one Mooncake trace (``configs/compare_policies_mooncake_*``).
 
     512-token blocks, one request at a time, 1k-200k blocks, every registered policy on
@@ -49,8 +49,8 @@ def mooncake_config(trace_file: str):
     and it is the fastest); Llama-3.1-70B's KV for bytes (160 MiB per block).
     """
     c = get_config()
-    src = _base.requests_config("shared_system_prompt", trace=f"{_base.MOONCAKE_DIR}/{trace_file}")
-    for key in ("trace", "workload"):
+    src = _base.requests_config("shared_system_prompt", dataset=dataset)
+    for key in ("trace", "dataset", "workload"):
         c[key] = src[key]
     c.trace_format = "mooncake"
     c.block_size = 512

@@ -28,4 +28,4 @@ from configs import compare_policies
 
 
 def get_config():
-    return compare_policies.mooncake_config("conversation_trace.jsonl")
+    return compare_policies.mooncake_config("mooncake_conversation")

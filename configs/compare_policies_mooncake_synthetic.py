@@ -19,4 +19,4 @@ from configs import compare_policies
 
 
 def get_config():
-    return compare_policies.mooncake_config("synthetic_trace.jsonl")
+    return compare_policies.mooncake_config("mooncake_synthetic")

@@ -1,7 +1,7 @@
 """Routing the real Mooncake conversation trace across 4, 8 and 16 replicas.
 
-The Mooncake FAST'25 conversation trace (12,031 requests over one hour, ~12k input
-tokens each, its own timestamps; 512-token hash blocks expanded to tokens), 512-token
+The Mooncake FAST'25 conversation trace (dataset `mooncake_conversation`: 12,031 requests over one
+hour, ~12k input tokens each, its own timestamps; 512-token hash blocks expanded to tokens), 512-token
 blocks, Llama-3.1-8B on one H100 per replica (the KV cache gets all HBM left after the
 weights: 833 blocks = 426k tokens per replica), all six routing policies.
 
@@ -16,7 +16,7 @@ from configs import _base
 
 
 def get_config():
-    c = _base.route_config(trace=f"{_base.MOONCAKE_DIR}/conversation_trace.jsonl")
+    c = _base.route_config(dataset="mooncake_conversation")
     c.trace_format = "mooncake"
     c.replicas = "4,8,16"
     c.block_size = 512

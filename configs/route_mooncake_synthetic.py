@@ -15,7 +15,7 @@ from configs import _base
 
 
 def get_config():
-    c = _base.route_config(trace=f"{_base.MOONCAKE_DIR}/synthetic_trace.jsonl")
+    c = _base.route_config(dataset="mooncake_synthetic")
     c.trace_format = "mooncake"
     c.replicas = "4,8,16"
     c.block_size = 512

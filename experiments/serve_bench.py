@@ -173,7 +173,7 @@ def run(config, *, progress: bool = False) -> dict:
     warm = list(itertools.islice(_common.requests_from_config(compile_config, workdir),
                                  len(requests)))
     summaries, rows = bench(requests, warm, config, progress=progress)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     provs = {s: _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                                    cache_state=s, extra={"source": source, "model": "tiny"})
              for s in _common.CACHE_STATES}

@@ -1,4 +1,4 @@
-"""Request traces: the JSONL format shared with ``../shared/peers/`` and Mooncake traces.
+"""Request traces: the JSONL format shared with ``experiments/peers/`` and Mooncake traces.
 
 Our format (JSON lines, arrival order, one request per line)::
 
@@ -82,7 +82,7 @@ class TraceRequest:
 def output_token(req_id: str, step: int) -> int:
     """Token emitted by request ``req_id`` at decode step ``step`` (0-based), in [1, 1000].
 
-    Identical to ``output_token`` in ``../shared/peers/make_traces.py`` and
+    Identical to ``output_token`` in ``experiments/peers/make_traces.py`` and
     ``vllm_replay.py`` (CRC32: stable across processes, unlike ``hash()``).
     """
     return 1 + (zlib.crc32(f"{req_id}:{step}".encode()) % 1000)

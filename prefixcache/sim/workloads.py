@@ -2,7 +2,7 @@
 
 Each generator returns a list of ``TraceRequest`` in arrival order, built from a
 numpy ``Generator`` seeded with ``default_rng([seed, stream])`` (``stream`` is the
-workload's index in ``WORKLOADS``, as in ``../shared/peers/make_traces.py``): the
+workload's index in ``WORKLOADS``, as in ``experiments/peers/make_traces.py``): the
 same arguments give the same requests on every machine. Text token ids are drawn
 uniformly from ``[1, vocab)``; id 0 is reserved for multimodal placeholders.
 

@@ -16,7 +16,6 @@ from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import write_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MOONCAKE = pathlib.Path("/work/shared/traces/mooncake")
 
 
 def _load(name):

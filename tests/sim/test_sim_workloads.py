@@ -14,13 +14,9 @@ from prefixcache.sim import workloads as wl
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import TraceRequest, read_trace, write_trace
 
-# The peers' generator: ../shared beside the checkout (the layout of this workspace).
+# The peers' generator (the vLLM harness's own, in this repository).
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MAKE_TRACES = next(
-    (p for p in (os.path.join(os.path.dirname(_REPO), "shared", "peers", "make_traces.py"),
-                 "/work/shared/peers/make_traces.py") if os.path.exists(p)),
-    None,
-)
+MAKE_TRACES = os.path.join(_REPO, "experiments", "peers", "make_traces.py")
 B = 16  # block size of these tests
 
 
@@ -61,7 +57,6 @@ def test_round_trip_through_trace_files(tmp_path):
     assert list(read_trace(tmp_path / "t.jsonl")) == reqs
 
 
-@pytest.mark.skipif(MAKE_TRACES is None, reason="../shared/peers/make_traces.py not present")
 def test_same_requests_as_peers_make_traces(tmp_path):
     subprocess.run([sys.executable, MAKE_TRACES, "--out-dir", str(tmp_path), "--seed", "5",
                     "--traces", "multi_turn,mm_salt"], check=True, capture_output=True)
