@@ -170,17 +170,19 @@ def test_map_cells_keeps_order_and_raises():
 
 @pytest.mark.parametrize("name, hits", [("compare_policies_mooncake_conversation", True),
                                         ("compare_policies_mooncake_synthetic", False)])
-def test_mooncake_configs_reduced(name, hits, tmp_path):
+def test_mooncake_configs_reduced(name, hits, tmp_path, local_datasets):
+    from experiments import _common
+
     cfg = _load(name)
     assert (cfg.block_size, cfg.concurrency, cfg.free_order) == (512, 1, "unhashed_first")
     assert compare.parse_capacities(cfg.capacities) == (1000, 3000, 10000, 30000, 50000,
                                                          100000, 200000)
-    src = pathlib.Path(cfg.trace)
-    if not src.exists():
-        pytest.skip(f"{src} is not present")
+    assert cfg.dataset and not cfg.trace  # named by dataset (its verified local copy here)
+    src = pathlib.Path(_common.trace_path(cfg))
     small = tmp_path / src.name
     with open(src) as f:
         small.write_text("".join(next(f) for _ in range(6)))
+    cfg.dataset = ""
     cfg.trace, cfg.workdir, cfg.capacities, cfg.workers = str(small), str(tmp_path / "w"), "20", 1
     rows = _read(cp.run(cfg)["rows"])
     assert {r["policy"] for r in rows if r["record"] == "cell"} == set(compare.policy_names())
