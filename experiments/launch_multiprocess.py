@@ -198,9 +198,9 @@ def run(config, *, progress: bool = False) -> dict:
 
 def _worker_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="launch_multiprocess --worker")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--process_id", type=int, required=True)
+    ap.add_argument("--worker", action="store_true", help="run one worker process")
+    ap.add_argument("--spec", required=True, help="the job spec JSON the launcher wrote")
+    ap.add_argument("--process_id", type=int, required=True, help="this process's rank")
     a = ap.parse_args(argv)
     spec = json.loads(pathlib.Path(a.spec).read_text())
     try:
