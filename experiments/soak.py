@@ -88,7 +88,7 @@ class _RequestFactory:
         # Token source: prompts are windows of one array (cheap) after a shared prefix.
         self.pool = nprng.integers(1, vocab, 1 << 16).tolist()
         self.prefixes = [nprng.integers(1, vocab, int(n)).tolist()
-                         for n in nprng.integers(block_size, max_prompt_len // 2, 8)]
+                         for n in nprng.integers(1, max_prompt_len // 2 + 2, 8)]
         self.salts = ["tenant-a", "tenant-b", "tenant-c"]
         self.loras = [LoRARequest("ad1", "/ad1", 1), LoRARequest("ad2", "/ad2", 2)]
         self.images = ["img-0", "img-1", "img-2", "img-3"]
@@ -137,6 +137,34 @@ class _RequestFactory:
         return Request(f"m{self.num_made}", prompt, **self.features(len(prompt)))
 
 
+def check_manager_config(mc) -> None:
+    """ValueError on a bad ``config.manager`` block (before anything runs)."""
+    for name in ("num_ops", "check_every", "block_size", "max_model_len", "num_blocks",
+                 "max_running"):
+        _positive(f"manager.{name}", mc[name])
+    if mc.max_model_len < 2:
+        raise ValueError(f"manager.max_model_len must be >= 2, got {mc.max_model_len}")
+    if not 0 <= mc.warmup_fraction < 1:
+        raise ValueError(f"manager.warmup_fraction must be in [0, 1), got {mc.warmup_fraction}")
+    if not mc.rss_growth_limit > 0:
+        raise ValueError(f"manager.rss_growth_limit must be > 0, got {mc.rss_growth_limit}")
+
+
+def check_engine_config(ec) -> None:
+    """ValueError on a bad ``config.engine`` block (before anything runs)."""
+    for name in ("num_requests", "inflight", "block_size", "max_model_len", "max_prompt_len",
+                 "max_tokens", "max_num_seqs", "max_num_batched_tokens", "check_every"):
+        _positive(f"engine.{name}", ec[name])
+    if not 0 < ec.pool_fraction <= 1:
+        raise ValueError(f"engine.pool_fraction must be in (0, 1], got {ec.pool_fraction}")
+    if ec.max_prompt_len + ec.max_tokens > ec.max_model_len:
+        raise ValueError(f"engine: max_prompt_len + max_tokens ({ec.max_prompt_len} + "
+                         f"{ec.max_tokens}) exceeds max_model_len={ec.max_model_len}")
+    for name in ("abort_prob", "reject_prob", "salt_prob", "mm_prob", "lora_prob"):
+        if not 0 <= ec[name] <= 1:
+            raise ValueError(f"engine.{name} must be in [0, 1], got {ec[name]}")
+
+
 _MANAGER_OPS = (  # (name, weight)
     ("admit", 22), ("step", 45), ("finish", 9), ("lookahead", 3), ("inspect", 10),
     ("stats", 3), ("bad_call", 3), ("preempt", 3), ("reset", 0.05),
@@ -161,14 +189,11 @@ def manager_soak(mc, *, seed: int, progress: bool = False) -> dict[str, Any]:
     """
     from prefixcache.core import KVCacheManager  # noqa: PLC0415
 
-    num_ops = _positive("manager.num_ops", mc.num_ops)
-    check_every = _positive("manager.check_every", mc.check_every)
-    if not 0 <= mc.warmup_fraction < 1:
-        raise ValueError(f"manager.warmup_fraction must be in [0, 1), got {mc.warmup_fraction}")
-    bs = _positive("manager.block_size", mc.block_size)
-    max_len = _positive("manager.max_model_len", mc.max_model_len)
-    mgr = KVCacheManager(_positive("manager.num_blocks", mc.num_blocks), bs,
-                         hash_algo=mc.hash_algo, enable_events=True, max_model_len=max_len)
+    check_manager_config(mc)
+    num_ops, check_every = mc.num_ops, mc.check_every
+    bs, max_len = mc.block_size, mc.max_model_len
+    mgr = KVCacheManager(mc.num_blocks, bs, hash_algo=mc.hash_algo, enable_events=True,
+                         max_model_len=max_len)
     rng = random.Random(seed)
     factory = _RequestFactory(rng, block_size=bs, max_prompt_len=max_len // 2)
     running: dict[str, Any] = {}  # request id -> Request holding blocks
@@ -408,16 +433,9 @@ def engine_soak(ec, *, seed: int, progress: bool = False) -> dict[str, Any]:
     from prefixcache.engine import Engine, SamplingParams  # noqa: PLC0415
     from prefixcache.model import ModelConfig  # noqa: PLC0415
 
-    n_req = _positive("engine.num_requests", ec.num_requests)
-    inflight = _positive("engine.inflight", ec.inflight)
-    bs = _positive("engine.block_size", ec.block_size)
-    max_len = _positive("engine.max_model_len", ec.max_model_len)
-    if not 0 < ec.pool_fraction <= 1:
-        raise ValueError(f"engine.pool_fraction must be in (0, 1], got {ec.pool_fraction}")
-    if not 1 <= ec.max_prompt_len < max_len or ec.max_prompt_len + ec.max_tokens > max_len:
-        raise ValueError("engine: need 1 <= max_prompt_len and max_prompt_len + max_tokens "
-                         f"<= max_model_len, got {ec.max_prompt_len}, {ec.max_tokens}, "
-                         f"{max_len}")
+    check_engine_config(ec)
+    n_req, inflight = ec.num_requests, ec.inflight
+    bs, max_len = ec.block_size, ec.max_model_len
     model_config = ModelConfig.tiny()
     vocab, d_model = model_config.vocab_size, model_config.d_model
     # Demand: the KV of `inflight` unfinished requests of mean size.
@@ -434,7 +452,7 @@ def engine_soak(ec, *, seed: int, progress: bool = False) -> dict[str, Any]:
     rng = random.Random(seed)
     nprng = np.random.default_rng(seed)
     prefixes = [nprng.integers(1, vocab, int(n)).tolist()
-                for n in nprng.integers(bs, ec.max_prompt_len, 6)]
+                for n in nprng.integers(1, ec.max_prompt_len + 1, 6)]
     salts = ["t0", "t1", "t2"]
     loras = [LoRARequest("ad1", "/ad1", 1)]
     embeds = {f"img-{i}": nprng.standard_normal((3 * bs, d_model)).astype(np.float32)
@@ -575,10 +593,16 @@ def plot(manager: dict | None, path, *, title: str) -> None:
 
 def run(config, *, progress: bool = False) -> dict:
     """Runs the enabled parts (long sizes with ``config.long``); writes results + PNG."""
-    workdir = _common.prepare_workdir(config.workdir)
     mc, ec = config.manager, config.engine
     if config.long:
         mc.num_ops, ec.num_requests = mc.long_num_ops, ec.long_num_requests
+    if not (mc.enable or ec.enable):
+        raise ValueError("nothing to run: manager.enable and engine.enable are both off")
+    if mc.enable:
+        check_manager_config(mc)
+    if ec.enable:
+        check_engine_config(ec)
+    workdir = _common.prepare_workdir(config.workdir)
     summary: dict[str, Any] = {"long": bool(config.long)}
     rows = []
     if mc.enable:
@@ -587,8 +611,6 @@ def run(config, *, progress: bool = False) -> dict:
     if ec.enable:
         summary["engine"] = engine_soak(ec, seed=config.seed, progress=progress)
         rows.append(summary["engine"])
-    if not rows:
-        raise ValueError("nothing to run: manager.enable and engine.enable are both off")
     prov = _common.provenance(config, seed=config.seed, hash_algo=mc.hash_algo)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl", prov) as w:
         for r in rows:
