@@ -32,7 +32,11 @@ gap of the median TTFTs. ``cross_tenant_hit_tokens``: tokens of the attacker's p
 served from cached blocks that only other tenants had computed (each request's block
 hashes are attributed to its tenant); ``cross_tenant_private_hit_tokens``: those past
 the public prompt -- the ones that leak. ``manager_hit_tokens``: the manager's own
-hit counter over the scenario's measured trials.
+hit counter over the scenario's measured trials (every request in these trials is
+fresh random text past the public prompt, so only cross-tenant or public-prompt hits
+can count). ``attacker_first_request_hit_tokens``: what the attacker's very first
+request (warm-up included) hit -- the public prompt computed by others, when it is
+shared across tenants.
 
 Backends (``config.backend``): ``engine`` -- the real engine (tiny model on CPU by
 default, any ``ModelConfig`` preset or an HF checkpoint), TTFT from its request
@@ -273,7 +277,7 @@ def make_engine(config):
                   page_buckets=tuple(e.page_buckets) or None)
 
 
-def run_engine_scenario(engine, config, scenario: Scenario, trials: Sequence[Trial],
+def run_engine_scenario(engine, scenario: Scenario, trials: Sequence[Trial],
                         salts: dict[str, str], *, progress: bool = False) -> list[dict]:
     """Runs the trials on the engine; returns one probe row per measured trial.
 
@@ -532,7 +536,7 @@ def run(config, *, progress: bool = False) -> dict:
     for k, scenario in enumerate(scenarios):
         trials = make_trials(config, scenario, vocab, config.seed + k)
         if engine is not None:
-            rows = run_engine_scenario(engine, config, scenario, trials, salts,
+            rows = run_engine_scenario(engine, scenario, trials, salts,
                                        progress=progress)
         else:
             rows = run_sim_scenario(config, scenario, trials, salts, progress=progress)
