@@ -7,8 +7,8 @@ holding a secret (a document, a password in a system prompt); the attacker, anot
 tenant, sends a guess of that prompt and times its own time to first token (TTFT). A
 guess that shares the victim's cached prefix skips its prefill (a hit: fast), a wrong
 one does not (a miss: slow). Per scenario and trial: the victim plants a fresh secret,
-then the attacker sends the right guess (hit) or a fresh wrong one (miss) -- labels
-shuffled, ``num_probes`` of each -- while noise tenants' requests arrive around the
+then the attacker sends the right guess (hit) or a fresh wrong one (miss) --
+``num_probes`` of each, one of each per consecutive pair in random order -- while noise tenants' requests arrive around the
 probes (Poisson, random lengths) and share its steps.
 
 Scenarios (``SCENARIOS``; pick with ``config.scenarios``):
@@ -183,8 +183,14 @@ def make_trials(config, scenario: Scenario, vocab: int, seed: int) -> list[Trial
     def rand_in(lo_hi):
         return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
 
-    labels = ["hit"] * config.num_probes + ["miss"] * config.num_probes
-    rng.shuffle(labels)
+    # NOTE: one hit and one miss per consecutive pair, in random order: the machine's
+    # load drifts (other processes), and a plain shuffle lets a quiet or a busy spell
+    # fall on more probes of one class -- non-stationary noise that makes the KS
+    # p-value anti-conservative (seen once at n = 250 under a load average of 15:
+    # p = 0.006 with identical cache state for both classes). Pairs match the classes
+    # to the same spells.
+    labels = [x for _ in range(config.num_probes)
+              for x in (("hit", "miss") if rng.random() < 0.5 else ("miss", "hit"))]
     labels = [str(rng.choice(["hit", "miss"])) for _ in range(config.warmup_trials)] + labels
     trials = []
     for i, label in enumerate(labels):

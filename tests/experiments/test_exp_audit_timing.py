@@ -140,7 +140,8 @@ def test_trials_are_shuffled_and_fresh():
     assert len(trials) == 43 and len(measured) == 40
     labels = [t.probe.label for t in measured]
     assert labels.count("hit") == labels.count("miss") == 20
-    assert labels != sorted(labels)  # interleaved
+    assert labels != sorted(labels)  # interleaved: one of each per consecutive pair
+    assert all({a, b} == {"hit", "miss"} for a, b in zip(labels[::2], labels[1::2]))
     pub = c.public_len
     for t in trials:
         secret = t.victim.tokens[pub:pub + c.secret_len]
