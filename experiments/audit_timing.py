@@ -501,6 +501,9 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
 def plot(by_scenario: dict[str, list[dict]], summaries: dict[str, dict], path, *,
          title: str) -> None:
     """One panel per scenario: TTFT histograms of hit and miss probes (log x)."""
+    from matplotlib.ticker import (FormatStrFormatter, LogLocator,  # noqa: PLC0415
+                                   NullFormatter)
+
     n = len(by_scenario)
     fig, axes = _common.new_figure(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], by_scenario.items()):
@@ -512,13 +515,17 @@ def plot(by_scenario: dict[str, list[dict]], summaries: dict[str, dict], path, *
                     histtype="step", color=color, label=f"{label} guess")
         s = summaries[name]
         ax.set_xscale("log")
+        # Ticks at 1-2-5 steps as plain numbers (a log axis within one decade has none).
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("attacker TTFT (ms)")
         ax.set_title(f"{name}\nKS p={s['p_value']:.2g}  AUC={s['auc']:.2f}  "
                      f"x-tenant hit tok={s['cross_tenant_hit_tokens']}", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("probes")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, y=1.06)
     _common.save_plot(fig, path)
 
 
