@@ -535,6 +535,9 @@ def run(config, *, progress: bool = False) -> dict:
     scenarios, skipped = parse_scenarios(config.scenarios)
     workdir = _common.prepare_workdir(config.workdir)
     salts = tenant_salts(config, config.seed)
+    # NOTE: provenance (git revision, dirty flag) taken before the run: the code that ran.
+    prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
+                              extra={"backend": config.backend})
     if config.backend == "engine":
         engine = make_engine(config)
         vocab = engine.vocab_size
@@ -555,8 +558,6 @@ def run(config, *, progress: bool = False) -> dict:
             rows = run_sim_scenario(config, scenario, trials, salts, progress=progress)
         by_scenario[scenario.name] = rows
         summaries[scenario.name] = summarize(rows)
-    prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
-                              extra={"backend": config.backend})
     with _common.AtomicJsonlWriter(workdir / "results.jsonl", prov) as w:
         for name, rows in by_scenario.items():
             for r in rows:

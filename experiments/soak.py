@@ -603,6 +603,8 @@ def run(config, *, progress: bool = False) -> dict:
     if ec.enable:
         check_engine_config(ec)
     workdir = _common.prepare_workdir(config.workdir)
+    # NOTE: provenance (git revision, dirty flag) taken before the run: the code that ran.
+    prov = _common.provenance(config, seed=config.seed, hash_algo=mc.hash_algo)
     summary: dict[str, Any] = {"long": bool(config.long)}
     rows = []
     if mc.enable:
@@ -611,7 +613,6 @@ def run(config, *, progress: bool = False) -> dict:
     if ec.enable:
         summary["engine"] = engine_soak(ec, seed=config.seed, progress=progress)
         rows.append(summary["engine"])
-    prov = _common.provenance(config, seed=config.seed, hash_algo=mc.hash_algo)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl", prov) as w:
         for r in rows:
             w.write({"record": "soak", **r})
