@@ -15,13 +15,16 @@ simulator version (see configs/audit_timing_sim.py for Llama-3.1-70B).
 Command:
   python -m experiments.audit_timing --config=configs/audit_timing.py --workdir=/tmp/audit
 
-Expected (dev CPU, ~1.5 min): no_salt leaks: KS p ~1e-100 or less (< 1e-6), AUC ~1.0, the
-TTFT gap ~15-25 ms (hit ~4 ms, miss ~20-30 ms), cross_tenant_hit_tokens = 250 * 256 =
-64000 (every hit guess reuses the victim's 16 blocks); tenant_salt: p > 0.01 (uniform
-under no leak), AUC ~0.5, gap ~0, cross_tenant_hit_tokens = 0 and the manager's hit
-counter 0; public_prefix_salted_rest: p > 0.01, AUC ~0.5, cross-tenant hits only on the
-public prompt (cross_tenant_private_hit_tokens = 0); public_prefix_first_block_salt:
-p > 0.01, cross_tenant_hit_tokens = 0 (each tenant recomputes the public prompt once).
+Expected (2-core dev CPU: ~2 min of CPU time; 7 min wall under a load average of ~15):
+no_salt leaks: one-sided KS p ~1e-33 (< 1e-6), AUC ~0.8 (the noise traffic overlaps the
+classes), median TTFT 31.5 ms (hit) vs 76.8 ms (miss) under that load (~10 vs ~25 ms
+on an idle machine), cross_tenant_hit_tokens = 250 * 256 = 64000 (every hit guess reuses
+the victim's 16 secret blocks); tenant_salt: p ~0.8 (> 0.01; uniform under no leak), AUC
+~0.48, cross_tenant_hit_tokens 0 and the manager's hit counter 0;
+public_prefix_salted_rest: p ~0.8, AUC ~0.48, cross_tenant_private_hit_tokens 0, the
+attacker's first request hits the 256-token public prompt (shared across tenants);
+public_prefix_first_block_salt: p ~0.8, the attacker's first request hits nothing (each
+tenant recomputes the public prompt once).
 """
 
 import ml_collections
