@@ -219,7 +219,7 @@ def manager_soak(mc, *, seed: int, progress: bool = False) -> dict[str, Any]:
             waiting.pop(0)  # dropped for good (holds no blocks)
 
     def finish(req) -> None:
-        mgr.free(req)
+        mgr.free(req if rng.random() < 0.5 else req.request_id)  # both forms are public
         del running[req.request_id]
         tally["finished"] += 1
 
