@@ -191,7 +191,8 @@ def make_trials(config, scenario: Scenario, vocab: int, seed: int) -> list[Trial
     # to the same spells.
     labels = [x for _ in range(config.num_probes)
               for x in (("hit", "miss") if rng.random() < 0.5 else ("miss", "hit"))]
-    labels = [str(rng.choice(["hit", "miss"])) for _ in range(config.warmup_trials)] + labels
+    # Warm-up trials alternate, so both probe shapes are compiled before measuring.
+    labels = [("hit", "miss")[i % 2] for i in range(config.warmup_trials)] + labels
     trials = []
     for i, label in enumerate(labels):
         secret = text(config.secret_len)

