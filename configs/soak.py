@@ -23,11 +23,11 @@ Expected: both parts pass (a failed check raises). Short: 30,000 manager operati
 on the shared prefixes, RSS reported but not checked: the hasher's bounded caches fill
 during the first ~150k operations) and 150 engine requests (~13 preemptions, a few
 aborts and rejections, pool 65 blocks = 10% of 648, no leak), ~1 s + ~20 s. Long (2-core
-dev CPU under a load average of ~15, 5 min in all): 10^6 manager operations in ~120 s,
-102 invariant checks, RSS 53 -> ~80 MiB during the warm-up and then flat (peak within
-~2% of the warm-up's peak); 5,000 engine requests in ~150 s (~4530 "length", ~15
-"stop", ~300 aborted, ~150 rejected with a reason, ~500 preemptions), every block free
-at the end.
+dev CPU under a load average of ~15, 3-5 min in all): 10^6 manager operations in
+70-130 s, 102 invariant checks, RSS 53 -> ~80 MiB during the warm-up and then flat (the
+peak after it 0.03% over the warm-up's peak); 5,000 engine requests in 100-150 s, at
+seed 0 exactly 4534 "length", 15 "stop", 300 aborted, 151 rejected with a reason, 497
+preemptions (host decisions are deterministic), every block free at the end.
 """
 
 import ml_collections
