@@ -7,8 +7,10 @@ a fresh 256-token secret and the attacker then probes with the right guess (hit)
 share its steps. Scenarios: no_salt, tenant_salt (vLLM's first-block salt per tenant),
 public_prefix_salted_rest (a 256-token public system prompt shared by all, the salt from
 its end on: Request(cache_salt_offset=256)), public_prefix_first_block_salt (the same
-prompts, vLLM's salt). The ordering scenario is reported as skipped (no prefix-aware
-scheduling policy yet). Any ModelConfig preset (`--config.model=llama_3_2_1b`) or an
+prompts, vLLM's salt), ordering (no salt, the engine admits longest cached prefix first
+-- `lpm` -- and 6 noise requests of 256 tokens are queued before each probe),
+ordering_fcfs (the same burst under FCFS: the control) and ordering_tenant_salt (lpm
+with per-tenant salts). Any ModelConfig preset (`--config.model=llama_3_2_1b`) or an
 HF checkpoint (`--config.checkpoint=/path`) works; `--config.backend=sim` runs the
 simulator version (see configs/audit_timing_sim.py for Llama-3.1-70B).
 
@@ -36,7 +38,7 @@ def get_config():
     c.workdir = ""
     c.backend = "engine"  # "engine" (real engine, wall clock) | "sim" (cost + noise model)
     c.scenarios = ("no_salt,tenant_salt,public_prefix_salted_rest,"
-                   "public_prefix_first_block_salt,ordering")
+                   "public_prefix_first_block_salt,ordering,ordering_fcfs,ordering_tenant_salt")
     c.num_probes = 250  # per class (hit guesses, miss guesses)
     c.warmup_trials = 8  # unmeasured trials first (compiles every step shape)
     c.secret_len = 256  # the victim's secret (the attacker's guess), tokens
@@ -47,6 +49,9 @@ def get_config():
     c.noise_rate = 1.0  # mean noise requests per probe (Poisson)
     c.noise_prompt_len = (16, 256)
     c.noise_max_tokens = (1, 8)
+    # The ordering scenarios: noise requests queued right before each probe.
+    c.ordering_burst = 6
+    c.ordering_noise_len = 256
     c.block_size = 16
     c.num_blocks = 1024
     c.hash_algo = "sha256"

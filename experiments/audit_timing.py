@@ -21,9 +21,19 @@ Scenarios (``SCENARIOS``; pick with ``config.scenarios``):
   public prompt stays shared across tenants, the tenant's content does not.
 * ``public_prefix_first_block_salt``: the same prompts with vLLM's first-block salt:
   no leak, but no tenant shares the public prompt either.
-* (pending) ``ordering``: with a prefix-aware waiting-queue policy, queue position
-  would reveal cache state; the engine has FCFS only, so it is listed in
-  ``PENDING_SCENARIOS`` and reported as skipped.
+* ``ordering``: no salt, the engine admits waiting requests longest-cached-prefix
+  first (``lpm``, ``prefixcache.scheduling``), and a burst of ``ordering_burst``
+  noise requests of ``ordering_noise_len`` tokens is queued just before each probe.
+  A hit probe jumps the queue, a miss waits behind the burst: besides the prefill it
+  saves, the hit now also shortens the probe's *queue* time (``queue_*`` statistics:
+  the leak prefix-aware scheduling adds, present even if compute time were hidden).
+* ``ordering_fcfs``: the same burst under FCFS (the control: queue time does not
+  depend on the cache, ``queue_p_value`` uniform).
+* ``ordering_tenant_salt``: ``lpm`` and the burst with per-tenant salts: the attacker
+  can only jump the queue on its own prefixes, so nothing leaks.
+
+The ordering scenarios need a queue: engine backend only (the simulator backend serves
+each request alone and lists them as skipped).
 
 Statistics (scipy only): the one-sided two-sample KS test that hits are faster
 (``ks_2samp(hit, miss, alternative="greater")``), the ROC AUC of the best threshold
@@ -74,12 +84,16 @@ class Scenario:
       public_prefix: every prompt starts with the shared public system prompt.
       salt_after_public: the salt protects from the end of the public prompt on
         (``cache_salt_offset``); else vLLM's first-block salt.
+      scheduling: the engine's waiting-queue policy (``prefixcache.scheduling``).
+      burst: queue ``ordering_burst`` noise requests right before each probe.
     """
 
     name: str
     salted: bool
     public_prefix: bool
     salt_after_public: bool = False
+    scheduling: str = "fcfs"
+    burst: bool = False
 
 
 SCENARIOS = {s.name: s for s in (
@@ -88,13 +102,15 @@ SCENARIOS = {s.name: s for s in (
     Scenario("public_prefix_salted_rest", salted=True, public_prefix=True,
              salt_after_public=True),
     Scenario("public_prefix_first_block_salt", salted=True, public_prefix=True),
+    Scenario("ordering", salted=False, public_prefix=False, scheduling="lpm", burst=True),
+    Scenario("ordering_fcfs", salted=False, public_prefix=False, burst=True),
+    Scenario("ordering_tenant_salt", salted=True, public_prefix=False, scheduling="lpm",
+             burst=True),
 )}
 
-# Scenarios the issue asks for that need a feature the engine does not have yet.
-PENDING_SCENARIOS = {
-    "ordering": "needs a prefix-aware waiting-queue policy (queue position would reveal "
-                "cache state); the engine schedules FCFS only",
-}
+# Scenarios a backend cannot run (name -> why), reported as skipped.
+PENDING_SCENARIOS: dict[str, str] = {}
+SIM_SKIPS = "needs a waiting queue: the simulator backend serves each request alone"
 
 ATTACKER, VICTIM = "attacker", "victim"
 MODELS = ("tiny", "llama_3_2_1b", "qwen2_5_0_5b")  # ModelConfig presets (engine backend)
@@ -120,7 +136,8 @@ class Trial:
     measured: bool
 
 
-def parse_scenarios(names: str | Sequence[str]) -> tuple[list[Scenario], dict[str, str]]:
+def parse_scenarios(names: str | Sequence[str], backend: str = "engine"
+                    ) -> tuple[list[Scenario], dict[str, str]]:
     """The scenarios to run and the pending ones asked for (name -> why skipped).
 
     Raises:
@@ -130,7 +147,9 @@ def parse_scenarios(names: str | Sequence[str]) -> tuple[list[Scenario], dict[st
         names = [n.strip() for n in names.split(",") if n.strip()]
     run, skipped = [], {}
     for n in names:
-        if n in SCENARIOS:
+        if n in SCENARIOS and backend == "sim" and SCENARIOS[n].burst:
+            skipped[n] = SIM_SKIPS
+        elif n in SCENARIOS:
             run.append(SCENARIOS[n])
         elif n in PENDING_SCENARIOS:
             skipped[n] = PENDING_SCENARIOS[n]
@@ -159,6 +178,10 @@ def _check_config(config) -> None:
             raise ValueError(f"{name} must be (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
     if config.noise_rate and not config.num_noise_tenants:
         raise ValueError("noise_rate > 0 needs num_noise_tenants >= 1")
+    for name in ("ordering_burst", "ordering_noise_len"):
+        v = config[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
     if config.backend not in ("engine", "sim"):
         raise ValueError(f"backend must be 'engine' or 'sim', got {config.backend!r}")
     if config.backend == "engine" and not config.checkpoint and config.model not in MODELS:
@@ -206,6 +229,11 @@ def make_trials(config, scenario: Scenario, vocab: int, seed: int) -> list[Trial
                  public + text(rand_in(config.noise_prompt_len)), len(public),
                  rand_in(config.noise_max_tokens))
             for _ in range(int(rng.poisson(config.noise_rate))))
+        if scenario.burst:  # queued right before the probe: it waits behind them (FCFS)
+            noise += tuple(
+                Spec("noise", f"noise-{int(rng.integers(max(config.num_noise_tenants, 1)))}",
+                     public + text(config.ordering_noise_len), len(public), 1)
+                for _ in range(config.ordering_burst))
         trials.append(Trial(victim, noise, probe, measured=i >= config.warmup_trials))
     return trials
 
@@ -243,7 +271,8 @@ class Attribution:
 
 
 def _probe_row(scenario: Scenario, trial: Trial, req, ttft_s: float, cached: int,
-               attribution: Attribution, bs: int) -> dict[str, Any]:
+               attribution: Attribution, bs: int, queue_s: float | None = None
+               ) -> dict[str, Any]:
     probe = trial.probe
     hit_hashes = list(req.block_hashes[: cached // bs])
     cross = attribution.cross_tenant_blocks(ATTACKER, hit_hashes)
@@ -253,7 +282,7 @@ def _probe_row(scenario: Scenario, trial: Trial, req, ttft_s: float, cached: int
             "ttft_s": ttft_s, "num_cached_tokens": cached,
             "prompt_tokens": len(probe.tokens), "public_tokens": probe.public_len,
             "cross_tenant_hit_tokens": cross * bs,
-            "cross_tenant_private_hit_tokens": cross_private * bs}
+            "cross_tenant_private_hit_tokens": cross_private * bs, "queue_s": queue_s}
 
 
 # ----------------------------------------------------------------------------
@@ -270,12 +299,16 @@ def load_model(config):
     return getattr(ModelConfig, config.model)(), None
 
 
-def make_engine(config):
+def make_engine(config, *, scheduling_policy: str = "fcfs", share_programs_with=None):
     from prefixcache.engine import Engine  # noqa: PLC0415
 
-    model_config, model = load_model(config)
+    if share_programs_with is not None:
+        model_config, model = share_programs_with.model_config, share_programs_with.model
+    else:
+        model_config, model = load_model(config)
     e = config.engine
     return Engine(model_config, model=model, num_blocks=config.num_blocks,
+                  scheduling_policy=scheduling_policy, share_programs_with=share_programs_with,
                   block_size=config.block_size, seed=config.seed, hash_algo=config.hash_algo,
                   max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                   max_model_len=e.max_model_len,
@@ -346,7 +379,8 @@ def run_engine_scenario(engine, scenario: Scenario, trials: Sequence[Trial],
             first_hit = out.metrics.num_cached_tokens
         if trial.measured:
             rows.append(_probe_row(scenario, trial, preq, out.metrics.ttft_s,
-                                   out.metrics.num_cached_tokens, attribution, bs))
+                                   out.metrics.num_cached_tokens, attribution, bs,
+                                   out.metrics.queue_s))
         attribution.note(ATTACKER, preq.block_hashes)
         done.clear()  # the noise outputs nobody waits for
     while engine.has_unfinished_requests():
@@ -485,6 +519,12 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
     hit = [r["ttft_s"] for r in rows if r["label"] == "hit"]
     miss = [r["ttft_s"] for r in rows if r["label"] == "miss"]
     out = leak_stats(hit, miss)
+    qhit = [r["queue_s"] for r in rows if r["label"] == "hit" and r.get("queue_s") is not None]
+    qmiss = [r["queue_s"] for r in rows if r["label"] == "miss" and r.get("queue_s") is not None]
+    if len(qhit) >= 2 and len(qmiss) >= 2:
+        q = leak_stats(qhit, qmiss)
+        out.update({"queue_ks_stat": q["ks_stat"], "queue_p_value": q["p_value"],
+                    "queue_auc": q["auc"], "queue_gap_s": q["ttft_gap_s"]})
     out.update({
         "cross_tenant_hit_tokens": sum(r["cross_tenant_hit_tokens"] for r in rows),
         "cross_tenant_private_hit_tokens": sum(r["cross_tenant_private_hit_tokens"]
@@ -533,7 +573,7 @@ def plot(by_scenario: dict[str, list[dict]], summaries: dict[str, dict], path, *
 def run(config, *, progress: bool = False) -> dict:
     """Runs every scenario on ``config.backend``; writes results.jsonl and the PNG."""
     _check_config(config)
-    scenarios, skipped = parse_scenarios(config.scenarios)
+    scenarios, skipped = parse_scenarios(config.scenarios, config.backend)
     workdir = _common.prepare_workdir(config.workdir)
     salts = tenant_salts(config, config.seed)
     # NOTE: provenance (git revision, dirty flag) taken before the run: the code that ran.
@@ -550,10 +590,14 @@ def run(config, *, progress: bool = False) -> dict:
         what = f"sim: {sc.model} on {sc.num_chips}x {sc.accelerator} + noise model"
     by_scenario: dict[str, list[dict]] = {}
     summaries: dict[str, dict] = {}
+    engines = {"fcfs": engine} if engine is not None else {}
     for k, scenario in enumerate(scenarios):
         trials = make_trials(config, scenario, vocab, config.seed + k)
         if engine is not None:
-            rows = run_engine_scenario(engine, scenario, trials, salts,
+            if scenario.scheduling not in engines:  # same model and compiled programs
+                engines[scenario.scheduling] = make_engine(
+                    config, scheduling_policy=scenario.scheduling, share_programs_with=engine)
+            rows = run_engine_scenario(engines[scenario.scheduling], scenario, trials, salts,
                                        progress=progress)
         else:
             rows = run_sim_scenario(config, scenario, trials, salts, progress=progress)
