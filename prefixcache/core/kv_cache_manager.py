@@ -30,7 +30,9 @@ from prefixcache.core.block_pool import (
 )
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
+from prefixcache._validate import ArgumentTypeError, check_count
 
 
 class _RequestState:
@@ -65,6 +67,27 @@ def _bad_num_computed_tokens(request) -> str | None:
         f"request {request.request_id!r}: num_computed_tokens={nc!r} is not an int in "
         f"[0, num_tokens={request.num_tokens}]"
     )
+
+
+def _check_request(request) -> None:
+    if not isinstance(request, Request):
+        raise ArgumentTypeError(
+            f"request must be a prefixcache Request, got {type(request).__name__}")
+
+
+def _hit_blocks(new_computed_blocks) -> list[KVCacheBlock]:
+    """``new_computed_blocks`` as a list of ``KVCacheBlock`` (None / empty: ``[]``)."""
+    if new_computed_blocks is None:
+        return []
+    if not isinstance(new_computed_blocks, (list, tuple)):
+        raise ArgumentTypeError(
+            "new_computed_blocks must be the list of blocks get_computed_blocks returned, "
+            f"got {type(new_computed_blocks).__name__}")
+    for b in new_computed_blocks:
+        if type(b) is not KVCacheBlock:
+            raise ArgumentTypeError(
+                f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
+    return list(new_computed_blocks)
 
 
 class KVCacheManager:
@@ -179,6 +202,7 @@ class KVCacheManager:
             ``(blocks, num_computed_tokens)``: the hit blocks in order and
             ``len(blocks) * block_size`` (at most ``request.num_tokens - 1``).
         """
+        _check_request(request)
         if not self.enable_caching:
             return [], 0
         request.bind_hasher(self.hasher, self.block_size)
@@ -253,6 +277,7 @@ class KVCacheManager:
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
+            or type(num_new_tokens) is not int  # NOTE: floats, numpy ints: the slow path
             or num_new_tokens <= 0
         ):
             return self._allocate_slow(
@@ -316,31 +341,34 @@ class KVCacheManager:
         return limit
 
     @staticmethod
-    def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if num_new_computed_tokens < 0:
-            raise ValueError(f"num_new_computed_tokens must be >= 0, got {num_new_computed_tokens}")
-        if num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+    def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens):
+        """The three counts as ints (numpy ints converted); ``ArgumentTypeError`` on a
+        non-int (a float such as ``np.float64(10.0)``, a bool), ``ValueError`` on a
+        negative count -- before any state changes."""
+        num_new_tokens = check_count("num_new_tokens", num_new_tokens)
+        num_new_computed_tokens = check_count("num_new_computed_tokens", num_new_computed_tokens)
+        num_lookahead_tokens = check_count("num_lookahead_tokens", num_lookahead_tokens)
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
+        return num_new_tokens, num_new_computed_tokens, num_lookahead_tokens
 
     def _allocate_slow(
         self, request, num_new_tokens, num_new_computed_tokens,
         new_computed_blocks, num_lookahead_tokens,
     ):
         """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
+        _check_request(request)
         rid = request.request_id
         st = self._states.get(rid)
         if st is not None and st.request is not request:
             raise ValueError(f"request id {rid!r} is already running as another Request")
-        self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = self._check_counts(
+            num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         bad = _bad_num_computed_tokens(request)
         if bad:
             raise ValueError(bad)
         nc = request.num_computed_tokens
-        computed = list(new_computed_blocks) if new_computed_blocks else []
+        computed = _hit_blocks(new_computed_blocks)
         bs = self.block_size
         if st is not None and computed:
             raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
