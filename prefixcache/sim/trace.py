@@ -148,8 +148,8 @@ def _mooncake_request(
         parts.append(blk)
     prompt = np.concatenate(parts)[:n_in].tolist()
     ts = obj.get("timestamp")
-    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
-        raise TraceError(f"{where}: field 'timestamp' must be a number (ms), got {ts!r}")
+    if ts is not None and not _is_time(ts):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number (ms), got {ts!r}")
     return TraceRequest(
         id=f"mc-{lineno}",
         prompt=prompt,
@@ -163,6 +163,14 @@ def _is_int(v: Any) -> bool:
     return type(v) is int
 
 
+_INT_TYPE = {int}
+
+
+def _is_time(v: Any) -> bool:
+    """A finite number (not a bool): JSON admits NaN and Infinity."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _parse_request(obj: dict, where: str) -> TraceRequest:
     for field in ("id", "prompt", "output_len"):
         if field not in obj:
@@ -174,11 +182,16 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
     if not isinstance(prompt, list) or not prompt:
         raise TraceError(f"{where}: field 'prompt' must be a non-empty list of token ids")
     try:
-        # NOTE: array.array rejects floats, strings and None at C speed.
+        # NOTE: array.array rejects floats, strings and None at C speed (bools -- JSON
+        # true/false -- pass it: the type set catches them).
         arr = array.array("q", prompt)
+        if set(map(type, prompt)) != _INT_TYPE:
+            raise TypeError
     except (TypeError, OverflowError):
-        bad = next((t for t in prompt if not _is_int(t)), None)
-        raise TraceError(f"{where}: field 'prompt' holds a non-integer token id {bad!r}") from None
+        bad = next((t for t in prompt if not _is_int(t) or not 0 <= t < 2**63), None)
+        raise TraceError(
+            f"{where}: field 'prompt' holds a non-integer token id or one beyond 2**63: "
+            f"{bad!r}") from None
     if min(arr) < 0:
         raise TraceError(f"{where}: field 'prompt' holds a negative token id {min(arr)}")
     output_len = obj["output_len"]
@@ -192,7 +205,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
         if (
             not isinstance(lora, list)
             or len(lora) != 2
-            or not all(isinstance(x, str) for x in lora)
+            or not all(isinstance(x, str) and x for x in lora)
         ):
             raise TraceError(f"{where}: field 'lora' must be [name, path] or null, got {lora!r}")
         lora = (lora[0], lora[1])
@@ -206,6 +219,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
             not isinstance(item, list)
             or len(item) != 3
             or not isinstance(item[0], str)
+            or not item[0]
             or not _is_int(item[1])
             or not _is_int(item[2])
         ):
@@ -228,8 +242,8 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
                 f"[{b[1]}, {b[1] + b[2]}) overlap"
             )
     ts = obj.get("timestamp")
-    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0):
-        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (seconds), got {ts!r}")
+    if ts is not None and (not _is_time(ts) or ts < 0):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (seconds), got {ts!r}")
     return TraceRequest(
         id=rid,
         prompt=prompt,
@@ -274,21 +288,45 @@ def read_trace(
 def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
     cache: dict[int, np.ndarray] = {}
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
-                yield _mooncake_request(obj, where, lineno, vocab_size, cache)
-            else:
-                yield _parse_request(obj, where)
+    # NOTE: bytes, decoded line by line: a stray non-UTF-8 byte (or a corrupt gzip
+    # stream) is a TraceError naming its line, not a UnicodeDecodeError / OSError from
+    # the file iterator with no position.
+    with opener(path, "rb") as f:
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TraceError(
+                        f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                        f"{e.start + 1})") from None
+                obj = _loads(line, where)
+                if not isinstance(obj, dict):
+                    raise TraceError(
+                        f"{where}: expected a JSON object, got {type(obj).__name__}")
+                if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
+                    yield _mooncake_request(obj, where, lineno, vocab_size, cache)
+                else:
+                    yield _parse_request(obj, where)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(
+                f"{path}:{lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _loads(line: str, where: str) -> Any:
+    """``json.loads`` with every failure as a TraceError naming the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer literal beyond int()'s digit limit
+        raise TraceError(f"{where}: malformed JSON: {e}") from None
+    except RecursionError:
+        raise TraceError(f"{where}: malformed JSON: nested too deeply") from None
 
 
 def write_trace(path: str | os.PathLike, requests: Iterable[TraceRequest | dict]) -> int:
