@@ -267,12 +267,14 @@ class KVCacheManager:
         """
         try:
             st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
-        except KeyError:
-            st = None
+        except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
+            return self._allocate_slow(
+                request, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
+            )
         nc = request.num_computed_tokens
         if (
-            st is None
-            or type(nc) is not int
+            type(nc) is not int
             or nc < 0
             or num_new_computed_tokens
             or new_computed_blocks
