@@ -105,10 +105,12 @@ def _check_containers(field: str, lists: list) -> None:
     """ArgumentTypeError naming ``seqs[i].<field>`` when it is a set, dict, str, a float
     array, ... (one C-level pass over the types; per-sequence checks only then)."""
     types = set(map(type, lists))
-    if not (types <= _FAST_CONTAINERS and (np.ndarray not in types or types == _ARRAY_ONLY)):
-        # (all-array tables are checked once, after their concatenation: `_flat_ints`)
-        for i, x in enumerate(lists):
-            check_int_sequence(f"seqs[{i}].{field}", x)
+    if types == _ARRAY_ONLY or (types <= _FAST_CONTAINERS and np.ndarray not in types):
+        # (all-array tables: their dtype is checked once, after the concatenation in
+        # `_flat_ints`; a per-array attribute pass cost ~20 us per 256 sequences)
+        return
+    for i, x in enumerate(lists):
+        check_int_sequence(f"seqs[{i}].{field}", x)
 
 
 def _int_scalars(field: str, values: list) -> np.ndarray:
