@@ -69,6 +69,14 @@ def _bad_num_computed_tokens(request) -> str | None:
     )
 
 
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _check_request(request) -> None:
     if not isinstance(request, Request):
         raise ArgumentTypeError(
@@ -452,8 +460,8 @@ class KVCacheManager:
         Raises:
             ValueError: the request holds no blocks here (nothing changed).
         """
-        rid = request if isinstance(request, str) else request.request_id
-        st = self._states.pop(rid, None)
+        rid = request.request_id if isinstance(request, Request) else request  # any id type
+        st = self._states.pop(rid, None) if _hashable(rid) else None
         if st is None:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
         del self._states_by_request[st.request]

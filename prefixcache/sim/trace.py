@@ -32,6 +32,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from prefixcache._validate import check_int_sequence
+
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 32000
 TRACE_FORMATS = ("auto", "jsonl", "mooncake")
@@ -63,6 +65,18 @@ class TraceRequest:
     lora: tuple[str, str] | None = None
     mm: tuple[tuple[str, int, int], ...] = ()
     timestamp: float | None = None
+
+    def __post_init__(self):
+        # NOTE: only the cheap checks (the readers validate every field; generators and
+        # hand-built requests get these): a float or str output_len would otherwise
+        # fail inside a replay after the request was admitted. Token ids are checked
+        # by `Request` before any manager state changes.
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"TraceRequest.id must be a non-empty str, got {self.id!r}")
+        check_int_sequence(f"TraceRequest {self.id!r} prompt", self.prompt)
+        if not _is_int(self.output_len) or self.output_len < 0:
+            raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
+                             f"got {self.output_len!r}")
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL object of this request (our format)."""

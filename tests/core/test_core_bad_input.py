@@ -216,3 +216,32 @@ def test_random_sequences_with_bad_calls(ops):
         m.free(req)
     m.check_invariants()
     assert m.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("bad", [{1, 2, 3, 4}, {1: 0, 2: 0}, "abcd"], ids=repr)
+def test_hasher_rejects_unordered_token_containers(bad):
+    from prefixcache.core import BlockHasher
+
+    h = BlockHasher("sha256", seed=0)
+    with pytest.raises(ValueError, match="token"):
+        h.hash_block(None, bad)  # a set used to hash in its iteration order
+    with pytest.raises(ValueError, match="token_ids"):
+        h.hash_token_blocks(bad, 2)
+
+
+@pytest.mark.parametrize("rid", [5, ("a", 1), ["unhashable"]], ids=repr)
+def test_free_of_an_unknown_id_of_any_type(rid):
+    m, _, _ = setup()
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="holds no blocks"):
+        m.free(rid)
+    assert snapshot(m) == before
+
+
+def test_free_by_a_non_string_id():
+    m = KVCacheManager(4, BS)
+    req = Request(7, [1, 2, 3])
+    m.allocate_slots(req, 3)
+    m.free(7)
+    assert m.num_free_blocks == 4
+    m.check_invariants()

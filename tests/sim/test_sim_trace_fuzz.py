@@ -113,3 +113,19 @@ def test_corrupt_gzip_stream_is_a_trace_error(tmp_path):
     path.write_bytes(good[: len(good) // 2])  # truncated stream
     with pytest.raises(TraceError, match="unreadable"):
         list(read_trace(path))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(output_len=2.5), "output_len must be an int"),
+    (dict(output_len="3"), "output_len must be an int"),
+    (dict(output_len=-1), "output_len must be an int >= 0"),
+    (dict(prompt={1, 2}), "prompt must be an ordered sequence"),
+    (dict(id=""), "id must be a non-empty str"),
+])
+def test_trace_request_checks_its_fields(kw, match):
+    """A hand-built request with a float output_len used to fail inside the replay,
+    after its admission."""
+    args = dict(id="a", prompt=[1, 2], output_len=2, **{})
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        TraceRequest(**args)
