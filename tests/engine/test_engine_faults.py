@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from prefixcache.engine import Engine, SamplingParams
+from prefixcache.engine.faults import StepFault, parse_fault
 from prefixcache.model import ModelConfig
 
 NUM_BLOCKS = 64
@@ -58,38 +59,13 @@ def add_all(eng):
     return [eng.add_request(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(prompts())]
 
 
-class StepFault:
-    """Raises `exc` at `point` of the engine's `at`-th model step (1-based); records
-    the ids of the requests that step scheduled."""
-
-    def __init__(self, at, point="before_device", exc=RuntimeError("injected fault"),
-                 on_fire=None):
-        self.at, self.point, self.exc, self.on_fire = at, point, exc, on_fire
-        self.calls = 0
-        self.hit_ids: list[str] = []
-
-    def __call__(self, point, sched):
-        if point != "before_device":
-            if point == self.point and self.calls == self.at:
-                self._fire(sched)
-            return
-        self.calls += 1
-        if point == self.point and self.calls == self.at:
-            self._fire(sched)
-
-    def _fire(self, sched):
-        self.hit_ids = [s.request_id for s in sched.scheduled]
-        if self.on_fire is not None:
-            self.on_fire()
-        raise self.exc
-
-
 def check_outcome(outs, hit_ids, want_tokens):
     assert hit_ids, "the fault never fired"
     for out, want in zip(outs, want_tokens):
         if out.request_id in hit_ids:
             assert out.finish_reason == "error"
-            assert out.error.startswith("model step failed: RuntimeError: injected fault")
+            assert out.error.startswith("model step failed: "), out.error
+            assert "injected fault" in out.error
         else:
             assert out.error is None, out.error
             assert out.token_ids == want, out.request_id
@@ -98,12 +74,11 @@ def check_outcome(outs, hit_ids, want_tokens):
 @pytest.mark.parametrize("point,at", [("before_device", 2), ("after_device", 3)])
 def test_model_step_raising_mid_batch(base, point, at):
     eng = fresh(base)
-    fault = StepFault(at, point)
-    eng.fault_injector = fault
+    fault = StepFault(at, point=point).attach(eng)
     ids = add_all(eng)
     outs = run_all(eng, ids)
-    check_outcome(outs, fault.hit_ids, base[1])
-    assert len(fault.hit_ids) < len(ids)  # some requests were outside the failed step
+    check_outcome(outs, fault.hit_request_ids, base[1])
+    assert len(fault.hit_request_ids) < len(ids)  # some requests were outside the failed step
     # The engine goes on: the same prompts again give the fault-free tokens.
     eng.fault_injector = None
     assert [o.token_ids for o in eng.generate(prompts(), PARAMS)] == base[1]
@@ -113,16 +88,10 @@ def test_failed_step_that_consumed_the_donated_kv(base):
     """The step raised after taking the donated KV arrays (deleted): they are re-created
     and later steps run on valid arrays."""
     eng = fresh(base)
-
-    def delete_kv():
-        for x in eng.runner.kv_caches:
-            x.delete()
-
-    fault = StepFault(2, on_fire=delete_kv)
-    eng.fault_injector = fault
+    fault = parse_fault("step:2:kv_lost").attach(eng)
     ids = add_all(eng)
     outs = run_all(eng, ids)
-    check_outcome(outs, fault.hit_ids, base[1])
+    check_outcome(outs, fault.hit_request_ids, base[1])
     assert not any(x.is_deleted() for x in eng.runner.kv_caches)
 
 
@@ -156,8 +125,7 @@ def test_failure_inside_the_jitted_call(base):
 
 def test_keyboard_interrupt_mid_step_requeues_everything(base):
     eng = fresh(base)
-    fault = StepFault(2, exc=KeyboardInterrupt())
-    eng.fault_injector = fault
+    StepFault(2, kind="interrupt").attach(eng)
     ids = add_all(eng)
     eng.step()
     with pytest.raises(KeyboardInterrupt):
@@ -225,3 +193,12 @@ def test_bad_prompt_leaves_engine_unchanged(base):
             eng.add_request(bad, PARAMS)
     assert (set(eng._known_ids), [s.request_id for s in eng.scheduler.waiting]) == before
     eng.kv_cache_manager.check_invariants()
+
+
+def test_parse_fault():
+    f = parse_fault("step:3:after_device:kv_lost")
+    assert (f.step, f.point, f.kind) == (3, "after_device", "kv_lost")
+    assert parse_fault("") is None
+    for bad in ("3", "step:x", "step:1:sideways", "step:0", "step:1:2:3:4"):
+        with pytest.raises(ValueError, match="step"):
+            parse_fault(bad)
