@@ -77,6 +77,9 @@ class TraceRequest:
         if not _is_int(self.output_len) or self.output_len < 0:
             raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
+        if self.timestamp is not None and not _is_time(self.timestamp):
+            raise ValueError(f"TraceRequest {self.id!r}: timestamp must be a finite number "
+                             f"or None, got {self.timestamp!r}")
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL object of this request (our format)."""

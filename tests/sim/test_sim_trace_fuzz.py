@@ -121,6 +121,7 @@ def test_corrupt_gzip_stream_is_a_trace_error(tmp_path):
     (dict(output_len=-1), "output_len must be an int >= 0"),
     (dict(prompt={1, 2}), "prompt must be an ordered sequence"),
     (dict(id=""), "id must be a non-empty str"),
+    (dict(timestamp=float("nan")), "timestamp must be a finite number"),
 ])
 def test_trace_request_checks_its_fields(kw, match):
     """A hand-built request with a float output_len used to fail inside the replay,
