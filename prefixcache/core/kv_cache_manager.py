@@ -69,33 +69,26 @@ def _bad_num_computed_tokens(request) -> str | None:
     )
 
 
-def _hashable(value) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
+# NOTE: the checks below are called only when a cheap inline type test fails (the
+# admission path is measured in instructions: a Python call costs ~600-1000).
 def _check_request(request) -> None:
     if not isinstance(request, Request):
         raise ArgumentTypeError(
             f"request must be a prefixcache Request, got {type(request).__name__}")
 
 
-def _hit_blocks(new_computed_blocks) -> list[KVCacheBlock]:
-    """``new_computed_blocks`` as a list of ``KVCacheBlock`` (None / empty: ``[]``)."""
-    if new_computed_blocks is None:
-        return []
+def _int_counts(*named: tuple[str, Any]) -> list[int]:
+    """The counts as ints (numpy ints converted); ``ArgumentTypeError`` naming a
+    non-int one (a float such as ``np.float64(10.0)``, a bool), before any state
+    changes."""
+    return [check_count(name, value, min=-(2**63)) for name, value in named]
+
+
+def _check_hit_container(new_computed_blocks) -> None:
     if not isinstance(new_computed_blocks, (list, tuple)):
         raise ArgumentTypeError(
             "new_computed_blocks must be the list of blocks get_computed_blocks returned, "
             f"got {type(new_computed_blocks).__name__}")
-    for b in new_computed_blocks:
-        if type(b) is not KVCacheBlock:
-            raise ArgumentTypeError(
-                f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-    return list(new_computed_blocks)
 
 
 class KVCacheManager:
@@ -210,7 +203,8 @@ class KVCacheManager:
             ``(blocks, num_computed_tokens)``: the hit blocks in order and
             ``len(blocks) * block_size`` (at most ``request.num_tokens - 1``).
         """
-        _check_request(request)
+        if type(request) is not Request:
+            _check_request(request)
         if not self.enable_caching:
             return [], 0
         request.bind_hasher(self.hasher, self.block_size)
@@ -351,34 +345,41 @@ class KVCacheManager:
         return limit
 
     @staticmethod
-    def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens):
-        """The three counts as ints (numpy ints converted); ``ArgumentTypeError`` on a
-        non-int (a float such as ``np.float64(10.0)``, a bool), ``ValueError`` on a
-        negative count -- before any state changes."""
-        num_new_tokens = check_count("num_new_tokens", num_new_tokens)
-        num_new_computed_tokens = check_count("num_new_computed_tokens", num_new_computed_tokens)
-        num_lookahead_tokens = check_count("num_lookahead_tokens", num_lookahead_tokens)
+    def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_new_computed_tokens < 0:
+            raise ValueError(f"num_new_computed_tokens must be >= 0, got {num_new_computed_tokens}")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
-        return num_new_tokens, num_new_computed_tokens, num_lookahead_tokens
 
     def _allocate_slow(
         self, request, num_new_tokens, num_new_computed_tokens,
         new_computed_blocks, num_lookahead_tokens,
     ):
         """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
-        _check_request(request)
+        if type(request) is not Request:
+            _check_request(request)
         rid = request.request_id
         st = self._states.get(rid)
         if st is not None and st.request is not request:
             raise ValueError(f"request id {rid!r} is already running as another Request")
-        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = self._check_counts(
-            num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        if (type(num_new_tokens) is not int or type(num_new_computed_tokens) is not int
+                or type(num_lookahead_tokens) is not int):
+            num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = _int_counts(
+                ("num_new_tokens", num_new_tokens),
+                ("num_new_computed_tokens", num_new_computed_tokens),
+                ("num_lookahead_tokens", num_lookahead_tokens))
+        self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         bad = _bad_num_computed_tokens(request)
         if bad:
             raise ValueError(bad)
         nc = request.num_computed_tokens
-        computed = _hit_blocks(new_computed_blocks)
+        if new_computed_blocks is not None and type(new_computed_blocks) is not list:
+            _check_hit_container(new_computed_blocks)  # sets (unordered), generators, ...
+        computed = list(new_computed_blocks) if new_computed_blocks else []
         bs = self.block_size
         if st is not None and computed:
             raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
@@ -394,6 +395,9 @@ class KVCacheManager:
         num_evictable = 0
         pool_blocks = self.block_pool.blocks
         for b in computed:
+            if type(b) is not KVCacheBlock:
+                raise ArgumentTypeError(
+                    f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
             if b.block_hash is None or pool_blocks[b.block_id] is not b:
                 raise ValueError(f"block {b.block_id} is not a cached block of this manager")
             if b.ref_cnt == 0:
@@ -461,7 +465,10 @@ class KVCacheManager:
             ValueError: the request holds no blocks here (nothing changed).
         """
         rid = request.request_id if isinstance(request, Request) else request  # any id type
-        st = self._states.pop(rid, None) if _hashable(rid) else None
+        try:
+            st = self._states.pop(rid, None)
+        except TypeError:  # an unhashable id: not one of ours
+            st = None
         if st is None:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
         del self._states_by_request[st.request]
