@@ -505,35 +505,15 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     """ValueError when the kernels cannot run this model and pool, or its KV arrays and
     block tables cannot fit in memory (device memory when the device reports it, else
     host memory)."""
-    import jax
     import kernels
     from prefixcache._validate import check_host_memory
+    from prefixcache.model import check_kv_cache_memory
 
     kernels.check_backend_config(
         attention_backend, interpret=bool(interpret), page_size=block_size,
         head_dim=config.head_dim, num_q_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, q_dtype=config.dtype, kv_dtype=config.dtype)
-    itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
-    kv_bytes = (config.num_layers * (num_blocks + 1) * block_size * 2 * config.num_kv_heads
-                * config.head_dim * itemsize)
-    what = (f"the KV cache ({config.num_layers} layers x {num_blocks + 1} pages x "
-            f"{block_size} x {2 * config.num_kv_heads} x {config.head_dim} {config.dtype}; "
-            "num_blocks, block_size)")
-    shards = int(dict(mesh.shape).get("model", 1)) if mesh is not None else 1
-    device = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
-    stats = None
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory stats
-        stats = None
-    if stats and "bytes_limit" in stats:
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        if kv_bytes // shards > free:
-            raise ValueError(
-                f"{what} needs {kv_bytes // shards / 2**30:.3g} GiB per device but only "
-                f"{free / 2**30:.3g} GiB of device memory is free; use fewer blocks")
-    else:
-        check_host_memory(what, kv_bytes)
+    check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
 

@@ -13,7 +13,7 @@ import pytest
 
 from prefixcache.engine import Engine, SamplingParams
 from prefixcache.engine.faults import StepFault, parse_fault
-from prefixcache.model import ModelConfig
+from prefixcache.model import ModelConfig, make_kv_caches
 
 NUM_BLOCKS = 64
 # One shape bucket each: one compiled program for every engine of this file.
@@ -177,6 +177,10 @@ def test_kv_cache_beyond_memory_is_rejected_before_allocating():
     with pytest.raises(ValueError, match=r"KV cache .* needs about .* GiB"):
         Engine(ModelConfig.tiny(), num_blocks=2**30, block_size=16,
                max_model_len=1024)
+    # The model's own entry point: used to be XLA's RESOURCE_EXHAUSTED (or, on a host
+    # with overcommit, the OOM killer while zeroing the pages).
+    with pytest.raises(ValueError, match=r"KV cache .* needs about .* GiB"):
+        make_kv_caches(ModelConfig.tiny(), num_blocks=2**34, block_size=16)
 
 
 def test_bad_prompt_leaves_engine_unchanged(base):
