@@ -84,6 +84,18 @@ def test_bad_count_on_a_running_request_changes_nothing(bad):
     m.check_invariants()
 
 
+def test_bad_num_computed_tokens_on_a_running_request():
+    m, run, _ = setup()
+    before = snapshot(m)
+    for bad in (5.0, np.float64(5), np.int64(5), None, "5", -1, True):
+        run.num_computed_tokens = bad
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            m.allocate_slots(run, 1)
+        assert snapshot(m)[:3] == before[:3]
+    run.num_computed_tokens = 5
+    assert snapshot(m) == before
+
+
 def test_float_count_regression_from_the_issue():
     """issue 13: np.float64(10.0) on a new request raised from inside the pool after
     registering it and raising the hit blocks' ref counts."""
