@@ -80,6 +80,17 @@ class Engine:
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
+      fault_injector: None, or a callable `(point, scheduler_output)` run at
+        "before_device" and "after_device" of every model step (see
+        `prefixcache.engine.faults`); what it raises is a failed step.
+
+    A configuration the kernels cannot run (page size, head size, dtypes, backend) or
+    KV arrays / a block pool larger than the free memory raise ValueError here, before
+    anything is allocated. A model step that raises does not break the engine: its
+    requests finish with finish_reason "error" (the exception in `.error`), the other
+    running requests are recomputed, the prefix cache is reset and lost KV arrays are
+    re-created (`_recover_failed_step`); a KeyboardInterrupt during a step requeues
+    every request and is re-raised.
     """
 
     def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,
