@@ -191,11 +191,21 @@ def test_bad_prompt_leaves_engine_unchanged(base):
             eng.generate([[1, 2], bad], PARAMS)
     assert not eng._known_ids and not eng.has_unfinished_requests()
     eng.add_request([1, 2, 3], PARAMS, request_id="ok")
-    before = (set(eng._known_ids), [s.request_id for s in eng.scheduler.waiting])
+    eng.step()  # "ok" holds blocks now
+    eng.add_request([4, 5, 6], PARAMS, request_id="waiting")
+
+    def state():
+        m, sch = eng.kv_cache_manager, eng.scheduler
+        return (set(eng._known_ids), [s.request_id for s in sch.waiting],
+                [s.request_id for s in sch.running], m.free_block_ids(),
+                m.cached_block_ids(), {r: m.get_block_ids(r) for r in m.running_request_ids},
+                m.counters(), len(eng._pending_outputs))
+
+    before = state()
     for bad in bads:
         with pytest.raises(ValueError, match="prompt"):
             eng.add_request(bad, PARAMS)
-    assert (set(eng._known_ids), [s.request_id for s in eng.scheduler.waiting]) == before
+    assert state() == before
     eng.kv_cache_manager.check_invariants()
 
 
