@@ -101,16 +101,21 @@ def _check_token_ids(tokens: np.ndarray, q_lens: np.ndarray) -> None:
 _FAST_CONTAINERS = frozenset((list, tuple, np.ndarray, range, array.array))
 
 
-def _check_containers(field: str, lists: list) -> None:
+def _check_containers(field: str, lists: list) -> set:
     """ArgumentTypeError naming ``seqs[i].<field>`` when it is a set, dict, str, a float
-    array, ... (one C-level pass over the types; per-sequence checks only then)."""
+    array, ... (one C-level pass over the types; per-sequence checks only then).
+
+    Returns:
+      The set of container types (for `_flat_ints`).
+    """
     types = set(map(type, lists))
     if types == _ARRAY_ONLY or (types <= _FAST_CONTAINERS and np.ndarray not in types):
         # (all-array tables: their dtype is checked once, after the concatenation in
         # `_flat_ints`; a per-array attribute pass cost ~20 us per 256 sequences)
-        return
+        return types
     for i, x in enumerate(lists):
         check_int_sequence(f"seqs[{i}].{field}", x)
+    return types
 
 
 def _int_scalars(field: str, values: list) -> np.ndarray:
@@ -125,15 +130,14 @@ def _int_scalars(field: str, values: list) -> np.ndarray:
 _INT_ONLY = {int}
 
 
-def _flat_ints(field: str, lists: list) -> np.ndarray:
+def _flat_ints(field: str, lists: list, types: set) -> np.ndarray:
     """The concatenation of ``seqs[i].<field>`` as i64 (containers already checked).
 
     NOTE: ``array.fromlist`` converts a list at C speed and raises on a float or any
     non-int (numpy's ``fromiter`` would truncate 1.7 to 1 silently); measured faster
     than ``np.fromiter(chain(...), np.int32)`` for 256 x 32 block ids. Int arrays
-    are copied as int64.
+    are copied as int64. ``types``: the containers' types (`_check_containers`).
     """
-    types = set(map(type, lists))
     if types == _ARRAY_ONLY:
         flat = np.concatenate(lists) if len(lists) > 1 else lists[0]
         if flat.ndim != 1 or flat.dtype.kind not in "iu":
@@ -178,6 +182,15 @@ def _int_column(name: str, values) -> np.ndarray:
       ArgumentTypeError: a set/dict/str, floats (numpy would truncate them), bools, or
         anything else that does not convert to an integer array.
     """
+    if type(values) is list:
+        # NOTE: the engine's columns: `fromlist` converts at C speed and raises on a
+        # float (np.asarray(..., np.int64) would truncate it); bools enter as ints.
+        out = array.array("q")
+        try:
+            out.fromlist(values)
+            return np.frombuffer(out, np.int64)
+        except (TypeError, OverflowError):
+            pass  # below: numpy's view of it names the problem (dtype or shape)
     if type(values) is not np.ndarray:
         check_int_sequence(f"build_rows() column {name}", values)
         try:
@@ -481,8 +494,8 @@ class MetadataBuilder:
         try:
             block_lists = list(map(_BLOCK_IDS, seqs))
             token_lists = list(map(_TOKEN_IDS, seqs))
-            _check_containers("block_ids", block_lists)
-            _check_containers("token_ids", token_lists)
+            block_types = _check_containers("block_ids", block_lists)
+            token_types = _check_containers("token_ids", token_lists)
             q_lens = np.fromiter(map(len, token_lists), np.int64, n)
             computed = _int_scalars("num_computed_tokens", list(map(_NUM_COMPUTED, seqs)))
             num_blk = np.fromiter(map(len, block_lists), np.int64, n)
@@ -507,14 +520,14 @@ class MetadataBuilder:
         # list block tables; a runner that keeps each request's block table as an append-only
         # numpy array (as vLLM's InputBatch does) takes the concatenate fast path instead.
         total_blk = int(num_blk.sum())
-        flat_blocks = _flat_ints("block_ids", block_lists)
+        flat_blocks = _flat_ints("block_ids", block_lists, block_types)
         if total_blk and (flat_blocks.min() < 0 or flat_blocks.max() >= self.num_blocks):
             j = int(np.flatnonzero((flat_blocks < 0) | (flat_blocks >= self.num_blocks))[0])
             i = int(np.searchsorted(np.cumsum(num_blk), j, side="right"))
             raise ValueError(
                 f"seqs[{i}]: block id {int(flat_blocks[j])} out of range 0..{self.num_blocks - 1}"
             )
-        flat_tokens = _flat_ints("token_ids", token_lists)
+        flat_tokens = _flat_ints("token_ids", token_lists, token_types)
         _check_token_ids(flat_tokens, q_lens)
 
         blk_start = np.zeros(n, np.int64)  # where each caller seq's block ids start

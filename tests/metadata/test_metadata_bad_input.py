@@ -56,7 +56,8 @@ COLUMNS = ["rows", "num_table_blocks", "num_computed", "q_lens", "token_ids"]
 
 
 @pytest.mark.parametrize("col", COLUMNS)
-@pytest.mark.parametrize("kind", ["float", "bool", "set", "str"])
+@pytest.mark.parametrize("kind", ["float", "bool", "set", "str", "float_array",
+                                  "np_floats"])
 def test_build_rows_rejects(col, kind):
     table = np.full((4, 4), 10, np.int32)
     table[0, :2] = [1, 2]
@@ -65,8 +66,11 @@ def test_build_rows_rejects(col, kind):
                 token_ids=[1, 2, 3, 7])
     args = dict(good)
     v = good[col]
-    args[col] = {"float": [x + 0.5 for x in v], "bool": [True] * len(v), "set": set(v),
-                 "str": "0" * len(v)}[kind]
+    # (a list of Python bools is a list of ints, as everywhere in Python; a bool array
+    # is not an int array)
+    args[col] = {"float": [x + 0.5 for x in v], "bool": np.ones(len(v), bool),
+                 "set": set(v), "str": "0" * len(v), "float_array": np.array(v, float),
+                 "np_floats": [np.float64(x) for x in v]}[kind]
     b = MetadataBuilder(**KW)
     with pytest.raises(ArgumentTypeError, match=col):
         b.build_rows(table, **args)
