@@ -22,6 +22,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import Any, Sequence
 
+from prefixcache._validate import ArgumentTypeError, check_count
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     BlockPool,
@@ -32,7 +33,6 @@ from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
-from prefixcache._validate import ArgumentTypeError, check_count
 
 
 class _RequestState:
