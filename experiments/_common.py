@@ -258,13 +258,21 @@ class AtomicJsonlWriter:
         self._file = self._tmp_path = None
         try:
             if exc_type is None:
+                # A full disk may only show here (buffered lines): then the error
+                # propagates, the file is closed and the temp file removed below.
                 f.flush()
                 os.fsync(f.fileno())
-            f.close()
-            if exc_type is None:
+                f.close()
                 _publish(tmp, self.path)
                 tmp = None
         finally:
+            if not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    # NOTE: closing flushes the buffer, which fails again on a full
+                    # disk; the error already in flight is the one to report.
+                    pass
             if tmp is not None and tmp.exists():
                 tmp.unlink()
         return False  # never swallow the exception

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache._validate import check_int_sequence
 from prefixcache.core.hashing import BlockHasher, block_extra_keys
 
 __all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request"]
@@ -161,8 +162,8 @@ def _validated_tokens(name: str, token_ids: Any) -> array.array:
         out = array.array("Q")
         out.frombytes(token_ids.astype(np.uint64).tobytes())
         return out
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    # Sets, dicts, strings, non-iterables: ArgumentTypeError (a ValueError) naming `name`.
+    check_int_sequence(name, token_ids)
     if not hasattr(token_ids, "__len__") or isinstance(token_ids, bytearray):
         token_ids = list(token_ids)  # (array() would read a bytearray's raw bytes)
     try:

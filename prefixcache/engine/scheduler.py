@@ -488,3 +488,14 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
                 "num_running": len(self.running), "num_waiting": len(self.waiting)}
+
+    def preempt_all_running(self) -> list[str]:
+        """Preempts every running request by recompute (the engine's recovery after a
+        failed model step); newest first, so the waiting queue's front keeps their
+        admission order. Returns their ids in that order."""
+        ids = []
+        while self.running:
+            state = self.running.pop()
+            self._preempt(state)
+            ids.append(state.request_id)
+        return ids

@@ -32,6 +32,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from prefixcache._validate import check_int_sequence
+
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 32000
 TRACE_FORMATS = ("auto", "jsonl", "mooncake")
@@ -63,6 +65,21 @@ class TraceRequest:
     lora: tuple[str, str] | None = None
     mm: tuple[tuple[str, int, int], ...] = ()
     timestamp: float | None = None
+
+    def __post_init__(self):
+        # NOTE: only the cheap checks (the readers validate every field; generators and
+        # hand-built requests get these): a float or str output_len would otherwise
+        # fail inside a replay after the request was admitted. Token ids are checked
+        # by `Request` before any manager state changes.
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"TraceRequest.id must be a non-empty str, got {self.id!r}")
+        check_int_sequence(f"TraceRequest {self.id!r} prompt", self.prompt)
+        if not _is_int(self.output_len) or self.output_len < 0:
+            raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
+                             f"got {self.output_len!r}")
+        if self.timestamp is not None and not _is_time(self.timestamp):
+            raise ValueError(f"TraceRequest {self.id!r}: timestamp must be a finite number "
+                             f"or None, got {self.timestamp!r}")
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL object of this request (our format)."""
@@ -151,8 +168,8 @@ def _mooncake_request(
         )
     prompt = mooncake_tokens(hash_ids, vocab_size=vocab_size)[:n_in].tolist()
     ts = obj.get("timestamp")
-    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
-        raise TraceError(f"{where}: field 'timestamp' must be a number (ms), got {ts!r}")
+    if ts is not None and not _is_time(ts):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number (ms), got {ts!r}")
     return TraceRequest(
         id=f"mc-{lineno}",
         prompt=prompt,
@@ -166,6 +183,14 @@ def _is_int(v: Any) -> bool:
     return type(v) is int
 
 
+_INT_TYPE = {int}
+
+
+def _is_time(v: Any) -> bool:
+    """A finite number (not a bool): JSON admits NaN and Infinity."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _parse_request(obj: dict, where: str) -> TraceRequest:
     for field in ("id", "prompt", "output_len"):
         if field not in obj:
@@ -177,11 +202,16 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
     if not isinstance(prompt, list) or not prompt:
         raise TraceError(f"{where}: field 'prompt' must be a non-empty list of token ids")
     try:
-        # NOTE: array.array rejects floats, strings and None at C speed.
+        # NOTE: array.array rejects floats, strings and None at C speed (bools -- JSON
+        # true/false -- pass it: the type set catches them).
         arr = array.array("q", prompt)
+        if set(map(type, prompt)) != _INT_TYPE:
+            raise TypeError
     except (TypeError, OverflowError):
-        bad = next((t for t in prompt if not _is_int(t)), None)
-        raise TraceError(f"{where}: field 'prompt' holds a non-integer token id {bad!r}") from None
+        bad = next((t for t in prompt if not _is_int(t) or not 0 <= t < 2**63), None)
+        raise TraceError(
+            f"{where}: field 'prompt' holds a non-integer token id or one beyond 2**63: "
+            f"{bad!r}") from None
     if min(arr) < 0:
         raise TraceError(f"{where}: field 'prompt' holds a negative token id {min(arr)}")
     output_len = obj["output_len"]
@@ -195,7 +225,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
         if (
             not isinstance(lora, list)
             or len(lora) != 2
-            or not all(isinstance(x, str) for x in lora)
+            or not all(isinstance(x, str) and x for x in lora)
         ):
             raise TraceError(f"{where}: field 'lora' must be [name, path] or null, got {lora!r}")
         lora = (lora[0], lora[1])
@@ -209,6 +239,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
             not isinstance(item, list)
             or len(item) != 3
             or not isinstance(item[0], str)
+            or not item[0]
             or not _is_int(item[1])
             or not _is_int(item[2])
         ):
@@ -231,8 +262,8 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
                 f"[{b[1]}, {b[1] + b[2]}) overlap"
             )
     ts = obj.get("timestamp")
-    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0):
-        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0 (seconds), got {ts!r}")
+    if ts is not None and (not _is_time(ts) or ts < 0):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (seconds), got {ts!r}")
     return TraceRequest(
         id=rid,
         prompt=prompt,
@@ -276,21 +307,45 @@ def read_trace(
 
 def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
-                yield _mooncake_request(obj, where, lineno, vocab_size)
-            else:
-                yield _parse_request(obj, where)
+    # NOTE: bytes, decoded line by line: a stray non-UTF-8 byte (or a corrupt gzip
+    # stream) is a TraceError naming its line, not a UnicodeDecodeError / OSError from
+    # the file iterator with no position.
+    with opener(path, "rb") as f:
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TraceError(
+                        f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                        f"{e.start + 1})") from None
+                obj = _loads(line, where)
+                if not isinstance(obj, dict):
+                    raise TraceError(
+                        f"{where}: expected a JSON object, got {type(obj).__name__}")
+                if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
+                    yield _mooncake_request(obj, where, lineno, vocab_size)
+                else:
+                    yield _parse_request(obj, where)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(
+                f"{path}:{lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _loads(line: str, where: str) -> Any:
+    """``json.loads`` with every failure as a TraceError naming the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer literal beyond int()'s digit limit
+        raise TraceError(f"{where}: malformed JSON: {e}") from None
+    except RecursionError:
+        raise TraceError(f"{where}: malformed JSON: nested too deeply") from None
 
 
 def write_trace(path: str | os.PathLike, requests: Iterable[TraceRequest | dict]) -> int:
