@@ -11,14 +11,17 @@ either unchanged. Only the index differs:
   children keyed by the block's token ids plus its extra keys; only unlocked leaves
   are evicted, so every cached block stays reachable (``num_stranded_blocks() == 0``).
 
-Keys. The tree stands in for the hash chain exactly: a node's child key is
-``tuple(token_ids)`` of the block, or ``(tuple(token_ids), extras)`` when the block has
+Keys. The tree stands in for the hash chain exactly: a node's child key is the
+block's token ids as bytes (``Request.token_bytes``: 8 native bytes per id, an exact
+encoding of ``tuple(token_ids)``), or ``(token_bytes, extras)`` when the block has
 extra keys -- one ``(mm_identifier, item_offset - block_start)`` per multimodal item
 overlapping the block (the chain's ``("mm", ...)`` keys) and the cache salt on the
 block the chain salts (block 0). The LoRA adapter, which the chain puts on every block,
 selects the root: one subtree per ``(lora name, lora path)`` (SGLang's ``extra_key``
 namespace). Two requests therefore reach the same node iff their chains give the same
-digest (barring digest collisions). The hashes are still kept: ``block.block_hash`` of a
+digest (barring digest collisions).
+NOTE: bytes, not tuples of ints: a tuple key boxes every id and hashes it item by item
+(lookups of long hits cost ~2x more, measured on few_shot); bytes are one copy. The hashes are still kept: ``block.block_hash`` of a
 node's block is ``request.block_hashes[depth]`` of the request that cached it, for
 events, ``cached_block_ids`` and adoption checks; the tree, not the hash, decides hits.
 
@@ -113,16 +116,22 @@ class _RadixState:
         path: the nodes of its first ``len(path)`` blocks (a chain from its root; node
             ``k`` holds ``blocks[k]`` or, for a duplicate, an equal block).
         ns: the request's namespace (its root's key).
+        plain_from: its blocks from this one on have keys without extras.
         idle_until: the decode fast path's bound (as ``KVCacheManager``'s).
     """
 
-    __slots__ = ("request", "blocks", "path", "ns", "idle_until")
+    __slots__ = ("request", "blocks", "path", "ns", "plain_from", "idle_until")
 
-    def __init__(self, request, blocks: list[KVCacheBlock], path: list[_Node], ns):
+    def __init__(self, request, blocks: list[KVCacheBlock], path: list[_Node], ns, bs: int):
         self.request = request
         self.blocks = blocks
         self.path = path
         self.ns = ns
+        feats = request.mm_features  # sorted by offset, disjoint: the last ends last
+        mm_end = feats[-1].offset + feats[-1].length if feats else 0
+        salted = _SALT_BLOCK + 1 if request.cache_salt else 0
+        mm_blocks = -(-mm_end // bs)
+        self.plain_from = mm_blocks if mm_blocks > salted else salted
         self.idle_until = -1
 
 
@@ -138,17 +147,22 @@ def _namespace(request) -> tuple[str, str] | None:
 _SALT_BLOCK = 0
 
 
-def _block_extras(feats, salt, start: int, bs: int, salted: bool) -> tuple | None:
-    """The extra part of the key of the block ``[start, start + bs)``, or None."""
-    end = start + bs
-    extras = [
-        (f.identifier, f.offset - start)
-        for f in feats
-        if f.offset < end and f.offset + f.length > start
-    ]
-    if salted and salt:
-        extras.append(salt)
-    return tuple(extras) if extras else None
+def _extras_by_block(request, first: int, last: int, bs: int) -> dict[int, tuple]:
+    """The extra part of the keys of the request's blocks ``first .. last - 1`` that
+    have one: ``(mm_identifier, offset - block_start)`` per overlapping item (offset
+    order), then the salt on the salted block. Costs O(blocks with extras)."""
+    out: dict[int, list] = {}
+    for f in request.mm_features:  # sorted by offset
+        # NOTE: the chain's overlap rule: offset < block end and offset + length >
+        # block start.
+        lo = f.offset // bs
+        hi = -(-(f.offset + f.length) // bs)
+        for i in range(lo if lo > first else first, hi if hi < last else last):
+            out.setdefault(i, []).append((f.identifier, f.offset - i * bs))
+    salt = request.cache_salt
+    if salt and first <= _SALT_BLOCK < last:
+        out.setdefault(_SALT_BLOCK, []).append(salt)
+    return {i: tuple(v) for i, v in out.items()}
 
 
 def block_keys(request, first: int, last: int, block_size: int) -> list:
@@ -160,46 +174,41 @@ def block_keys(request, first: int, last: int, block_size: int) -> list:
         block_size: tokens per block.
 
     Returns:
-        One key per block: ``tuple(token_ids)`` or ``(tuple(token_ids), extras)``.
+        One key per block: its token ids as bytes (``Request.token_bytes``), or
+        ``(token_bytes, extras)`` for a block with extra keys.
     """
-    bs = block_size
-    toks = tuple(request.all_token_ids[first * bs : last * bs])
-    keys: list = [toks[j : j + bs] for j in range(0, len(toks), bs)]
-    feats = request.mm_features
-    salt = request.cache_salt
-    if feats or (salt and first <= _SALT_BLOCK < last):
-        for i in range(first, last):
-            extras = _block_extras(feats, salt, i * bs, bs, i == _SALT_BLOCK)
-            if extras is not None:
-                keys[i - first] = (keys[i - first], extras)
+    kb = request.token_bytes(first * block_size, last * block_size)
+    w = 8 * block_size
+    keys: list = [kb[j : j + w] for j in range(0, len(kb), w)]
+    if request.mm_features or (request.cache_salt and first <= _SALT_BLOCK < last):
+        for i, extras in _extras_by_block(request, first, last, block_size).items():
+            keys[i - first] = (keys[i - first], extras)
     return keys
 
 
 def _iter_keys(request, num_blocks: int, block_size: int):
     """Yield the tree keys of the request's first ``num_blocks`` blocks, lazily: tokens
     are copied in chunks of 4, 8, 16, ... blocks, so a lookup that stops early copies
-    little and a long hit costs one C-level copy per chunk (not a Python-level slice of
-    ``all_token_ids`` per block)."""
+    little and a long hit costs one copy per chunk."""
     bs = block_size
-    toks = request.all_token_ids
-    feats = request.mm_features
-    salt = request.cache_salt
-    plain = not feats and not salt
-    limit = num_blocks * bs
+    w = 8 * bs
+    extras = (
+        _extras_by_block(request, 0, num_blocks, bs)
+        if request.mm_features or request.cache_salt else None
+    )
     start = 0
-    chunk = 4 * bs
-    while start < limit:
-        end = start + chunk if start + chunk < limit else limit
-        t = tuple(toks[start:end])
-        if plain:
-            for j in range(0, end - start, bs):
-                yield t[j : j + bs]
+    chunk = 4
+    while start < num_blocks:
+        end = start + chunk if start + chunk < num_blocks else num_blocks
+        kb = request.token_bytes(start * bs, end * bs)
+        if not extras:
+            for j in range(0, len(kb), w):
+                yield kb[j : j + w]
         else:
-            for j in range(0, end - start, bs):
-                s = start + j
-                key = t[j : j + bs]
-                extras = _block_extras(feats, salt, s, bs, s == _SALT_BLOCK * bs)
-                yield (key, extras) if extras is not None else key
+            get = extras.get
+            for i, j in enumerate(range(0, len(kb), w), start):
+                e = get(i)
+                yield kb[j : j + w] if e is None else (kb[j : j + w], e)
         start = end
         chunk *= 2
 
@@ -289,7 +298,8 @@ class RadixKVCacheManager:
         self._num_nodes = 0
         self._num_unlocked_nodes = 0
         self._epoch = 0  # node removals (evictions, resets): invalidates _lookup
-        self._lookup: tuple | None = None  # (request, hit nodes, epoch) of the last lookup
+        # (request, hit nodes, their blocks, epoch) of the last lookup
+        self._lookup: tuple | None = None
         self._states: dict[Any, _RadixState] = {}
         self._states_by_request: dict[Any, _RadixState] = {}
         self.events: list[KVCacheEvent] = []
@@ -343,7 +353,7 @@ class RadixKVCacheManager:
         computed = [node.block for node in nodes]
         # NOTE: allocate_slots adopts these nodes without walking them again while the
         # tree has lost no node since (the epoch counts removals).
-        self._lookup = (request, nodes, self._epoch)
+        self._lookup = (request, nodes, computed, self._epoch)
         num_hit = len(computed) * bs
         self.num_lookups += 1
         self.num_lookup_tokens += num_tokens
@@ -482,11 +492,17 @@ class RadixKVCacheManager:
             )
         ns = _namespace(request)
         nodes = self._adopted_nodes(request, computed, ns) if computed else []
-        # Hit nodes not locked yet leave the available blocks when locked.
-        num_unlocked_hits = 0
-        for node in nodes:
-            if not node.lock:
-                num_unlocked_hits += 1
+        # Hit nodes not locked yet leave the available blocks when locked. Along a
+        # path locks never grow with depth (a path holding a node holds its parent),
+        # so the unlocked hits are a suffix: find where it starts by bisection.
+        lo, hi = 0, len(nodes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if nodes[mid].lock:
+                lo = mid + 1
+            else:
+                hi = mid
+        num_unlocked_hits = len(nodes) - lo
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
         if num_new_blocks + num_unlocked_hits > self._num_free_unhashed + self._num_unlocked_nodes:
@@ -494,14 +510,14 @@ class RadixKVCacheManager:
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
-            policy = self.policy
             on_hit = self._on_hit
             num_touched = 0
+            if num_unlocked_hits and not nodes[-1].children:
+                # NOTE: only the path's last node can be a leaf (each other has the
+                # next as a child), so only it can be a candidate.
+                self.policy.discard(nodes[-1].block)
             for node in nodes:
                 b = node.block
-                if not node.lock:
-                    if not node.children:
-                        policy.discard(b)
                 node.lock += 1
                 if b.ref_cnt == 0:
                     # FreeKVCacheBlockQueue.remove, inlined (once per hit block)
@@ -517,7 +533,7 @@ class RadixKVCacheManager:
             self._num_unlocked_nodes -= num_unlocked_hits
             self._free.num_free_blocks -= num_touched
             self._lookup = None  # NOTE: holds no request past its admission
-            st = _RadixState(request, computed, nodes, ns)
+            st = _RadixState(request, computed, nodes, ns, bs)
             self._states[rid] = st
             self._states_by_request[request] = st
             if self.log_stats and self.enable_caching:
@@ -539,14 +555,12 @@ class RadixKVCacheManager:
         """The nodes of the hit blocks ``computed``: from the request's last lookup when
         they are its blocks and no node was removed since, else ``_hit_nodes``."""
         lk = self._lookup
-        if lk is not None and lk[0] is request and lk[2] == self._epoch:
-            nodes = lk[1]
-            if len(computed) <= len(nodes):
-                for b, node in zip(computed, nodes):
-                    if node.block is not b:
-                        break
-                else:
-                    return nodes[: len(computed)]
+        if lk is not None and lk[0] is request and lk[3] == self._epoch:
+            n = len(computed)
+            # NOTE: list == compares item by item at C speed, identity first (blocks
+            # define no __eq__).
+            if n <= len(lk[2]) and computed == lk[2][:n]:
+                return lk[1][:n]
         return self._hit_nodes(request, computed, ns)
 
     def _hit_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
@@ -646,7 +660,13 @@ class RadixKVCacheManager:
             parent = self._roots.get(st.ns)
             if parent is None:
                 parent = self._roots[st.ns] = _Node(st.ns, None, None)
-        keys = block_keys(request, first, num_full, self.block_size)
+        bs = self.block_size
+        if first >= st.plain_from:  # decode blocks: token bytes only
+            kb = request.token_bytes(first * bs, num_full * bs)
+            w = 8 * bs
+            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
+        else:
+            keys = block_keys(request, first, num_full, bs)
         policy = self.policy
         nodes = self._nodes
         events = self.enable_events
@@ -724,22 +744,35 @@ class RadixKVCacheManager:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
         req = st.request
         del self._states_by_request[req]
+        # Blocks: cached ones to the queue's tail as they come (FreeKVCacheBlockQueue
+        # .append_n, inlined), unhashed ones to its head afterwards.
+        q = self._free
+        tail = q.tail
+        last = tail.prev_free_block
         unhashed: list[KVCacheBlock] = []
-        cached: list[KVCacheBlock] = []
+        n = 0
         for b in reversed(st.blocks):
             rc = b.ref_cnt - 1
             b.ref_cnt = rc
             if rc == 0:
-                (cached if b.block_hash is not None else unhashed).append(b)
+                if b.block_hash is None:
+                    unhashed.append(b)
+                else:
+                    b.prev_free_block = last
+                    last.next_free_block = b
+                    last = b
+                    n += 1
             elif rc < 0:
                 raise InvariantError(f"block {b.block_id} freed below ref_cnt 0")
-        q = self._free
-        q.append_n(cached)
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        q.num_free_blocks += n
         if unhashed:
             q.prepend_n(unhashed)
             self._num_free_unhashed += len(unhashed)
+        # Path: deepest first. Only its last node can be a leaf (each other node has
+        # the next as a child), so only it can become a candidate.
         on_release = self.policy.on_release
-        add = self.policy.add
         path = st.path
         num_unlocked = 0
         for i in range(len(path) - 1, -1, -1):
@@ -749,9 +782,10 @@ class RadixKVCacheManager:
             if not lock:
                 num_unlocked += 1
                 on_release(node.block, req, i)
-                if not node.children:
-                    add(node.block)
-        self._num_unlocked_nodes += num_unlocked
+        if num_unlocked:
+            self._num_unlocked_nodes += num_unlocked
+            if not path[-1].children:
+                self.policy.add(path[-1].block)
 
     # ------------------------------------------------------------- inspection
     def get_block_ids(self, request_id) -> list[int]:
