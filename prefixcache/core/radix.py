@@ -74,7 +74,7 @@ from prefixcache.core.events import (
     KVCacheEvent,
     event_extra_keys,
 )
-from prefixcache.core.eviction import EvictionPolicy, make_policy
+from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.kv_cache_manager import KVCacheManager, _bad_num_computed_tokens
 from prefixcache.core.stats import PrefixCacheStats
@@ -147,31 +147,31 @@ def _namespace(request) -> tuple[str, str] | None:
 _SALT_BLOCK = 0
 
 
-def _extras_by_block(request, first: int, last: int, bs: int) -> dict[int, tuple]:
-    """The extra part of the keys of the request's blocks ``first .. last - 1`` that
-    have one: ``(mm_identifier, offset - block_start)`` per overlapping item (offset
-    order), then the salt on the salted block. Costs O(blocks with extras)."""
+def extras_by_block(mm_features, cache_salt, block_size: int) -> dict[int, tuple]:
+    """The extra part of the keys of a request's blocks that have one, by block index:
+    ``(mm_identifier, offset - block_start)`` per overlapping item (offset order), then
+    the salt on the salted block. A pure function of (items, salt, block size): the
+    manager memoizes it per request shape."""
+    bs = block_size
     out: dict[int, list] = {}
-    for f in request.mm_features:  # sorted by offset
+    for f in mm_features:  # sorted by offset
         # NOTE: the chain's overlap rule: offset < block end and offset + length >
         # block start.
-        lo = f.offset // bs
-        hi = -(-(f.offset + f.length) // bs)
-        for i in range(lo if lo > first else first, hi if hi < last else last):
+        for i in range(f.offset // bs, -(-(f.offset + f.length) // bs)):
             out.setdefault(i, []).append((f.identifier, f.offset - i * bs))
-    salt = request.cache_salt
-    if salt and first <= _SALT_BLOCK < last:
-        out.setdefault(_SALT_BLOCK, []).append(salt)
+    if cache_salt:
+        out.setdefault(_SALT_BLOCK, []).append(cache_salt)
     return {i: tuple(v) for i, v in out.items()}
 
 
-def block_keys(request, first: int, last: int, block_size: int) -> list:
+def block_keys(request, first: int, last: int, block_size: int, extras=None) -> list:
     """The tree keys of the request's blocks ``first .. last - 1`` (all full).
 
     Args:
         request: a ``Request`` with at least ``last * block_size`` tokens.
         first, last: block range.
         block_size: tokens per block.
+        extras: ``extras_by_block`` of the request (computed when None).
 
     Returns:
         One key per block: its token ids as bytes (``Request.token_bytes``), or
@@ -180,37 +180,12 @@ def block_keys(request, first: int, last: int, block_size: int) -> list:
     kb = request.token_bytes(first * block_size, last * block_size)
     w = 8 * block_size
     keys: list = [kb[j : j + w] for j in range(0, len(kb), w)]
-    if request.mm_features or (request.cache_salt and first <= _SALT_BLOCK < last):
-        for i, extras in _extras_by_block(request, first, last, block_size).items():
-            keys[i - first] = (keys[i - first], extras)
+    if extras is None:
+        extras = extras_by_block(request.mm_features, request.cache_salt, block_size)
+    for i, e in extras.items():
+        if first <= i < last:
+            keys[i - first] = (keys[i - first], e)
     return keys
-
-
-def _iter_keys(request, num_blocks: int, block_size: int):
-    """Yield the tree keys of the request's first ``num_blocks`` blocks, lazily: tokens
-    are copied in chunks of 4, 8, 16, ... blocks, so a lookup that stops early copies
-    little and a long hit costs one copy per chunk."""
-    bs = block_size
-    w = 8 * bs
-    extras = (
-        _extras_by_block(request, 0, num_blocks, bs)
-        if request.mm_features or request.cache_salt else None
-    )
-    start = 0
-    chunk = 4
-    while start < num_blocks:
-        end = start + chunk if start + chunk < num_blocks else num_blocks
-        kb = request.token_bytes(start * bs, end * bs)
-        if not extras:
-            for j in range(0, len(kb), w):
-                yield kb[j : j + w]
-        else:
-            get = extras.get
-            for i, j in enumerate(range(0, len(kb), w), start):
-                e = get(i)
-                yield kb[j : j + w] if e is None else (kb[j : j + w], e)
-        start = end
-        chunk *= 2
 
 
 class RadixKVCacheManager:
@@ -279,6 +254,13 @@ class RadixKVCacheManager:
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
         )
+        # NOTE: keyed policies that keep KeyedPolicy's on_release / on_cached (a clock
+        # tick and one stamp) get them inlined: a Python call per released node was the
+        # tree's largest cost over the chain's free (whose LRU is the queue itself).
+        cls = type(self.policy)
+        keyed = isinstance(self.policy, KeyedPolicy)
+        self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
+        self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
         self.eviction = eviction
         self.index = INDEX_NAME
         self.num_blocks = num_blocks
@@ -300,6 +282,7 @@ class RadixKVCacheManager:
         self._epoch = 0  # node removals (evictions, resets): invalidates _lookup
         # (request, hit nodes, their blocks, epoch) of the last lookup
         self._lookup: tuple | None = None
+        self._extras_memo: dict[tuple, dict[int, tuple]] = {}  # see _extras
         self._states: dict[Any, _RadixState] = {}
         self._states_by_request: dict[Any, _RadixState] = {}
         self.events: list[KVCacheEvent] = []
@@ -318,6 +301,22 @@ class RadixKVCacheManager:
     @property
     def hash_algo(self) -> str:
         return self.hasher.algo
+
+    def _extras(self, request) -> dict[int, tuple]:
+        """``extras_by_block`` of the request, memoized per (items, salt): requests of
+        one shape share it (bounded: cleared past 4096 shapes)."""
+        feats = request.mm_features
+        salt = request.cache_salt
+        if not feats and not salt:
+            return {}
+        k = (feats, salt)
+        memo = self._extras_memo
+        e = memo.get(k)
+        if e is None:
+            if len(memo) >= 4096:
+                memo.clear()
+            e = memo[k] = extras_by_block(feats, salt, self.block_size)
+        return e
 
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives (forwarded to the policy)."""
@@ -344,12 +343,38 @@ class RadixKVCacheManager:
         if root is not None and max_blocks:
             append = nodes.append
             children = root.children
-            for key in _iter_keys(request, max_blocks, bs):
-                node = children.get(key)
-                if node is None:
-                    break
-                append(node)
-                children = node.children
+            extras = self._extras(request)
+            token_bytes = request.token_bytes
+            w = 8 * bs
+            # Tokens are copied in chunks of 4, 8, 16, ... blocks: a lookup that stops
+            # early copies little, a long hit one chunk per doubling.
+            start, chunk = 0, 4
+            while start < max_blocks:
+                end = start + chunk if start + chunk < max_blocks else max_blocks
+                kb = token_bytes(start * bs, end * bs)
+                if extras:
+                    get = extras.get
+                    for i, j in enumerate(range(0, len(kb), w), start):
+                        e = get(i)
+                        node = children.get(kb[j : j + w] if e is None else (kb[j : j + w], e))
+                        if node is None:
+                            break
+                        append(node)
+                        children = node.children
+                    else:
+                        start, chunk = end, 2 * chunk
+                        continue
+                else:
+                    for j in range(0, len(kb), w):
+                        node = children.get(kb[j : j + w])
+                        if node is None:
+                            break
+                        append(node)
+                        children = node.children
+                    else:
+                        start, chunk = end, 2 * chunk
+                        continue
+                break
         computed = [node.block for node in nodes]
         # NOTE: allocate_slots adopts these nodes without walking them again while the
         # tree has lost no node since (the epoch counts removals).
@@ -666,7 +691,7 @@ class RadixKVCacheManager:
             w = 8 * bs
             keys = [kb[j : j + w] for j in range(0, len(kb), w)]
         else:
-            keys = block_keys(request, first, num_full, bs)
+            keys = block_keys(request, first, num_full, bs, self._extras(request))
         policy = self.policy
         nodes = self._nodes
         events = self.enable_events
@@ -689,7 +714,11 @@ class RadixKVCacheManager:
                 nodes[b.block_id] = child
                 self._num_nodes += 1
                 self.num_blocks_cached += 1
-                policy.on_cached(b, h, request, i)
+                if self._stamp_cached:  # KeyedPolicy.on_cached, inlined
+                    policy.clock += 1
+                    policy.cached_at[b.block_id] = policy.clock
+                else:
+                    policy.on_cached(b, h, request, i)
                 if run_start < 0:
                     run_start = i
             else:
@@ -772,16 +801,30 @@ class RadixKVCacheManager:
             self._num_free_unhashed += len(unhashed)
         # Path: deepest first. Only its last node can be a leaf (each other node has
         # the next as a child), so only it can become a candidate.
-        on_release = self.policy.on_release
+        policy = self.policy
         path = st.path
         num_unlocked = 0
-        for i in range(len(path) - 1, -1, -1):
-            node = path[i]
-            lock = node.lock - 1
-            node.lock = lock
-            if not lock:
-                num_unlocked += 1
-                on_release(node.block, req, i)
+        if self._stamp_release:  # KeyedPolicy.on_release, inlined
+            clock = policy.clock
+            released_at = policy.released_at
+            for i in range(len(path) - 1, -1, -1):
+                node = path[i]
+                lock = node.lock - 1
+                node.lock = lock
+                if not lock:
+                    num_unlocked += 1
+                    clock += 1
+                    released_at[node.block.block_id] = clock
+            policy.clock = clock
+        else:
+            on_release = policy.on_release
+            for i in range(len(path) - 1, -1, -1):
+                node = path[i]
+                lock = node.lock - 1
+                node.lock = lock
+                if not lock:
+                    num_unlocked += 1
+                    on_release(node.block, req, i)
         if num_unlocked:
             self._num_unlocked_nodes += num_unlocked
             if not path[-1].children:
@@ -1029,7 +1072,7 @@ class RadixKVCacheManager:
             if st.ns != _namespace(req):
                 raise InvariantError(f"request {rid!r}: namespace {st.ns!r} is not its own")
             hashes = req.block_hashes if self.enable_caching else ()
-            keys = block_keys(req, 0, len(path), bs) if path else []
+            keys = block_keys(req, 0, len(path), bs) if path else []  # not the memo
             parent = self._roots.get(st.ns)
             for k, node in enumerate(path):
                 b = node.block

@@ -402,3 +402,23 @@ def test_chain_strands_where_the_tree_cannot():
             assert counts["radix"] == 0
             stranded[(eviction, name)] = counts["hash"]
     assert any(stranded.values()), stranded
+
+
+def test_inlined_policy_stamps_equal_the_calls():
+    # The manager inlines KeyedPolicy's on_release / on_cached; forcing the calls must
+    # give the same stamps, victims and block tables.
+    trace = workloads.generate("multi_turn", **SMALL["multi_turn"])[:80]
+    runs = []
+    for inline in (True, False):
+        m = RadixKVCacheManager(128, 16)
+        assert m._stamp_release and m._stamp_cached  # lru keeps the base's
+        m._stamp_release = m._stamp_cached = inline
+        tables = []
+        for t in trace:
+            req = Request(t.id, t.prompt)
+            tables.append(admit(m, req)[1] and m.get_block_ids(t.id))
+            if tables[-1]:
+                m.free(req)
+        runs.append((tables, m.policy.clock, list(m.policy.released_at),
+                     list(m.policy.cached_at), m.num_evictions))
+    assert runs[0] == runs[1] and runs[0][4] > 0
