@@ -17,6 +17,15 @@ With vLLM (the peer venv's Python, our package and the peer harness on PYTHONPAT
       $HOME/.cache/prefixcache-peers/vllm-venv/bin/python -m experiments.bench_radix \
       --trace_dir=/tmp/radix-traces --rounds=5   # --peers_dir=DIR: another ../shared/peers
 
+Under pressure (``--pressure=64,256,1024``: pool sizes in blocks; our two indexes only,
+no timing): per workload x pool x eviction policy, hits, evictions and *stranded*
+blocks -- cached but unreachable because a block before them in their chain was
+evicted -- sampled every 25 frees and at the end (tree: ``num_stranded_blocks()``,
+always 0; chain: its own ``num_stranded_blocks()`` when it has one, else counted here
+from the cached digests and each block's parent digest)::
+
+  python -m experiments.bench_radix --trace_dir=/tmp/radix-traces --pressure=64,256,1024
+
 Traces: the peer's ``make_traces.py`` (the workloads ``bench_manager`` uses), written to
 ``--trace_dir`` when missing. Prints one JSON line per workload x hash algorithm:
 ``loop_s`` per round of each index, the median per-round ratios ``radix_over_hash`` and
@@ -79,6 +88,87 @@ def run_ours(trace, index: str, *, num_blocks: int, block_size: int, hash_algo: 
     return records, dict(r["timing"], evictions=r["evictions"], hit_tokens=r["hit_tokens"])
 
 
+def _chain_stranded(m, parent_of: dict) -> int:
+    """Cached chain blocks whose parent chain has an evicted (uncached) digest."""
+    cached = m.block_pool.cached_block_hash_to_block
+    n = 0
+    for h, entry in cached.items():
+        p = parent_of.get(h)
+        while p is not None and p in cached:
+            p = parent_of.get(p)
+        if p is not None:
+            n += len(entry) if type(entry) is dict else 1
+    return n
+
+
+def pressure(trace, index: str, *, num_blocks: int, eviction: str, block_size: int,
+             concurrency: int, hash_seed: int, sample_every: int = 25) -> dict:
+    """One replay of ``trace`` through ``index`` with ``num_blocks`` blocks: hits,
+    evictions, stranded blocks (max over samples every ``sample_every`` frees, and at
+    the end)."""
+    import prefixcache.sim.replay as replay_module  # noqa: PLC0415
+    from prefixcache.core import KVCacheManager  # noqa: PLC0415
+    from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
+
+    chain_has_policies = "eviction" in inspect.signature(KVCacheManager).parameters
+    if index == "hash" and eviction != "lru" and not chain_has_policies:
+        return {"skipped": "the hash chain takes no eviction policy but lru yet"}
+    stats = {"max_stranded": 0, "frees": 0}
+    made = []
+
+    def factory(*args, **kw):
+        if index == "radix":
+            base = RadixKVCacheManager
+            kw["eviction"] = eviction
+        else:
+            base = KVCacheManager
+            if chain_has_policies:
+                kw["eviction"] = eviction
+
+        class Measured(base):
+            parent_of: dict = {}
+
+            def allocate_slots(self, request, *a, **k):
+                r = base.allocate_slots(self, request, *a, **k)
+                if r is not None and index == "hash" and not hasattr(base, "num_stranded_blocks"):
+                    hs = request.block_hashes
+                    self.parent_of.update(zip(hs, [None, *hs[:-1]]))
+                return r
+
+            def stranded(self):
+                if hasattr(base, "num_stranded_blocks"):
+                    return self.num_stranded_blocks()
+                return _chain_stranded(self, self.parent_of)
+
+            def free(self, request):
+                base.free(self, request)
+                stats["frees"] += 1
+                if stats["frees"] % sample_every == 0:
+                    stats["max_stranded"] = max(stats["max_stranded"], self.stranded())
+
+        Measured.parent_of = {}
+        made.append(Measured(*args, **kw))
+        return made[-1]
+
+    saved = replay_module.KVCacheManager
+    replay_module.KVCacheManager = factory
+    try:
+        r = replay_module.replay(
+            trace, num_blocks=num_blocks, block_size=block_size, hash_seed=hash_seed,
+            free_order="unhashed_first", concurrency=concurrency,
+        )
+    finally:
+        replay_module.KVCacheManager = saved
+    end = made[0].stranded()
+    return {
+        "hit_rate_tokens": r["hit_rate_tokens"],
+        "hit_tokens": r["hit_tokens"],
+        "evictions": r["evictions"],
+        "stranded_end": end,
+        "stranded_max": max(stats["max_stranded"], end),
+    }
+
+
 def _traces(peers: str, trace_dir: str, names: list[str], seed: int) -> dict[str, str]:
     paths = {n: os.path.join(trace_dir, f"{n}.jsonl") for n in names}
     missing = [n for n, p in paths.items() if not os.path.exists(p)]
@@ -108,12 +198,38 @@ def main(argv=None) -> None:
     ap.add_argument("--free_order", default="unhashed_first")
     ap.add_argument("--peers_dir", default=_PEERS_DEFAULT,
                     help="directory of make_traces.py and vllm_replay.py")
+    ap.add_argument("--pressure", default="",
+                    help="pool sizes (blocks): measure hits and stranded blocks instead")
+    ap.add_argument("--evictions", default="",
+                    help="policies for --pressure (default: every one without a future)")
     ap.add_argument("--no_vllm", action="store_true", help="skip vLLM even when importable")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
 
     from prefixcache.sim.trace import read_trace  # noqa: PLC0415
+
+    if args.pressure:
+        from prefixcache.core.eviction import get_policy_class, policy_names  # noqa: PLC0415
+
+        evictions = [e for e in args.evictions.split(",") if e] or [
+            p for p in policy_names() if not get_policy_class(p).needs_future
+        ]
+        paths = _traces(args.peers_dir, args.trace_dir,
+                        [w for w in args.workloads.split(",") if w], args.seed)
+        for name, path in paths.items():
+            trace = list(read_trace(path))
+            for nb in [int(x) for x in args.pressure.split(",") if x]:
+                for ev in evictions:
+                    row = {"workload": name, "num_blocks": nb, "eviction": ev}
+                    for index in ("hash", "radix"):
+                        row[index] = pressure(
+                            trace, index, num_blocks=nb, eviction=ev,
+                            block_size=args.block_size, concurrency=args.concurrency,
+                            hash_seed=args.hash_seed,
+                        )
+                    print(json.dumps(row), flush=True)
+        return
 
     peer = None
     if not args.no_vllm:
