@@ -18,11 +18,15 @@ extra keys -- one ``(mm_identifier, item_offset - block_start)`` per multimodal 
 overlapping the block (the chain's ``("mm", ...)`` keys) and the cache salt on the
 block the chain salts (block 0). The LoRA adapter, which the chain puts on every block,
 selects the root: one subtree per ``(lora name, lora path)`` (SGLang's ``extra_key``
-namespace). Two requests therefore reach the same node iff their chains give the same
-digest (barring digest collisions).
-NOTE: bytes, not tuples of ints: a tuple key boxes every id and hashes it item by item
-(lookups of long hits cost ~2x more, measured on few_shot); bytes are one copy. The hashes are still kept: ``block.block_hash`` of a
-node's block is ``request.block_hashes[depth]`` of the request that cached it, for
+namespace). The salt sits in block 0's key rather than in the root: the same thing, as
+a salted request's every later block hangs below its salted first block. Two requests
+therefore reach the same node iff their chains give the same digest (barring digest
+collisions).
+
+NOTE: bytes keys, not tuples of ints: a tuple boxes every id and hashes it item by item
+(a key + lookup cost ~2x the bytes one per block in a micro-benchmark; the tree's lookups
+were its largest cost over the chain's). The hashes are still kept: ``block.block_hash``
+of a node's block is ``request.block_hashes[depth]`` of the request that cached it, for
 events, ``cached_block_ids`` and adoption checks; the tree, not the hash, decides hits.
 
 Locks (SGLang's ``lock_ref``). A running request locks every node on its path from the
@@ -377,8 +381,9 @@ class RadixKVCacheManager:
                 break
         computed = [node.block for node in nodes]
         # NOTE: allocate_slots adopts these nodes without walking them again while the
-        # tree has lost no node since (the epoch counts removals).
-        self._lookup = (request, nodes, computed, self._epoch)
+        # tree has lost no node since (the epoch counts removals); a copy of the list,
+        # so that a caller changing the returned one in place is still checked.
+        self._lookup = (request, nodes, computed[:], self._epoch)
         num_hit = len(computed) * bs
         self.num_lookups += 1
         self.num_lookup_tokens += num_tokens

@@ -422,3 +422,22 @@ def test_inlined_policy_stamps_equal_the_calls():
         runs.append((tables, m.policy.clock, list(m.policy.released_at),
                      list(m.policy.cached_at), m.num_evictions))
     assert runs[0] == runs[1] and runs[0][4] > 0
+
+
+def test_adoption_checks_a_changed_hit_list_and_caching_off():
+    m = RadixKVCacheManager(8, 2)
+    a = Request("a", [1, 2, 3, 4, 5])
+    admit(m, a)
+    b = Request("b", [1, 2, 3, 4, 6])
+    blocks, hit = m.get_computed_blocks(b)
+    assert ids(blocks) == [0, 1]
+    blocks[0], blocks[1] = blocks[1], blocks[0]  # in place: no longer b's prefix
+    with pytest.raises(ValueError, match="not the cached block #0"):
+        m.allocate_slots(b, 1, 4, blocks)
+    m.check_invariants()
+    off = RadixKVCacheManager(4, 2, enable_caching=False)
+    c = Request("c", [1, 2, 3, 4, 5])
+    assert admit(off, c) == ([], off.get_blocks("c"))
+    off.free(c)
+    assert admit(off, Request("d", [1, 2, 3, 4, 5]))[0] == [] and off.cached_block_ids() == []
+    off.check_invariants()
