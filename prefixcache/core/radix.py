@@ -262,6 +262,9 @@ class RadixKVCacheManager:
         # tick and one stamp) get them inlined: a Python call per released node was the
         # tree's largest cost over the chain's free (whose LRU is the queue itself).
         cls = type(self.policy)
+        self._on_evicted = (
+            None if cls.on_evicted is EvictionPolicy.on_evicted else self.policy.on_evicted
+        )
         keyed = isinstance(self.policy, KeyedPolicy)
         self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
         self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
@@ -636,47 +639,55 @@ class RadixKVCacheManager:
         else:
             out = q.popleft_n(k) if k else []
             self._num_free_unhashed = 0
-            pop = self.policy.pop
+            policy = self.policy
+            pop = policy.pop
+            on_evicted = self._on_evicted
             nodes = self._nodes
-            remove = q.remove
+            events = self.events if self.enable_events else None
             for _ in range(n - k):
                 b = pop()
-                self._evict(nodes[b.block_id])
-                remove(b)
+                # Evict the unlocked leaf b (inlined: once per victim).
+                bid = b.block_id
+                node = nodes[bid]
+                if node.lock or node.children or b.ref_cnt:
+                    raise InvariantError(
+                        f"evicting block {bid}: lock {node.lock}, "
+                        f"{len(node.children)} children, ref_cnt {b.ref_cnt}"
+                    )
+                parent = node.parent
+                del parent.children[node.key]
+                node.parent = None
+                nodes[bid] = None
+                if events is not None:
+                    events.append(BlockRemoved(
+                        block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
+                        group_idx=0,
+                    ))
+                b.block_hash = None
+                if on_evicted is not None:
+                    on_evicted(b)
+                if parent.block is None:
+                    if not parent.children:
+                        del self._roots[parent.key]
+                elif not parent.lock and not parent.children:
+                    policy.add(parent.block)  # an unlocked interior node became a leaf
+                # FreeKVCacheBlockQueue.remove, inlined
+                prev = b.prev_free_block
+                nxt = b.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                b.prev_free_block = b.next_free_block = None
                 out.append(b)
+            victims = n - k
+            q.num_free_blocks -= victims
+            self._num_nodes -= victims
+            self._num_unlocked_nodes -= victims
+            self._epoch += victims
+            self.num_evictions += victims
         for b in out:
             b.ref_cnt = 1
         self.num_blocks_allocated += n
         return out
-
-    def _evict(self, node: _Node) -> None:
-        """Remove the unlocked leaf ``node`` (its block is being reused)."""
-        parent = node.parent
-        b = node.block
-        if node.lock or node.children or b.ref_cnt:
-            raise InvariantError(
-                f"evicting block {b.block_id}: lock {node.lock}, "
-                f"{len(node.children)} children, ref_cnt {b.ref_cnt}"
-            )
-        del parent.children[node.key]
-        node.parent = None
-        self._nodes[b.block_id] = None
-        h = b.block_hash
-        b.block_hash = None
-        self._num_nodes -= 1
-        self._num_unlocked_nodes -= 1
-        self._epoch += 1
-        self.num_evictions += 1
-        self.policy.on_evicted(b)
-        if self.enable_events:
-            self.events.append(
-                BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_GPU, group_idx=0)
-            )
-        if parent.block is None:
-            if not parent.children:
-                del self._roots[parent.key]
-        elif not parent.lock and not parent.children:
-            self.policy.add(parent.block)  # an unlocked interior node became a leaf
 
     def _cache(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """Enter the request's blocks ``len(st.path) .. num_full - 1`` into the tree."""
