@@ -184,7 +184,8 @@ def _traces(peers: str, trace_dir: str, names: list[str], seed: int) -> dict[str
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace_dir", required=True, help="where the peer traces are (made if missing)")
+    ap.add_argument("--trace_dir", required=True,
+                    help="where the peer traces are (made if missing)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--hash_algos", default="sha256,xxhash_cbor")
     ap.add_argument("--num_blocks", type=int, default=4096,
@@ -253,7 +254,8 @@ def main(argv=None) -> None:
             finally:
                 sys.path[:] = saved
 
-    paths = _traces(args.peers_dir, args.trace_dir, [w for w in args.workloads.split(",") if w], args.seed)
+    paths = _traces(args.peers_dir, args.trace_dir,
+                    [w for w in args.workloads.split(",") if w], args.seed)
     med = statistics.median
     for name, path in paths.items():
         ours_trace = list(read_trace(path))

@@ -238,7 +238,9 @@ class RadixKVCacheManager:
         index: str = INDEX_NAME,
     ):
         if index != INDEX_NAME:
-            raise ValueError(f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}")
+            raise ValueError(
+                f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
+            )
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -251,7 +253,9 @@ class RadixKVCacheManager:
         ):
             raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
         if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise ValueError(f"eviction_options must be a mapping or None, got {eviction_options!r}")
+            raise ValueError(
+                f"eviction_options must be a mapping or None, got {eviction_options!r}"
+            )
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.policy = make_policy(eviction, num_blocks=num_blocks, **dict(eviction_options or {}))
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
@@ -994,7 +998,9 @@ class RadixKVCacheManager:
             cur = cur.next_free_block
             pos += 1
         if q.tail.prev_free_block is not prev or pos != q.num_free_blocks:
-            raise InvariantError(f"free queue holds {pos} blocks, num_free_blocks {q.num_free_blocks}")
+            raise InvariantError(
+                f"free queue holds {pos} blocks, num_free_blocks {q.num_free_blocks}"
+            )
         if pos < self._num_free_unhashed:
             raise InvariantError(
                 f"{self._num_free_unhashed} free unhashed blocks counted, {pos} free blocks"
@@ -1025,7 +1031,10 @@ class RadixKVCacheManager:
                         raise InvariantError(
                             f"node of block {b.block_id if b else None} is linked wrongly"
                         )
-                    if b is None or blocks[b.block_id] is not b or self._nodes[b.block_id] is not child:
+                    if (
+                        b is None or blocks[b.block_id] is not b
+                        or self._nodes[b.block_id] is not child
+                    ):
                         raise InvariantError(f"a node has no block of this manager: {child!r}")
                     if b.block_hash is None:
                         raise InvariantError(f"block {b.block_id} is a node but has no hash")
@@ -1053,7 +1062,9 @@ class RadixKVCacheManager:
             if node is not None and b.block_id not in locks:
                 raise InvariantError(f"block {b.block_id} maps to a detached node")
         if num_nodes != self._num_nodes:
-            raise InvariantError(f"tree holds {num_nodes} nodes, num_cached_blocks {self._num_nodes}")
+            raise InvariantError(
+                f"tree holds {num_nodes} nodes, num_cached_blocks {self._num_nodes}"
+            )
         if num_unlocked != self._num_unlocked_nodes:
             raise InvariantError(
                 f"{num_unlocked} unlocked nodes, counted {self._num_unlocked_nodes}"
@@ -1079,7 +1090,9 @@ class RadixKVCacheManager:
             if len(path) > len(tbl):
                 raise InvariantError(f"request {rid!r}: path of {len(path)} > {len(tbl)} blocks")
             if len(set(map(id, tbl))) != len(tbl):
-                raise InvariantError(f"request {rid!r} holds a block twice: {[b.block_id for b in tbl]}")
+                raise InvariantError(
+                    f"request {rid!r} holds a block twice: {[b.block_id for b in tbl]}"
+                )
             if st.idle_until != self._idle_bound(st):
                 raise InvariantError(
                     f"request {rid!r}: decode fast-path bound {st.idle_until} != "
@@ -1093,9 +1106,13 @@ class RadixKVCacheManager:
             for k, node in enumerate(path):
                 b = node.block
                 if b is None or self._nodes[b.block_id] is not node or node.parent is not parent:
-                    raise InvariantError(f"request {rid!r}: path node #{k} is not attached in order")
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} is not attached in order"
+                    )
                 if node.key != keys[k]:
-                    raise InvariantError(f"request {rid!r}: path node #{k} (block {b.block_id}) has another key")
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} (block {b.block_id}) has another key"
+                    )
                 if k >= len(hashes) or b.block_hash != hashes[k]:
                     raise InvariantError(
                         f"request {rid!r}: path node #{k} (block {b.block_id}) is not cached "
