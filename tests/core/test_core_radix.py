@@ -349,6 +349,20 @@ def _chain_stranded(m: KVCacheManager, parent_of: dict) -> int:
     return n
 
 
+def test_chain_stranded_count():
+    # The count the chain is measured with: drop block 0's digest from the hash map (as
+    # an interior eviction would) and blocks 1 and 2 become unreachable.
+    m = KVCacheManager(8, 2)
+    req = Request("a", [1, 2, 3, 4, 5, 6, 7])
+    admit(m, req)
+    m.free(req)
+    hs = req.block_hashes
+    parent_of = dict(zip(hs, [None, *hs[:-1]]))
+    assert _chain_stranded(m, parent_of) == 0
+    m.block_pool._evict(m.block_pool.blocks[0])
+    assert _chain_stranded(m, parent_of) == 2
+
+
 @pytest.mark.parametrize("eviction", _POLICIES)
 def test_tree_never_strands_under_pressure(eviction):
     # Every workload at a quarter of what it would need: many evictions; after every
