@@ -276,6 +276,7 @@ SMALL = {
     "few_shot": dict(num_questions=15),
     "mm_salt": dict(num_requests=150),
     "rag": dict(num_requests=200),
+    "tenant_prefixes": dict(num_requests=120, num_tenants=6, prefix_len=200),
 }
 
 
