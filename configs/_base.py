@@ -1,7 +1,9 @@
 """Shared building blocks of the experiment configs (not a config itself).
 
 Every experiment reads its requests through ``experiments._common.requests_from_config``:
-``trace`` (a file; "" to generate), ``trace_format``, ``max_requests`` (0: all),
+``dataset`` (a public trace by name, ``prefixcache.sim.datasets``: downloaded once into
+``$PREFIXCACHE_DATA``, checksum verified), ``trace`` (a file), neither to generate;
+``trace_format``, ``max_requests`` (0: all),
 ``seed`` and ``workload.name`` / ``workload.kwargs`` (a generator of
 ``prefixcache.sim.workloads``, or ``mooncake_scale``).
 """
@@ -23,20 +25,23 @@ WORKLOAD_KWARGS = {
     "rag": dict(num_requests=1000, num_documents=200, doc_len=(256, 1024), docs_per_request=2,
                 zipf_a=1.1, system_len=256, question_len=(16, 64), output_len=(16, 128),
                 vocab=32000),
+    "tenant_prefixes": dict(num_requests=3000, num_tenants=150, prefix_len=6000,
+                            question_len=(128, 1024), output_len=(64, 256), vocab=32000,
+                            arrival_rate=20.0),
     "mooncake_scale": dict(num_requests=20000),
 }
 
-MOONCAKE_DIR = "/work/shared/traces/mooncake"
 
-
-def requests_config(workload: str = "shared_system_prompt", *, trace: str = "",
+def requests_config(workload: str = "shared_system_prompt", *, trace: str = "", dataset: str = "",
                     seed: int = 0, max_requests: int = 0, **kwargs) -> ml_collections.ConfigDict:
     """The request-source fields shared by all experiments.
 
     Args:
       workload: generator name (ignored when ``trace`` is set, but kept so it can be
         switched on the command line).
-      trace: a trace file; "" to generate ``workload``.
+      trace: a trace file; "" to generate ``workload`` (or read ``dataset``).
+      dataset: a public trace by name (``prefixcache.sim.datasets.DATASETS``);
+        exclusive with ``trace``.
       seed: workload seed (and the run's seed).
       max_requests: 0 for all requests, N for the first N.
       **kwargs: overrides of the workload's default kwargs.
@@ -44,6 +49,7 @@ def requests_config(workload: str = "shared_system_prompt", *, trace: str = "",
     c = ml_collections.ConfigDict()
     c.seed = seed
     c.trace = trace
+    c.dataset = dataset
     c.trace_format = "auto"
     c.max_requests = max_requests
     c.workload = ml_collections.ConfigDict()
@@ -55,11 +61,11 @@ def requests_config(workload: str = "shared_system_prompt", *, trace: str = "",
     return c
 
 
-def replay_config(workload: str = "shared_system_prompt", *, trace: str = "",
+def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", dataset: str = "",
                   num_blocks: int = 4096, block_size: int = 16, concurrency: int = 8,
                   **kwargs) -> ml_collections.ConfigDict:
     """A config of ``experiments.replay``."""
-    c = requests_config(workload, trace=trace, **kwargs)
+    c = requests_config(workload, trace=trace, dataset=dataset, **kwargs)
     c.num_blocks = num_blocks
     c.block_size = block_size
     c.hash_algo = "sha256"
@@ -68,4 +74,23 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "",
     c.concurrency = concurrency
     c.max_model_len = 0  # 0 -> no limit
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given
+    return c
+
+
+def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset: str = "",
+                 **kwargs) -> ml_collections.ConfigDict:
+    """A config of ``experiments.route``."""
+    c = requests_config(workload, trace=trace, dataset=dataset, **kwargs)
+    c.replicas = "1,2,4,8"  # comma-separated, as the --replicas flag
+    c.policies = "random,round_robin,least_loaded,session,cache_aware,kv_events"
+    c.num_blocks = 0  # per replica; 0 -> all HBM left after the weights
+    c.block_size = 16
+    c.model = "llama_3_1_8b"
+    c.accelerator = "h100"
+    c.num_chips = 1
+    c.max_num_batched_tokens = 8192
+    c.max_num_seqs = 256
+    c.time_scale = 1.0
+    c.arrival_rate = 0.0  # 0 -> the trace's timestamps
+    c.hash_algo = "sha256"
     return c

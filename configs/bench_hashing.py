@@ -32,5 +32,7 @@ def get_config():
     c.warmup = 1
     c.compare_vllm = True
     c.vllm_python = os.path.expanduser("~/.cache/prefixcache-peers/vllm-venv/bin/python")
-    c.vllm_replay_script = "/work/shared/peers/vllm_replay.py"
+    # The peer harness inside this checkout (installer: experiments/peers/setup_vllm_env.sh).
+    c.vllm_replay_script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "experiments", "peers", "vllm_replay.py")
     return c

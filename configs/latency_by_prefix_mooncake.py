@@ -1,7 +1,8 @@
 """Latency by cached-prefix length at scale: the Mooncake conversation trace through the DES.
 
 Runs experiments.latency_by_prefix on the first 3,000 requests (~36M prompt tokens,
-the first ~15 minutes) of the real Mooncake FAST'25 conversation trace (12,031
+the first ~15 minutes) of the real Mooncake FAST'25 conversation trace (dataset
+`mooncake_conversation`, downloaded once and checksum verified; 12,031
 requests, ~12k input tokens, real arrival times over one hour; hash_ids expanded
 into token blocks) with Llama-3.1-8B (bf16) on an 8-chip TPU v6e, H100 and
 H200 instance (peak FLOP/s, bandwidth and HBM x 8, communication not modelled: the
@@ -32,12 +33,10 @@ from configs import latency_by_prefix
 
 def get_config():
     c = latency_by_prefix.get_config()
-    src = _base.requests_config("shared_system_prompt",
-                                trace=f"{_base.MOONCAKE_DIR}/conversation_trace.jsonl")
-    for key in ("trace", "workload"):
+    src = _base.requests_config("shared_system_prompt", dataset="mooncake_conversation")
+    for key in ("trace", "dataset", "workload"):
         c[key] = src[key]
     c.max_requests = 3000
-    c.trace_format = "mooncake"
     c.accelerators = ("tpu_v6e", "h100", "h200")
     c.num_chips = 8
     c.num_blocks = 0  # all HBM left after the weights

@@ -9,7 +9,8 @@ with provenance) and `ttft_vs_cached_prefix.png` into --workdir.
 
 Command:
   python -m experiments.quickstart --config=configs/quickstart.py --workdir=/tmp/quickstart
-  (the config is the default; override fields as --config.num_users=8)
+  (the config is the default; override fields as --config.num_users=8 or
+  --config.block_size=32; --noprogress hides the progress bar)
 
 Expected: greedy outputs identical cold and warm (the run fails otherwise); warm TTFT well
 below cold TTFT for long cached prefixes (the warm/cold ratio shrinks as the cached prefix
@@ -30,8 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.max_num_seqs = 8
     c.max_num_batched_tokens = 1024
     c.max_model_len = 1024
-    # One page bucket (1024 / 16 pages): fewer compiled programs, a faster run.
-    c.page_buckets = (64,)
+    # () -> one page bucket of ceil(max_model_len / block_size) pages (64 here): fewer
+    # compiled programs, a faster run; follows --config.block_size.
+    c.page_buckets = ()
     c.hash_algo = "sha256"
     c.attention_backend = "auto"
     # Workload.

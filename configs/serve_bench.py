@@ -15,6 +15,13 @@ Expected: greedy outputs identical in all three passes
 prompt is computed once) and ~0.98 (on, warm); wall time and TTFT p50 fall with
 caching (dev CPU: 6.3 s -> 2.6 s -> 1.35 s, TTFT p50 628 -> 213 -> 61 ms);
 no new programs compiled in the timed passes after the compile pass.
+
+Fault injection (reproducing a failed model step): --config.inject=step:N[:point][:kind]
+fails the N-th model step of the timed on_cold pass (see prefixcache.engine.faults),
+e.g. `--config.inject=step:5:before_device:kv_lost`. Expected then: the requests of
+that step finish with an error (on_cold `errors` > 0, their rows carry it), every
+other request's tokens equal the off pass (outputs_identical_to_off_where_ok), and
+the on_warm pass, on the same engine, runs clean.
 """
 
 from configs import _base
@@ -30,4 +37,5 @@ def get_config():
     c.max_num_batched_tokens = 1024
     c.batch_size = 8
     c.max_tokens = 8
+    c.inject = ""  # "" = no fault; else a prefixcache.engine.faults.parse_fault spec
     return c

@@ -161,14 +161,22 @@ def prepare_workdir(path: str | os.PathLike) -> pathlib.Path:
     """Creates (if needed) and returns the experiment's output directory.
 
     Raises:
-      ValueError: ``path`` is empty or exists and is not a directory.
+      ValueError: ``path`` is empty, exists and is not a directory, cannot be
+        created, or is not writable (checked by creating a file in it: permission
+        bits alone say nothing for root or on read-only mounts).
     """
     if not str(path):
         raise ValueError("a workdir is needed (--workdir or config.workdir)")
     p = pathlib.Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise ValueError(f"workdir {str(p)!r} exists and is not a directory")
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"workdir {str(p)!r} is not writable: "
+                         f"{e.strerror or e}") from e
     return p
 
 
@@ -185,7 +193,7 @@ def _publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 def dumps_line(record: Mapping[str, Any]) -> str:
-    """One compact JSON line (the byte format of ``../shared/peers`` outputs)."""
+    """One compact JSON line (the byte format of ``experiments/peers`` outputs)."""
     return json.dumps(record, separators=(",", ":")) + "\n"
 
 
@@ -217,8 +225,12 @@ class AtomicJsonlWriter:
 
     def __enter__(self) -> "AtomicJsonlWriter":
         directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
+                                       dir=directory)
+        except OSError as e:
+            raise ValueError(f"cannot write {str(self.path)!r}: {e.strerror or e}") from e
         self._tmp_path = pathlib.Path(tmp)
         self._file = os.fdopen(fd, "w", encoding="utf-8")
         return self
@@ -246,13 +258,21 @@ class AtomicJsonlWriter:
         self._file = self._tmp_path = None
         try:
             if exc_type is None:
+                # A full disk may only show here (buffered lines): then the error
+                # propagates, the file is closed and the temp file removed below.
                 f.flush()
                 os.fsync(f.fileno())
-            f.close()
-            if exc_type is None:
+                f.close()
                 _publish(tmp, self.path)
                 tmp = None
         finally:
+            if not f.closed:
+                try:
+                    f.close()
+                except OSError:
+                    # NOTE: closing flushes the buffer, which fails again on a full
+                    # disk; the error already in flight is the one to report.
+                    pass
             if tmp is not None and tmp.exists():
                 tmp.unlink()
         return False  # never swallow the exception
@@ -293,8 +313,12 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
     """The requests an experiment runs on, as described by its config.
 
     Config fields used:
-      trace: path of a trace file (our JSONL or Mooncake lines); "" -> generate.
-      trace_format: "auto" | "jsonl" | "mooncake".
+      dataset: a public trace by name (``prefixcache.sim.datasets``; a local,
+        checksum-verified copy, downloaded into ``$PREFIXCACHE_DATA`` on first use).
+      trace: path of a trace file (our JSONL or Mooncake lines).
+        Neither set -> generate the workload; both set -> error.
+      trace_format: "auto" | "jsonl" | "mooncake" ("auto" with a dataset: the
+        registry's format).
       max_requests: 0 for all, N for only the first N requests.
       seed: seed of the generated workload.
       workload.name / workload.kwargs: a generator of ``prefixcache.sim.workloads``
@@ -306,14 +330,35 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
     Args:
       config: the experiment's config (the fields above).
       workdir: where a generated mooncake_scale trace goes by default.
-      progress: a tqdm bar while a mooncake_scale trace is written.
+      progress: tqdm bars while a dataset downloads or a mooncake_scale trace is
+        written.
 
     Returns:
       An iterator of ``TraceRequest`` (streamed for files: memory O(1) in the trace).
 
     Raises:
-      ValueError: unknown workload, bad generator arguments, negative max_requests.
+      ValueError: unknown workload or dataset, bad generator arguments, negative
+        max_requests, both trace and dataset set, no requests at all (an empty
+        trace must not pass for an empty result).
       FileNotFoundError: the trace file does not exist.
+    """
+    return load_requests(config, workdir, progress=progress)[0]
+
+
+def load_requests(config, workdir: str | os.PathLike | None = None, *,
+                  progress: bool = False):
+    """``requests_from_config`` plus how many requests it will yield.
+
+    NOTE: a trace file's lines are counted first (one pass over its bytes, no JSON
+    parsing) so that progress bars can show a total and an ETA.
+
+    Returns:
+      ``(iterator of TraceRequest, total)``; ``total`` is exact for generated
+      workloads and an upper bound for files (their non-empty lines, capped by
+      ``max_requests``).
+
+    Raises:
+      as ``requests_from_config``.
     """
     import itertools  # noqa: PLC0415
 
@@ -323,10 +368,15 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
     limit = int(config.max_requests)
     if limit < 0:
         raise ValueError(f"max_requests must be >= 0, got {limit}")
-    if config.trace:
-        if not os.path.isfile(config.trace):
-            raise FileNotFoundError(f"trace file {config.trace!r} does not exist")
-        reqs = read_trace(config.trace, format=config.trace_format)
+    path = trace_path(config, progress=progress)
+    if path:
+        fmt = config.trace_format
+        if config.get("dataset") and fmt == "auto":
+            from prefixcache.sim import datasets  # noqa: PLC0415
+
+            fmt = datasets.get(config.dataset).trace_format
+        reqs = read_trace(path, format=fmt)
+        total = count_lines(path)
     else:
         name = config.workload.name
         kwargs = to_jsonable(config.workload.kwargs)
@@ -346,9 +396,59 @@ def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
                                  desc="writing mooncake_scale trace")
                 workloads.write_mooncake_trace(path, lines)
             reqs = read_trace(path, format="mooncake")
+            total = count_lines(path)
         else:
-            reqs = iter(workloads.generate(name, seed=config.seed, **_tuples(kwargs)))
-    return itertools.islice(reqs, limit) if limit else reqs
+            generated = workloads.generate(name, seed=config.seed, **_tuples(kwargs))
+            reqs, total = iter(generated), len(generated)
+    first = next(reqs, None)
+    if first is None:
+        raise ValueError(f"{source_name(config)} has no requests")
+    reqs = itertools.chain([first], reqs)
+    if limit:
+        return itertools.islice(reqs, limit), min(total, limit)
+    return reqs, total
+
+
+def trace_path(config, *, progress: bool = False) -> str:
+    """The trace file the config names: its ``trace``, or its ``dataset``'s local copy.
+
+    Returns:
+      The path, or "" when the config generates its workload.
+
+    Raises:
+      ValueError: both set; unknown dataset; a bad or unobtainable copy (the message
+        names the URL and ``$PREFIXCACHE_DATA``). FileNotFoundError: no such trace.
+    """
+    dataset = config.get("dataset", "")
+    if dataset and config.trace:
+        raise ValueError(f"set either trace ({config.trace!r}) or dataset ({dataset!r}), "
+                         "not both")
+    if dataset:
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        return str(datasets.path_of(dataset, progress=progress))
+    if config.trace and not os.path.isfile(config.trace):
+        raise FileNotFoundError(f"trace file {config.trace!r} does not exist")
+    return config.trace
+
+
+def source_name(config) -> str:
+    """What a run's requests came from, for summaries and plot titles."""
+    if config.get("dataset"):
+        return f"dataset:{config.dataset}"
+    return config.trace or f"workload:{config.workload.name}"
+
+
+def count_lines(path: str | os.PathLike) -> int:
+    """Non-empty lines of a text file (gzip when named ``*.gz``): a trace's requests."""
+    import gzip  # noqa: PLC0415
+
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    n = 0
+    with opener(path, "rb") as f:
+        for line in f:
+            n += bool(line.strip())
+    return n
 
 
 def _tuples(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -373,16 +473,130 @@ def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
             setattr(config, name, holder.value)
 
 
+def progress_bar(iterable=None, *, enabled: bool, total: int | None = None,
+                 desc: str | None = None, unit: str = "it"):
+    """A tqdm progress bar on stderr; a silent pass-through when not ``enabled``.
+
+    Args:
+      iterable: what to iterate (its ``len`` is the total when it has one).
+      enabled: the script's ``--[no]progress``.
+      total: units of work when known in advance (the bar shows an ETA).
+      desc: the bar's label.
+      unit: the unit's name.
+
+    Returns:
+      A ``tqdm`` object (iterate it, or ``update``/``close`` it / use it in ``with``).
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled)
+
+
+def define_progress_flag():
+    """``--[no]progress`` for a script that defines its flags at module level."""
+    from absl import flags  # noqa: PLC0415
+
+    return flags.DEFINE_bool("progress", True, "Show a tqdm progress bar on stderr "
+                             "(--noprogress: none).")
+
+
+# absl's help flags (``-?`` is --help's short name).
+_HELP_FLAGS = frozenset({"help", "helpshort", "helpfull", "helpxml", "?"})
+
+
+def _asks_for_help(args) -> bool:
+    """Whether a command line carries one of absl's help flags."""
+    return any(a.startswith("-") and a.lstrip("-").split("=", 1)[0] in _HELP_FLAGS
+               for a in list(args)[1:])
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (multi-line messages joined with '; ')."""
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def fail(message: str) -> None:
+    """Ends the program: ``error: <message>`` on stderr, exit status 1, no traceback."""
+    import sys  # noqa: PLC0415
+
+    sys.exit(f"error: {message}")
+
+
+def run_app(main, argv: list[str] | None = None, *, key_flags=()) -> None:
+    """``absl.app.run`` with this project's command-line conventions.
+
+    * ``--help`` / ``--helpshort`` / ``-?`` list the script's own flags (its module's
+      and ``key_flags``) with their help; ``--helpfull`` all flags; all exit 0.
+    * A bad flag value, an unknown flag or a stray argument -> ``error: ...`` naming
+      it, on one line, exit status 1 (absl prints its usage text and ``FATAL``).
+
+    NOTE: absl's help flags print the help and exit with status 1 from inside flag
+    parsing; the parser here turns exactly that exit (a help flag on the command
+    line, status 1, raised while parsing) into status 0.
+
+    Args:
+      main: ``main(argv)`` as for ``app.run``.
+      argv: the command line; default ``sys.argv``.
+      key_flags: names of flags defined elsewhere (``run_cli``'s) that ``--help``
+        lists as the script's own.
+    """
+    import sys  # noqa: PLC0415
+
+    from absl import app, flags  # noqa: PLC0415
+
+    for name in key_flags:
+        # NOTE: --help lists the key flags of the module named sys.argv[0] (absl's
+        # notion of the main module); flags defined in this module are not among them.
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+    def parse(args):
+        try:
+            return flags.FLAGS(args)
+        except flags.Error as e:
+            fail(_one_line(e))
+        except SystemExit as e:
+            if e.code == 1 and _asks_for_help(args):
+                raise SystemExit(0) from None
+            raise
+
+    def checked_main(args):
+        try:
+            return main(args)
+        except app.UsageError as e:
+            fail(_one_line(e))
+
+    app.run(checked_main, argv=argv, flags_parser=parse)
+
+
+def _config_override_error(exc: BaseException, args) -> str:
+    """The message for a ``--config.<field>`` override the config does not have."""
+    # NOTE: ml_collections wraps the KeyError that carries the field name and its
+    # "Did you mean" hint in an AttributeError holding its repr: use the KeyError.
+    cause = exc
+    while cause is not None and not isinstance(cause, KeyError):
+        cause = cause.__context__
+    text = _one_line(cause if cause is not None else exc)
+    field = text.split(";")[0].strip().strip("'\"")
+    given = [a.split("=", 1)[0] for a in args if a.startswith("--config.")]
+    named = [a for a in given if field and field in a[len("--config."):].split(".")]
+    return (f"{', '.join(named or given) or '--config'}: no such config field "
+            f"{field!r}" + (f" ({text.split(';', 1)[1].strip()})" if ";" in text else ""))
+
+
 def run_cli(run_fn, *, config_name: str, extra_flags: Mapping[str, tuple[str, str]] | None = None,
             argv: list[str] | None = None) -> None:
     """The whole command-line front end of an experiment script.
 
     Defines ``--config`` (default ``configs/<config_name>.py``, locked, dotted
-    overrides), ``--workdir``, ``--progress`` and ``extra_flags`` on absl's global
-    flags, then runs ``run_fn(config, progress=...)`` and prints its result as the
-    last stdout line (JSON). Flags given on the command line override the
-    config fields of the same name. Bad input (``ValueError``,
-    ``FileNotFoundError``) -> ``error: ...`` on stderr, exit status 1.
+    overrides), ``--workdir``, ``--[no]progress`` and ``extra_flags`` on absl's
+    global flags, then runs ``run_fn(config, progress=...)`` and prints its result as
+    the last stdout line (JSON). Flags given on the command line override the
+    config fields of the same name. ``--help`` lists these flags and exits 0.
+    Bad input -- a bad flag value, a misspelled ``--config.<field>``, a missing
+    config file, an unusable workdir, ``ValueError`` / ``OSError`` from the run
+    (bad trace, unknown dataset, empty trace) -> ``error: ...`` on stderr, one line,
+    exit status 1, no traceback.
 
     NOTE: flags are defined here, not at import, so several experiment modules can
     be imported into one process (a notebook, the tests).
@@ -390,37 +604,55 @@ def run_cli(run_fn, *, config_name: str, extra_flags: Mapping[str, tuple[str, st
     Args:
       run_fn: ``(config, *, progress) -> JSON-able summary``.
       config_name: the default config's file stem.
-      extra_flags: flag name -> (``"string"`` | ``"integer"``, help); each
+      extra_flags: flag name -> (``"string"`` | ``"integer"`` | ``"float"``, help); each
         overrides ``config.<name>`` when given.
       argv: for tests; default ``sys.argv``.
     """
     import sys  # noqa: PLC0415
 
-    from absl import app, flags  # noqa: PLC0415
+    from absl import flags  # noqa: PLC0415
     from ml_collections import config_flags  # noqa: PLC0415
 
-    config_flag = config_flags.DEFINE_config_file(
-        "config", config_path(config_name), f"Config file (default configs/{config_name}.py).",
-        lock_config=True)
+    args = list(sys.argv if argv is None else argv)
+    try:
+        # NOTE: ml_collections applies --config.<field> overrides of the default
+        # config while defining the flag: a misspelled field fails here.
+        config_flag = config_flags.DEFINE_config_file(
+            "config", config_path(config_name),
+            f"Config file (default configs/{config_name}.py); override its fields as "
+            "--config.<field>=value.", lock_config=True)
+    except (KeyError, AttributeError) as e:
+        fail(_config_override_error(e, args))
     holders = {"workdir": flags.DEFINE_string("workdir", None, "Output directory "
                                               "(overrides config.workdir).")}
-    progress = flags.DEFINE_bool("progress", True, "Show tqdm progress bars on stderr.")
+    progress = flags.DEFINE_bool("progress", True, "Show tqdm progress bars on stderr "
+                                 "(--noprogress: none).")
     for name, (kind, help_) in (extra_flags or {}).items():
-        define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer}[kind]
+        define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer,
+                  "float": flags.DEFINE_float}[kind]
         holders[name] = define(name, None, f"{help_} (overrides config.{name}).")
 
-    def main(args):
-        if len(args) > 1:
-            raise app.UsageError(f"unexpected arguments: {args[1:]}")
-        config = config_flag.value
-        apply_flag_overrides(config, holders)
+    def main(main_args):
+        if len(main_args) > 1:
+            fail(f"unexpected arguments: {' '.join(main_args[1:])}")
+        filename = flags.FLAGS["config"].config_filename.split(":", 1)[0]
+        if not os.path.isfile(filename):
+            fail(f"--config: no such config file {filename!r}")
         try:
+            config = config_flag.value
+            config.get("workdir")  # a config that failed to load raises on first use
+        except (KeyError, AttributeError) as e:
+            fail(_config_override_error(e, args))
+        except OSError as e:
+            fail(f"--config: cannot load {filename!r}: {_one_line(e).split('; ')[-1]}")
+        try:
+            apply_flag_overrides(config, holders)
             summary = run_fn(config, progress=progress.value)
-        except (ValueError, FileNotFoundError) as e:
-            sys.exit(f"error: {e}")
+        except (ValueError, OSError) as e:
+            fail(_one_line(e))
         print(json.dumps(to_jsonable(summary)), flush=True)
 
-    app.run(main, argv=argv)
+    run_app(main, argv=args, key_flags=("config", "progress", *holders))
 
 
 def save_plot(fig, path: str | os.PathLike, *, dpi: int = 120) -> pathlib.Path:

@@ -13,7 +13,7 @@ min and median of ``loop_s`` (and the hashing / manager split) for both, the rat
 new/base (< 1: the working tree is faster), and whether both produced identical records.
 
 Workloads come from ``prefixcache.sim.workloads`` (the peer traces' generators, same
-seed -> the same requests as ``../shared/peers/make_traces.py``). Last stdout line: one
+seed -> the same requests as ``experiments/peers/make_traces.py``). Last stdout line: one
 JSON summary with provenance.
 """
 
@@ -31,6 +31,8 @@ import tarfile
 import tempfile
 
 from absl import app, flags
+
+from experiments import _common
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +52,7 @@ _FREE_ORDER = flags.DEFINE_enum(
     "free_order", "unhashed_first", ["append", "unhashed_first"], "Free order.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
 _HASH_SEED = flags.DEFINE_integer("hash_seed", 0, "Hash chain seed.")
+_PROGRESS = _common.define_progress_flag()
 
 _IMPORT_RE = re.compile(r"\bprefixcache(?=\.|\s+import\b|\s*$)", re.MULTILINE)
 
@@ -145,10 +148,13 @@ def main(argv):
     sys.path.insert(0, tmp)
     base_replay = importlib.import_module("prefixcache_base.sim.replay").replay
     results = []
+    bar = _common.progress_bar(enabled=_PROGRESS.value, desc="ab_replay", unit="cell",
+                               total=len(_WORKLOADS.value) * len(_ALGOS.value))
     for w in _WORKLOADS.value:
         trace = workloads.generate(w, seed=_SEED.value)
         for algo in _ALGOS.value:
             r = dict(workload=w, **ab_cell(trace, algo, new_replay, base_replay))
+            bar.update(1)
             results.append(r)
             b, n = r["base"], r["new"]
             print(
@@ -160,6 +166,7 @@ def main(argv):
                 f"{r['records_identical']}",
                 flush=True,
             )
+    bar.close()
     print(json.dumps({
         "benchmark": "ab_replay",
         "base": {"rev": _BASE.value, "commit": commit},
@@ -171,4 +178,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _common.run_app(main)

@@ -16,13 +16,19 @@ SECTIONS = ("ttft", "host", "programs")
 def run(config, *, progress: bool = False) -> dict:
     """Runs the three measurements; writes bench_engine.jsonl into config.workdir.
 
+    Args:
+      config: ``configs/bench_engine.py``'s fields.
+      progress: a tqdm bar over the sections on stderr.
+
+    Returns:
+      The measurements (one dict).
+
     Raises:
       ValueError: no workdir given.
     """
     from prefixcache.engine import bench  # noqa: PLC0415
     from prefixcache.model import ModelConfig  # noqa: PLC0415
 
-    del progress
     workdir = _common.prepare_workdir(config.workdir)
     mc = ModelConfig.tiny()
     common = dict(block_size=config.block_size, seed=config.seed,
@@ -33,16 +39,22 @@ def run(config, *, progress: bool = False) -> dict:
         raise ValueError(f"--config.sections must name some of {SECTIONS}, got "
                          f"{config.sections!r}")
     result = {}
+    bar = _common.progress_bar(enabled=progress, desc="bench_engine", unit="section",
+                               total=len(sections))
     if "ttft" in sections:
         result.update(bench.ttft_cold_vs_warm(mc, **config.ttft.to_dict(), **common))
         result["ttft_ratio_target"] = config.ttft_ratio_target
         result["ttft_ratio_ok"] = result["ttft_ratio"] <= config.ttft_ratio_target
+        bar.update(1)
     if "host" in sections:
         result.update(bench.host_step_cost(mc, **config.host.to_dict(), **common))
         result["host_step_target_ms"] = config.host_step_target_ms
         result["host_step_ok"] = result["host_step_ms"] < config.host_step_target_ms
+        bar.update(1)
     if "programs" in sections:
         result.update(bench.compiled_programs(mc, **config.programs.to_dict(), **common))
+        bar.update(1)
+    bar.close()
     prov = _common.provenance(config, seed=config.seed, extra={"model": "tiny"})
     with _common.AtomicJsonlWriter(workdir / "bench_engine.jsonl", provenance=prov) as w:
         w.write(result)

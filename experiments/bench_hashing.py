@@ -11,7 +11,7 @@ Hashes every prompt of a workload into its chain of full-block digests, two ways
 Rounds are interleaved over the algorithms (round-robin) so machine drift hits all
 alike; medians over ``repeats`` rounds after ``warmup`` untimed ones, plus each
 algorithm's per-round time ratio to the first one. With ``compare_vllm`` and the
-peer venv present (``../shared/peers/``), vLLM's own ``--hash-only`` benchmark runs
+peer venv present (``experiments/peers/``), vLLM's own ``--hash-only`` benchmark runs
 on the same trace in the same invocation for a side-by-side ratio.
 
 Writes ``results.jsonl`` (one line per algorithm and mode, provenance on each) and
@@ -165,7 +165,7 @@ def run(config, *, progress: bool = False) -> dict:
                 theirs = vllm["algos"][r["hash_algo"]]["prompt_tokens_per_s"]
                 r["vllm_prompt_tokens_per_s"] = theirs
                 r["speedup_vs_vllm"] = r["prompt_tokens_per_s"] / theirs
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl") as w:
         for r in rows:
             prov = _common.provenance(config, seed=config.seed, hash_algo=r["hash_algo"],

@@ -24,9 +24,11 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
+from experiments import _common
 from experiments._common import provenance, to_jsonable
 from kernels import benchmark
 
+_PROGRESS = _common.define_progress_flag()
 _SIZES = flags.DEFINE_enum("sizes", "full", ["full", "small"], "Case sizes.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "q/KV dtype of the paged-vs-dense cases.")
@@ -52,7 +54,9 @@ def main(argv):
   del argv
   dtype = jnp.dtype(_DTYPE.value)
   records = []
-  for case in benchmark.standard_cases(_SIZES.value):
+  cases = list(benchmark.standard_cases(_SIZES.value))
+  for case in _common.progress_bar(cases, enabled=_PROGRESS.value, desc="bench_kernels",
+                                   unit="case"):
     rec = benchmark.run_case(case, dtype=dtype, backend=_BACKEND.value, iters=_ITERS.value,
                                interpret=_INTERPRET.value)
     records.append(rec)
@@ -106,4 +110,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run_app(main)

@@ -4,7 +4,10 @@ r"""Manager benchmark: our replay (hashing + KVCacheManager) vs vLLM 0.33's, sam
   python -m experiments.bench_manager \
       --vllm_python=$HOME/.cache/prefixcache-peers/vllm-venv/bin/python   # + the peer
 
-Generates the peer workloads with ``../shared/peers/make_traces.py`` itself (same code,
+The vLLM peer venv: ``bash experiments/peers/setup_vllm_env.sh`` (pinned vLLM 0.33.0 +
+CPU torch in its own venv; prints the python to pass as ``--vllm_python``).
+
+Generates the peer workloads with ``experiments/peers/make_traces.py`` itself (same code,
 same seed: byte-identical traces to the ones vLLM's harness replays), then for every
 workload x hash algorithm replays the trace through ``prefixcache.sim.replay`` and prints
 requests/s, prompt tokens/s and the split of the loop between hashing (request
@@ -41,6 +44,8 @@ import tempfile
 
 from absl import app, flags
 
+from experiments import _common
+
 FLAGS = flags.FLAGS
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +74,7 @@ _PEER_MODE = flags.DEFINE_enum(
     "experiments.peer_inprocess with our package on PYTHONPATH; same libraries, same "
     "drift); subprocess: ours here, vllm_replay.py in a fresh process per round.")
 _PEERS = flags.DEFINE_string(
-    "peers_dir", os.path.join(os.path.dirname(_REPO), "shared", "peers"),
+    "peers_dir", os.path.join(_REPO, "experiments", "peers"),
     "Directory of make_traces.py and vllm_replay.py.")
 _TRACE_DIR = flags.DEFINE_string(
     "trace_dir", None,
@@ -77,6 +82,7 @@ _TRACE_DIR = flags.DEFINE_string(
     "temporary directory, so concurrent invocations never overwrite each other's files.")
 _HASH_SEED = flags.DEFINE_integer(
     "hash_seed", 0, "Hash chain seed for both (vLLM gets PYTHONHASHSEED).")
+_PROGRESS = _common.define_progress_flag()
 
 
 def generate_traces(peers_dir: str, out_dir: str, seed: int, names: list[str]) -> dict[str, str]:
@@ -203,6 +209,29 @@ def bench_one(name: str, path: str, algo: str) -> dict:
     return result
 
 
+def peer_import_dir(parent: str) -> str:
+    """A directory that shows the peer venv's python only ``prefixcache`` and ``experiments``.
+
+    NOTE: the checkout root also holds our ``kernels`` package (it needs jax, which the
+    peer venv lacks); transformers, imported by vLLM, probes for the Hugging Face
+    package of that name by importing it, so the root itself must not be on the peer's
+    path (nor be its working directory: ``python -m`` puts the cwd first).
+
+    Args:
+      parent: where to create it (the run's trace directory).
+
+    Returns:
+      The directory (symlinks to this checkout's two packages).
+    """
+    d = os.path.join(parent, "peer-import-path")
+    os.makedirs(d, exist_ok=True)
+    for pkg in ("prefixcache", "experiments"):
+        link = os.path.join(d, pkg)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(_REPO, pkg), link)
+    return d
+
+
 def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
     """All algorithms of one workload through ``experiments.peer_inprocess``."""
     from prefixcache.sim.trace import read_trace  # noqa: PLC0415
@@ -217,12 +246,13 @@ def bench_inprocess(name: str, path: str, algos: list[str]) -> list[dict]:
         "--rounds", str(_REPEAT.value), "--warmup", str(_WARMUP.value),
         "--hash_seed", str(_HASH_SEED.value), "--free_order", _FREE_ORDER.value,
     ]
+    imports = peer_import_dir(_TRACE_DIR.value)
     env = dict(
         os.environ, PYTHONHASHSEED=str(_HASH_SEED.value),
-        PYTHONPATH=os.pathsep.join([_REPO, _PEERS.value]),
+        PYTHONPATH=os.pathsep.join([imports, _PEERS.value]),
         VLLM_LOGGING_STREAM="ext://sys.stderr",
     )
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_REPO)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=imports)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
     med = statistics.median
@@ -290,12 +320,13 @@ def _line(r: dict) -> str:
 
 def main(argv):
     del argv
-    from experiments import _common  # noqa: PLC0415
 
     if _TRACE_DIR.value is None:
         FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
     paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
     results = []
+    bar = _common.progress_bar(enabled=_PROGRESS.value, desc="bench_manager", unit="cell",
+                               total=len(_WORKLOADS.value) * len(_ALGOS.value))
     for name in _WORKLOADS.value:
         if _VLLM_PYTHON.value and _PEER_MODE.value == "inprocess":
             rs = bench_inprocess(name, paths[name], _ALGOS.value)
@@ -303,7 +334,9 @@ def main(argv):
             rs = (bench_one(name, paths[name], algo) for algo in _ALGOS.value)
         for r in rs:
             results.append(r)
+            bar.update(1)
             print(_line(r), flush=True)
+    bar.close()
     summary = {
         "benchmark": "bench_manager",
         "num_blocks_vllm": _NUM_BLOCKS.value,
@@ -325,4 +358,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _common.run_app(main)

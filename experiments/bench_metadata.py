@@ -18,9 +18,11 @@ import timeit
 from absl import app, flags
 import numpy as np
 
+from experiments import _common
 from experiments._common import provenance
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq
 
+_PROGRESS = _common.define_progress_flag()
 _SEED = flags.DEFINE_integer("seed", 0, "RNG seed of the synthetic schedules.")
 _NUMBER = flags.DEFINE_integer("number", 200, "Builds per timed run.")
 _REPEAT = flags.DEFINE_integer("repeat", 7, "Timed runs per case.")
@@ -60,6 +62,8 @@ def main(argv):
       f"{n - 16} decodes + 16 x 64-token chunks": make_schedule(rng, n, 0, 1500, 16),
   }
   records = []
+  bar = _common.progress_bar(enabled=_PROGRESS.value, desc="bench_metadata", unit="case",
+                             total=2 * len(cases))
   for name, seqs in cases.items():
     arrays = [ScheduledSeq(np.asarray(s.block_ids, np.int32), s.num_computed_tokens,
                            s.token_ids) for s in seqs]
@@ -67,8 +71,10 @@ def main(argv):
       rec = {"case": name, "block_tables": kind,
              **time_build(builder, ss, _NUMBER.value, _REPEAT.value)}
       records.append(rec)
+      bar.update(1)
       print(f"{name:<40} {kind:<13} min {rec['min_us']:7.1f} us  "
             f"median {rec['median_us']:7.1f} us", flush=True)
+  bar.close()
   print(json.dumps({
       "cases": records,
       "max_median_us": max(r["median_us"] for r in records),
@@ -78,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _common.run_app(main)

@@ -14,9 +14,9 @@ Expected: a JSON line equal to the ``VLLM_VECTORS`` literal of the test (with se
 
 ``--bench TRACE.jsonl [...]`` instead times block hashing of vLLM against
 ``prefixcache.core.hashing`` in this one process (same interpreter, interleaved
-repetitions, digests checked equal first), on the traces of ``../shared/peers``:
+repetitions, digests checked equal first), on the traces of ``experiments/peers``:
 
-    python3 ../shared/peers/make_traces.py --out-dir /tmp/traces --seed 0
+    python3 experiments/peers/make_traces.py --out-dir /tmp/traces --seed 0
     PYTHONHASHSEED=0 VLLM_LOGGING_STREAM=ext://sys.stderr \
         ~/.cache/prefixcache-peers/vllm-venv/bin/python experiments/hash_parity_vllm.py \
         --bench /tmp/traces/*.jsonl --max-requests 300 --repeat 5
@@ -70,11 +70,17 @@ def _bench(paths: list[str], max_requests: int, repeat: int, block_size: int) ->
     import gc
     import time
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
     from prefixcache.core.hashing import BlockHasher
     from prefixcache.core.request import LoRARequest as PLoRA
     from prefixcache.core.request import MultiModalFeature as PMM
     from prefixcache.core.request import Request as PRequest
+
+    # NOTE: off the path again before vLLM is imported: the checkout root also holds
+    # our `kernels` package (it needs jax), and transformers (imported by vLLM) probes
+    # for the Hugging Face package of that name by importing it.
+    sys.path.remove(root)
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
@@ -192,22 +198,32 @@ def _bench(paths: list[str], max_requests: int, repeat: int, block_size: int) ->
                 )
 
 
-def main() -> None:
-    if "--bench" in sys.argv:
-        import argparse
+def main(argv: list[str] | None = None) -> None:
+    """Prints the vectors (default) or, with ``--bench``, the timings (module doc).
 
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--bench", nargs="+", required=True, metavar="TRACE")
-        ap.add_argument("--max-requests", type=int, default=300)
-        ap.add_argument("--repeat", type=int, default=5)
-        ap.add_argument("--block-size", type=int, default=16)
-        a = ap.parse_args()
+    Args:
+      argv: the command line without the program name; default ``sys.argv[1:]``.
+    """
+    import argparse  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Run with the vLLM peer venv's python and PYTHONHASHSEED set.")
+    ap.add_argument("--bench", nargs="+", metavar="TRACE",
+                    help="time hashing on these peer traces instead of printing vectors")
+    ap.add_argument("--max-requests", type=int, default=300,
+                    help="requests per trace in --bench")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="interleaved repetitions in --bench (fastest reported)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block in --bench")
+    a = ap.parse_args(argv)
+    if a.bench:
         if os.environ.get("PYTHONHASHSEED") is None:
-            sys.exit("set PYTHONHASHSEED (both sides must share the xxhash roots)")
+            sys.exit("error: set PYTHONHASHSEED (both sides must share the xxhash roots)")
         _bench(a.bench, a.max_requests, a.repeat, a.block_size)
         return
     if os.environ.get("PYTHONHASHSEED") is None:
-        sys.exit("set PYTHONHASHSEED (the seed the vectors are pinned with)")
+        sys.exit("error: set PYTHONHASHSEED (the seed the vectors are pinned with)")
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams

@@ -47,7 +47,7 @@ def make_cost_model(config, accelerator: str):
 
 
 def simulate_latency(make_requests: Callable[[], Iterable], config, *,
-                     progress: bool = False) -> list[dict]:
+                     progress: bool = False, num_requests: int | None = None) -> list[dict]:
     """Runs the DES per accelerator and cache state; returns result rows.
 
     Args:
@@ -56,6 +56,8 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
         Mooncake-size traces).
       config: the latency_by_prefix config.
       progress: tqdm progress bars.
+      num_requests: requests ``make_requests`` yields, when known (the bars' totals;
+        default: ``config.max_requests`` when set).
 
     Rows: ``{"record": "bin", "accelerator", "cache_state", "lo", "hi", "count",
     "mean", "p50", "p90", "p99"}`` (TTFT seconds per cached-prefix bin),
@@ -68,7 +70,8 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
     n_warm = int(config.warmup_requests)
     if n_warm < 0:
         raise ValueError(f"warmup_requests must be >= 0, got {n_warm}")
-    total = config.max_requests - n_warm if config.max_requests else None
+    known = num_requests or config.max_requests
+    total = max(known - n_warm, 0) if known else None
     states = ("cold", "warm") if n_warm else ("cold",)
     sched = des.SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                 max_num_seqs=config.max_num_seqs)
@@ -219,12 +222,15 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
 def run(config, *, progress: bool = False) -> dict:
     """Runs both parts; writes results.jsonl and latency_by_prefix.png into config.workdir."""
     workdir = _common.prepare_workdir(config.workdir)
+    # NOTE: counted once up front (a trace file's lines, a generated workload's length)
+    # so that every pass's progress bar has a total and an ETA.
+    num_requests = _common.load_requests(config, workdir)[1] if progress else None
     rows = simulate_latency(lambda: _common.requests_from_config(config, workdir), config,
-                            progress=progress)
+                            progress=progress, num_requests=num_requests)
     if config.measured.enable:
         rows += measure_engine_ttft(config.measured, seed=config.seed,
                                     hash_algo=config.hash_algo, progress=progress)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     provs = {state: _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                                        cache_state=state, extra={"source": source})
              for state in (None, *_common.CACHE_STATES)}

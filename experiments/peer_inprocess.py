@@ -1,9 +1,12 @@
 r"""Our replay and vLLM's, alternated in ONE interpreter: the steadiest speed ratio.
 
 Run by ``experiments.bench_manager --peer_mode=inprocess`` with the peer venv's Python
-(it needs vLLM; our package comes from ``PYTHONPATH``; no absl, no jax)::
+(it needs vLLM; our package comes from ``PYTHONPATH``; no absl, no jax). ``$DIR`` holds
+only links to the checkout's ``prefixcache`` and ``experiments`` (not the checkout root,
+whose ``kernels`` package transformers would try to import: see
+``bench_manager.peer_import_dir``), and is also the working directory::
 
-  PYTHONHASHSEED=0 PYTHONPATH=$REPO:$REPO/../shared/peers \
+  cd $DIR && PYTHONHASHSEED=0 PYTHONPATH=$DIR:$REPO/experiments/peers \
       $VLLM_PY -m experiments.peer_inprocess --trace T.jsonl --hash_algos sha256,xxhash_cbor
 
 Why: on a shared 2-core machine the speed drifts by 20-40% over seconds. Two processes
@@ -52,16 +55,19 @@ def _versions() -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, help="peer-format JSONL trace")
-    ap.add_argument("--hash_algos", default="sha256,xxhash_cbor")
+    ap.add_argument("--hash_algos", default="sha256,xxhash_cbor",
+                    help="comma-separated hash algorithms, one JSON line each")
     ap.add_argument("--num_blocks", type=int, default=4096,
                     help="vLLM's pool incl. its null block (ours: one less)")
-    ap.add_argument("--block_size", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--block_size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--concurrency", type=int, default=8,
+                    help="requests holding blocks at once")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of each")
     ap.add_argument("--warmup", type=int, default=1, help="untimed replays of each first")
     ap.add_argument("--hash_seed", type=int, default=0,
                     help="ours; vLLM reads PYTHONHASHSEED, which must equal it")
-    ap.add_argument("--free_order", default="unhashed_first")
+    ap.add_argument("--free_order", default="unhashed_first",
+                    help="our free order (vLLM's is unhashed_first; parity needs it)")
     args = ap.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != str(args.hash_seed):
         ap.error(f"set PYTHONHASHSEED={args.hash_seed}: vLLM seeds its hash chain from it")

@@ -12,13 +12,37 @@ import time
 from experiments import _common
 
 
+def page_buckets(config) -> tuple[int, ...]:
+    """The engine's page buckets: ``config.page_buckets``, or () -> one bucket.
+
+    NOTE: one bucket of ``ceil(max_model_len / block_size)`` pages (every sequence
+    padded to the longest) compiles the fewest programs, which is what makes the
+    quickstart fast; deriving it keeps ``--config.block_size`` a one-flag change.
+
+    Raises:
+      ValueError: a non-positive block size or max_model_len.
+    """
+    if config.block_size < 1 or config.max_model_len < 1:
+        raise ValueError(f"block_size and max_model_len must be >= 1, got "
+                         f"{config.block_size} and {config.max_model_len}")
+    if config.page_buckets:
+        return tuple(config.page_buckets)
+    return (-(-config.max_model_len // config.block_size),)
+
+
 def run(config, *, progress: bool = False) -> dict:
     """Runs the quickstart; returns the summary record (also written to config.workdir).
 
+    Args:
+      config: ``configs/quickstart.py``'s fields.
+      progress: one tqdm bar over the four passes' requests (compile warm-up cold and
+        warm, then the measured cold and warm passes) on stderr.
+
     Raises:
-      ValueError: no workdir given.
+      ValueError: no workdir given, bad sizes.
     """
-    del progress  # one short run: no progress bar
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
     from prefixcache.engine import Engine, SamplingParams
     from prefixcache.engine import chat_bench
     from prefixcache.model import ModelConfig
@@ -30,7 +54,7 @@ def run(config, *, progress: bool = False) -> dict:
                     enable_caching=True, seed=config.seed, max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     max_model_len=config.max_model_len,
-                    page_buckets=tuple(config.page_buckets), hash_algo=config.hash_algo, attention_backend=config.attention_backend)
+                    page_buckets=page_buckets(config), hash_algo=config.hash_algo, attention_backend=config.attention_backend)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
 
     def workload(seed):
@@ -41,16 +65,29 @@ def run(config, *, progress: bool = False) -> dict:
             cold_prompt_len=config.cold_prompt_len, seed=seed)
 
     # Warm-up on different tokens with the same shapes: compiles every step program.
-    system, turns = workload(config.seed + 1)
-    chat_bench.run_chat(engine, system, turns, params, cold=True)
-    chat_bench.run_chat(engine, system, turns, params, cold=False)
-
+    warm_up_system, warm_up_turns = workload(config.seed + 1)
     system, turns = workload(config.seed)
-    engine.kv_cache_manager.reset_prefix_cache()
-    cold_rows = chat_bench.run_chat(engine, system, turns, params, cold=True)
-    engine.kv_cache_manager.reset_prefix_cache()
-    engine.reset_metrics()
-    warm_rows = chat_bench.run_chat(engine, system, turns, params, cold=False)
+    bar = tqdm(total=2 * len(warm_up_turns) + 2 * len(turns), unit="req", desc="quickstart",
+               disable=not progress)
+
+    def counted(items, stage):
+        bar.set_postfix_str(stage)
+        for item in items:
+            yield item
+            bar.update(1)
+
+    with bar:
+        chat_bench.run_chat(engine, warm_up_system, counted(warm_up_turns, "compile, cold"),
+                            params, cold=True)
+        chat_bench.run_chat(engine, warm_up_system, counted(warm_up_turns, "compile, warm"),
+                            params, cold=False)
+        engine.kv_cache_manager.reset_prefix_cache()
+        cold_rows = chat_bench.run_chat(engine, system, counted(turns, "cold"), params,
+                                        cold=True)
+        engine.kv_cache_manager.reset_prefix_cache()
+        engine.reset_metrics()
+        warm_rows = chat_bench.run_chat(engine, system, counted(turns, "warm"), params,
+                                        cold=False)
     metrics = engine.metrics()
     mismatches = [i for i, (c, w) in enumerate(zip(cold_rows, warm_rows))
                   if c["token_ids"] != w["token_ids"]]

@@ -3,6 +3,8 @@ r"""Replay a request trace (or a generated workload) through the KV cache manage
   python -m experiments.replay --trace=T.jsonl --num_blocks=4096 --block_size=16 \
       --hash_algo=sha256 --free_order=append --concurrency=8 --out=O.jsonl
   python -m experiments.replay --config=configs/replay_few_shot.py --workdir=/tmp/r
+  python -m experiments.replay --dataset=mooncake_synthetic --block_size=512 \
+      --num_blocks=200000 --concurrency=1    # a public trace by name (downloaded once)
 
 Flags given on the command line override the config (default:
 ``configs/replay.py``); ``--config.<field>=...`` overrides work too.
@@ -13,7 +15,7 @@ Outputs:
     ``num_computed_tokens``, ``block_ids``, ``prompt_tokens``, ``failed`` /
     ``decode_truncated_at``) -- no timing and no provenance, so the same trace,
     flags and seed give a byte-identical file (and it can be diffed against
-    ``../shared/peers/vllm_replay.py --out``).
+    ``experiments/peers/vllm_replay.py --out``).
   * the last stdout line: the summary JSON (``requests``, ``prompt_tokens``,
     ``hit_tokens``, ``hit_rate_tokens``, ``evictions``, ``failed``, ``timing``
     with ``loop_s``/``hashing_s``/``manager_s``, rates, ``peak_rss_mib``).
@@ -21,8 +23,8 @@ Outputs:
     ``cold``) and ``replay.png`` (cumulative token hit rate over the trace).
 
 Bad input (malformed line, missing field, negative length, mm range outside
-the prompt, unknown hash algorithm, missing file) -> ``error: ...`` on stderr,
-exit status 1, and no output file is left behind (outputs are written to a
+the prompt, unknown hash algorithm, missing file, empty trace, unknown dataset)
+-> ``error: ...`` on stderr, exit status 1, and no output file is left behind (outputs are written to a
 temporary file and renamed only when the replay completed).
 """
 
@@ -37,7 +39,7 @@ def run(config, *, progress: bool = False) -> dict:
     """Replays the config's trace; writes ``config.out`` and the workdir outputs.
 
     Args:
-      config: a replay config (see ``configs/replay.py``): trace / workload,
+      config: a replay config (see ``configs/replay.py``): dataset / trace / workload,
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
         ``free_order``, ``concurrency``, ``max_model_len`` (0: none), ``out``,
         ``workdir``, ``max_requests``, ``seed``.
@@ -54,7 +56,7 @@ def run(config, *, progress: bool = False) -> dict:
 
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
-    requests = _common.requests_from_config(config, workdir, progress=progress)
+    requests, total = _common.load_requests(config, workdir, progress=progress)
     prompt = array.array("q")  # per-request prompt tokens, for the plot
     hits = array.array("q")
 
@@ -69,14 +71,15 @@ def run(config, *, progress: bool = False) -> dict:
             requests, num_blocks=config.num_blocks, block_size=config.block_size,
             hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
             free_order=config.free_order, concurrency=config.concurrency,
-            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress)
+            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
+            total=total)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
             summary = run_with(writer)
     else:
         summary = run_with(None)
-    summary = {"trace": config.trace or f"workload:{config.workload.name}", **summary,
+    summary = {"trace": _common.source_name(config), **summary,
                "peak_rss_mib": _common.peak_rss_mib()}
     if workdir is not None:
         prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
@@ -109,6 +112,8 @@ def plot_cumulative_hit_rate(prompt_tokens, hit_tokens, path, *, title: str = ""
 def main() -> None:
     _common.run_cli(run, config_name="replay", extra_flags={
         "trace": ("string", "Trace file (our JSONL or Mooncake)"),
+        "dataset": ("string", "Public trace by name, e.g. mooncake_conversation "
+                              "(downloaded once into $PREFIXCACHE_DATA)"),
         "num_blocks": ("integer", "KV cache blocks"),
         "block_size": ("integer", "Tokens per block"),
         "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),

@@ -83,10 +83,12 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
           progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Runs the three passes; returns (summaries, per-request rows)."""
     from prefixcache.engine import Engine  # noqa: PLC0415
+    from prefixcache.engine.faults import parse_fault  # noqa: PLC0415
     from prefixcache.model import ModelConfig  # noqa: PLC0415
     from prefixcache.sim.des import percentiles  # noqa: PLC0415
 
     model_config = ModelConfig.tiny()
+    parse_fault(config.inject)  # a malformed spec fails before anything runs
     bad = [tr.id for tr in requests if max(tr.prompt) >= model_config.vocab_size]
     if bad:
         raise ValueError(f"{len(bad)} requests (first {bad[0]!r}) hold token ids >= the tiny "
@@ -112,8 +114,12 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             engine.kv_cache_manager.reset_prefix_cache()
         engine.reset_metrics()
         programs_before = engine.metrics().num_compiled_programs
+        fault = parse_fault(config.inject) if name == "on_cold" else None
+        if fault is not None:
+            fault.attach(engine)
         rows, outs, wall = serve(engine, requests, tag=name, batch_size=config.batch_size,
                                  max_tokens=config.max_tokens, progress=progress)
+        engine.fault_injector = None
         outputs[name] = outs
         m = engine.metrics()
         ok = [r for r in rows if r["error"] is None]
@@ -132,12 +138,18 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             "prompt_tokens_per_s": m.num_prompt_tokens / wall,
             "ttft_s": percentiles([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
             "e2e_s": percentiles([r["e2e_s"] for r in ok if r["e2e_s"] is not None]),
+            "injected_fault": (config.inject or None) if fault is not None else None,
         })
         all_rows += [{"record": "request", "pass": name, "cache_state": state, **r}
                      for r in rows]
     base = outputs["off"]
+    errors = {name: [r["error"] for r in all_rows if r["pass"] == name] for name, _, _ in PASSES}
     for s in summaries:
         s["outputs_identical_to_off"] = outputs[s["pass"]] == base
+        # Requests a fault failed excluded (with --config.inject: the others must match).
+        s["outputs_identical_to_off_where_ok"] = all(
+            o == b for o, b, e in zip(outputs[s["pass"]], base, errors[s["pass"]])
+            if e is None)
         s["speedup_vs_off"] = summaries[0]["wall_s"] / s["wall_s"]
     return summaries, all_rows
 
@@ -173,7 +185,7 @@ def run(config, *, progress: bool = False) -> dict:
     warm = list(itertools.islice(_common.requests_from_config(compile_config, workdir),
                                  len(requests)))
     summaries, rows = bench(requests, warm, config, progress=progress)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     provs = {s: _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                                    cache_state=s, extra={"source": source, "model": "tiny"})
              for s in _common.CACHE_STATES}

@@ -112,7 +112,7 @@ def run(config, *, progress: bool = False) -> dict:
                  warmup_requests=config.warmup_requests, hash_algo=config.hash_algo,
                  hash_seed=config.hash_seed or None, free_order=config.free_order,
                  concurrency=config.concurrency, progress=progress)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl") as w:
         for state in _common.CACHE_STATES:
             prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,

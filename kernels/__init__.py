@@ -4,20 +4,23 @@ Public API:
 - `paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
   sliding_window=None, soft_cap=None, backend="auto", interpret=False, block_sizes=None)`
 - `ragged_paged_attention_reference(...)`: the same minus backend/interpret.
-- `write_kv(kv_pages, k, v, slot_mapping) -> kv_pages`.
+- `write_kv(kv_pages, k, v, slot_mapping) -> kv_pages` (slots outside
+  `[0, num_pages * page_size)`, negative ones included, are dropped).
+- `check_backend_config(backend, *, interpret, page_size, head_dim, num_q_heads,
+  num_kv_heads, q_dtype, kv_dtype)`: the static checks of a call, before any array.
 - `ragged_paged_attention_tpu(..., block_sizes=TPUBlockSizes(), interpret=False)`: Pallas
   TPU kernel (also runs under `pltpu.force_tpu_interpret_mode()`).
 - `ragged_paged_attention_gpu(..., block_sizes=GPUBlockSizes(), interpret=False)`: Pallas
   Triton kernel with split-K (flash-decoding) merge.
 """
-from kernels.api import BACKENDS, paged_attention, resolve_backend
+from kernels.api import BACKENDS, check_backend_config, paged_attention, resolve_backend
 from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
 from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
 from kernels.reference import ragged_paged_attention_reference
 from kernels.write_kv import write_kv
 
 __all__ = [
-    "BACKENDS", "GPUBlockSizes", "TPUBlockSizes", "paged_attention",
+    "BACKENDS", "GPUBlockSizes", "check_backend_config", "TPUBlockSizes", "paged_attention",
     "ragged_paged_attention_gpu", "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu", "resolve_backend", "write_kv",
 ]

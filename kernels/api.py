@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-from kernels.common import validate_inputs
+from kernels.common import check_attention_config, validate_inputs
 from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
 from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
 from kernels.reference import ragged_paged_attention_reference
@@ -39,6 +39,30 @@ def resolve_backend(backend: str, interpret: bool = False, platform: str | None 
         f"backend {backend!r} needs a {_PLATFORM_OF[backend]} device but the platform is "
         f"{platform!r}; pass interpret=True to run it in interpret mode")
   return backend
+
+
+def check_backend_config(backend: str = "auto", *, interpret: bool = False, page_size,
+                         head_dim, num_q_heads, num_kv_heads, q_dtype, kv_dtype,
+                         platform: str | None = None) -> str:
+  """Checks, before any array exists, that `backend` can run this configuration.
+
+  Everything `paged_attention` would reject at its first call for a static reason:
+  an unknown or unavailable backend, an unsupported page size, head size, head
+  grouping or dtype pair, and the backend's own limits (pallas_gpu: a power-of-two
+  page size).
+
+  Returns:
+    The resolved backend name (as `resolve_backend`).
+
+  Raises:
+    ValueError: naming the unsupported value.
+  """
+  name = resolve_backend(backend, interpret, platform)
+  check_attention_config(page_size=page_size, head_dim=head_dim, num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype)
+  if name == "pallas_gpu" and page_size & (page_size - 1):
+    raise ValueError(f"pallas_gpu needs a power-of-two page_size, got {page_size}")
+  return name
 
 
 def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,

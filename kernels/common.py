@@ -31,6 +31,45 @@ MAX_PAGE_SIZE = 128
 SUPPORTED_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+def _is_int(value) -> bool:
+  """A Python or numpy int, not a bool (kernels never import prefixcache: own helper)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_attention_config(*, page_size, head_dim, num_q_heads, num_kv_heads, q_dtype,
+                           kv_dtype) -> None:
+  """Checks the static configuration every paged-attention backend needs.
+
+  The same checks `validate_inputs` runs on arrays, callable before any array exists
+  (an engine checks its model and pool with it at construction).
+
+  Raises:
+    ValueError: naming the unsupported value and what is supported.
+  """
+  for name, v in (("page_size", page_size), ("head_dim", head_dim),
+                  ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+    if not _is_int(v) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"head_dim {head_dim} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+  if num_q_heads % num_kv_heads != 0:
+    raise ValueError(
+        f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+  if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+    raise ValueError(
+        f"page_size {page_size} out of the supported range [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]")
+  q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+  if kv_dtype not in SUPPORTED_KV_DTYPES:
+    raise ValueError(f"kv_pages dtype {kv_dtype} not supported; expected float32 or bfloat16")
+  if q_dtype not in SUPPORTED_KV_DTYPES:
+    raise ValueError(f"q dtype {q_dtype} not supported; expected float32 or bfloat16")
+  # NOTE: bf16 q with f32 KV would silently upcast the cache reads; the only mixed
+  # combination allowed is f32 q over a bf16 cache (KV upcast inside the kernel).
+  if q_dtype == jnp.bfloat16 and kv_dtype == jnp.float32:
+    raise ValueError("q dtype bfloat16 with kv_pages dtype float32 is not supported; "
+                     "cast q to float32 or store the cache in bfloat16")
+
+
 def validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     sm_scale, sliding_window=None, soft_cap=None) -> None:
   """Checks shapes, dtypes and static scalars of a paged-attention call.
@@ -54,26 +93,10 @@ def validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
   num_kv_heads = num_combined // 2
   if head_dim != head_dim_kv:
     raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_pages has {head_dim_kv}")
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"head_dim {head_dim} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
-  if num_q_heads % num_kv_heads != 0:
-    raise ValueError(
-        f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-  if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
-    raise ValueError(
-        f"page_size {page_size} out of the supported range [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]")
   if num_pages < 1:
     raise ValueError(f"kv_pages has no pages (shape {kv_pages.shape})")
-  q_dtype, kv_dtype = jnp.dtype(q.dtype), jnp.dtype(kv_pages.dtype)
-  if kv_dtype not in SUPPORTED_KV_DTYPES:
-    raise ValueError(f"kv_pages dtype {kv_dtype} not supported; expected float32 or bfloat16")
-  if q_dtype not in SUPPORTED_KV_DTYPES:
-    raise ValueError(f"q dtype {q_dtype} not supported; expected float32 or bfloat16")
-  # NOTE: bf16 q with f32 KV would silently upcast the cache reads; the only mixed
-  # combination allowed is f32 q over a bf16 cache (KV upcast inside the kernel).
-  if q_dtype == jnp.bfloat16 and kv_dtype == jnp.float32:
-    raise ValueError("q dtype bfloat16 with kv_pages dtype float32 is not supported; "
-                     "cast q to float32 or store the cache in bfloat16")
+  check_attention_config(page_size=page_size, head_dim=head_dim, num_q_heads=num_q_heads,
+                         num_kv_heads=num_kv_heads, q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
   if page_indices.ndim != 2:
     raise ValueError(
         f"page_indices must be i32[max_num_seqs, pages_per_seq], got shape {page_indices.shape}")

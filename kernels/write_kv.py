@@ -17,7 +17,9 @@ def write_kv(kv_pages, k, v, slot_mapping):
     v: [num_tokens, num_kv_heads, head_dim], cast to kv_pages' dtype.
     slot_mapping: i32[num_tokens], in [0, num_pages * page_size). Padding tokens point
       into the padding page (the last page by convention); several padding tokens may
-      share a slot, whose content is then unspecified.
+      share a slot, whose content is then unspecified. A slot outside that range --
+      negative ones included -- writes nothing (values cannot raise inside jit; the
+      host-side MetadataBuilder rejects block ids outside the pool before a step).
 
   Returns:
     The updated kv_pages, same shape and dtype.
@@ -52,5 +54,10 @@ def write_kv(kv_pages, k, v, slot_mapping):
   flat = kv_pages.reshape(num_pages * page_size, num_combined, head_dim)
   # NOTE: mode="drop" makes an out-of-range slot a no-op instead of clamping it onto a
   # live page; the host-side builder checks slots, this is the device-side backstop.
-  flat = flat.at[slot_mapping].set(kv_new.astype(kv_pages.dtype), mode="drop")
+  # jax normalises negative indices (numpy style: -1 is the last slot) BEFORE the drop
+  # mode applies, so a negative slot would wrap around onto a live page: map it past
+  # the end first.
+  num_slots = num_pages * page_size
+  slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+  flat = flat.at[slots].set(kv_new.astype(kv_pages.dtype), mode="drop")
   return flat.reshape(kv_pages.shape)

@@ -52,6 +52,8 @@ from typing import Any, Callable
 import cbor2
 import numpy as np
 
+from prefixcache._validate import check_int_sequence
+
 try:  # NOTE: optional, as in vLLM; only the xxhash algorithms need it.
     import xxhash as _xxhash
 
@@ -352,6 +354,7 @@ def _canonical_tokens(token_ids: Any) -> tuple[int, ...]:
         if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
             raise ValueError(f"negative token id {int(token_ids.min())}")
         return tuple(token_ids.tolist())
+    check_int_sequence("token ids", token_ids)  # sets, dicts, str: ArgumentTypeError
     n = len(token_ids)
     try:
         # struct checks every id at C speed and unpacks to exact Python ints.
@@ -747,6 +750,9 @@ class BlockHasher:
             packed = memoryview(token_ids)[start_block * block_size :].tobytes()
             num_blocks = len(packed) // (8 * block_size)
         else:
+            if type(token_ids) is not list and not isinstance(
+                    token_ids, (np.ndarray, array.array)):
+                check_int_sequence("token_ids", token_ids)  # sets, dicts, str
             tokens = token_ids[start_block * block_size :]
             num_blocks = len(tokens) // block_size
             packed = _pack_tokens(tokens)  # validates every id, the partial block's too

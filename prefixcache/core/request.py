@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.core.hashing import BlockHasher
+from prefixcache._validate import check_int_sequence
+from prefixcache.core.hashing import BlockHasher, block_extra_keys
 
 __all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request"]
 
@@ -161,8 +162,8 @@ def _validated_tokens(name: str, token_ids: Any) -> array.array:
         out = array.array("Q")
         out.frombytes(token_ids.astype(np.uint64).tobytes())
         return out
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    # Sets, dicts, strings, non-iterables: ArgumentTypeError (a ValueError) naming `name`.
+    check_int_sequence(name, token_ids)
     if not hasattr(token_ids, "__len__") or isinstance(token_ids, bytearray):
         token_ids = list(token_ids)  # (array() would read a bytearray's raw bytes)
     try:
@@ -209,6 +210,7 @@ class Request:
         "_mm_features",
         "_lora",
         "_cache_salt",
+        "_cache_salt_offset",
         "_hasher",
         "_block_size",
         "_block_hashes",
@@ -226,6 +228,7 @@ class Request:
         mm_features: Sequence[MultiModalFeature] = (),
         lora: LoRARequest | None = None,
         cache_salt: str | None = None,
+        cache_salt_offset: int = 0,
         hasher: BlockHasher | None = None,
         block_size: int | None = None,
     ):
@@ -235,6 +238,12 @@ class Request:
         mm_features: multimodal items within the prompt (any order; stored sorted).
         lora: the LoRA adapter, or None.
         cache_salt: isolates this request's cache (enters block 0's key); "" = none.
+        cache_salt_offset: the first prompt position the salt protects (not vLLM; 0,
+          the default, is vLLM's behaviour bit for bit). The salt then enters the key
+          of the block holding this token instead of block 0's, and reaches later
+          blocks through the parent chain: the blocks before it (a public system
+          prompt) stay shareable across salts; no block from it on is. Needs a
+          non-empty salt when > 0 and must be < the prompt length.
         hasher, block_size: bind a hasher now (else the manager binds its own).
 
         Raises:
@@ -274,6 +283,17 @@ class Request:
             raise ValueError(f"request {request_id!r}: lora must be a LoRARequest, got {lora!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"request {request_id!r}: cache_salt must be a str, got {cache_salt!r}")
+        cache_salt_offset = _check_int("cache_salt_offset", cache_salt_offset, 0)
+        if cache_salt_offset and not cache_salt:
+            raise ValueError(
+                f"request {request_id!r}: cache_salt_offset={cache_salt_offset} needs a "
+                "non-empty cache_salt"
+            )
+        if cache_salt_offset >= n:
+            raise ValueError(
+                f"request {request_id!r}: cache_salt_offset={cache_salt_offset} is not "
+                f"inside the {n}-token prompt"
+            )
         if (hasher is None) != (block_size is None):
             raise ValueError(
                 f"request {request_id!r}: pass hasher and block_size together (or neither)"
@@ -289,6 +309,7 @@ class Request:
         self._mm_features = tuple(features)
         self._lora = lora
         self._cache_salt = cache_salt
+        self._cache_salt_offset = cache_salt_offset
         self._hasher: BlockHasher | None = None
         self._block_size: int | None = None
         self._block_hashes: list[bytes] = []
@@ -327,6 +348,14 @@ class Request:
         """Prompt + output tokens: a read-only view (O(1)), follows later appends."""
         return self._tokens_view
 
+    def token_bytes(self, start: int = 0, end: int | None = None) -> bytes:
+        """Tokens ``[start, end)`` as their native u64 bytes (8 per id, as stored).
+
+        An exact, injective encoding of the ids (equal bytes iff equal ids) that costs
+        one copy and no per-id Python ints: the radix index keys blocks by it.
+        """
+        return self._tokens[start:end].tobytes()
+
     @property
     def num_tokens(self) -> int:
         return len(self._tokens)
@@ -356,6 +385,11 @@ class Request:
     @property
     def cache_salt(self) -> str | None:
         return self._cache_salt
+
+    @property
+    def cache_salt_offset(self) -> int:
+        """The first prompt position the salt protects (0: all of it, vLLM's)."""
+        return self._cache_salt_offset
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled token(s). Validates all before appending any.
@@ -406,7 +440,7 @@ class Request:
                 f"{self._block_size}; cannot rebind to {hasher!r} with block size {block_size}"
             )
         # NOTE: the decode fast path (`block_hashes`): blocks from _plain_from on carry
-        # at most the LoRA key -- past every multimodal item, not the salted block 0.
+        # at most the LoRA key -- past every multimodal item and the salted block.
         tag = hasher.plain_block_tag(block_size, self._lora)
         plain_from = sys.maxsize
         if tag is not None:
@@ -414,7 +448,8 @@ class Request:
             mm_end = (
                 feats[-1].offset + feats[-1].length if feats else 0  # sorted, disjoint
             )
-            plain_from = max(-(-mm_end // block_size), 1 if self._cache_salt else 0)
+            salted = self._cache_salt_offset // block_size + 1 if self._cache_salt else 0
+            plain_from = max(-(-mm_end // block_size), salted)
         self._plain_tag = tag
         self._plain_from = plain_from
         self._hasher = hasher
@@ -464,6 +499,10 @@ class Request:
         hashes = self._block_hashes
         bs = self._block_size
         start = len(hashes)
+        salt_block = self._cache_salt_offset // bs
+        if salt_block and start <= salt_block < len(self._tokens) // bs:
+            self._hash_through_salt_block(start, salt_block)
+            start = salt_block + 1
         # NOTE: only the new full blocks' tokens are read (the hasher slices from
         # start * bs), so this is O(new tokens), not O(all tokens).
         hashes.extend(
@@ -472,11 +511,41 @@ class Request:
                 bs,
                 lora=self._lora,
                 mm_features=self._mm_features,
-                cache_salt=self._cache_salt,
+                cache_salt=None if salt_block else self._cache_salt,
                 parent=hashes[-1] if hashes else None,
                 start_block=start,
             )
         )
+
+    def _hash_through_salt_block(self, start: int, salt_block: int) -> None:
+        """Hashes blocks ``start .. salt_block`` when the salt sits past block 0.
+
+        NOTE: blocks before the salted one are hashed unsalted (they match every
+        other request's); the salted block's key is the spec's -- ``block_extra_keys``
+        with the salt, as vLLM writes block 0's -- built by the reference path (once
+        per request); later blocks chain from it unsalted.
+        """
+        hashes = self._block_hashes
+        bs = self._block_size
+        hasher = self._hasher
+        tokens = self._tokens
+        if start < salt_block:
+            hashes.extend(
+                hasher.hash_token_blocks(
+                    tokens[: salt_block * bs],
+                    bs,
+                    lora=self._lora,
+                    mm_features=self._mm_features,
+                    parent=hashes[-1] if hashes else None,
+                    start_block=start,
+                )
+            )
+        lo = salt_block * bs
+        keys = block_extra_keys(
+            lo, lo + bs, lora=self._lora, mm_features=self._mm_features,
+            cache_salt=self._cache_salt, is_first_block=True,
+        )
+        hashes.append(hasher.hash_block(hashes[-1], tokens[lo : lo + bs], keys))
 
     def __repr__(self) -> str:
         return (

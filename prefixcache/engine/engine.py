@@ -70,6 +70,9 @@ class Engine:
       lora_cache_key_only: the model applies no LoRA adapters, so requests with a
         `lora` are rejected (ValueError) unless this is True: then they run the base
         model and the adapter only keys the cache (for cache-isolation studies).
+      scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
+        default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
+        `prefixcache.scheduling`).
 
     Attributes:
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
@@ -80,6 +83,17 @@ class Engine:
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
+      fault_injector: None, or a callable `(point, scheduler_output)` run at
+        "before_device" and "after_device" of every model step (see
+        `prefixcache.engine.faults`); what it raises is a failed step.
+
+    A configuration the kernels cannot run (page size, head size, dtypes, backend) or
+    KV arrays / a block pool larger than the free memory raise ValueError here, before
+    anything is allocated. A model step that raises does not break the engine: its
+    requests finish with finish_reason "error" (the exception in `.error`), the other
+    running requests are recomputed, the prefix cache is reset and lost KV arrays are
+    re-created (`_recover_failed_step`); a KeyboardInterrupt during a step requeues
+    every request and is re-raised.
     """
 
     def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,
@@ -90,8 +104,9 @@ class Engine:
                  model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
                  manager_kwargs: Mapping[str, Any] | None = None,
                  share_programs_with: "Engine | None" = None,
-                 lora_cache_key_only: bool = False):
+                 lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs"):
         from prefixcache.core import KVCacheManager
+        from prefixcache.scheduling import make_scheduling_policy
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -100,6 +115,7 @@ class Engine:
                                                max_num_batched_tokens)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        policy = make_scheduling_policy(scheduling_policy)  # unknown name: ValueError
         model_max = _model_max_len(model_config)
         if max_model_len is None:
             max_model_len = model_max if model_max is not None else num_blocks * block_size
@@ -107,6 +123,11 @@ class Engine:
         if model_max is not None and max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum "
                              f"of {model_max} positions")
+        # Everything the kernels or the machine cannot run is refused here, before the
+        # block pool, the model or the KV arrays are allocated (not at the first step).
+        _check_runnable(model_config, num_blocks=num_blocks, block_size=block_size,
+                        max_num_seqs=max_num_seqs, attention_backend=attention_backend,
+                        interpret=interpret, mesh=mesh)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -120,7 +141,8 @@ class Engine:
             hash_seed=hash_seed, max_model_len=max_model_len, **dict(manager_kwargs or {}))
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len,
+                                   scheduling_policy=policy)
         program = None
         if share_programs_with is not None:
             if model is not None and model is not share_programs_with.model:
@@ -144,6 +166,11 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
+        # Fault injection (tests, reproductions): None, or a callable
+        # `(point, scheduler_output) -> None` run at "before_device" and "after_device"
+        # of every step that runs the model; whatever it raises is handled as a failed
+        # model step (see `step`).
+        self.fault_injector = None
         self.step_logits: list[dict[str, np.ndarray]] = []
         self.last_scheduler_output: SchedulerOutput | None = None
         self.last_step_times: tuple[float, float, float, float] | None = None
@@ -317,9 +344,22 @@ class Engine:
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         self._num_usage_samples += 1
         if sched.scheduled:
-            prepared = self.runner.prepare(sched.scheduled, self.scheduler.block_tables)
-            t2 = time.perf_counter()
-            tokens, logits = self.runner.execute(prepared, return_logits=self.record_logits)
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector("before_device", sched)
+                prepared = self.runner.prepare(sched.scheduled, self.scheduler.block_tables)
+                t2 = time.perf_counter()
+                tokens, logits = self.runner.execute(prepared,
+                                                     return_logits=self.record_logits)
+                if self.fault_injector is not None:
+                    self.fault_injector("after_device", sched)
+            except BaseException as e:
+                self._recover_failed_step(sched, e)
+                if not isinstance(e, Exception):
+                    raise  # KeyboardInterrupt & co: the engine is consistent again
+                self.last_scheduler_output = sched
+                outs, self._pending_outputs = self._pending_outputs, []
+                return outs
             t3 = time.perf_counter()
             sampled = dict(zip(map(_REQUEST_ID, sched.scheduled), np.asarray(tokens).tolist()))
             if logits is not None:
@@ -339,6 +379,38 @@ class Engine:
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
+
+    def _recover_failed_step(self, sched: SchedulerOutput, exc: BaseException) -> None:
+        """Leaves the engine usable after the model step of `sched` raised.
+
+        NOTE: what a failed step may have broken, and the choice made:
+          * its requests' blocks were allocated and their full blocks already entered
+            the prefix cache when they were scheduled, but their KV was (maybe) never
+            written: a later hit on them would read garbage;
+          * the KV arrays are donated to the jitted step: if it failed after taking
+            them, the old arrays are deleted (or carry the error) and every page is
+            lost, including cached prefixes and other running requests' KV.
+          So: the step's requests finish with finish_reason "error" and the exception
+          in `.error` (an Exception: retrying a deterministic failure would fail
+          forever; for a KeyboardInterrupt they are requeued instead, and it is
+          re-raised), every other running request is preempted by recompute (blocks
+          freed, back to the front of the waiting queue; counted as a preemption),
+          the prefix cache is reset (nothing computed before can be trusted) and the
+          KV arrays are re-created if they are no longer valid. Requests that were
+          not in the step then produce the same tokens as without the fault (greedy,
+          or sampling: a pure function of seed and position).
+        """
+        if isinstance(exc, Exception):
+            error = f"model step failed: {type(exc).__name__}: {exc}"
+            for s in sched.scheduled:
+                state = s.state
+                if state.status is RequestStatus.RUNNING:
+                    self.scheduler.finish_request(state, FINISH_ERROR, error)
+                    self._finish(state)
+        self.scheduler.preempt_all_running()
+        if not self.kv_cache_manager.reset_prefix_cache():  # pragma: no cover - a bug
+            raise AssertionError("blocks still held after a failed step was rolled back")
+        self.runner.ensure_valid_kv_caches()
 
     def _finish(self, state: EngineRequest) -> None:
         req = state.request
@@ -445,9 +517,29 @@ class Engine:
             device_s=self._device_s, host_update_s=self._host_update_s)
 
 
+def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                    attention_backend: str, interpret: bool, mesh) -> None:
+    """ValueError when the kernels cannot run this model and pool, or its KV arrays and
+    block tables cannot fit in memory (device memory when the device reports it, else
+    host memory)."""
+    import kernels
+    from prefixcache._validate import check_host_memory
+    from prefixcache.model import check_kv_cache_memory
+
+    kernels.check_backend_config(
+        attention_backend, interpret=bool(interpret), page_size=block_size,
+        head_dim=config.head_dim, num_q_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype, kv_dtype=config.dtype)
+    check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
+    check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
+                      max_num_seqs * 32 * 4)
+
+
 def _as_token_list(prompt) -> list[int]:
-    if isinstance(prompt, (str, bytes)):
-        raise ValueError("prompt must be a list of token ids (no tokenizer), got a string")
+    from prefixcache._validate import check_int_sequence
+
+    # Strings, sets, dicts: their order or element type is not a prompt's.
+    check_int_sequence("prompt", prompt)
     try:
         tokens = list(prompt)
     except TypeError as e:

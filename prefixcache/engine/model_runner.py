@@ -394,3 +394,25 @@ class ModelRunner:
     def num_compiled_programs(self) -> int:
         """Distinct step programs run so far (bounded by the bucket count x 4)."""
         return len(self.compiled_shapes)
+
+    def ensure_valid_kv_caches(self) -> bool:
+        """Re-creates the KV arrays (zeroed) when they are no longer usable: deleted by a
+        donation to a step that then failed, or carrying a failed computation's error.
+
+        Returns:
+          True when they had to be re-created (every page's content is then gone).
+        """
+        from prefixcache.model import make_kv_caches
+
+        try:
+            ok = not any(x.is_deleted() for x in self.kv_caches)
+            if ok:
+                jax.block_until_ready(self.kv_caches)
+        except Exception:  # noqa: BLE001 - an array holding an async error
+            ok = False
+        if ok:
+            return False
+        self.kv_caches = None  # drop the broken arrays before allocating new ones
+        self.kv_caches = make_kv_caches(self.config, num_blocks=self.builder.num_blocks,
+                                        block_size=self.builder.block_size, mesh=self.mesh)
+        return True

@@ -10,8 +10,9 @@ connector):
    newest running request is preempted by recompute (blocks freed, num_computed_tokens
    reset to 0, put back at the *front* of the waiting queue) and the allocation is
    retried, until it fits or the request has preempted itself.
-2. Then, only if nothing was preempted in this step, waiting requests in FCFS order
-   while the budget and `max_num_seqs` allow: a prefix lookup
+2. Then, only if nothing was preempted in this step, waiting requests in the order of
+   the scheduling policy (`prefixcache.scheduling`: FCFS by default, or longest cached
+   prefix first, ...) while the budget and `max_num_seqs` allow: a prefix lookup
    (`get_computed_blocks`) for requests with no computed tokens, then
    `allocate_slots(req, num_new_tokens, num_hit_tokens, hit_blocks)`. The first one that
    does not fit stops admission for this step.
@@ -37,6 +38,7 @@ import numpy as np
 
 from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
 
 if TYPE_CHECKING:  # pragma: no cover
     from prefixcache.core import KVCacheManager, Request
@@ -172,13 +174,18 @@ class SchedulerOutput:
         return {s.request_id: s.num_cached_tokens for s in self.scheduled}
 
 
+def _core_request(state: "EngineRequest") -> "Request":
+    return state.request
+
+
 class Scheduler:
-    """FCFS scheduler with chunked prefill, prefix lookup and preemption by recompute.
+    """Scheduler with chunked prefill, prefix lookup and preemption by recompute.
 
     Invariants:
       - `running` is in admission order; the newest running request is `running[-1]`
         and is the first preemption victim.
-      - `waiting` is FCFS; preempted requests go back to its front.
+      - `waiting` is FCFS; preempted requests go back to its front. The policy only
+        changes the order in which it is admitted from (FCFS: unchanged).
       - Every running request holds its blocks in the manager; no waiting request does.
       - A step schedules at most `max_num_batched_tokens` tokens and at most
         `max_num_seqs` requests are running.
@@ -192,15 +199,21 @@ class Scheduler:
       max_num_batched_tokens: the token budget of one step (>= 1).
       max_model_len: a request stops (finish reason "length") once it holds this many
         tokens.
+      scheduling_policy: the waiting queue's admission order, a name of
+        ``prefixcache.scheduling`` (``fcfs``: vLLM's, the default; ``lpm``;
+        ``dfs_weight``) or a ``WaitingPolicy``.
     """
 
     def __init__(self, kv_cache_manager: "KVCacheManager", *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int,
+                 scheduling_policy: "str | WaitingPolicy" = "fcfs"):
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.policy = (scheduling_policy if isinstance(scheduling_policy, WaitingPolicy)
+                       else make_scheduling_policy(scheduling_policy))
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -248,6 +261,7 @@ class Scheduler:
             self._release_row(state)
         else:
             self.waiting.remove(state)
+            self.policy.forget(state.request)
         state.status = RequestStatus.FINISHED
         state.finish_reason = reason
         state.error = error
@@ -355,41 +369,30 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests (not in a step that preempted, as vLLM).
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                state = self.waiting[0]
-                req = state.request
-                if req.num_computed_tokens == 0:
-                    hit_blocks, num_hit = mgr.get_computed_blocks(req)
-                else:  # pragma: no cover - waiting requests never keep computed tokens
-                    hit_blocks, num_hit = None, req.num_computed_tokens
-                num_new = min(req.num_tokens - num_hit, budget)
-                assert num_new > 0, (state.request_id, req.num_tokens, num_hit)
-                new_blocks = mgr.allocate_slots(
-                    req, num_new, num_new_computed_tokens=num_hit,
-                    new_computed_blocks=hit_blocks)
-                if new_blocks is None:
-                    if not self.running:
-                        # The whole pool is free (or evictable) and it still does not fit.
-                        self.finish_request(state, FINISH_ERROR,
-                                            self._too_large_error(state, num_hit + num_new))
-                        finished.append(state)
-                        continue
-                    break
-                self.waiting.popleft()
-                self.running.append(state)
-                state.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if not state.admitted:
-                    state.admitted = True
-                    state.num_cached_tokens = num_hit
-                    state.first_scheduled_time = time.perf_counter()
-                new_ids = [b.block_id for b in new_blocks]
-                state.block_row = tables.add_row(
-                    [b.block_id for b in hit_blocks] + new_ids if hit_blocks else new_ids)
-                scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
-                budget -= num_new
+        # 2. Waiting requests (not in a step that preempted, as vLLM), in the waiting
+        # policy's order (FCFS: the queue itself).
+        if not preempted and self.waiting:
+            policy = self.policy
+            if policy.is_fcfs:
+                while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                    left = self._admit(self.waiting[0], budget, scheduled, finished)
+                    if left is None:
+                        break
+                    budget = left
+            else:
+                fcfs = list(self.waiting)
+                admitted = []
+                for state in policy.order(fcfs, _core_request, mgr):
+                    if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                        break
+                    n_running = len(self.running)
+                    left = self._admit(state, budget, scheduled, finished)
+                    if left is None:
+                        break
+                    if len(self.running) > n_running:
+                        admitted.append(state)
+                    budget = left
+                policy.after_admission(fcfs, admitted, _core_request)
 
         # 3. Advance num_computed_tokens (the manager never does).
         for s in scheduled:
@@ -398,6 +401,48 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         self.num_steps += 1
         return SchedulerOutput(scheduled, preempted, finished)
+
+    def _admit(self, state: EngineRequest, budget: int, scheduled: list,
+               finished: list) -> int | None:
+        """Tries to admit the waiting ``state`` with ``budget`` tokens left.
+
+        Returns:
+          The budget left (unchanged when the request was finished with an error
+          because it can never fit), or ``None`` when it does not fit now (admission
+          stops for this step).
+        """
+        mgr = self.kv_cache_manager
+        req = state.request
+        if req.num_computed_tokens == 0:
+            hit_blocks, num_hit = mgr.get_computed_blocks(req)
+        else:  # pragma: no cover - waiting requests never keep computed tokens
+            hit_blocks, num_hit = None, req.num_computed_tokens
+        num_new = min(req.num_tokens - num_hit, budget)
+        assert num_new > 0, (state.request_id, req.num_tokens, num_hit)
+        new_blocks = mgr.allocate_slots(
+            req, num_new, num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit_blocks)
+        if new_blocks is None:
+            if not self.running:
+                # The whole pool is free (or evictable) and it still does not fit.
+                self.finish_request(state, FINISH_ERROR,
+                                    self._too_large_error(state, num_hit + num_new))
+                finished.append(state)
+                return budget
+            return None
+        self.waiting.remove(state)
+        self.running.append(state)
+        state.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if not state.admitted:
+            state.admitted = True
+            state.num_cached_tokens = num_hit
+            state.first_scheduled_time = time.perf_counter()
+        new_ids = [b.block_id for b in new_blocks]
+        state.block_row = self.block_tables.add_row(
+            [b.block_id for b in hit_blocks] + new_ids if hit_blocks else new_ids)
+        scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
+        return budget - num_new
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: dict[str, int]) -> list[EngineRequest]:
@@ -443,3 +488,14 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
                 "num_running": len(self.running), "num_waiting": len(self.waiting)}
+
+    def preempt_all_running(self) -> list[str]:
+        """Preempts every running request by recompute (the engine's recovery after a
+        failed model step); newest first, so the waiting queue's front keeps their
+        admission order. Returns their ids in that order."""
+        ids = []
+        while self.running:
+            state = self.running.pop()
+            self._preempt(state)
+            ids.append(state.request_id)
+        return ids

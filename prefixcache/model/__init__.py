@@ -18,7 +18,9 @@ Public API (the contract the engine codes against)::
   num_blocks=None, block_size=None, mesh=None) -> list[jax.Array]`: one zeroed
   `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer; `num_blocks` means
   `num_pages = num_blocks + 1` (the padding page, id num_blocks, of
-  `prefixcache.metadata`); `mesh` shards axis 2 over "model".
+  `prefixcache.metadata`); `mesh` shards axis 2 over "model". Caches larger than the
+  free memory are refused first (`check_kv_cache_memory(config, num_pages, page_size,
+  dtype=None, mesh=None)`: device memory where reported, else host memory).
 - `make_step_fn(model, *, attention_backend="auto", interpret=False, mesh=None)` ->
   `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None, mm_mask=None)
   -> (logits f32[S, vocab], kv_caches)`; jitted, kv_caches donated, params captured once
@@ -45,13 +47,14 @@ from prefixcache.model.config import ModelConfig, RopeScaling
 from prefixcache.model.llama import Transformer
 from prefixcache.model.loading import load_hf_checkpoint, read_safetensors, save_hf_checkpoint
 from prefixcache.model.sharding import MODEL_AXIS, kv_cache_sharding, shard_model
-from prefixcache.model.step import make_kv_caches, make_step_fn
+from prefixcache.model.step import check_kv_cache_memory, make_kv_caches, make_step_fn
 
 __all__ = [
     "MODEL_AXIS",
     "ModelConfig",
     "RopeScaling",
     "Transformer",
+    "check_kv_cache_memory",
     "kv_cache_sharding",
     "load_hf_checkpoint",
     "make_kv_caches",

@@ -21,7 +21,46 @@ from prefixcache.model.sharding import (
     validate_mesh,
 )
 
-__all__ = ["make_kv_caches", "make_step_fn"]
+__all__ = ["check_kv_cache_memory", "make_kv_caches", "make_step_fn"]
+
+
+def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, dtype=None,
+                          mesh: Mesh | None = None) -> int:
+    """Refuses KV caches that cannot fit, before allocating them.
+
+    Compares the caches' bytes (per device: kv heads are split over the mesh's "model"
+    axis) with the free device memory where the device reports it (GPU, TPU), else
+    with the host's available memory (CPU: XLA's buffers live there; touching more
+    than it has would end in the OOM killer, not an error).
+
+    Returns:
+      The bytes of all layers' caches (whole, not per device).
+
+    Raises:
+      ValueError: naming the sizes when they do not fit.
+    """
+    from prefixcache._validate import check_host_memory
+
+    dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
+    nbytes = (config.num_layers * num_pages * page_size * 2 * config.num_kv_heads
+              * config.head_dim * dtype.itemsize)
+    what = (f"the KV cache ({config.num_layers} layers x {num_pages} pages x {page_size} "
+            f"tokens x {2 * config.num_kv_heads} x {config.head_dim} {dtype.name})")
+    shards = int(dict(mesh.shape).get(MODEL_AXIS, 1)) if mesh is not None else 1
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        if nbytes // shards > free:
+            raise ValueError(
+                f"{what} needs about {nbytes // shards / 2**30:.3g} GiB per device but only "
+                f"{free / 2**30:.3g} GiB of device memory is free; use fewer blocks")
+    else:
+        check_host_memory(what, nbytes)
+    return nbytes
 
 
 def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
@@ -46,8 +85,9 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
       L arrays [num_pages, page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1).
 
     Raises:
-      ValueError: conflicting or missing sizes, non-positive sizes, or a mesh that does not
-        divide the kv heads.
+      ValueError: conflicting or missing sizes, non-positive sizes, a mesh that does not
+        divide the kv heads, or caches larger than the free memory
+        (`check_kv_cache_memory`).
     """
     if (num_pages is None) == (num_blocks is None):
         raise ValueError("give exactly one of num_pages (padding page included) and "
@@ -65,6 +105,7 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         validate_mesh(config, mesh)
         sharding = kv_cache_sharding(mesh)
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
+    check_kv_cache_memory(config, pages, size, dtype, mesh)
     shape = (pages, size, 2 * config.num_kv_heads, config.head_dim)
     return [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
 

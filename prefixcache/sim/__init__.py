@@ -8,6 +8,10 @@
 * ``cost_model``: roofline step times of a model shape on TPU v5e/v6e, H100, H200.
 * ``des``: a discrete-event simulation (arrivals, batching, the cache, the cost
   model) that yields simulated TTFT per request.
+* ``datasets``: public traces by name (the Mooncake FAST'25 traces: pinned URL +
+  SHA-256), downloaded once into ``$PREFIXCACHE_DATA`` and verified, or a local copy.
+  Imported as ``prefixcache.sim.datasets`` (not re-exported: it is also a
+  ``python -m`` command).
 
 Host only: nothing here imports jax.
 

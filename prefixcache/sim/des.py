@@ -16,7 +16,8 @@ scheduler use; FCFS, chunked prefill, a per-step token budget):
    request is preempted by recompute (blocks freed, ``num_computed_tokens = 0``,
    put at the front of the waiting queue) and the allocation retried, until it
    fits or the request preempted itself.
-2. If nothing was preempted this step: waiting requests in FCFS order while
+2. If nothing was preempted this step: waiting requests in the scheduling
+   policy's order (``prefixcache.scheduling``; FCFS by default) while
    the budget and ``max_num_seqs`` allow: ``get_computed_blocks`` then
    ``allocate_slots(req, n, hit, blocks)``; the first that does not fit stops
    admission for the step.
@@ -47,6 +48,7 @@ import numpy as np
 
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
 from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.trace import TraceRequest, output_token
 
@@ -92,6 +94,7 @@ class _SimRequest:
     num_cached_tokens: int | None = None  # hit at first admission
     num_preemptions: int = 0
     finished: bool = False
+    queued_blocks: int = 0  # blocks it needed when it was last queued
 
 
 def _arrivals(requests: Iterable[TraceRequest], arrival_rate: float | None,
@@ -139,6 +142,246 @@ def warm_up(manager: KVCacheManager, requests: Iterable[TraceRequest]) -> int:
     return done
 
 
+class Server:
+    """One simulated server (a replica): its ``KVCacheManager``, queues and clock.
+
+    ``simulate`` drives one; ``prefixcache.sim.cluster`` drives several behind a
+    router. The scheduling policy is the module docstring's.
+
+    Args:
+      manager: the server's prefix cache.
+      cost_model: step times.
+      scheduler: batching limits.
+      on_finish: called with ``(sim_request, record)`` when a request finishes.
+      on_fail: called with ``(sim_request, record)`` when a request fails.
+      scheduling: the waiting queue's admission order (``prefixcache.scheduling``
+        name or policy; default FCFS).
+
+    Attributes:
+      now: the server's clock (s): when its next step may start.
+      waiting / running: queued and admitted requests.
+      counts: ``steps``, ``preemptions``, ``hit_tokens``, ``prefill_tokens``
+        (prompt tokens computed, i.e. not hit), ``finished``, ``failed``.
+      queued_blocks: blocks the waiting requests still need, counted when each was
+        queued (a router's load signal, kept in O(1) per queue change).
+    """
+
+    def __init__(self, manager: KVCacheManager, cost_model: CostModel,
+                 scheduler: SchedulerConfig, *,
+                 on_finish: Callable[[_SimRequest, dict[str, Any]], None],
+                 on_fail: Callable[[_SimRequest, dict[str, Any]], None],
+                 scheduling: "str | WaitingPolicy" = "fcfs"):
+        self.policy = (scheduling if isinstance(scheduling, WaitingPolicy)
+                       else make_scheduling_policy(scheduling))
+        self.manager = manager
+        self.cost_model = cost_model
+        self.scheduler = scheduler
+        self.on_finish = on_finish
+        self.on_fail = on_fail
+        self.now = 0.0
+        self.waiting: collections.deque[_SimRequest] = collections.deque()
+        self.running: list[_SimRequest] = []
+        self.counts = collections.Counter()
+        self.queued_blocks = 0  # blocks the queued requests still need (at enqueue time)
+
+    def _enqueue(self, s: _SimRequest, *, front: bool = False) -> None:
+        r = s.req
+        s.queued_blocks = -(-(r.num_tokens - r.num_computed_tokens) // self.manager.block_size)
+        self.queued_blocks += s.queued_blocks
+        if front:
+            self.waiting.appendleft(s)
+        else:
+            self.waiting.append(s)
+
+    def _dequeue(self, s: _SimRequest) -> None:
+        self.waiting.remove(s)
+        self.queued_blocks -= s.queued_blocks
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests queued or running."""
+        return len(self.running) + len(self.waiting)
+
+    def fail(self, s: _SimRequest, reason: str) -> None:
+        self.counts["failed"] += 1
+        self.on_fail(s, {"id": s.trace.id, "arrival_s": s.arrival_s,
+                         "prompt_tokens": s.req.num_prompt_tokens, "failed": reason})
+
+    def arrive(self, s: _SimRequest) -> None:
+        """Queue an arrived request (or fail it at once if the pool cannot hold it)."""
+        m = self.manager
+        needed = -(-(s.req.num_prompt_tokens + s.max_output - 1) // m.block_size)
+        if needed > m.num_blocks:
+            self.fail(s, f"needs {needed} blocks > num_blocks={m.num_blocks}")
+        else:
+            self._enqueue(s)
+
+    def _admit(self, s: _SimRequest, budget: int, scheduled: list) -> int | None:
+        """Tries to admit the waiting ``s``; the budget left, or ``None`` if it does not
+        fit now (admission stops for the step). One that can never fit fails."""
+        manager = self.manager
+        req = s.req
+        blocks, hit = manager.get_computed_blocks(req)
+        n = min(req.num_tokens - hit, budget)
+        if manager.allocate_slots(req, n, hit, blocks) is None:
+            if not self.running:  # the whole pool is free and it still does not fit
+                self._dequeue(s)
+                self.policy.forget(req)
+                self.fail(s, "does not fit in the pool")
+                return budget
+            return None
+        self._dequeue(s)
+        req.num_computed_tokens = hit
+        if s.first_scheduled_s is None:
+            s.first_scheduled_s = self.now
+            s.num_cached_tokens = hit
+            self.counts["hit_tokens"] += hit
+        self.running.append(s)
+        scheduled.append((s, n, hit))
+        return budget - n
+
+    def step(self) -> bool:
+        """Schedule and run one step at ``self.now``; advance the clock past it.
+
+        Returns:
+          ``False`` when nothing could be scheduled (no work left, or everything
+          that was waiting failed); ``True`` after a step ran.
+        """
+        manager = self.manager
+        counts = self.counts
+        while True:
+            running = self.running
+            waiting = self.waiting
+            if not running and not waiting:
+                return False
+            budget = self.scheduler.max_num_batched_tokens
+            scheduled: list[tuple[_SimRequest, int, int]] = []  # (req, new, cached before)
+            preempted = False
+            i = 0
+            while i < len(running) and budget > 0:
+                s = running[i]
+                req = s.req
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                victim = None
+                while manager.allocate_slots(req, n) is None:
+                    victim = running.pop()
+                    manager.free(victim.req)
+                    victim.req.num_computed_tokens = 0
+                    victim.num_preemptions += 1
+                    # The core request too: the manager files its re-admission lookup
+                    # under the preempted prefix-cache stats.
+                    victim.req.num_preemptions += 1
+                    counts["preemptions"] += 1
+                    self._enqueue(victim, front=True)
+                    preempted = True
+                    if victim is s:
+                        break
+                if victim is s:
+                    break
+                scheduled.append((s, n, req.num_computed_tokens))
+                budget -= n
+                i += 1
+            if not preempted and waiting:
+                policy = self.policy
+                if policy.is_fcfs:
+                    while waiting and budget > 0 and len(running) < self.scheduler.max_num_seqs:
+                        left = self._admit(waiting[0], budget, scheduled)
+                        if left is None:
+                            break
+                        budget = left
+                else:
+                    fcfs = list(waiting)
+                    admitted = []
+                    for s in policy.order(fcfs, _core_of, manager):
+                        if budget <= 0 or len(running) >= self.scheduler.max_num_seqs:
+                            break
+                        n_running = len(running)
+                        left = self._admit(s, budget, scheduled)
+                        if left is None:
+                            break
+                        if len(running) > n_running:
+                            admitted.append(s)
+                        budget = left
+                    policy.after_admission(fcfs, admitted, _core_of)
+            if scheduled:
+                break
+            if not running and not waiting:
+                return False  # everything left failed
+            # Running requests exist but all were preempted this step: retry now.
+            if preempted:
+                continue
+            raise AssertionError(
+                f"simulator stalled at t={self.now}: {len(running)} running, "
+                f"{len(waiting)} waiting")
+
+        counts["steps"] += 1
+        self.now += self.cost_model.step_time([(n, c) for _, n, c in scheduled])
+        now = self.now
+        finished = False
+        for s, n, _ in scheduled:
+            req = s.req
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                counts["prefill_tokens"] += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that samples nothing
+            k = len(req.output_token_ids)
+            req.append_output_token_ids(output_token(s.trace.id, k))
+            if s.ttft_s is None:
+                s.ttft_s = now - s.arrival_s
+            if k + 1 >= s.max_output:
+                manager.free(req)
+                finished = True
+                queue = s.first_scheduled_s - s.arrival_s
+                counts["finished"] += 1
+                s.finished = True
+                self.on_finish(s, {
+                    "id": s.trace.id, "arrival_s": s.arrival_s, "queue_s": queue,
+                    "ttft_s": s.ttft_s, "e2e_s": now - s.arrival_s,
+                    "prompt_tokens": req.num_prompt_tokens,
+                    "num_cached_tokens": s.num_cached_tokens,
+                    "output_tokens": k + 1, "num_preemptions": s.num_preemptions})
+        if finished:
+            self.running = [s for s in self.running if not s.finished]
+        return True
+
+
+def _core_of(s: _SimRequest) -> Request:
+    return s.req
+
+
+def make_sim_request(tr: TraceRequest, arrival_s: float) -> _SimRequest:
+    """The simulator's state for trace entry ``tr`` arriving at ``arrival_s``."""
+    return _SimRequest(tr, to_core_request(tr), arrival_s, max(1, int(tr.output_len)))
+
+
+class _Totals:
+    """Latency lists and token counts over finished / failed requests."""
+
+    def __init__(self, emit: Callable[[dict[str, Any]], None]):
+        self.emit = emit
+        self.ttfts: list[float] = []
+        self.queues: list[float] = []
+        self.e2es: list[float] = []
+        self.counts = collections.Counter()
+
+    def finish(self, s: _SimRequest, rec: dict[str, Any]) -> None:
+        self.ttfts.append(rec["ttft_s"])
+        self.queues.append(rec["queue_s"])
+        self.e2es.append(rec["e2e_s"])
+        self.counts["prompt_tokens"] += rec["prompt_tokens"]
+        self.counts["output_tokens"] += s.max_output
+        self.emit(rec)
+
+    def fail(self, s: _SimRequest, rec: dict[str, Any]) -> None:
+        self.counts["prompt_tokens"] += rec["prompt_tokens"]
+        self.emit(rec)
+
+
 def simulate(
     requests: Iterable[TraceRequest],
     *,
@@ -150,6 +393,7 @@ def simulate(
     hash_seed: int | str | None = None,
     free_order: str = "append",
     enable_caching: bool = True,
+    scheduling: str = "fcfs",
     warmup: Iterable[TraceRequest] | None = None,
     arrival_rate: float | None = None,
     seed: int = 0,
@@ -166,6 +410,8 @@ def simulate(
       num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching:
         the ``KVCacheManager`` the simulated server uses.
       scheduler: batching limits.
+      scheduling: the waiting queue's admission order (``fcfs``, ``lpm``,
+        ``dfs_weight``; ``prefixcache.scheduling``).
       warmup: if given, these prompts are prefilled one by one (and freed)
         before the first arrival: the run starts with a warm cache.
       arrival_rate: if set, Poisson arrivals at this rate (req/s) replace the
@@ -188,6 +434,7 @@ def simulate(
     Raises:
       ValueError: missing/unsorted timestamps, or a bad arrival rate.
     """
+    make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
                              log_stats=False)
@@ -195,15 +442,6 @@ def simulate(
     evictions0 = manager.num_evictions
     arrivals = _arrivals(requests, arrival_rate, seed)
     pending = next(arrivals, None)
-    waiting: collections.deque[_SimRequest] = collections.deque()
-    running: list[_SimRequest] = []
-    budget0 = scheduler.max_num_batched_tokens
-    now = 0.0 if pending is None else pending[0]
-
-    ttfts: list[float] = []
-    queues: list[float] = []
-    e2es: list[float] = []
-    counts = collections.Counter()
     bar = None
     if progress:
         from tqdm.auto import tqdm  # noqa: PLC0415
@@ -216,141 +454,51 @@ def simulate(
         if bar is not None:
             bar.update(1)
 
-    def fail(s: _SimRequest, reason: str) -> None:
-        counts["failed"] += 1
-        counts["prompt_tokens"] += s.req.num_prompt_tokens
-        emit({"id": s.trace.id, "arrival_s": s.arrival_s,
-              "prompt_tokens": s.req.num_prompt_tokens, "failed": reason})
-
+    totals = _Totals(emit)
+    server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail,
+                    scheduling=scheduling)
+    server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.
-        while pending is not None and pending[0] <= now:
+        while pending is not None and pending[0] <= server.now:
             t, tr = pending
-            req = to_core_request(tr)
-            s = _SimRequest(tr, req, t, max(1, int(tr.output_len)))
-            needed = -(-(req.num_prompt_tokens + s.max_output - 1) // block_size)
-            if needed > num_blocks:
-                fail(s, f"needs {needed} blocks > num_blocks={num_blocks}")
-            else:
-                waiting.append(s)
+            server.arrive(make_sim_request(tr, t))
             pending = next(arrivals, None)
-        if not running and not waiting:
+        # 2-3. One step; when idle, jump to the next arrival.
+        if not server.step():
             if pending is None:
                 break
-            now = max(now, pending[0])
-            continue
-
-        # 2. Schedule one step.
-        budget = budget0
-        scheduled: list[tuple[_SimRequest, int, int]] = []  # (req, new, cached before)
-        preempted = False
-        i = 0
-        while i < len(running) and budget > 0:
-            s = running[i]
-            req = s.req
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            victim = None
-            while manager.allocate_slots(req, n) is None:
-                victim = running.pop()
-                manager.free(victim.req)
-                victim.req.num_computed_tokens = 0
-                victim.num_preemptions += 1
-                # The core request too: the manager files its re-admission lookup
-                # under the preempted prefix-cache stats.
-                victim.req.num_preemptions += 1
-                counts["preemptions"] += 1
-                waiting.appendleft(victim)
-                preempted = True
-                if victim is s:
-                    break
-            if victim is s:
-                break
-            scheduled.append((s, n, req.num_computed_tokens))
-            budget -= n
-            i += 1
-        if not preempted:
-            while waiting and budget > 0 and len(running) < scheduler.max_num_seqs:
-                s = waiting[0]
-                req = s.req
-                blocks, hit = manager.get_computed_blocks(req)
-                n = min(req.num_tokens - hit, budget)
-                if manager.allocate_slots(req, n, hit, blocks) is None:
-                    if not running:  # the whole pool is free and it still does not fit
-                        waiting.popleft()
-                        fail(s, "does not fit in the pool")
-                        continue
-                    break
-                waiting.popleft()
-                req.num_computed_tokens = hit
-                if s.first_scheduled_s is None:
-                    s.first_scheduled_s = now
-                    s.num_cached_tokens = hit
-                    counts["hit_tokens"] += hit
-                running.append(s)
-                scheduled.append((s, n, hit))
-                budget -= n
-        if not scheduled:
-            if not running and not waiting:
-                continue  # everything left failed; go to the next arrival
-            # Running requests exist but all were preempted this step: retry now.
-            if preempted:
-                continue
-            raise AssertionError(
-                f"simulator stalled at t={now}: {len(running)} running, {len(waiting)} waiting")
-
-        # 3. Run the step.
-        counts["steps"] += 1
-        now += cost_model.step_time([(n, c) for _, n, c in scheduled])
-        finished = False
-        for s, n, _ in scheduled:
-            req = s.req
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that samples nothing
-            k = len(req.output_token_ids)
-            req.append_output_token_ids(output_token(s.trace.id, k))
-            if s.ttft_s is None:
-                s.ttft_s = now - s.arrival_s
-            if k + 1 >= s.max_output:
-                manager.free(req)
-                finished = True
-                queue = s.first_scheduled_s - s.arrival_s
-                e2e = now - s.arrival_s
-                ttfts.append(s.ttft_s)
-                queues.append(queue)
-                e2es.append(e2e)
-                counts["finished"] += 1
-                counts["prompt_tokens"] += req.num_prompt_tokens
-                counts["output_tokens"] += s.max_output
-                s.finished = True
-                emit({"id": s.trace.id, "arrival_s": s.arrival_s, "queue_s": queue,
-                      "ttft_s": s.ttft_s, "e2e_s": e2e, "prompt_tokens": req.num_prompt_tokens,
-                      "num_cached_tokens": s.num_cached_tokens,
-                      "output_tokens": k + 1, "num_preemptions": s.num_preemptions})
-        if finished:
-            running = [s for s in running if not s.finished]
+            server.now = max(server.now, pending[0])
 
     if bar is not None:
         bar.close()
-    prompt_tokens = counts["prompt_tokens"]
     return {
         "cache_state": "cold" if warmup is None else "warm",
         "warmup_prompts": warmed,
+        **summarize(totals, server.counts, server.now),
+        "evictions": manager.num_evictions - evictions0,
+    }
+
+
+def summarize(totals: _Totals, counts: collections.Counter, makespan_s: float) -> dict[str, Any]:
+    """The summary fields shared by ``simulate`` and the cluster simulator."""
+    prompt_tokens = totals.counts["prompt_tokens"]
+    output_tokens = totals.counts["output_tokens"]
+    return {
         "requests": counts["finished"] + counts["failed"],
         "finished": counts["finished"],
         "failed": counts["failed"],
         "prompt_tokens": prompt_tokens,
         "hit_tokens": counts["hit_tokens"],
         "hit_rate_tokens": counts["hit_tokens"] / prompt_tokens if prompt_tokens else 0.0,
-        "output_tokens": counts["output_tokens"],
+        "output_tokens": output_tokens,
         "steps": counts["steps"],
         "preemptions": counts["preemptions"],
-        "evictions": manager.num_evictions - evictions0,
-        "makespan_s": now,
-        "ttft_s": percentiles(ttfts),
-        "queue_s": percentiles(queues),
-        "e2e_s": percentiles(e2es),
-        "output_tokens_per_s": counts["output_tokens"] / now if now > 0 else 0.0,
+        "makespan_s": makespan_s,
+        "ttft_s": percentiles(totals.ttfts),
+        "queue_s": percentiles(totals.queues),
+        "e2e_s": percentiles(totals.e2es),
+        "output_tokens_per_s": output_tokens / makespan_s if makespan_s > 0 else 0.0,
     }
 
 

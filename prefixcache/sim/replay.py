@@ -1,6 +1,6 @@
 """Replay a request trace through ``KVCacheManager`` at full speed, without a model.
 
-The semantics are exactly those of ``../shared/peers/vllm_replay.py`` (which drives
+The semantics are exactly those of ``experiments/peers/vllm_replay.py`` (which drives
 vLLM 0.33's own manager), so the two can be compared request by request:
 
 for each request, in trace order:
@@ -52,6 +52,7 @@ def replay(
     on_record: Callable[[dict], None] | None = None,
     record_evictions: bool = False,
     progress: bool = False,
+    total: int | None = None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -74,6 +75,8 @@ def replay(
             cached blocks evicted so far, up to and including this request's prompt
             allocation (as vLLM's replay with ``--events``).
         progress: show a tqdm progress bar.
+        total: the number of requests, when known in advance (the bar's total and
+            ETA); ``None``: a bar without a total.
 
     Returns:
         Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
@@ -123,7 +126,7 @@ def replay(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(desc="replay", unit="req")
+        bar = tqdm(desc="replay", unit="req", total=total)
 
     # NOTE: as vLLM's EngineCore (and the peer harness) do after start-up, freeze the
     # heap built so far (the block pool) so GC passes in the loop do not walk it.

@@ -2,7 +2,7 @@
 
 Each generator returns a list of ``TraceRequest`` in arrival order, built from a
 numpy ``Generator`` seeded with ``default_rng([seed, stream])`` (``stream`` is the
-workload's index in ``WORKLOADS``, as in ``../shared/peers/make_traces.py``): the
+workload's index in ``WORKLOADS``, as in ``experiments/peers/make_traces.py``): the
 same arguments give the same requests on every machine. Text token ids are drawn
 uniformly from ``[1, vocab)``; id 0 is reserved for multimodal placeholders.
 
@@ -21,6 +21,8 @@ Workloads (what reuse each one exercises):
 * ``few_shot``: a few long few-shot headers x many short questions, shuffled.
 * ``rag``: a system prompt + ``docs_per_request`` documents drawn by Zipf
   popularity + a question; optional Poisson arrivals.
+* ``tenant_prefixes``: many tenants, each with a long private prefix, Poisson
+  arrivals (llm-d's routing benchmark shape: what routing across replicas decides).
 * ``mm_salt``: token-identical prompts (text prefix + image placeholders + unique
   suffix) where only the image identity, cache salt and LoRA adapter decide
   which requests may share blocks.
@@ -44,6 +46,9 @@ from prefixcache.sim.trace import TraceRequest, output_token
 
 VOCAB = 32000
 MM_PLACEHOLDER_TOKEN = 0
+# Where a prompt's stable part (system prompt, few-shot header) goes: before the
+# request-specific part (the seeds' advice) or after it. Both draw the same tokens.
+LAYOUTS = ("stable_first", "stable_last")
 MOONCAKE_BLOCK_SIZE = 512
 
 
@@ -81,6 +86,13 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
     return np.random.default_rng([int(seed), _STREAMS[stream]])
+
+
+def _layout(layout: str) -> bool:
+    """True when the stable part goes first; ``ValueError`` for an unknown layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return layout == "stable_first"
 
 
 def _make(rid: str, prompt: list[int], output_len: int, *, cache_salt=None, lora=None,
@@ -139,6 +151,7 @@ def shared_system_prompt(
     output_len: Sequence[int] = (16, 64),
     vocab: int = VOCAB,
     arrival_rate: float | None = None,
+    layout: str = "stable_first",
     seed: int = 0,
 ) -> list[TraceRequest]:
     """One system prompt shared by every request + a unique suffix each.
@@ -150,13 +163,17 @@ def shared_system_prompt(
       output_len: inclusive range of output tokens per request.
       vocab: text token ids are in ``[1, vocab)``.
       arrival_rate: if set, Poisson arrivals at this rate (req/s) as timestamps.
+      layout: ``"stable_first"`` (system prompt + suffix) or ``"stable_last"``
+        (the unique part first: the same tokens, reordered).
       seed: RNG seed.
 
     Returns:
       ``num_requests`` requests. Expected hits (block size B, enough blocks):
       every request after the first reuses ``(system_len // B) * B`` tokens
-      (more only if its suffix happens to repeat, which random tokens do not).
+      (more only if its suffix happens to repeat, which random tokens do not);
+      with ``stable_last``, none.
     """
+    stable_first = _layout(layout)
     num_requests = _positive("num_requests", num_requests)
     unique_len, output_len = _range("unique_len", unique_len), _range("output_len", output_len)
     rng = _rng(seed, "shared_system_prompt")
@@ -165,7 +182,7 @@ def shared_system_prompt(
     for i in range(num_requests):
         uniq = _tokens(rng, _draw(rng, unique_len), vocab)
         out = _draw(rng, output_len)
-        reqs.append(_make(f"ssp-{i:05d}", system + uniq, out))
+        reqs.append(_make(f"ssp-{i:05d}", system + uniq if stable_first else uniq + system, out))
     return _maybe_poisson(reqs, arrival_rate, seed)
 
 
@@ -232,16 +249,20 @@ def few_shot(
     output_len: Sequence[int] = (16, 64),
     vocab: int = VOCAB,
     arrival_rate: float | None = None,
+    layout: str = "stable_first",
     seed: int = 0,
 ) -> list[TraceRequest]:
     """``num_headers`` long few-shot headers x ``num_questions`` questions, shuffled.
 
     Expected hits (block size B, enough blocks): the first request of each
     header misses; every later one reuses ``(header_len // B) * B`` tokens.
+    ``layout="stable_last"`` puts the question before the header (same tokens):
+    then nothing is reused.
 
     Returns:
       ``num_headers * num_questions`` requests, ids ``fs-hH-qQQQ``.
     """
+    stable_first = _layout(layout)
     num_headers = _positive("num_headers", num_headers)
     num_questions = _positive("num_questions", num_questions)
     question_len, output_len = _range("question_len", question_len), _range("output_len", output_len)
@@ -252,7 +273,8 @@ def few_shot(
         for q in range(num_questions):
             question = _tokens(rng, _draw(rng, question_len), vocab)
             out = _draw(rng, output_len)
-            reqs.append(_make(f"fs-h{h}-q{q:03d}", headers[h] + question, out))
+            prompt = headers[h] + question if stable_first else question + headers[h]
+            reqs.append(_make(f"fs-h{h}-q{q:03d}", prompt, out))
     order = rng.permutation(len(reqs))
     return _maybe_poisson([reqs[i] for i in order], arrival_rate, seed)
 
@@ -503,6 +525,48 @@ def write_mooncake_trace(path: str | os.PathLike, lines: Iterable[dict[str, Any]
     return stats
 
 
+def tenant_prefixes(
+    *,
+    num_requests: int = 3000,
+    num_tenants: int = 150,
+    prefix_len: int = 6000,
+    question_len: Sequence[int] = (128, 1024),
+    output_len: Sequence[int] = (64, 256),
+    vocab: int = VOCAB,
+    arrival_rate: float | None = 20.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Many tenants, each with a long private prefix (llm-d's routing benchmark shape).
+
+    Each request picks a tenant uniformly at random and sends the tenant's prefix
+    (system prompt + shared documents) followed by a unique question; arrivals are
+    Poisson by default. The prefixes of all tenants (``num_tenants * prefix_len``
+    tokens) typically exceed one replica's cache, so routing decides the hit rate.
+
+    Args:
+      num_requests: requests (ids ``tp-00000`` ...).
+      num_tenants: tenants, each with its own prefix.
+      prefix_len: tokens of every tenant's prefix.
+      question_len: inclusive range of the unique suffix length.
+      output_len: inclusive range of output tokens.
+      vocab: text token ids are in ``[1, vocab)``.
+      arrival_rate: Poisson arrivals (req/s) as timestamps; ``None`` for none.
+      seed: RNG seed.
+    """
+    num_requests = _positive("num_requests", num_requests)
+    num_tenants = _positive("num_tenants", num_tenants)
+    prefix_len = _positive("prefix_len", prefix_len)
+    question_len, output_len = _range("question_len", question_len), _range("output_len", output_len)
+    rng = _rng(seed, "tenant_prefixes")
+    prefixes = [_tokens(rng, prefix_len, vocab) for _ in range(num_tenants)]
+    reqs = []
+    for i in range(num_requests):
+        t = int(rng.integers(num_tenants))
+        q = _tokens(rng, _draw(rng, question_len), vocab)
+        reqs.append(_make(f"tp-{i:05d}", prefixes[t] + q, _draw(rng, output_len)))
+    return _maybe_poisson(reqs, arrival_rate, seed)
+
+
 # ----------------------------------------------------------------------------
 # registry
 # ----------------------------------------------------------------------------
@@ -515,6 +579,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "few_shot": few_shot,
     "mm_salt": mm_salt,
     "rag": rag,
+    "tenant_prefixes": tenant_prefixes,
 }
 
 _STREAMS = {name: i for i, name in enumerate(WORKLOADS)}

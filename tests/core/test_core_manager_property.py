@@ -1,40 +1,61 @@
 """Property test: random new/append/allocate/free/reset sequences over random pools keep
-every invariant, and once everything is freed all blocks are free and usage is 0."""
+every invariant, and once everything is freed all blocks are free and usage is 0.
+
+Runs for both indexes: the hash chain (``KVCacheManager``) and the radix tree
+(``RadixKVCacheManager``, under every eviction policy that needs no future), with its
+tree, lock and candidate invariants after every operation and no stranded block ever.
+"""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import KVCacheManager, Request
+from prefixcache.core.eviction import get_policy_class, policy_names
+from prefixcache.core.radix import RadixKVCacheManager
+
+# Policies a manager can run without a driver that knows the trace (belady needs one).
+_POLICIES = [p for p in policy_names() if not get_policy_class(p).needs_future]
 
 # Small alphabets and shared stems so that prefixes collide, hit, duplicate and evict.
 _STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23], [30] * 9]
 
 _op = st.one_of(
-    st.tuples(st.just("new"), st.integers(0, 2), st.lists(st.integers(0, 3), max_size=10)),
+    st.tuples(
+        st.just("new"), st.integers(0, 2), st.lists(st.integers(0, 3), max_size=10),
+        st.sampled_from([None, None, "salt"]),  # namespaces: a salted request shares nothing
+    ),
     st.tuples(st.just("append"), st.integers(0, 7), st.integers(1, 4)),
     st.tuples(st.just("free"), st.integers(0, 7)),
     st.tuples(st.just("reset"),),
 )
 
 
+@pytest.mark.parametrize("index", ["hash", "radix"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(1, 12),
     block_size=st.sampled_from([1, 2, 4]),
     free_order=st.sampled_from(["append", "unhashed_first"]),
+    eviction=st.sampled_from(_POLICIES),
     ops=st.lists(_op, max_size=40),
 )
-def test_random_operation_sequences_keep_invariants(num_blocks, block_size, free_order, ops):
-    m = KVCacheManager(num_blocks, block_size, free_order=free_order)
+def test_random_operation_sequences_keep_invariants(
+    index, num_blocks, block_size, free_order, eviction, ops
+):
+    if index == "hash":
+        m = KVCacheManager(num_blocks, block_size, free_order=free_order)
+    else:
+        m = RadixKVCacheManager(num_blocks, block_size, free_order=free_order, eviction=eviction)
     running: list[Request] = []
     n = 0
     for op in ops:
         kind = op[0]
         if kind == "new":
-            _, stem, tail = op
-            req = Request(f"r{n}", _STEMS[stem] + tail)
+            _, stem, tail, salt = op
+            req = Request(f"r{n}", _STEMS[stem] + tail, cache_salt=salt)
             n += 1
             blocks, hit = m.get_computed_blocks(req)
             assert hit % block_size == 0 and hit <= req.num_tokens - 1
@@ -69,10 +90,14 @@ def test_random_operation_sequences_keep_invariants(num_blocks, block_size, free
         m.check_invariants()
         held = {bid for r in running for bid in m.get_block_ids(r.request_id)}
         assert m.num_free_blocks == num_blocks - len(held)
+        if index == "radix":
+            assert m.num_stranded_blocks() == 0
+            assert m.num_cached_blocks == len(m.cached_block_ids())
     for req in running:
         m.free(req)
         m.check_invariants()
     assert m.num_free_blocks == num_blocks
     assert sorted(m.free_block_ids()) == list(range(num_blocks))
     assert m.usage == 0.0
-    assert all(b.ref_cnt == 0 for b in m.block_pool.blocks)
+    blocks = m.block_pool.blocks if index == "hash" else m.blocks
+    assert all(b.ref_cnt == 0 for b in blocks)

@@ -13,7 +13,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if not p.name.startswith("_"))
-MOONCAKE_DIR = pathlib.Path("/work/shared/traces/mooncake")
 
 # Reduced generator arguments per workload (the test budget is seconds, not minutes).
 SMALL_WORKLOADS = {
@@ -57,21 +56,18 @@ def test_config_loads_and_documents_its_command(path):
     assert isinstance(cfg, ml_collections.ConfigDict)
 
 
-def _reduce(cfg, tmp_path):
-    """Small sizes for any of our configs (Mooncake traces: their first 12 lines)."""
+def _reduce(cfg, tmp_path, request):
+    """Small sizes for any of our configs (Mooncake traces: their first 12 requests)."""
     cfg.workdir = str(tmp_path / "work")
     if "workload" in cfg and cfg.workload.name in SMALL_WORKLOADS:
         for k, v in SMALL_WORKLOADS[cfg.workload.name].items():
             setattr(cfg.workload.kwargs, k, v)
-    if cfg.get("trace"):
-        # The Mooncake configs: a reduced copy (first 12 lines) of the real trace.
-        src = pathlib.Path(cfg.trace)
-        if not src.exists():
-            pytest.skip(f"{src} is not present")
-        small = tmp_path / src.name
-        with open(src) as f:
-            small.write_text("".join(next(f) for _ in range(12)))
-        cfg.trace = str(small)
+    assert not cfg.get("trace"), "configs name public traces by dataset, not by path"
+    if cfg.get("dataset"):
+        # The Mooncake configs: the dataset's local copy (through $PREFIXCACHE_DATA and
+        # the checksum check, as after a download), its first 12 requests.
+        request.getfixturevalue("local_datasets")
+        cfg.max_requests = 12
         cfg.num_blocks = 2000
 
 
@@ -79,12 +75,12 @@ OURS = {"replay", "sweep_capacity", "latency_by_prefix", "bench_hashing", "serve
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_config_runs_its_script_reduced(path, tmp_path):
+def test_config_runs_its_script_reduced(path, tmp_path, request):
     _, script = script_of(path)
     if script not in OURS:
         pytest.skip(f"experiments.{script} is tested by its owner")
     cfg = load(path).get_config()
-    _reduce(cfg, tmp_path)
+    _reduce(cfg, tmp_path, request)
     if script == "sweep_capacity":
         cfg.capacities = (16, 4096)
         cfg.warmup_requests = 4

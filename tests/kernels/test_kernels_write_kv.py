@@ -113,3 +113,40 @@ def test_bad_static_args_and_backend():
     kernels.paged_attention(*args, sm_scale=0.125, soft_cap=-1.0)
   with pytest.raises(ValueError, match="'cuda'"):
     kernels.paged_attention(*args, sm_scale=0.125, backend="cuda")
+
+
+def test_negative_and_out_of_range_slots_write_nothing():
+  """issue 13: jax normalises a negative index numpy-style before mode="drop", so slot
+  -1 used to land on the last slot and -9 (page size 8) on the page before it -- a
+  live page. Every slot outside [0, num_pages * page_size) must write nothing."""
+  kv = jnp.zeros((3, 8, 2, 64))
+  k = jnp.ones((5, 1, 64))
+  v = 2 * jnp.ones((5, 1, 64))
+  slots = jnp.array([-1, -9, -24, 24, 3], jnp.int32)  # only slot 3 is in range
+  out = np.asarray(kernels.write_kv(kv, k, v, slots))
+  touched = np.argwhere(out.any(axis=(2, 3)))
+  np.testing.assert_array_equal(touched, [[0, 3]])
+  np.testing.assert_array_equal(out[0, 3, 0], 1.0)
+  np.testing.assert_array_equal(out[0, 3, 1], 2.0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(page_size=4), "page_size 4 out of the supported range"),
+    (dict(head_dim=32), "head_dim 32 not supported"),
+    (dict(num_q_heads=3), "not a multiple of num_kv_heads"),
+    (dict(q_dtype=jnp.bfloat16), "bfloat16 with kv_pages dtype float32"),
+    (dict(kv_dtype=jnp.float16), "kv_pages dtype float16 not supported"),
+    (dict(page_size=8.0), "page_size must be a positive int"),
+    (dict(backend="pallas_gpu", interpret=True, page_size=24), "power-of-two page_size"),
+    (dict(backend="pallas_tpu"), "needs a tpu device"),
+])
+def test_check_backend_config(kw, match):
+  args = dict(backend="reference", interpret=False, page_size=16, head_dim=64,
+              num_q_heads=4, num_kv_heads=2, q_dtype=jnp.float32, kv_dtype=jnp.float32,
+              platform="cpu")
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    kernels.check_backend_config(args.pop("backend"), **args)
+  ok = dict(args, page_size=16, head_dim=64, num_q_heads=4, q_dtype=jnp.float32,
+            kv_dtype=jnp.float32, interpret=True)
+  assert kernels.check_backend_config("reference", **ok) == "reference"

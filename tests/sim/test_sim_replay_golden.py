@@ -1,7 +1,7 @@
 """Replay goldens produced by the REAL vLLM 0.33 manager (tests/data/replay_golden/).
 
 ``make_goldens.py`` there cut a few dozen requests from each of the four peer traces and
-ran ``../shared/peers/vllm_replay.py`` on them with small pools (evictions, early
+ran ``experiments/peers/vllm_replay.py`` on them with small pools (evictions, early
 finishes, failed admissions, truncated decodes). vLLM reserves block 0 as its null
 block, so with ``num_blocks = N - 1`` and ``free_order="unhashed_first"`` our replay must
 give the same hits, failures and truncations request by request, and block ids one

@@ -129,3 +129,18 @@ def test_mooncake_tokens_are_pinned():
     # Pure 64-bit integer arithmetic (splitmix64): the same on every platform/process.
     assert mooncake_block_tokens(7)[:4].tolist() == PINNED_7
     assert mooncake_block_tokens(0)[:4].tolist() == PINNED_0
+
+
+def test_mooncake_tokens_equal_the_blocks_one_by_one():
+    import numpy as np
+
+    from prefixcache.sim.trace import mooncake_tokens
+
+    ids = [0, 7, 7, 3, 2**40 + 5, 2**64 - 1, 123456789]
+    for vocab in (32000, 2):
+        want = np.concatenate([mooncake_block_tokens(h, vocab_size=vocab) for h in ids])
+        got = mooncake_tokens(ids, vocab_size=vocab)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+    assert mooncake_tokens([], block_tokens=4).shape == (0,)
+    # The pinned values of the per-block function still hold through the vectorised one.
+    assert mooncake_tokens([7, 0])[:4].tolist() == mooncake_block_tokens(7)[:4].tolist()

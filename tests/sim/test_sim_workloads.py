@@ -14,13 +14,9 @@ from prefixcache.sim import workloads as wl
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import TraceRequest, read_trace, write_trace
 
-# The peers' generator: ../shared beside the checkout (the layout of this workspace).
+# The peers' generator (the vLLM harness's own, in this repository).
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MAKE_TRACES = next(
-    (p for p in (os.path.join(os.path.dirname(_REPO), "shared", "peers", "make_traces.py"),
-                 "/work/shared/peers/make_traces.py") if os.path.exists(p)),
-    None,
-)
+MAKE_TRACES = os.path.join(_REPO, "experiments", "peers", "make_traces.py")
 B = 16  # block size of these tests
 
 
@@ -38,6 +34,8 @@ def _small():
         "few_shot": dict(num_headers=3, num_questions=5, header_len=70),
         "mm_salt": dict(num_requests=40),
         "rag": dict(num_requests=30, num_documents=10, doc_len=(20, 60)),
+        "tenant_prefixes": dict(num_requests=30, num_tenants=4, prefix_len=64,
+                                question_len=(8, 20)),
     }
 
 
@@ -59,7 +57,6 @@ def test_round_trip_through_trace_files(tmp_path):
     assert list(read_trace(tmp_path / "t.jsonl")) == reqs
 
 
-@pytest.mark.skipif(MAKE_TRACES is None, reason="../shared/peers/make_traces.py not present")
 def test_same_requests_as_peers_make_traces(tmp_path):
     subprocess.run([sys.executable, MAKE_TRACES, "--out-dir", str(tmp_path), "--seed", "5",
                     "--traces", "multi_turn,mm_salt"], check=True, capture_output=True)
@@ -210,3 +207,16 @@ def test_bad_generator_arguments():
         wl.rag(num_documents=2, docs_per_request=3)
     with pytest.raises(ValueError, match="arrival rate"):
         wl.poisson_arrivals(3, 0.0)
+
+
+def test_tenant_prefixes_share_each_tenants_prefix_only():
+    reqs = wl.generate("tenant_prefixes", num_requests=60, num_tenants=5, prefix_len=48,
+                       question_len=(16, 16), output_len=(4, 4), arrival_rate=10.0)
+    prefixes = {tuple(r.prompt[:48]) for r in reqs}
+    assert len(prefixes) == 5
+    assert all(len(r.prompt) == 64 for r in reqs)
+    ts = [r.timestamp for r in reqs]
+    assert ts == sorted(ts) and ts[0] > 0
+    summary, _ = _replay(reqs)
+    # Every request after its tenant's first hits the 48-token (3-block) prefix.
+    assert summary["hit_tokens"] == (60 - 5) * 48

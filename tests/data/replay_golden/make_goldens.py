@@ -2,11 +2,12 @@
 """Regenerate the replay goldens in this directory from the REAL vLLM 0.33 manager.
 
 Not run by the tests (CI has no vLLM): the committed outputs are the oracle. Needs the
-peer tools (``../shared/peers``) and the vLLM venv they install::
+peer tools (``experiments/peers``) and the vLLM venv their installer makes; from the
+repository root::
 
-    python3 ../shared/peers/make_traces.py --out-dir /tmp/traces --seed 0
-    python3 tests/data/replay_golden/make_goldens.py --traces /tmp/traces \
-        --peers ../shared/peers --vllm-python ~/.cache/prefixcache-peers/vllm-venv/bin/python
+    VLLM_PY=$(bash experiments/peers/setup_vllm_env.sh | tail -1)
+    python3 experiments/peers/make_traces.py --out-dir /tmp/traces --seed 0
+    python3 tests/data/replay_golden/make_goldens.py --traces /tmp/traces --vllm-python $VLLM_PY
 
 For each of the four peer traces it cuts a few dozen requests (``CUTS``), writes them as
 ``<name>.trace.jsonl.gz`` and, for each configuration in ``CONFIGS``, runs
@@ -54,10 +55,14 @@ BLOCK_SIZE = 16
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--traces", required=True)
-    ap.add_argument("--peers", required=True)
+    ap.add_argument("--peers", default=os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))), "experiments", "peers"),
+        help="directory of vllm_replay.py (default: the repository's experiments/peers)")
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     manifest = {"block_size": BLOCK_SIZE, "free_order": "unhashed_first", "runs": []}
     for name, (src, select) in CUTS.items():
         with open(os.path.join(args.traces, f"{src}.jsonl")) as f:

@@ -1,0 +1,23 @@
+"""Routing the real Mooncake conversation trace across 4, 8 and 16 replicas.
+
+The Mooncake FAST'25 conversation trace (dataset `mooncake_conversation`: 12,031 requests over one
+hour, ~12k input tokens each, its own timestamps; 512-token hash blocks expanded to tokens), 512-token
+blocks, Llama-3.1-8B on one H100 per replica (the KV cache gets all HBM left after the
+weights: 833 blocks = 426k tokens per replica), all six routing policies.
+
+Command:
+  python -m experiments.route --config=configs/route_mooncake_conversation.py \
+      --workdir=/tmp/route_mc
+
+Expected: see WORKSPACE_NOTES.md ("Routing").
+"""
+
+from configs import _base
+
+
+def get_config():
+    c = _base.route_config(dataset="mooncake_conversation")
+    c.trace_format = "mooncake"
+    c.replicas = "4,8,16"
+    c.block_size = 512
+    return c

@@ -1,0 +1,22 @@
+"""Routing the real Mooncake synthetic trace across 4, 8 and 16 replicas.
+
+The Mooncake FAST'25 synthetic trace (3,993 requests with its own timestamps; 512-token
+hash blocks expanded to tokens), 512-token blocks, Llama-3.1-8B on one H100 per replica
+(all HBM left after the weights), all six routing policies.
+
+Command:
+  python -m experiments.route --config=configs/route_mooncake_synthetic.py \
+      --workdir=/tmp/route_ms
+
+Expected: see WORKSPACE_NOTES.md ("Routing").
+"""
+
+from configs import _base
+
+
+def get_config():
+    c = _base.route_config(dataset="mooncake_synthetic")
+    c.trace_format = "mooncake"
+    c.replicas = "4,8,16"
+    c.block_size = 512
+    return c

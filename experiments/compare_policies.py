@@ -1,0 +1,227 @@
+r"""Eviction policies x prefix indexes x cache capacities on one trace, in one run.
+
+  python -m experiments.compare_policies --config=configs/compare_policies.py --workdir=/tmp/cp
+  python -m experiments.compare_policies --trace=T.jsonl --block_size=16 \
+      --capacities=256,1024,4096 --policies=lru,lfu,belady --indexes=hash,radix \
+      --concurrency=8 --model=llama_3_1_8b --workdir=/tmp/cp
+  # on a Ray cluster (pip install -e ".[ray]"):
+  python -m experiments.compare_policies --config=... --executor=ray --ray_address=HOST:6379
+
+Every cell (policy, index, capacity) replays the whole trace through a fresh
+``KVCacheManager`` (``prefixcache.sim.compare.replay_cell``); no cell depends on
+another. Cells run in parallel: local worker processes (``--executor=local``,
+``--workers`` of them, 0: one per CPU) or Ray tasks (``--executor=ray``). Each worker
+reads the trace itself from the config, so both executors give identical rows (timings
+aside). One more cell replays the trace at a capacity where nothing is ever evicted:
+the infinite-cache ideal (``record: "ideal"``; see ``compare.ideal_num_blocks``).
+
+``--policies`` / ``--indexes`` take comma-separated names or ``all`` (every registered
+one); ``--capacities`` comma-separated block counts. ``belady`` (the offline bound) joins
+the policies whenever it is registered, unless ``--config.belady_bound=false``.
+
+Outputs in ``--workdir``:
+  * ``compare_policies.jsonl``: one row per cell (``policy``, ``index``,
+    ``num_blocks``, ``block_size``, ``concurrency``, ``requests``, ``prompt_tokens``,
+    ``hit_tokens``, ``hit_rate_tokens``, ``requests_with_hit``, ``evictions``,
+    ``stranded_blocks``, ``peak_cached_blocks``, ``peak_cached_bytes``, ``loop_s``,
+    ``cell_s``, ...) and the ideal row, each with provenance (cache state cold).
+    Fields the replay does not report are null.
+  * ``compare_policies.png``: token hit rate against capacity, one line per (policy,
+    index), the ideal as a horizontal line and ``belady`` (when run) as the bound.
+  * stdout: a table of hit rates; the last line a JSON object with the paths.
+
+Bad input (unknown policy, index, hash algorithm, free order, model preset or
+executor; Ray missing for ``--executor=ray``; a policy or index the replay cannot run;
+a missing trace) -> ``ValueError`` naming the problem before any cell runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from experiments import _common, _parallel
+
+ROWS_FILE = "compare_policies.jsonl"
+BELADY = "belady"  # the offline optimum: the bound drawn in the plot
+PNG_FILE = "compare_policies.png"
+
+
+def resolve_grid(config) -> dict:
+    """Validates the config; returns ``{"policies", "indexes", "capacities"}`` (tuples).
+
+    Raises:
+        ValueError: any bad field (see the module docstring), before anything runs.
+    """
+    from prefixcache.core.hashing import HASH_ALGOS  # noqa: PLC0415
+    from prefixcache.core.kv_cache_manager import FREE_ORDERS  # noqa: PLC0415
+    from prefixcache.sim import compare  # noqa: PLC0415
+
+    _parallel.check_executor(config.executor, config.workers)
+    for field in ("block_size", "concurrency"):
+        v = config[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{field} must be a positive int, got {v!r}")
+    if config.hash_algo not in HASH_ALGOS:
+        raise ValueError(f"unknown hash_algo {config.hash_algo!r}; expected one of {HASH_ALGOS}")
+    if config.free_order not in FREE_ORDERS:
+        raise ValueError(f"unknown free_order {config.free_order!r}; expected one of {FREE_ORDERS}")
+    known = compare.policy_names()
+    policies = compare.parse_names(config.policies, known=known, what="eviction policy")
+    # NOTE: the offline bound is drawn whenever it exists: belady joins the grid unless
+    # belady_bound is off (before the policy seam is merged it is not registered yet).
+    if config.belady_bound and BELADY in known and BELADY not in policies:
+        policies += (BELADY,)
+    grid = {
+        "policies": policies,
+        "indexes": compare.parse_names(config.indexes, known=compare.index_names(),
+                                       what="index"),
+        "capacities": compare.parse_capacities(config.capacities),
+    }
+    for policy in grid["policies"]:
+        for index in grid["indexes"]:
+            compare.check_replay_supports(policy, index, model=config.model or None)
+    return grid
+
+
+def make_cells(config, grid: dict) -> list[dict]:
+    """The cells: every (index, policy, capacity), then the ideal (``num_blocks`` 0)."""
+    cfg = config.to_dict()
+    cells = [{"config": cfg, "policy": p, "index": i, "num_blocks": n}
+             for i in grid["indexes"] for p in grid["policies"] for n in grid["capacities"]]
+    # The ideal: lru on the hash chain with nothing ever evicted (the policy cannot matter).
+    cells.append({"config": cfg, "policy": "lru", "index": "hash", "num_blocks": 0})
+    return cells
+
+
+def run_cell(cell: dict) -> dict:
+    """One cell, in a worker: reads the trace from the config, replays, returns the row.
+
+    Args:
+        cell: ``{"config": dict, "policy", "index", "num_blocks"}``; ``num_blocks == 0``
+            is the infinite-cache ideal (``compare.ideal_num_blocks`` of the trace).
+    """
+    import ml_collections  # noqa: PLC0415
+
+    from prefixcache.sim import compare  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    config = ml_collections.ConfigDict(cell["config"])
+
+    def make_requests():
+        return _common.requests_from_config(config, config.workdir or None)
+
+    num_blocks, record = cell["num_blocks"], "cell"
+    if num_blocks == 0:
+        num_blocks, record = compare.ideal_num_blocks(make_requests(), config.block_size), compare.IDEAL
+    summary = compare.replay_cell(
+        make_requests, policy=cell["policy"], index=cell["index"], num_blocks=num_blocks,
+        block_size=config.block_size, model=config.model or None, hash_algo=config.hash_algo,
+        hash_seed=config.hash_seed or None, free_order=config.free_order,
+        concurrency=config.concurrency)
+    row = compare.cell_row(summary, policy=cell["policy"], index=cell["index"],
+                           num_blocks=num_blocks, block_size=config.block_size,
+                           concurrency=config.concurrency, model=config.model or None,
+                           record=record)
+    if record == compare.IDEAL and row["evictions"]:  # pragma: no cover - a bug
+        raise AssertionError(f"the ideal cell evicted {row['evictions']} blocks "
+                             f"at {num_blocks} blocks")
+    row["cell_s"] = time.perf_counter() - t0
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Token hit rate per (index, policy) and capacity, the ideal in the last column."""
+    ideal = [r for r in rows if r["record"] == "ideal"]
+    cells = [r for r in rows if r["record"] == "cell"]
+    caps = sorted({r["num_blocks"] for r in cells})
+    width = max([len(f"{r['index']}/{r['policy']}") for r in cells] + [12])
+    head = f"{'index/policy':<{width}} " + " ".join(f"{c:>8}" for c in caps)
+    lines = [f"token hit rate by capacity (blocks of {rows[0]['block_size']} tokens)",
+             head + (f" {'ideal':>8}" if ideal else "")]
+    for key in dict.fromkeys((r["index"], r["policy"]) for r in cells):
+        by_cap = {r["num_blocks"]: r for r in cells if (r["index"], r["policy"]) == key}
+        vals = " ".join(f"{by_cap[c]['hit_rate_tokens']:>8.4f}" if c in by_cap else f"{'-':>8}"
+                        for c in caps)
+        lines.append(f"{key[0] + '/' + key[1]:<{width}} {vals}"
+                     + (f" {ideal[0]['hit_rate_tokens']:>8.4f}" if ideal else ""))
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
+    """Hit rate vs capacity: a line per (policy, index), the ideal and belady bounds."""
+    fig, ax = _common.new_figure(figsize=(8.5, 4.2))
+    cells = [r for r in rows if r["record"] == "cell"]
+    # One color per policy, one line style per index (so 8 policies x 2 indexes stay legible).
+    colors = {p: f"C{i % 10}" for i, p in enumerate(
+        dict.fromkeys(r["policy"] for r in cells if r["policy"] != "belady"))}
+    styles = dict(zip(dict.fromkeys(r["index"] for r in cells), ("-", ":", "-.", (0, (5, 1)))))
+    for policy, index in dict.fromkeys((r["policy"], r["index"]) for r in cells):
+        pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
+                     key=lambda r: r["num_blocks"])
+        style = dict(color="black" if policy == "belady" else colors[policy],
+                     linestyle=styles.get(index, "-"))
+        style.update(dict(linewidth=2.5, alpha=0.6) if policy == "belady" else
+                     dict(marker="o", markersize=4))
+        label = f"{policy} / {index}" + (" (offline bound)" if policy == "belady" else "")
+        ax.plot([r["num_blocks"] for r in pts], [r["hit_rate_tokens"] for r in pts],
+                label=label, **style)
+    for r in rows:
+        if r["record"] == "ideal":
+            ax.axhline(r["hit_rate_tokens"], color="gray", linestyle="-.",
+                       label=f"infinite cache ({r['hit_rate_tokens']:.3f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (blocks)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(title, fontsize=9)
+    _common.save_plot(fig, path)
+
+
+def run(config, *, progress: bool = False) -> dict:
+    """Runs the grid of ``config``; writes the rows and the plot into ``config.workdir``."""
+    grid = resolve_grid(config)
+    workdir = _common.prepare_workdir(config.workdir)
+    if next(iter(_common.requests_from_config(config, workdir)), None) is None:
+        raise ValueError(f"the trace {config.trace or config.workload.name!r} has no requests")
+    rows = _parallel.map_cells(run_cell, make_cells(config, grid), executor=config.executor,
+                               workers=config.workers, ray_address=config.ray_address,
+                               progress=progress, desc="compare_policies")
+    source = config.trace or f"workload:{config.workload.name}"
+    prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
+                              cache_state="cold", extra={"source": source, **grid})
+    rows_path, png_path = workdir / ROWS_FILE, workdir / PNG_FILE
+    with _common.AtomicJsonlWriter(rows_path, provenance=prov) as w:
+        for row in rows:
+            w.write({"source": source, **row})
+    plot(rows, png_path, title=f"{source}: block size {config.block_size}, "
+                               f"concurrency {config.concurrency}, {config.free_order}")
+    print(format_table(rows), flush=True)
+    ideal = next(r for r in rows if r["record"] == "ideal")
+    return {"rows": str(rows_path), "png": str(png_path), "cells": len(rows) - 1,
+            "ideal_hit_rate_tokens": ideal["hit_rate_tokens"],
+            "cells_s": sum(r["cell_s"] for r in rows)}
+
+
+def main() -> None:
+    _common.run_cli(run, config_name="compare_policies", extra_flags={
+        "trace": ("string", "Trace file (our JSONL or Mooncake)"),
+        "block_size": ("integer", "Tokens per block"),
+        "capacities": ("string", "Comma-separated cache sizes in blocks"),
+        "policies": ("string", "Comma-separated eviction policies, or all"),
+        "indexes": ("string", "Comma-separated indexes (hash, radix), or all"),
+        "concurrency": ("integer", "Most requests holding blocks at once"),
+        "free_order": ("string", "unhashed_first (vLLM's) | append"),
+        "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
+        "model": ("string", "Model preset for cached bytes (prefixcache.sim.cost_model)"),
+        "executor": ("string", "local | ray"),
+        "workers": ("integer", "Local worker processes / local Ray CPUs (0: one per CPU)"),
+        "ray_address": ("string", "Ray cluster address ('': a local instance)"),
+        "max_requests": ("integer", "Only the first N requests (0: all)"),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+r"""Prefix-aware routing across replicas: a trace x replica counts x routing policies.
+
+  python -m experiments.route --config=configs/route.py --workdir=/tmp/route
+  python -m experiments.route --config=configs/route_llmd.py --workdir=/tmp/route \
+      --replicas=8 --policies=random,round_robin,kv_events
+
+For every (policy, replica count) the trace is streamed through
+``prefixcache.sim.cluster.simulate_cluster``: N simulated replicas (each its own
+``KVCacheManager`` with ``num_blocks`` blocks, FCFS chunked-prefill scheduling and
+roofline step times of ``model`` on ``accelerator``) behind the router. Arrival
+times are the trace's timestamps times ``time_scale`` (or Poisson at
+``arrival_rate`` when it is > 0).
+
+Outputs in ``--workdir``: ``route.jsonl`` (one row per policy and replica count:
+``policy``, ``replicas``, ``requests``, ``prompt_tokens``, ``hit_tokens``,
+``hit_rate_tokens``, ``ttft_p50_s``/``ttft_p90_s``/``ttft_p99_s``,
+``throughput_tok_s``, ``load_imbalance``, ``route_us``, per-replica figures, plus
+provenance), ``route_ttft.png`` (P90 TTFT and token hit rate against replicas, one
+line per policy); a printed table on stderr; the last stdout line is a JSON object
+with the paths and the rows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from experiments import _common
+
+
+def parse_list(name: str, value, convert=str) -> list:
+    """A comma-separated flag/config value (or a sequence) as a non-empty list."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [x.strip() if isinstance(x, str) else x for x in items]
+    items = [x for x in items if x != ""]
+    if not items:
+        raise ValueError(f"--{name} is empty")
+    try:
+        return [convert(x) for x in items]
+    except ValueError:
+        raise ValueError(f"--{name}: cannot read {value!r} as a comma-separated list of "
+                         f"{convert.__name__}") from None
+
+
+def make_cost_model(config):
+    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
+
+    return CostModel.create(config.model, config.accelerator, num_chips=config.num_chips)
+
+
+def check_config(config) -> tuple[list[str], list[int]]:
+    """Validates the grid before anything runs; returns (policies, replica counts)."""
+    from prefixcache.sim.routing import check_router_name  # noqa: PLC0415
+
+    policies = [check_router_name(p) for p in parse_list("policies", config.policies)]
+    replicas = parse_list("replicas", config.replicas, int)
+    for r in replicas:
+        if r < 1:
+            raise ValueError(f"--replicas: a replica count must be >= 1, got {r}")
+    if not config.time_scale > 0:
+        raise ValueError(f"--time_scale must be > 0, got {config.time_scale}")
+    if config.num_blocks < 0 or config.block_size < 1:
+        raise ValueError("num_blocks must be >= 0 (0: all HBM left after the weights) and "
+                         "block_size >= 1")
+    return policies, replicas
+
+
+def run(config, *, progress: bool = False) -> dict:
+    """Runs the routing grid of ``config``; writes route.jsonl + the plot."""
+    from prefixcache.sim.cluster import simulate_cluster  # noqa: PLC0415
+    from prefixcache.sim.des import SchedulerConfig  # noqa: PLC0415
+
+    policies, replicas = check_config(config)
+    cost = make_cost_model(config)
+    num_blocks = config.num_blocks or cost.kv_cache_blocks(config.block_size)
+    if num_blocks < 1:
+        raise ValueError(f"{config.model} leaves no HBM for the KV cache on "
+                         f"{config.accelerator}; set --num_blocks")
+    sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs)
+    workdir = _common.prepare_workdir(config.workdir)
+    source = config.trace or f"workload:{config.workload.name}"
+    cells = [(p, n) for n in replicas for p in policies]
+    rows = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=len(cells), desc="route", unit="cell")
+    try:
+        for policy, n in cells:
+            requests = _common.requests_from_config(config, workdir)
+            s = simulate_cluster(
+                requests, num_replicas=n, router=policy, cost_model=cost,
+                num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
+                hash_algo=config.hash_algo, time_scale=float(config.time_scale),
+                arrival_rate=config.arrival_rate or None, seed=config.seed)
+            rows.append({"num_blocks": num_blocks, "block_size": config.block_size,
+                         "model": config.model, "accelerator": config.accelerator, **s})
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
+                              cache_state="cold", extra={"source": source})
+    rows_path = workdir / "route.jsonl"
+    with _common.AtomicJsonlWriter(rows_path, provenance=prov) as w:
+        for row in rows:
+            w.write({"record": "route", **row})
+    png = workdir / "route_ttft.png"
+    plot(rows, png, title=f"{source}: {config.model} on {config.accelerator}, "
+                          f"{num_blocks} blocks x {config.block_size} per replica")
+    print_table(rows)
+    keep = ("policy", "replicas", "hit_rate_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+            "throughput_tok_s", "load_imbalance")
+    return {"rows_file": str(rows_path), "png": str(png),
+            "rows": [{k: r[k] for k in keep} for r in rows]}
+
+
+def print_table(rows, file=sys.stderr) -> None:
+    print(f"{'policy':>13} {'replicas':>8} {'hit rate':>8} {'TTFT p50':>9} {'p90':>9} "
+          f"{'p99':>9} {'tok/s':>10} {'imbal.':>6} {'route us':>8}", file=file)
+    for r in rows:
+        print(f"{r['policy']:>13} {r['replicas']:>8} {r['hit_rate_tokens']:>8.3f} "
+              f"{r['ttft_p50_s']:>9.3f} {r['ttft_p90_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
+              f"{r['throughput_tok_s']:>10.0f} {r['load_imbalance']:>6.2f} "
+              f"{r['route_us']['p50']:>8.1f}", file=file)
+
+
+def plot(rows, path, *, title: str = "") -> None:
+    """P90 TTFT and token hit rate against replicas, one line per policy."""
+    fig, (ax1, ax2) = _common.new_figure(1, 2, figsize=(10, 3.8))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["replicas"])
+        x = [r["replicas"] for r in pts]
+        ax1.plot(x, [r["ttft_p90_s"] for r in pts], "o-", label=policy)
+        ax2.plot(x, [r["hit_rate_tokens"] for r in pts], "o-", label=policy)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("P90 TTFT (s)")
+    ax2.set_ylabel("token hit rate")
+    ax2.set_ylim(0, 1)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("replicas")
+        ax.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    _common.save_plot(fig, path)
+
+
+def main() -> None:
+    _common.run_cli(run, config_name="route", extra_flags={
+        "trace": ("string", "Trace file (our JSONL or Mooncake)"),
+        "replicas": ("string", "Comma-separated replica counts"),
+        "policies": ("string", "Comma-separated routing policies"),
+        "num_blocks": ("integer", "KV blocks per replica (0: all HBM left after the weights)"),
+        "block_size": ("integer", "Tokens per block"),
+        "model": ("string", "Cost-model preset"),
+        "time_scale": ("float", "Multiplies inter-arrival times"),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Validation of arguments at the package's public boundaries (host only, no jax).
+
+One helper per kind of argument, so every entry point rejects the same mistakes with
+the same message and BEFORE it changes any state:
+
+* ``check_count(name, value, min=0)``: a count or size (tokens, blocks, sequences).
+  Python ``int`` and numpy integer scalars are accepted (returned as ``int``); bools,
+  floats (also integral ones such as ``np.float64(10.0)``), strings, None are not.
+* ``check_int_sequence(name, values)``: token ids / block ids given as a sequence:
+  ordered containers only (list, tuple, range, ``array.array``, 1-D integer numpy
+  arrays, other ``Sequence`` types); sets, dicts and other mappings, strings and
+  bytes are rejected because their iteration order or element type is not the
+  caller's intent.
+* ``check_host_memory(what, nbytes)``: an allocation the caller is about to make
+  (a block pool, a KV array) fits in the memory the machine has; refused up front
+  with a message naming the sizes instead of exhausting memory part way.
+
+Type errors raise `ArgumentTypeError`, which is both a ``TypeError`` and a
+``ValueError``: callers written against either (``run_cli`` catches ValueError,
+Python convention says TypeError) see it.
+"""
+
+from __future__ import annotations
+
+import array
+import collections.abc
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ArgumentTypeError",
+    "available_host_memory",
+    "check_count",
+    "check_host_memory",
+    "check_int_sequence",
+]
+
+# The int types a count may have: Python int (not bool) and numpy integer scalars.
+_NP_INT = np.integer
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a ``TypeError`` and a ``ValueError``)."""
+
+
+def check_count(name: str, value: Any, *, min: int = 0) -> int:  # noqa: A002 - as the brief
+    """``value`` as an ``int`` >= ``min``, or an error naming ``name``.
+
+    Raises:
+      ArgumentTypeError: not an int (bool, float -- even ``10.0`` --, str, None, ...).
+      ValueError: an int below ``min``.
+    """
+    t = type(value)
+    if t is not int:
+        if t is bool or not isinstance(value, (int, _NP_INT)) or isinstance(value, np.bool_):
+            raise ArgumentTypeError(
+                f"{name} must be an int, got {value!r} of type {t.__name__}")
+        value = int(value)
+    if value < min:
+        raise ValueError(f"{name} must be >= {min}, got {value}")
+    return value
+
+
+_UNORDERED = (collections.abc.Set, collections.abc.Mapping)
+
+
+def check_int_sequence(name: str, values: Any) -> None:
+    """Raise unless ``values`` is an ordered container that may hold int ids.
+
+    Only the container is checked here (O(1)); element types are checked by the
+    caller's conversion (``array('q', ...)`` / numpy dtype checks at C speed).
+
+    Raises:
+      ArgumentTypeError: a set, frozenset, dict or other mapping, str / bytes, a
+        non-iterable, or a numpy array that is not 1-D of an integer dtype.
+    """
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ArgumentTypeError(
+                f"{name} must be a 1-D integer array, got dtype {values.dtype} shape "
+                f"{values.shape}")
+        return
+    if type(values) in (list, tuple, range, array.array, bytearray):
+        return
+    if isinstance(values, (str, bytes)) or isinstance(values, _UNORDERED):
+        raise ArgumentTypeError(
+            f"{name} must be an ordered sequence of int ids (list, tuple, 1-D int array), "
+            f"got {type(values).__name__}")
+    if not hasattr(values, "__iter__"):
+        raise ArgumentTypeError(
+            f"{name} must be a sequence of int ids, got {type(values).__name__}")
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available for new allocations (Linux ``MemAvailable``;
+    else physical pages), or None when it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def check_host_memory(what: str, nbytes: int, *, available: int | None = None) -> None:
+    """Raise ``ValueError`` when allocating ``nbytes`` for ``what`` cannot fit in host memory.
+
+    Args:
+      what: names the allocation and the arguments that size it (for the message).
+      nbytes: bytes about to be allocated.
+      available: bytes available (default: `available_host_memory()`; when that is
+        unknown the check passes).
+    """
+    if available is None:
+        available = available_host_memory()
+    if available is not None and nbytes > available:
+        raise ValueError(
+            f"{what} needs about {_gib(nbytes)} of host memory but only {_gib(available)} "
+            "is available; use a smaller size")

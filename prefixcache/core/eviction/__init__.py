@@ -1,0 +1,61 @@
+"""Eviction policies for the prefix cache, selected by name.
+
+A policy is one file in this package plus one line in ``POLICIES`` below (the
+registration). ``make_policy(name, num_blocks=..., **options)`` builds one;
+``KVCacheManager(..., eviction=name)`` selects it. The protocol between an index and a
+policy is in ``base.py``.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from prefixcache.core.eviction.base import EvictionPolicy, KeyedPolicy, PolicyError
+from prefixcache.core.eviction.lru import LRUPolicy
+
+# NOTE: the registry is read-only (no module-level mutable state): add a policy here.
+POLICIES = MappingProxyType({
+    "lru": LRUPolicy,
+})
+
+DEFAULT_POLICY = "lru"
+
+
+def policy_names() -> tuple[str, ...]:
+    """The registered policy names."""
+    return tuple(POLICIES)
+
+
+def get_policy_class(name: str) -> type[EvictionPolicy]:
+    """The policy class registered as ``name``; ``ValueError`` naming the choices."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; expected one of {policy_names()}")
+    return POLICIES[name]
+
+
+def make_policy(name: str, *, num_blocks: int, **options) -> EvictionPolicy:
+    """Build the policy ``name`` for a pool of ``num_blocks`` blocks.
+
+    Args:
+        name: a registered name (``policy_names()``).
+        num_blocks: blocks in the pool.
+        **options: the policy's own options (e.g. ``belady``'s ``future``); an option
+            the policy does not take is a ``TypeError`` naming it.
+    """
+    cls = get_policy_class(name)
+    try:
+        return cls(num_blocks, **options)
+    except TypeError as e:
+        raise TypeError(f"eviction policy {name!r}: {e}") from None
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "EvictionPolicy",
+    "KeyedPolicy",
+    "POLICIES",
+    "PolicyError",
+    "get_policy_class",
+    "make_policy",
+    "policy_names",
+]

@@ -1,0 +1,213 @@
+"""The eviction-policy seam: which evictable cached block goes first.
+
+Two parties share the work (see ``prefixcache/core/eviction/__init__.py`` for the
+registry):
+
+* The **index** (the hash-chain ``BlockPool``, or the radix tree) owns the blocks and
+  decides which ones are *candidates*: cached (they hold a hash / a tree node), not in
+  use (``ref_cnt == 0``) and, for the radix tree, leaves. It tells the policy when a block
+  becomes a candidate (``add``) and when it stops being one (``discard``), and asks for a
+  victim with ``pop`` only after it has used up every free block that holds no hash
+  (those can never be hit, so they always go first).
+* The **policy** keeps per-block metadata from the notifications below and orders the
+  candidates. It never changes a block.
+
+Notifications, in the order the index makes them for one block's life::
+
+    on_cached(block, block_hash, request, position)   # the block entered the cache
+    on_hit(block, request)                            # a lookup adopted it (any ref_cnt)
+    on_release(block, request, position)              # its ref_cnt dropped to 0
+    add(block) / discard(block)                       # candidate set membership
+    pop() -> block                                    # the victim; no longer a candidate
+    on_evicted(block)                                 # it left the cache: forget it
+    clear()                                           # every block left the cache
+
+``position`` is the block's index in its request's block table (its depth in the hash
+chain / the tree, 0 = first block). A driver that knows the trace calls
+``on_arrival(request, index)`` once per request, before its first lookup (only the
+offline ``belady`` bound needs it).
+
+Every policy here is a *keyed* policy: ``key(block)`` is computed when the block becomes
+a candidate, and ``pop`` returns the candidate with the smallest key (a lazy-deletion
+binary heap, O(log n) per operation). Keys end with the block's release stamp, so equal
+keys fall back to LRU order -- the order of vLLM's free queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Sequence
+
+
+class PolicyError(AssertionError):
+    """A policy's bookkeeping is inconsistent (a bug, never a caller error)."""
+
+
+class EvictionPolicy:
+    """Base class of eviction policies; see the module docstring for the protocol.
+
+    Args:
+        num_blocks: blocks in the pool (ids ``0 .. num_blocks - 1``).
+
+    Attributes:
+        name: the registry name (set by subclasses).
+        needs_future: the policy needs ``on_arrival`` calls from a driver that knows
+            the trace (``belady``); a manager built without one raises.
+    """
+
+    name = "base"
+    needs_future = False
+
+    def __init__(self, num_blocks: int):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+
+    # -- metadata notifications (defaults: nothing to remember) ---------------------
+    def on_cached(self, block, block_hash: bytes, request, position: int) -> None:
+        """``block`` got ``block_hash`` (position ``position`` of ``request``)."""
+
+    def on_hit(self, block, request) -> None:
+        """A prefix lookup of ``request`` adopted the cached ``block``."""
+
+    def on_release(self, block, request, position: int) -> None:
+        """``request`` dropped the last reference to the cached ``block``."""
+
+    def on_evicted(self, block) -> None:
+        """``block`` left the cache (its hash was dropped to reuse it)."""
+
+    def on_arrival(self, request, index: int) -> None:
+        """Trace request number ``index`` arrives (called before its first lookup)."""
+
+    # -- candidate set -----------------------------------------------------------
+    def add(self, block) -> None:
+        raise NotImplementedError
+
+    def discard(self, block) -> None:
+        raise NotImplementedError
+
+    def pop(self):
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def candidate_ids(self) -> list[int]:
+        """Ids of the current candidates, the next victim first."""
+        raise NotImplementedError
+
+    def check_invariants(self, candidate_ids: Sequence[int]) -> None:
+        """Raise ``PolicyError`` unless the candidates are exactly ``candidate_ids``."""
+        got = sorted(self.candidate_ids())
+        want = sorted(candidate_ids)
+        if got != want:
+            extra = sorted(set(got) - set(want))
+            missing = sorted(set(want) - set(got))
+            raise PolicyError(
+                f"{self.name}: candidates differ from the index's evictable blocks: "
+                f"extra {extra[:10]}, missing {missing[:10]}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_blocks={self.num_blocks}, candidates={len(self)})"
+
+
+class KeyedPolicy(EvictionPolicy):
+    """A policy that evicts the candidate with the smallest ``key(block)``.
+
+    Keeps a release stamp per block (a logical clock ticked by every ``on_cached`` and
+    ``on_release``), which subclasses end their keys with so that ties are broken in
+    LRU order. Subclasses implement ``key`` and may extend the notifications (call
+    ``super()``).
+
+    NOTE: lazy deletion: ``discard`` only forgets the heap entry's token; stale entries
+    are skipped by ``pop`` and dropped when the heap grows past twice the candidates.
+    """
+
+    name = "keyed"
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        self.clock = 0
+        self.released_at = [0] * num_blocks  # clock at the last release to ref_cnt 0
+        self.cached_at = [0] * num_blocks  # clock when the block entered the cache
+        self._token = [0] * num_blocks  # heap token of the live entry; 0: not a candidate
+        self._next_token = 0
+        self._heap: list[tuple[Any, int, Any]] = []
+        self._n = 0
+
+    def key(self, block) -> Any:
+        """The block's eviction key (smaller = evicted first); computed at ``add``."""
+        raise NotImplementedError
+
+    # -- notifications -----------------------------------------------------------
+    def on_cached(self, block, block_hash, request, position) -> None:
+        self.clock += 1
+        self.cached_at[block.block_id] = self.clock
+
+    def on_release(self, block, request, position) -> None:
+        self.clock += 1
+        self.released_at[block.block_id] = self.clock
+
+    # -- candidates --------------------------------------------------------------
+    def add(self, block) -> None:
+        bid = block.block_id
+        if self._token[bid]:
+            raise PolicyError(f"{self.name}: block {bid} is already a candidate")
+        self._next_token += 1
+        tok = self._next_token
+        self._token[bid] = tok
+        heapq.heappush(self._heap, (self.key(block), tok, block))
+        self._n += 1
+
+    def discard(self, block) -> None:
+        bid = block.block_id
+        if not self._token[bid]:
+            raise PolicyError(f"{self.name}: block {bid} is not a candidate")
+        self._token[bid] = 0
+        self._n -= 1
+        if len(self._heap) > 2 * self._n + 64:
+            self._compact()
+
+    def pop(self):
+        heap = self._heap
+        token = self._token
+        while heap:
+            _, tok, block = heapq.heappop(heap)
+            if token[block.block_id] == tok:
+                token[block.block_id] = 0
+                self._n -= 1
+                return block
+        raise PolicyError(f"{self.name}: pop() with no candidates")
+
+    def rekey(self, block) -> None:
+        """Recompute a candidate's key (its metadata changed while it waits)."""
+        self.discard(block)
+        self.add(block)
+
+    def _compact(self) -> None:
+        token = self._token
+        self._heap = [e for e in self._heap if token[e[2].block_id] == e[1]]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def clear(self) -> None:
+        self._heap = []
+        self._token = [0] * self.num_blocks
+        self._n = 0
+
+    def candidate_ids(self) -> list[int]:
+        token = self._token
+        live = sorted(e for e in self._heap if token[e[2].block_id] == e[1])
+        return [e[2].block_id for e in live]
+
+    def check_invariants(self, candidate_ids: Sequence[int]) -> None:
+        n_live = sum(1 for t in self._token if t)
+        if n_live != self._n:
+            raise PolicyError(f"{self.name}: {n_live} live tokens but {self._n} candidates")
+        super().check_invariants(candidate_ids)

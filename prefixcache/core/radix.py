@@ -1,0 +1,1162 @@
+"""A radix-tree prefix index (SGLang's RadixAttention) behind ``KVCacheManager``'s API.
+
+``RadixKVCacheManager`` is a sibling of the hash-chain ``KVCacheManager``: the same
+constructor keywords and scheduler-facing calls, so the replay and the engine drive
+either unchanged. Only the index differs:
+
+* **Hash chain** (vLLM): a block is found by its chained digest; any cached block can
+  be evicted, so evicting an interior block leaves the blocks after it cached but
+  unreachable ("stranded": no lookup can get past the hole).
+* **Radix tree** (SGLang, ``page_size = block_size``): one node per cached block,
+  children keyed by the block's token ids plus its extra keys; only unlocked leaves
+  are evicted, so every cached block stays reachable (``num_stranded_blocks() == 0``).
+
+Keys. The tree stands in for the hash chain exactly: a node's child key is the
+block's token ids as bytes (``Request.token_bytes``: 8 native bytes per id, an exact
+encoding of ``tuple(token_ids)``), or ``(token_bytes, extras)`` when the block has
+extra keys -- one ``(mm_identifier, item_offset - block_start)`` per multimodal item
+overlapping the block (the chain's ``("mm", ...)`` keys) and the cache salt on the
+block the chain salts (block 0). The LoRA adapter, which the chain puts on every block,
+selects the root: one subtree per ``(lora name, lora path)`` (SGLang's ``extra_key``
+namespace). The salt sits in block 0's key rather than in the root: the same thing, as
+a salted request's every later block hangs below its salted first block. Two requests
+therefore reach the same node iff their chains give the same digest (barring digest
+collisions).
+
+NOTE: bytes keys, not tuples of ints: a tuple boxes every id and hashes it item by item
+(a key + lookup cost ~2x the bytes one per block in a micro-benchmark; the tree's lookups
+were its largest cost over the chain's). The hashes are still kept: ``block.block_hash``
+of a node's block is ``request.block_hashes[depth]`` of the request that cached it, for
+events, ``cached_block_ids`` and adoption checks; the tree, not the hash, decides hits.
+
+Locks (SGLang's ``lock_ref``). A running request locks every node on its path from the
+root: the nodes of its hit blocks and of the blocks it cached. Block tables are
+append-only, so a request that fills a block whose key the tree already holds (a
+block-aligned prompt's last block, which lookups never hit, or identical outputs) keeps
+its own block *uncached* (a duplicate: no hash, reused first once freed) and locks the
+existing node instead, continuing its path below it. So a node may be locked while its
+block is free (``ref_cnt == 0``): such a block is not available for allocation.
+
+Invariants (``check_invariants`` verifies all of them):
+    * Every node holds exactly one block, whose ``block_hash`` is set; a block has a
+      hash iff it is a node's; every node is reachable from a root (nothing strands);
+      ``num_cached_blocks`` counts the nodes.
+    * ``node.lock`` == the number of running requests whose path holds the node; a
+      request's path is a chain from its namespace's root and its ``k``-th node has the
+      key of the request's block ``k``. Hence a locked node's ancestors are locked and
+      an unlocked node's whole subtree is unlocked.
+    * A block held by a request (``ref_cnt > 0``) that is a node's is locked (the
+      holder's path contains it); each ``ref_cnt`` equals the number of block tables
+      holding the block.
+    * The free queue holds exactly the blocks with ``ref_cnt == 0``: first the
+      ``_num_free_unhashed`` blocks without a hash, then the free node blocks.
+    * The policy's candidates are exactly the unlocked leaf nodes' blocks.
+    * Available blocks (what ``allocate_slots`` may take) = free unhashed blocks +
+      unlocked nodes (evictable leaf by leaf); free but locked node blocks are not.
+    * A call that raises or returns ``None`` changes no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+from prefixcache.core.block_pool import (
+    FREE_ORDERS,
+    KV_CACHE_SPEC_KIND,
+    FreeKVCacheBlockQueue,
+    InvariantError,
+    KVCacheBlock,
+    _bytes_block_hash,
+    _int_block_hash,
+)
+from prefixcache.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    event_extra_keys,
+)
+from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.kv_cache_manager import KVCacheManager, _bad_num_computed_tokens
+from prefixcache.core.stats import PrefixCacheStats
+
+INDEX_NAME = "radix"
+
+
+class _Node:
+    """One cached block in the tree (a root: ``block is None``, ``key`` = namespace).
+
+    Attributes:
+        key: the block's child key under ``parent`` (see the module docstring).
+        parent: the parent node (a root for a request's block 0).
+        children: child key -> node.
+        block: the cached ``KVCacheBlock``.
+        lock: running requests whose path holds this node.
+    """
+
+    __slots__ = ("key", "parent", "children", "block", "lock")
+
+    def __init__(self, key, parent: "_Node | None", block: KVCacheBlock | None):
+        self.key = key
+        self.parent = parent
+        self.children: dict[Any, _Node] = {}
+        self.block = block
+        self.lock = 0
+
+    def __repr__(self) -> str:
+        bid = self.block.block_id if self.block is not None else None
+        return f"_Node(block={bid}, lock={self.lock}, children={len(self.children)})"
+
+
+class _RadixState:
+    """What the manager holds for a running request.
+
+    Attributes:
+        request: the request object.
+        blocks: its block table (append-only while it runs).
+        path: the nodes of its first ``len(path)`` blocks (a chain from its root; node
+            ``k`` holds ``blocks[k]`` or, for a duplicate, an equal block).
+        ns: the request's namespace (its root's key).
+        plain_from: its blocks from this one on have keys without extras.
+        idle_until: the decode fast path's bound (as ``KVCacheManager``'s).
+    """
+
+    __slots__ = ("request", "blocks", "path", "ns", "plain_from", "idle_until")
+
+    def __init__(self, request, blocks: list[KVCacheBlock], path: list[_Node], ns, bs: int):
+        self.request = request
+        self.blocks = blocks
+        self.path = path
+        self.ns = ns
+        feats = request.mm_features  # sorted by offset, disjoint: the last ends last
+        mm_end = feats[-1].offset + feats[-1].length if feats else 0
+        salted = _SALT_BLOCK + 1 if request.cache_salt else 0
+        mm_blocks = -(-mm_end // bs)
+        self.plain_from = mm_blocks if mm_blocks > salted else salted
+        self.idle_until = -1
+
+
+def _namespace(request) -> tuple[str, str] | None:
+    """The root a request's blocks hang under: its LoRA adapter (name, path) or None."""
+    lora = request.lora
+    return (lora.name, lora.path) if lora is not None else None
+
+
+# NOTE: the block whose key carries the cache salt: block 0, as in vLLM's chain (the
+# salt reaches later blocks through the parent). Should the salt ever enter a later
+# block of the chain, this is the one place to change.
+_SALT_BLOCK = 0
+
+
+def extras_by_block(mm_features, cache_salt, block_size: int) -> dict[int, tuple]:
+    """The extra part of the keys of a request's blocks that have one, by block index:
+    ``(mm_identifier, offset - block_start)`` per overlapping item (offset order), then
+    the salt on the salted block. A pure function of (items, salt, block size): the
+    manager memoizes it per request shape."""
+    bs = block_size
+    out: dict[int, list] = {}
+    for f in mm_features:  # sorted by offset
+        # NOTE: the chain's overlap rule: offset < block end and offset + length >
+        # block start.
+        for i in range(f.offset // bs, -(-(f.offset + f.length) // bs)):
+            out.setdefault(i, []).append((f.identifier, f.offset - i * bs))
+    if cache_salt:
+        out.setdefault(_SALT_BLOCK, []).append(cache_salt)
+    return {i: tuple(v) for i, v in out.items()}
+
+
+def block_keys(request, first: int, last: int, block_size: int, extras=None) -> list:
+    """The tree keys of the request's blocks ``first .. last - 1`` (all full).
+
+    Args:
+        request: a ``Request`` with at least ``last * block_size`` tokens.
+        first, last: block range.
+        block_size: tokens per block.
+        extras: ``extras_by_block`` of the request (computed when None).
+
+    Returns:
+        One key per block: its token ids as bytes (``Request.token_bytes``), or
+        ``(token_bytes, extras)`` for a block with extra keys.
+    """
+    kb = request.token_bytes(first * block_size, last * block_size)
+    w = 8 * block_size
+    keys: list = [kb[j : j + w] for j in range(0, len(kb), w)]
+    if extras is None:
+        extras = extras_by_block(request.mm_features, request.cache_salt, block_size)
+    for i, e in extras.items():
+        if first <= i < last:
+            keys[i - first] = (keys[i - first], e)
+    return keys
+
+
+class RadixKVCacheManager:
+    """Allocates KV cache blocks and reuses cached prefixes found in a radix tree.
+
+    Same constructor keywords, calls, return values and errors as ``KVCacheManager``
+    (see its docstring); the differences are the index (module docstring) and:
+
+    * Eviction: only unlocked leaf nodes are candidates; the policy
+      (``prefixcache.core.eviction``, any registered name) picks among them. Free blocks
+      without a hash (never cached, or duplicates) are always reused first.
+    * ``free_order`` is accepted and validated for the shared constructor, but the tree
+      always reuses unhashed free blocks first (the order of vLLM 0.33's
+      ``"unhashed_first"``): the policy, not the queue, orders cached blocks.
+    * A duplicate block (its key already cached) is not cached a second time, so
+      ``counters()["blocks_cached"]`` counts nodes created and events are emitted only
+      for them.
+
+    Args:
+        num_blocks, block_size, enable_caching, hash_algo, hash_seed, free_order,
+        log_stats, enable_events, max_model_len, int_event_hashes: as ``KVCacheManager``.
+        eviction: the eviction policy's registered name.
+        eviction_options: keyword options for the policy (e.g. belady's ``future``).
+        index: must be ``"radix"``.
+
+    Attributes:
+        policy: the ``EvictionPolicy`` object.
+        blocks: all ``KVCacheBlock`` objects (``blocks[i].block_id == i``).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed=None,
+        free_order: str = "append",
+        log_stats: bool = True,
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+        int_event_hashes: bool = True,
+        eviction: str = "lru",
+        eviction_options: Mapping[str, Any] | None = None,
+        index: str = INDEX_NAME,
+    ):
+        if index != INDEX_NAME:
+            raise ValueError(
+                f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
+            )
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+            or max_model_len <= 0
+        ):
+            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        if eviction_options is not None and not isinstance(eviction_options, Mapping):
+            raise ValueError(
+                f"eviction_options must be a mapping or None, got {eviction_options!r}"
+            )
+        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        self.policy = make_policy(eviction, num_blocks=num_blocks, **dict(eviction_options or {}))
+        # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
+        self._on_hit = (
+            None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
+        )
+        # NOTE: keyed policies that keep KeyedPolicy's on_release / on_cached (a clock
+        # tick and one stamp) get them inlined: a Python call per released node was the
+        # tree's largest cost over the chain's free (whose LRU is the queue itself).
+        cls = type(self.policy)
+        self._on_evicted = (
+            None if cls.on_evicted is EvictionPolicy.on_evicted else self.policy.on_evicted
+        )
+        keyed = isinstance(self.policy, KeyedPolicy)
+        self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
+        self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
+        self.eviction = eviction
+        self.index = INDEX_NAME
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
+        self.free_order = free_order
+        self.log_stats = bool(log_stats)
+        self.enable_events = bool(enable_events)
+        self.max_model_len = max_model_len
+        self._max_len = max_model_len if max_model_len is not None else 1 << 62
+        self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free = FreeKVCacheBlockQueue(self.blocks)
+        self._num_free_unhashed = num_blocks  # the free queue's head part
+        self._nodes: list[_Node | None] = [None] * num_blocks  # block id -> its node
+        self._roots: dict[Any, _Node] = {}  # namespace -> root (dropped when empty)
+        self._num_nodes = 0
+        self._num_unlocked_nodes = 0
+        self._epoch = 0  # node removals (evictions, resets): invalidates _lookup
+        # (request, hit nodes, their blocks, epoch) of the last lookup
+        self._lookup: tuple | None = None
+        self._extras_memo: dict[tuple, dict[int, tuple]] = {}  # see _extras
+        self._states: dict[Any, _RadixState] = {}
+        self._states_by_request: dict[Any, _RadixState] = {}
+        self.events: list[KVCacheEvent] = []
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if self.log_stats else None
+        )
+        # Cumulative counters (never reset).
+        self.num_lookups = 0
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_failed_allocations = 0
+        self.num_evictions = 0
+        self.num_blocks_cached = 0
+        self.num_blocks_allocated = 0
+
+    @property
+    def hash_algo(self) -> str:
+        return self.hasher.algo
+
+    def _extras(self, request) -> dict[int, tuple]:
+        """``extras_by_block`` of the request, memoized per (items, salt): requests of
+        one shape share it (bounded: cleared past 4096 shapes)."""
+        feats = request.mm_features
+        salt = request.cache_salt
+        if not feats and not salt:
+            return {}
+        k = (feats, salt)
+        memo = self._extras_memo
+        e = memo.get(k)
+        if e is None:
+            if len(memo) >= 4096:
+                memo.clear()
+            e = memo[k] = extras_by_block(feats, salt, self.block_size)
+        return e
+
+    def on_arrival(self, request, index: int) -> None:
+        """Trace request number ``index`` arrives (forwarded to the policy)."""
+        self.policy.on_arrival(request, index)
+
+    # -------------------------------------------------------------- scheduling
+    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+        """The blocks of the longest cached path that starts the request.
+
+        Changes no block state (no locks, ref counts or queue order); only counters.
+        At most ``(num_tokens - 1) // block_size`` blocks hit, as in the hash chain.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        request.bind_hasher(self.hasher, self.block_size)
+        num_tokens = request.num_tokens
+        bs = self.block_size
+        max_blocks = (num_tokens - 1) // bs
+        nodes: list[_Node] = []
+        root = self._roots.get(_namespace(request))
+        if root is not None and max_blocks:
+            append = nodes.append
+            children = root.children
+            extras = self._extras(request)
+            token_bytes = request.token_bytes
+            w = 8 * bs
+            # Tokens are copied in chunks of 4, 8, 16, ... blocks: a lookup that stops
+            # early copies little, a long hit one chunk per doubling.
+            start, chunk = 0, 4
+            while start < max_blocks:
+                end = start + chunk if start + chunk < max_blocks else max_blocks
+                kb = token_bytes(start * bs, end * bs)
+                if extras:
+                    get = extras.get
+                    for i, j in enumerate(range(0, len(kb), w), start):
+                        e = get(i)
+                        node = children.get(kb[j : j + w] if e is None else (kb[j : j + w], e))
+                        if node is None:
+                            break
+                        append(node)
+                        children = node.children
+                    else:
+                        start, chunk = end, 2 * chunk
+                        continue
+                else:
+                    for j in range(0, len(kb), w):
+                        node = children.get(kb[j : j + w])
+                        if node is None:
+                            break
+                        append(node)
+                        children = node.children
+                    else:
+                        start, chunk = end, 2 * chunk
+                        continue
+                break
+        computed = [node.block for node in nodes]
+        # NOTE: allocate_slots adopts these nodes without walking them again while the
+        # tree has lost no node since (the epoch counts removals); a copy of the list,
+        # so that a caller changing the returned one in place is still checked.
+        self._lookup = (request, nodes, computed[:], self._epoch)
+        num_hit = len(computed) * bs
+        self.num_lookups += 1
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += num_hit
+        return computed, num_hit
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+
+        As ``KVCacheManager.allocate_slots`` (same arguments, ``None`` = does not fit
+        and nothing changed, same errors). A new request's hit blocks must be the
+        nodes of its own prefix, in order (what ``get_computed_blocks`` returned):
+        they are locked with their ancestors. Every block full after the step is
+        entered into the tree at once (or, for a duplicate key, the existing node is
+        locked instead).
+        """
+        try:
+            st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
+        except KeyError:
+            st = None
+        nc = request.num_computed_tokens
+        if (
+            st is None
+            or type(nc) is not int
+            or nc < 0
+            or num_new_computed_tokens
+            or new_computed_blocks
+            or num_lookahead_tokens
+            or num_new_tokens <= 0
+        ):
+            return self._allocate_slow(
+                request, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
+            )
+        # Fast path: a running request (a decode step or a later prefill chunk).
+        total = nc + num_new_tokens
+        if total <= st.idle_until:
+            return []
+        num_tokens = request.num_tokens
+        if nc > num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: num_computed_tokens={nc} > "
+                f"num_tokens={num_tokens}"
+            )
+        if total > self._max_len:
+            raise ValueError(
+                f"request {request.request_id!r} needs {total} tokens, beyond "
+                f"max_model_len={self.max_model_len}"
+            )
+        bs = self.block_size
+        blocks = st.blocks
+        num_new_blocks = -(-total // bs) - len(blocks)
+        if num_new_blocks > 0:
+            if num_new_blocks > self._num_free_unhashed + self._num_unlocked_nodes:
+                self.num_failed_allocations += 1
+                return None
+            new_blocks = self._take_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        if total // bs > len(st.path) and self.enable_caching:
+            num_full = (total if total < num_tokens else num_tokens) // bs
+            hashes = request.block_hashes
+            if num_full > len(hashes):
+                num_full = len(hashes)
+            if num_full > len(st.path):
+                self._cache(st, num_full, hashes)
+        st.idle_until = self._idle_bound(st)
+        return new_blocks
+
+    def _idle_bound(self, st: _RadixState) -> int:
+        """``st.idle_until`` (see ``KVCacheManager._idle_bound``)."""
+        bs = self.block_size
+        limit = len(st.blocks) * bs
+        if self._max_len < limit:
+            limit = self._max_len
+        if self.enable_caching:
+            full = (len(st.path) + 1) * bs - 1
+            if full < limit:
+                limit = full
+        return limit
+
+    def _allocate_slow(
+        self, request, num_new_tokens, num_new_computed_tokens,
+        new_computed_blocks, num_lookahead_tokens,
+    ):
+        """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
+        rid = request.request_id
+        st = self._states.get(rid)
+        if st is not None and st.request is not request:
+            raise ValueError(f"request id {rid!r} is already running as another Request")
+        KVCacheManager._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+        bad = _bad_num_computed_tokens(request)
+        if bad:
+            raise ValueError(bad)
+        nc = request.num_computed_tokens
+        computed = list(new_computed_blocks) if new_computed_blocks else []
+        bs = self.block_size
+        if st is not None and computed:
+            raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
+        if len(computed) * bs != num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                f"{len(computed)} hit blocks of {bs} tokens"
+            )
+        if computed and not self.enable_caching:
+            raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
+        total = nc + num_new_computed_tokens + num_new_tokens
+        if st is None and computed and nc:
+            raise ValueError(
+                f"request {rid!r} has num_computed_tokens={nc} "
+                "but no blocks; it cannot adopt prefix-hit blocks"
+            )
+        mml = self.max_model_len
+        need = total + num_lookahead_tokens
+        if mml is not None:
+            if total > mml:
+                raise ValueError(
+                    f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
+                )
+            need = min(need, mml)
+        hasher = request.hasher
+        if self.enable_caching and hasher is not None and (
+            (hasher is not self.hasher and hasher != self.hasher) or request.block_size != bs
+        ):
+            raise ValueError(
+                f"request {rid!r} is bound to {hasher!r} with block size "
+                f"{request.block_size}, not this manager's {self.hasher!r} / {bs}"
+            )
+        ns = _namespace(request)
+        nodes = self._adopted_nodes(request, computed, ns) if computed else []
+        # Hit nodes not locked yet leave the available blocks when locked. Along a
+        # path locks never grow with depth (a path holding a node holds its parent),
+        # so the unlocked hits are a suffix: find where it starts by bisection.
+        lo, hi = 0, len(nodes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if nodes[mid].lock:
+                lo = mid + 1
+            else:
+                hi = mid
+        num_unlocked_hits = len(nodes) - lo
+        num_held = len(st.blocks) if st is not None else 0
+        num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
+        if num_new_blocks + num_unlocked_hits > self._num_free_unhashed + self._num_unlocked_nodes:
+            self.num_failed_allocations += 1
+            return None
+        # --- state changes from here on -------------------------------------
+        if st is None:
+            on_hit = self._on_hit
+            num_touched = 0
+            if num_unlocked_hits and not nodes[-1].children:
+                # NOTE: only the path's last node can be a leaf (each other has the
+                # next as a child), so only it can be a candidate.
+                self.policy.discard(nodes[-1].block)
+            for node in nodes:
+                b = node.block
+                node.lock += 1
+                if b.ref_cnt == 0:
+                    # FreeKVCacheBlockQueue.remove, inlined (once per hit block)
+                    prev = b.prev_free_block
+                    nxt = b.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev
+                    b.prev_free_block = b.next_free_block = None
+                    num_touched += 1
+                b.ref_cnt += 1
+                if on_hit is not None:
+                    on_hit(b, request)
+            self._num_unlocked_nodes -= num_unlocked_hits
+            self._free.num_free_blocks -= num_touched
+            self._lookup = None  # NOTE: holds no request past its admission
+            st = _RadixState(request, computed, nodes, ns, bs)
+            self._states[rid] = st
+            self._states_by_request[request] = st
+            if self.log_stats and self.enable_caching:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
+                )
+        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
+        st.blocks.extend(new_blocks)
+        if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
+            hashes = request.block_hashes
+            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            if num_full > len(st.path):
+                self._cache(st, num_full, hashes)
+        st.idle_until = self._idle_bound(st)
+        return new_blocks
+
+    def _adopted_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
+        """The nodes of the hit blocks ``computed``: from the request's last lookup when
+        they are its blocks and no node was removed since, else ``_hit_nodes``."""
+        lk = self._lookup
+        if lk is not None and lk[0] is request and lk[3] == self._epoch:
+            n = len(computed)
+            # NOTE: list == compares item by item at C speed, identity first (blocks
+            # define no __eq__).
+            if n <= len(lk[2]) and computed == lk[2][:n]:
+                return lk[1][:n]
+        return self._hit_nodes(request, computed, ns)
+
+    def _hit_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
+        """The nodes of ``computed``; ``ValueError`` unless they are, in order, the
+        cached nodes of the request's own first blocks (changes nothing but binding
+        the request to this manager's hasher, as a lookup does)."""
+        request.bind_hasher(self.hasher, self.block_size)
+        hashes = request.block_hashes
+        if len(computed) > len(hashes):
+            raise ValueError(
+                f"request {request.request_id!r} has {len(hashes)} full blocks but "
+                f"adopts {len(computed)}"
+            )
+        parent = self._roots.get(ns)
+        nodes_of = self._nodes
+        nodes: list[_Node] = []
+        append = nodes.append
+        for b, h in zip(computed, hashes[: len(computed)]):
+            try:
+                node = nodes_of[b.block_id]
+            except (AttributeError, IndexError, TypeError):
+                node = None
+            # NOTE: node.block is b rules out foreign blocks (and negative ids).
+            if node is None or node.block is not b or node.parent is not parent or (
+                parent is None or b.block_hash != h
+            ):
+                raise ValueError(
+                    f"block {getattr(b, 'block_id', b)!r} is not the cached block "
+                    f"#{len(nodes)} of request {request.request_id!r}'s prefix in this manager"
+                )
+            append(node)
+            parent = node
+        return nodes
+
+    def _take_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` blocks (caller checked availability): unhashed free blocks first
+        (queue head), then the policy's victims (unlocked leaves, evicted)."""
+        q = self._free
+        k = self._num_free_unhashed
+        if k >= n:
+            out = q.popleft_n(n)
+            self._num_free_unhashed = k - n
+        else:
+            out = q.popleft_n(k) if k else []
+            self._num_free_unhashed = 0
+            policy = self.policy
+            pop = policy.pop
+            on_evicted = self._on_evicted
+            nodes = self._nodes
+            events = self.events if self.enable_events else None
+            for _ in range(n - k):
+                b = pop()
+                # Evict the unlocked leaf b (inlined: once per victim).
+                bid = b.block_id
+                node = nodes[bid]
+                if node.lock or node.children or b.ref_cnt:
+                    raise InvariantError(
+                        f"evicting block {bid}: lock {node.lock}, "
+                        f"{len(node.children)} children, ref_cnt {b.ref_cnt}"
+                    )
+                parent = node.parent
+                del parent.children[node.key]
+                node.parent = None
+                nodes[bid] = None
+                if events is not None:
+                    events.append(BlockRemoved(
+                        block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
+                        group_idx=0,
+                    ))
+                b.block_hash = None
+                if on_evicted is not None:
+                    on_evicted(b)
+                if parent.block is None:
+                    if not parent.children:
+                        del self._roots[parent.key]
+                elif not parent.lock and not parent.children:
+                    policy.add(parent.block)  # an unlocked interior node became a leaf
+                # FreeKVCacheBlockQueue.remove, inlined
+                prev = b.prev_free_block
+                nxt = b.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                b.prev_free_block = b.next_free_block = None
+                out.append(b)
+            victims = n - k
+            q.num_free_blocks -= victims
+            self._num_nodes -= victims
+            self._num_unlocked_nodes -= victims
+            self._epoch += victims
+            self.num_evictions += victims
+        for b in out:
+            b.ref_cnt = 1
+        self.num_blocks_allocated += n
+        return out
+
+    def _cache(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
+        """Enter the request's blocks ``len(st.path) .. num_full - 1`` into the tree."""
+        request = st.request
+        path = st.path
+        blocks = st.blocks
+        first = len(path)
+        if path:
+            parent = path[-1]
+        else:
+            parent = self._roots.get(st.ns)
+            if parent is None:
+                parent = self._roots[st.ns] = _Node(st.ns, None, None)
+        bs = self.block_size
+        if first >= st.plain_from:  # decode blocks: token bytes only
+            kb = request.token_bytes(first * bs, num_full * bs)
+            w = 8 * bs
+            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
+        else:
+            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        policy = self.policy
+        nodes = self._nodes
+        events = self.enable_events
+        run_start = -1  # first block of the current run of new nodes (events)
+        for i, key in enumerate(keys, first):
+            children = parent.children
+            child = children.get(key)
+            if child is None:
+                b = blocks[i]
+                if b.block_hash is not None:
+                    raise InvariantError(
+                        f"block {b.block_id} is being cached but already has hash "
+                        f"{b.block_hash.hex()}"
+                    )
+                h = hashes[i]
+                child = _Node(key, parent, b)
+                child.lock = 1
+                children[key] = child
+                b.block_hash = h
+                nodes[b.block_id] = child
+                self._num_nodes += 1
+                self.num_blocks_cached += 1
+                if self._stamp_cached:  # KeyedPolicy.on_cached, inlined
+                    policy.clock += 1
+                    policy.cached_at[b.block_id] = policy.clock
+                else:
+                    policy.on_cached(b, h, request, i)
+                if run_start < 0:
+                    run_start = i
+            else:
+                # NOTE: a duplicate: this request's own block stays uncached (block
+                # tables are append-only) and its path goes on through the node.
+                if not child.lock:
+                    self._num_unlocked_nodes -= 1
+                    if not child.children:
+                        policy.discard(child.block)
+                child.lock += 1
+                if events and run_start >= 0:
+                    self._stored_event(request, hashes, run_start, i)
+                run_start = -1
+            path.append(child)
+            parent = child
+        if events and run_start >= 0:
+            self._stored_event(request, hashes, run_start, num_full)
+
+    def _stored_event(self, request, hashes, start_block: int, end_block: int) -> None:
+        """Queue ``BlockStored`` for the request's new nodes ``start .. end - 1``."""
+        bs = self.block_size
+        start = start_block * bs
+        end = end_block * bs
+        lora = request.lora
+        extra = [event_extra_keys(request, s, s + bs) for s in range(start, end, bs)]
+        eh = self._event_hash
+        self.events.append(
+            BlockStored(
+                block_hashes=[eh(h) for h in hashes[start_block:end_block]],
+                parent_block_hash=eh(hashes[start_block - 1]) if start_block else None,
+                token_ids=list(request.all_token_ids[start:end]),
+                block_size=bs,
+                lora_id=lora.int_id if lora is not None else None,
+                medium=MEDIUM_GPU,
+                lora_name=lora.name if lora is not None else None,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+                group_idx=0,
+                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+            )
+        )
+
+    def free(self, request) -> None:
+        """Release a request's blocks and unlock its path (deepest node first, so with
+        LRU its last block is evicted first, as in the hash chain).
+
+        Raises:
+            ValueError: the request holds no blocks here (nothing changed).
+        """
+        rid = request if isinstance(request, str) else request.request_id
+        st = self._states.pop(rid, None)
+        if st is None:
+            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        req = st.request
+        del self._states_by_request[req]
+        # Blocks: cached ones to the queue's tail as they come (FreeKVCacheBlockQueue
+        # .append_n, inlined), unhashed ones to its head afterwards.
+        q = self._free
+        tail = q.tail
+        last = tail.prev_free_block
+        unhashed: list[KVCacheBlock] = []
+        n = 0
+        for b in reversed(st.blocks):
+            rc = b.ref_cnt - 1
+            b.ref_cnt = rc
+            if rc == 0:
+                if b.block_hash is None:
+                    unhashed.append(b)
+                else:
+                    b.prev_free_block = last
+                    last.next_free_block = b
+                    last = b
+                    n += 1
+            elif rc < 0:
+                raise InvariantError(f"block {b.block_id} freed below ref_cnt 0")
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        q.num_free_blocks += n
+        if unhashed:
+            q.prepend_n(unhashed)
+            self._num_free_unhashed += len(unhashed)
+        # Path: deepest first. Only its last node can be a leaf (each other node has
+        # the next as a child), so only it can become a candidate.
+        policy = self.policy
+        path = st.path
+        num_unlocked = 0
+        if self._stamp_release:  # KeyedPolicy.on_release, inlined
+            clock = policy.clock
+            released_at = policy.released_at
+            for i in range(len(path) - 1, -1, -1):
+                node = path[i]
+                lock = node.lock - 1
+                node.lock = lock
+                if not lock:
+                    num_unlocked += 1
+                    clock += 1
+                    released_at[node.block.block_id] = clock
+            policy.clock = clock
+        else:
+            on_release = policy.on_release
+            for i in range(len(path) - 1, -1, -1):
+                node = path[i]
+                lock = node.lock - 1
+                node.lock = lock
+                if not lock:
+                    num_unlocked += 1
+                    on_release(node.block, req, i)
+        if num_unlocked:
+            self._num_unlocked_nodes += num_unlocked
+            if not path[-1].children:
+                self.policy.add(path[-1].block)
+
+    # ------------------------------------------------------------- inspection
+    def get_block_ids(self, request_id) -> list[int]:
+        """The request's block table as block ids. Unknown id -> ``ValueError``."""
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return [b.block_id for b in st.blocks]
+
+    def get_blocks(self, request_id) -> list[KVCacheBlock]:
+        """The request's block objects (a copy of the list)."""
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return list(st.blocks)
+
+    @property
+    def running_request_ids(self) -> list:
+        """Ids of the requests holding blocks, in allocation order."""
+        return list(self._states)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ``ref_cnt == 0`` (including free blocks locked by a path)."""
+        return self._free.num_free_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation may take now: free unhashed blocks + unlocked nodes."""
+        return self._num_free_unhashed + self._num_unlocked_nodes
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 .. 1.0)."""
+        return 1.0 - self._free.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the tree (its nodes)."""
+        return self._num_nodes
+
+    def num_stranded_blocks(self) -> int:
+        """Cached blocks no lookup can reach: those not reachable from a root (O(tree)).
+
+        Always 0 for the tree (only leaves are evicted); computed, not assumed, so a
+        broken tree shows here and in ``check_invariants``.
+        """
+        reachable = 0
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            children = node.children.values()
+            reachable += len(children)
+            stack.extend(children)
+        return sum(1 for b in self.blocks if b.block_hash is not None) - reachable
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue as block ids, head first: unhashed blocks (reused first),
+        then free cached blocks in release order (the policy picks among them)."""
+        return self._free.block_ids()
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of all blocks currently in the tree, ascending."""
+        return [i for i, node in enumerate(self._nodes) if node is not None]
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since construction (never reset)."""
+        return {
+            "lookups": self.num_lookups,
+            "lookup_tokens": self.num_lookup_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "evictions": self.num_evictions,
+            "blocks_cached": self.num_blocks_cached,
+            "blocks_allocated": self.num_blocks_allocated,
+            "failed_allocations": self.num_failed_allocations,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. ``False`` (nothing changed) while any block is held."""
+        if self._free.num_free_blocks != self.num_blocks:
+            return False
+        for i, node in enumerate(self._nodes):
+            if node is not None:
+                node.block.block_hash = None
+                self._nodes[i] = None
+        self._roots = {}
+        self._epoch += 1
+        self._lookup = None
+        self._num_nodes = 0
+        self._num_unlocked_nodes = 0
+        self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
+        self.policy.clear()
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued KV cache events (``[]`` when disabled)."""
+        events = self.events
+        self.events = []
+        return events
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats since the last call and start a new interval (``None``
+        when ``log_stats`` is off)."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    # -------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Verify the tree, locks, pool and request bookkeeping (module docstring);
+        raise ``InvariantError`` naming the block or request if broken."""
+        blocks = self.blocks
+        n = self.num_blocks
+        bs = self.block_size
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+        # Free queue: exactly the ref_cnt-0 blocks, unhashed ones first.
+        q = self._free
+        seen: set[int] = set()
+        prev = q.head
+        cur = q.head.next_free_block
+        pos = 0
+        while cur is not q.tail:
+            if cur is None or cur.prev_free_block is not prev:
+                raise InvariantError(f"free queue broken after block {prev.block_id}")
+            bid = cur.block_id
+            if not 0 <= bid < n or blocks[bid] is not cur or bid in seen:
+                raise InvariantError(f"free queue holds block {bid} twice or foreign")
+            if cur.ref_cnt != 0:
+                raise InvariantError(f"block {bid} is in the free queue with ref_cnt {cur.ref_cnt}")
+            unhashed_part = pos < self._num_free_unhashed
+            if (cur.block_hash is None) != unhashed_part:
+                raise InvariantError(
+                    f"free queue position {pos} (block {bid}, hash "
+                    f"{'none' if cur.block_hash is None else 'set'}) is outside its part: "
+                    f"the first {self._num_free_unhashed} free blocks are the unhashed ones"
+                )
+            seen.add(bid)
+            prev = cur
+            cur = cur.next_free_block
+            pos += 1
+        if q.tail.prev_free_block is not prev or pos != q.num_free_blocks:
+            raise InvariantError(
+                f"free queue holds {pos} blocks, num_free_blocks {q.num_free_blocks}"
+            )
+        if pos < self._num_free_unhashed:
+            raise InvariantError(
+                f"{self._num_free_unhashed} free unhashed blocks counted, {pos} free blocks"
+            )
+        for b in blocks:
+            if (b.ref_cnt == 0) != (b.block_id in seen):
+                raise InvariantError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but is "
+                    f"{'' if b.block_id in seen else 'not '}in the free queue"
+                )
+            if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
+                raise InvariantError(f"block {b.block_id} is not free but has queue links")
+        # Tree: every node reachable, one block each, keys consistent.
+        locks: dict[int, int] = {}
+        num_nodes = num_unlocked = 0
+        candidates = []
+        for ns, root in self._roots.items():
+            if root.key != ns or root.block is not None or root.parent is not None:
+                raise InvariantError(f"root of namespace {ns!r} is malformed")
+            if not root.children:
+                raise InvariantError(f"root of namespace {ns!r} has no children")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for key, child in node.children.items():
+                    b = child.block
+                    if child.key != key or child.parent is not node:
+                        raise InvariantError(
+                            f"node of block {b.block_id if b else None} is linked wrongly"
+                        )
+                    if (
+                        b is None or blocks[b.block_id] is not b
+                        or self._nodes[b.block_id] is not child
+                    ):
+                        raise InvariantError(f"a node has no block of this manager: {child!r}")
+                    if b.block_hash is None:
+                        raise InvariantError(f"block {b.block_id} is a node but has no hash")
+                    if b.block_id in locks:
+                        raise InvariantError(f"block {b.block_id} is in the tree twice")
+                    locks[b.block_id] = 0
+                    num_nodes += 1
+                    if not child.lock:
+                        num_unlocked += 1
+                        if not child.children:
+                            candidates.append(b.block_id)
+                    if node.block is not None and node.lock == 0 and child.lock:
+                        raise InvariantError(
+                            f"block {b.block_id} is locked under the unlocked block "
+                            f"{node.block.block_id}"
+                        )
+                    stack.append(child)
+        for b in blocks:
+            if (b.block_hash is not None) != (b.block_id in locks):
+                raise InvariantError(
+                    f"block {b.block_id} has hash {b.block_hash!r} but is "
+                    f"{'' if b.block_id in locks else 'not '}a reachable node"
+                )
+            node = self._nodes[b.block_id]
+            if node is not None and b.block_id not in locks:
+                raise InvariantError(f"block {b.block_id} maps to a detached node")
+        if num_nodes != self._num_nodes:
+            raise InvariantError(
+                f"tree holds {num_nodes} nodes, num_cached_blocks {self._num_nodes}"
+            )
+        if num_unlocked != self._num_unlocked_nodes:
+            raise InvariantError(
+                f"{num_unlocked} unlocked nodes, counted {self._num_unlocked_nodes}"
+            )
+        num_free_unhashed = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None)
+        if num_free_unhashed != self._num_free_unhashed:
+            raise InvariantError(
+                f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}"
+            )
+        # Requests: tables, paths, locks and ref counts.
+        refs = [0] * n
+        if len(self._states_by_request) != len(self._states):
+            raise InvariantError(
+                f"{len(self._states_by_request)} states by request object but "
+                f"{len(self._states)} by request id"
+            )
+        for rid, st in self._states.items():
+            req = st.request
+            if req.request_id != rid or self._states_by_request.get(req) is not st:
+                raise InvariantError(f"state of {rid!r} is filed wrongly")
+            tbl = st.blocks
+            path = st.path
+            if len(path) > len(tbl):
+                raise InvariantError(f"request {rid!r}: path of {len(path)} > {len(tbl)} blocks")
+            if len(set(map(id, tbl))) != len(tbl):
+                raise InvariantError(
+                    f"request {rid!r} holds a block twice: {[b.block_id for b in tbl]}"
+                )
+            if st.idle_until != self._idle_bound(st):
+                raise InvariantError(
+                    f"request {rid!r}: decode fast-path bound {st.idle_until} != "
+                    f"{self._idle_bound(st)}"
+                )
+            if st.ns != _namespace(req):
+                raise InvariantError(f"request {rid!r}: namespace {st.ns!r} is not its own")
+            hashes = req.block_hashes if self.enable_caching else ()
+            keys = block_keys(req, 0, len(path), bs) if path else []  # not the memo
+            parent = self._roots.get(st.ns)
+            for k, node in enumerate(path):
+                b = node.block
+                if b is None or self._nodes[b.block_id] is not node or node.parent is not parent:
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} is not attached in order"
+                    )
+                if node.key != keys[k]:
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} (block {b.block_id}) has another key"
+                    )
+                if k >= len(hashes) or b.block_hash != hashes[k]:
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} (block {b.block_id}) is not cached "
+                        "under the request's block hash"
+                    )
+                if tbl[k] is not b and tbl[k].block_hash is not None:
+                    raise InvariantError(
+                        f"request {rid!r} block #{k} (id {tbl[k].block_id}) is neither the "
+                        f"node's block {b.block_id} nor an uncached duplicate"
+                    )
+                locks[b.block_id] += 1
+                parent = node
+            for k, b in enumerate(tbl):
+                if blocks[b.block_id] is not b:
+                    raise InvariantError(f"request {rid!r} holds a foreign block {b.block_id}")
+                refs[b.block_id] += 1
+                if k >= len(path) and b.block_hash is not None:
+                    raise InvariantError(
+                        f"request {rid!r} block #{k} (id {b.block_id}) is past its path of "
+                        f"{len(path)} but has a hash"
+                    )
+            bad = _bad_num_computed_tokens(req)
+            if bad:
+                raise InvariantError(bad)
+            if -(-req.num_computed_tokens // bs) > len(tbl):
+                raise InvariantError(
+                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
+                    f"only {len(tbl)} blocks"
+                )
+        for b in blocks:
+            if b.ref_cnt != refs[b.block_id]:
+                raise InvariantError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} "
+                    "requests hold it"
+                )
+            node = self._nodes[b.block_id]
+            if node is not None:
+                if node.lock != locks[b.block_id]:
+                    raise InvariantError(
+                        f"node of block {b.block_id} has lock {node.lock} but "
+                        f"{locks[b.block_id]} running paths hold it"
+                    )
+                if b.ref_cnt and not node.lock:
+                    raise InvariantError(f"block {b.block_id} is held but its node is unlocked")
+        if not self.enable_caching and self._num_nodes:
+            raise InvariantError("caching is off but the tree holds blocks")
+        self.policy.check_invariants(candidates)

@@ -1,0 +1,242 @@
+"""Several simulated replicas behind a router: prefix-aware routing at scale.
+
+Each replica is a ``prefixcache.sim.des.Server`` -- its own ``KVCacheManager`` (with KV
+cache events on when the router consumes them), FCFS scheduling with chunked prefill
+and preemption, and roofline step times from the cost model. Requests arrive at their
+trace timestamps (times ``time_scale``) or by a Poisson process; the router
+(``prefixcache.sim.routing``) picks a replica for each at its arrival time, seeing
+only the replicas' loads and -- for ``kv_events`` -- the events they published.
+
+Time advances event by event: the next arrival is routed before any replica starts a
+step at the same or a later time; otherwise the replica whose clock is earliest runs
+its next step. With one replica this is exactly ``des.simulate`` (a test pins it).
+
+Host only: never imports jax.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.sim.cost_model import CostModel
+from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, make_sim_request, \
+    percentiles, summarize
+from prefixcache.sim.routing import ReplicaLoad, Router, make_router
+from prefixcache.sim.trace import TraceRequest
+
+
+def _scaled(arrivals, time_scale: float):
+    for t, tr in arrivals:
+        yield t * time_scale, tr
+
+
+def _check(servers: list[Server], router: Router) -> None:
+    for i, srv in enumerate(servers):
+        srv.manager.check_invariants()
+        q = sum(s.queued_blocks for s in srv.waiting)
+        if q != srv.queued_blocks:
+            raise AssertionError(f"replica {i}: queued_blocks {srv.queued_blocks} != {q}")
+    router.check_invariants()
+
+
+def _us(seconds: list[float]) -> dict[str, float]:
+    return {k: (v * 1e6 if k != "count" else v)
+            for k, v in percentiles(np.asarray(seconds)).items()}
+
+
+def _load(i: int, srv: Server) -> ReplicaLoad:
+    m = srv.manager
+    # NOTE: positional: (index, outstanding, waiting, active_blocks, queued_blocks,
+    # num_blocks); this runs for every replica on every routing decision.
+    w = len(srv.waiting)
+    return ReplicaLoad(i, len(srv.running) + w, w, m.num_blocks - m.num_free_blocks,
+                       srv.queued_blocks, m.num_blocks)
+
+
+def simulate_cluster(
+    requests: Iterable[TraceRequest],
+    *,
+    num_replicas: int,
+    router: str | Router,
+    cost_model: CostModel,
+    num_blocks: int,
+    block_size: int,
+    scheduler: SchedulerConfig = SchedulerConfig(),
+    hash_algo: str = "sha256",
+    hash_seed: int | str | None = None,
+    free_order: str = "append",
+    scheduling: str = "fcfs",
+    router_options: dict[str, Any] | None = None,
+    arrival_rate: float | None = None,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    check_every: int = 0,
+    progress: bool = False,
+    total: int | None = None,
+) -> dict[str, Any]:
+    """Simulates ``num_replicas`` replicas behind ``router``.
+
+    Args:
+      requests: trace entries in arrival order (streamed).
+      num_replicas: replicas (>= 1); each has ``num_blocks`` KV blocks.
+      router: a registered routing policy name or a ``Router`` built for
+        ``num_replicas`` replicas.
+      cost_model, num_blocks, block_size, scheduler, hash_algo, hash_seed,
+        free_order, scheduling: every replica's server, as in ``des.simulate``.
+      router_options: keyword options of the named router.
+      arrival_rate: Poisson arrivals (req/s) instead of the trace timestamps.
+      time_scale: multiplies every arrival time (> 0; < 1 compresses the trace,
+        i.e. raises the load).
+      seed: seed of the router and of Poisson arrivals.
+      on_record: called with each request's record (``des.simulate``'s fields plus
+        ``replica``), in completion order.
+      check_every: if > 0, check every replica's manager and the router's own state
+        (e.g. the ``kv_events`` index against the replicas' cached blocks) after
+        every ``check_every`` routed requests (tests).
+      progress: tqdm bar of finished requests; ``total`` its length.
+
+    Returns:
+      ``des.simulate``'s summary fields over all replicas plus ``policy``,
+      ``replicas``, ``ttft_p50_s``/``ttft_p90_s``/``ttft_p99_s``,
+      ``throughput_tok_s`` (prompt + output tokens per simulated second),
+      ``load_imbalance`` (max / mean of the replicas' prefill work: prompt tokens
+      computed), ``route_us`` (wall-clock percentiles of one routing decision:
+      reading the loads and choosing), ``route_hash_us`` (hashing the prompt's
+      blocks for a router that needs them, which the chosen replica's manager then
+      reuses; empty otherwise) and
+      ``per_replica`` (requests, hit and prefill tokens, evictions).
+
+    Raises:
+      ValueError: bad counts, an unknown router, missing/unsorted timestamps.
+    """
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    if isinstance(router, str):
+        router = make_router(router, num_replicas=num_replicas, block_size=block_size,
+                             seed=seed, **(router_options or {}))
+    elif router_options:
+        raise ValueError("router_options are only for a router given by name")
+    if router.num_replicas != num_replicas:
+        raise ValueError(f"router {router!r} was built for {router.num_replicas} replicas, "
+                         f"not {num_replicas}")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=total, unit="req", desc=f"{router.name} x{num_replicas}",
+                   mininterval=1.0)
+    replica_of: dict[int, int] = {}
+
+    def emit(rec: dict[str, Any]) -> None:
+        if on_record is not None:
+            on_record(rec)
+        if bar is not None:
+            bar.update(1)
+
+    totals = _Totals(emit)
+    servers: list[Server] = []
+    for i in range(num_replicas):
+        # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
+        # the router then keys its index on the request's own block hashes directly.
+        manager = KVCacheManager(num_blocks, block_size, hash_algo=hash_algo,
+                                 hash_seed=hash_seed, free_order=free_order, log_stats=False,
+                                 enable_events=router.needs_events, int_event_hashes=False)
+
+        def finish(s, rec, i=i):
+            totals.finish(s, {**rec, "replica": i})
+
+        def fail(s, rec, i=i):
+            totals.fail(s, {**rec, "replica": i})
+
+        servers.append(Server(manager, cost_model, scheduler, on_finish=finish, on_fail=fail,
+                              scheduling=scheduling))
+
+    hasher = servers[0].manager.hasher
+    arrivals = _scaled(_arrivals(requests, arrival_rate, seed), float(time_scale))
+    pending = next(arrivals, None)
+    route_s: list[float] = []
+    hash_s: list[float] = []
+    per_req = [0] * num_replicas
+    needs_events = router.needs_events
+    perf = time.perf_counter
+    routed = 0
+    try:
+        while True:
+            t_srv = math.inf
+            nxt = None
+            for srv in servers:
+                if (srv.running or srv.waiting) and srv.now < t_srv:
+                    t_srv = srv.now
+                    nxt = srv
+            if pending is not None and pending[0] <= t_srv:
+                t, tr = pending
+                sreq = make_sim_request(tr, t)
+                # NOTE: every replica hashes alike; the router (kv_events) reads the
+                # request's block hashes with the same hasher (lazily, on its clock).
+                sreq.req.bind_hasher(hasher, block_size)
+                if needs_events:
+                    t0 = perf()
+                    sreq.req.block_hashes  # the replica's manager reuses them
+                    hash_s.append(perf() - t0)
+                t0 = perf()
+                loads = [_load(i, srv) for i, srv in enumerate(servers)]
+                r = router.route(sreq.req, loads, t)
+                route_s.append(perf() - t0)
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < num_replicas:
+                    raise AssertionError(f"router {router.name} returned replica {r!r}")
+                srv = servers[r]
+                if not (srv.running or srv.waiting):
+                    srv.now = max(srv.now, t)
+                srv.arrive(sreq)
+                per_req[r] += 1
+                routed += 1
+                if check_every and routed % check_every == 0:
+                    _check(servers, router)
+                pending = next(arrivals, None)
+                continue
+            if nxt is None:
+                break
+            nxt.step()
+            if needs_events:
+                router.on_events(servers.index(nxt), nxt.manager.take_events())
+    finally:
+        if bar is not None:
+            bar.close()
+    if check_every:
+        _check(servers, router)
+
+    counts = sum((s.counts for s in servers), start=type(servers[0].counts)())
+    makespan = max(s.now for s in servers)
+    summary = summarize(totals, counts, makespan)
+    prefill = [s.counts["prefill_tokens"] for s in servers]
+    mean_prefill = sum(prefill) / num_replicas
+    ttft = summary["ttft_s"]
+    tokens = summary["prompt_tokens"] + summary["output_tokens"]
+    return {
+        "policy": router.name,
+        "replicas": num_replicas,
+        **summary,
+        "evictions": sum(s.manager.num_evictions for s in servers),
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p90_s": ttft["p90"],
+        "ttft_p99_s": ttft["p99"],
+        "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
+        "load_imbalance": max(prefill) / mean_prefill if mean_prefill > 0 else 1.0,
+        "route_us": _us(route_s),
+        "route_hash_us": _us(hash_s),
+        "per_replica": [
+            {"replica": i, "requests": per_req[i], "hit_tokens": s.counts["hit_tokens"],
+             "prefill_tokens": s.counts["prefill_tokens"], "finished": s.counts["finished"],
+             "failed": s.counts["failed"], "evictions": s.manager.num_evictions}
+            for i, s in enumerate(servers)
+        ],
+    }

@@ -1,0 +1,207 @@
+"""One cell of a policy comparison: a replay of one trace under one (policy, index, capacity).
+
+``experiments.compare_policies`` runs a grid of these cells in worker processes (or on a
+Ray cluster); everything a cell computes is here, so a notebook can run one cell the
+same way.
+
+* ``policy_names()`` / ``index_names()``: the names a grid may use (the registries of
+  ``prefixcache.core.eviction`` and ``prefixcache.core.indexes``).
+* ``parse_names`` / ``parse_capacities``: comma-separated flag values, validated.
+* ``check_replay_supports``: whether ``prefixcache.sim.replay.replay`` can run a
+  (policy, index); a clear ``ValueError`` otherwise, before anything runs.
+* ``replay_cell``: the replay of one cell; ``ideal_num_blocks``: a capacity at which
+  nothing is ever evicted (the infinite-cache ideal).
+* ``cell_row``: the row a cell publishes.
+
+Host only: never imports jax.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+IDEAL = "ideal"  # the ``record`` of the infinite-cache row
+HASH_INDEX = "hash"
+_FALLBACK_INDEXES = ("hash", "radix")
+
+# Fields of a cell's row taken from the replay summary as they are (None when the replay
+# does not report them).
+_SUMMARY_FIELDS = ("requests", "admitted", "failed", "prompt_tokens", "hit_tokens",
+                   "hit_rate_tokens", "requests_with_hit", "evictions", "stranded_blocks",
+                   "peak_cached_blocks", "mean_cached_blocks", "peak_cached_bytes",
+                   "mean_cached_bytes")
+# Fields that are timings (they differ between runs; everything else must not).
+TIMING_FIELDS = ("loop_s", "cell_s")
+
+
+def policy_names() -> tuple[str, ...]:
+    """The eviction policies registered in ``prefixcache.core.eviction``."""
+    from prefixcache.core import eviction  # noqa: PLC0415
+
+    return eviction.policy_names()
+
+
+def index_names() -> tuple[str, ...]:
+    """The prefix indexes: ``prefixcache.core.indexes.INDEXES`` when it exists.
+
+    NOTE: before the index seam is merged the module is absent and the names are
+    ``("hash", "radix")``; only a missing module falls back, any other import error
+    propagates.
+    """
+    try:
+        from prefixcache.core.indexes import INDEXES  # noqa: PLC0415
+    except ModuleNotFoundError as e:
+        if e.name not in ("prefixcache.core.indexes",):
+            raise
+        return _FALLBACK_INDEXES
+    return tuple(INDEXES)
+
+
+def parse_names(value: str | Sequence[str], *, known: Sequence[str], what: str) -> tuple[str, ...]:
+    """Comma-separated names (or a sequence), validated against ``known``.
+
+    ``"all"`` means every known name. Order is kept, duplicates dropped.
+
+    Raises:
+        ValueError: empty, or a name not in ``known`` (the message names it and the
+            choices).
+    """
+    names = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+    names = [n for n in names if n]
+    if names == ["all"]:
+        return tuple(known)
+    if not names:
+        raise ValueError(f"no {what} given; expected names from {tuple(known)} or 'all'")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))}; "
+                         f"expected one of {tuple(known)} (or 'all')")
+    return tuple(dict.fromkeys(names))
+
+
+def parse_capacities(value: str | Sequence[int]) -> tuple[int, ...]:
+    """Comma-separated block counts (or a sequence of ints), each >= 1, sorted, unique.
+
+    Raises:
+        ValueError: empty, not an int, or < 1.
+    """
+    items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else list(value)
+    out = []
+    for item in items:
+        try:
+            n = int(item)
+        except (TypeError, ValueError):
+            n = None
+        if n is None or isinstance(item, bool) or str(n) != str(item).strip() or n < 1:
+            raise ValueError(f"capacities must be comma-separated positive block counts, got {value!r}")
+        out.append(n)
+    if not out:
+        raise ValueError(f"capacities must name at least one block count, got {value!r}")
+    return tuple(sorted(set(out)))
+
+
+def _replay_fn(replay_fn: Callable | None) -> Callable:
+    if replay_fn is not None:
+        return replay_fn
+    from prefixcache.sim.replay import replay  # noqa: PLC0415
+
+    return replay
+
+
+def check_replay_supports(policy: str, index: str, *, model: str | None = None,
+                          replay_fn: Callable | None = None) -> None:
+    """Raises ``ValueError`` unless the replay can run ``policy`` on ``index``.
+
+    NOTE: the replay takes ``eviction=`` / ``index=`` / ``model=`` only once the policy
+    and index seams are wired into it; a replay without them runs vLLM's LRU on the hash
+    chain only, and a cell asking for anything else must fail here rather than publish
+    LRU numbers under another name.
+    """
+    params = inspect.signature(_replay_fn(replay_fn)).parameters
+    if "eviction" not in params and policy != "lru":
+        raise ValueError(f"eviction policy {policy!r} cannot run: this replay has no "
+                         "`eviction` argument (only lru, vLLM's free queue)")
+    if "index" not in params and index != HASH_INDEX:
+        raise ValueError(f"index {index!r} cannot run: this replay has no `index` "
+                         "argument (only the hash chain)")
+    if model:
+        from prefixcache.sim.cost_model import ModelShape  # noqa: PLC0415
+
+        ModelShape.preset(model)  # ValueError naming the presets
+
+
+def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: str,
+                num_blocks: int, block_size: int, model: str | None = None,
+                replay_fn: Callable | None = None, **replay_kwargs) -> dict:
+    """Replays the trace once under (``policy``, ``index``, ``num_blocks``).
+
+    Args:
+        make_requests: returns a fresh iterator over the trace (``belady`` reads it twice:
+            it gets this callable itself; every other policy one iterator).
+        policy, index: registered names (``check_replay_supports`` is applied).
+        num_blocks, block_size: the cache.
+        model: a ``ModelShape`` preset name, for cached bytes (``None``: no bytes).
+        replay_fn: the replay (default ``prefixcache.sim.replay.replay``).
+        **replay_kwargs: ``hash_algo``, ``hash_seed``, ``free_order``, ``concurrency``,
+            ``max_model_len``.
+
+    Returns:
+        The replay's summary.
+    """
+    fn = _replay_fn(replay_fn)
+    check_replay_supports(policy, index, model=model, replay_fn=fn)
+    params = inspect.signature(fn).parameters
+    kwargs = dict(replay_kwargs, num_blocks=num_blocks, block_size=block_size)
+    if "eviction" in params:
+        kwargs["eviction"] = policy
+    if "index" in params:
+        kwargs["index"] = index
+    if "model" in params and model:
+        kwargs["model"] = model
+    # NOTE: the offline bound needs the future: the replay reads the trace twice.
+    requests = make_requests if policy == "belady" else make_requests()
+    return fn(requests, **kwargs)
+
+
+def ideal_num_blocks(requests: Iterable, block_size: int) -> int:
+    """A capacity at which the replay never evicts: every block any request may allocate.
+
+    A request holds at most ``ceil((prompt + output_len) / block_size)`` blocks (the last
+    sampled token is never allocated, so this is an upper bound); their sum over the
+    trace is more than the replay can ever need at once, so every block that was ever
+    cached stays cached.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    total = sum(math.ceil((len(r.prompt) + max(r.output_len, 1)) / block_size) for r in requests)
+    return max(total, 1)
+
+
+def cell_row(summary: dict, *, policy: str, index: str, num_blocks: int, block_size: int,
+             concurrency: int, model: str | None = None, record: str = "cell") -> dict:
+    """The published row of one cell.
+
+    ``peak_cached_bytes`` / ``mean_cached_bytes`` come from the summary, or from its
+    block counts times ``block_size`` tokens of the model's KV when it reports only
+    those; fields the replay does not report are ``None``.
+    """
+    row: dict[str, Any] = {"record": record, "policy": policy, "index": index,
+                           "num_blocks": num_blocks, "block_size": block_size,
+                           "capacity_tokens": num_blocks * block_size,
+                           "concurrency": concurrency}
+    for field in _SUMMARY_FIELDS:
+        row[field] = summary.get(field)
+    if model:
+        from prefixcache.sim.cost_model import ModelShape  # noqa: PLC0415
+
+        per_block = ModelShape.preset(model).kv_bytes_per_token * block_size
+        for which in ("peak", "mean"):
+            blocks = row[f"{which}_cached_blocks"]
+            if row[f"{which}_cached_bytes"] is None and blocks is not None:
+                row[f"{which}_cached_bytes"] = blocks * per_block
+    row["model"] = model or None
+    row["loop_s"] = summary["timing"]["loop_s"]
+    return row

@@ -1,0 +1,192 @@
+"""experiments.compare_policies: the grid, its rows, the executors, bad input."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import _parallel
+from experiments import compare_policies as cp
+from prefixcache.sim import compare
+from prefixcache.sim import workloads as wl
+from prefixcache.sim.replay import replay
+from prefixcache.sim.trace import write_trace
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_cfg_{name}", ROOT / "configs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def _requests():
+    return wl.rag(num_requests=30, num_documents=6, doc_len=(20, 80), system_len=32,
+                  output_len=(2, 6), seed=4)
+
+
+@pytest.fixture
+def config(tmp_path):
+    trace = tmp_path / "rag.jsonl"
+    write_trace(trace, _requests())
+    cfg = _load("compare_policies")
+    cfg.trace, cfg.workdir = str(trace), str(tmp_path / "work")
+    cfg.block_size, cfg.capacities, cfg.concurrency, cfg.workers = 8, "40,80,400", 2, 2
+    cfg.policies, cfg.indexes = "lru", "hash"
+    return cfg
+
+
+def _strip(rows):
+    """Rows without what may differ between runs (timings, provenance)."""
+    drop = {"provenance", *compare.TIMING_FIELDS}
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+
+def _read(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def test_local_grid_rows_equal_direct_replays(config, capsys):
+    out = cp.run(config)
+    rows = _read(out["rows"])
+    assert pathlib.Path(out["png"]).stat().st_size > 0
+    cells = [r for r in rows if r["record"] == "cell"]
+    ideal = [r for r in rows if r["record"] == "ideal"]
+    assert [(r["policy"], r["index"], r["num_blocks"]) for r in cells] == [
+        ("lru", "hash", 40), ("lru", "hash", 80), ("lru", "hash", 400)]
+    reqs = _requests()
+    for r in cells:
+        s = replay(reqs, num_blocks=r["num_blocks"], block_size=8, concurrency=2,
+                   free_order="unhashed_first", hash_algo="sha256")
+        for k in ("requests", "prompt_tokens", "hit_tokens", "hit_rate_tokens",
+                  "requests_with_hit", "evictions", "failed"):
+            assert r[k] == s[k], (k, r, s)
+        assert (r["block_size"], r["concurrency"], r["model"]) == (8, 2, "llama_3_1_8b")
+        assert r["loop_s"] > 0 and r["cell_s"] >= r["loop_s"]
+        prov = r["provenance"]
+        assert prov["cache_state"] == "cold" and prov["policies"] == ["lru"]
+        assert prov["config"]["trace"] == config.trace
+    assert cells[0]["evictions"] > 0 and cells[0]["hit_tokens"] < cells[1]["hit_tokens"]
+    (ideal,) = ideal
+    assert ideal["evictions"] == 0 and ideal["num_blocks"] == compare.ideal_num_blocks(reqs, 8)
+    assert ideal["hit_tokens"] >= max(r["hit_tokens"] for r in cells) > 0
+    assert out["ideal_hit_rate_tokens"] == ideal["hit_rate_tokens"]
+    table = capsys.readouterr().out
+    assert "hash/lru" in table and f"{cells[0]['hit_rate_tokens']:.4f}" in table
+    for field in ("stranded_blocks", "peak_cached_blocks", "peak_cached_bytes"):
+        assert field in cells[0]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("policies", "lru,mru", "unknown eviction policy 'mru'"),
+    ("indexes", "btree", "unknown index 'btree'"),
+    ("capacities", "10,ten", "capacities"),
+    ("executor", "dask", "unknown executor 'dask'"),
+    ("hash_algo", "md5", "unknown hash_algo 'md5'"),
+    ("free_order", "lifo", "unknown free_order 'lifo'"),
+    ("model", "gpt5", "unknown model preset 'gpt5'"),
+    ("trace", "/nonexistent/t.jsonl", "does not exist"),
+])
+def test_bad_input_is_refused_before_anything_runs(config, field, value, match):
+    setattr(config, field, value)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        cp.run(config)
+    assert not (pathlib.Path(config.workdir) / cp.ROWS_FILE).exists()
+
+
+def test_a_cell_this_replay_cannot_run_is_refused(config):
+    import inspect
+
+    if "index" in inspect.signature(replay).parameters:
+        pytest.skip("the replay runs every index")
+    config.indexes = "hash,radix"
+    with pytest.raises(ValueError, match="index 'radix' cannot run"):
+        cp.run(config)
+
+
+def test_belady_bound_joins_the_grid_when_registered(config, monkeypatch):
+    monkeypatch.setattr(compare, "policy_names", lambda: ("lru", "lfu", "belady"))
+    monkeypatch.setattr(compare, "check_replay_supports", lambda *a, **k: None)
+    config.policies = "lfu,lru"
+    assert cp.resolve_grid(config)["policies"] == ("lfu", "lru", "belady")
+    config.policies = "belady,lru"
+    assert cp.resolve_grid(config)["policies"] == ("belady", "lru")
+    config.policies, config.belady_bound = "lru", False
+    assert cp.resolve_grid(config)["policies"] == ("lru",)
+    monkeypatch.setattr(compare, "policy_names", lambda: ("lru",))  # not registered: no bound
+    config.belady_bound = True
+    assert cp.resolve_grid(config)["policies"] == ("lru",)
+
+
+def test_ray_executor_without_ray(config, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    config.executor = "ray"
+    with pytest.raises(ValueError, match=r'needs Ray.*pip install -e "\.\[ray\]"'):
+        cp.run(config)
+
+
+def test_cli_last_line_and_error_line(config, tmp_path):
+    base = [sys.executable, "-m", "experiments.compare_policies", f"--trace={config.trace}",
+            "--block_size=8", "--capacities=40", "--policies=lru", "--indexes=hash",
+            "--concurrency=2", "--workers=1", "--noprogress"]
+    proc = subprocess.run([*base, f"--workdir={tmp_path / 'cli'}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert pathlib.Path(last["rows"]).exists() and pathlib.Path(last["png"]).exists()
+    assert "hash/lru" in proc.stdout
+    assert len(_read(last["rows"])) == 2  # one cell + the ideal
+    bad = subprocess.run([*base, "--policies=lru,mru", f"--workdir={tmp_path / 'bad'}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1 and "unknown eviction policy 'mru'" in bad.stderr
+    assert not (tmp_path / "bad" / cp.ROWS_FILE).exists()
+
+
+def test_ray_and_local_executors_give_identical_rows(config, tmp_path):
+    ray = pytest.importorskip("ray")
+    local = _read(cp.run(config)["rows"])
+    config.workdir, config.executor = str(tmp_path / "ray"), "ray"
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        remote = _read(cp.run(config)["rows"])
+        assert ray.is_initialized()  # a Ray the caller started is left running
+    finally:
+        ray.shutdown()
+    assert _strip(remote) == _strip(local)
+    assert remote[0]["provenance"]["config"]["executor"] == "ray"
+
+
+def test_map_cells_keeps_order_and_raises():
+    assert _parallel.map_cells(abs, [-3, 1, -2], workers=2) == [3, 1, 2]
+    with pytest.raises(TypeError):
+        _parallel.map_cells(abs, [1, "x"], workers=1)
+    with pytest.raises(ValueError, match="workers must be an int >= 0"):
+        _parallel.map_cells(abs, [1], workers=-1)
+
+
+@pytest.mark.parametrize("name, hits", [("compare_policies_mooncake_conversation", True),
+                                        ("compare_policies_mooncake_synthetic", False)])
+def test_mooncake_configs_reduced(name, hits, tmp_path, local_datasets):
+    from experiments import _common
+
+    cfg = _load(name)
+    assert (cfg.block_size, cfg.concurrency, cfg.free_order) == (512, 1, "unhashed_first")
+    assert compare.parse_capacities(cfg.capacities) == (1000, 3000, 10000, 30000, 50000,
+                                                         100000, 200000)
+    assert cfg.dataset and not cfg.trace  # named by dataset (its verified local copy here)
+    src = pathlib.Path(_common.trace_path(cfg))
+    small = tmp_path / src.name
+    with open(src) as f:
+        small.write_text("".join(next(f) for _ in range(6)))
+    cfg.dataset = ""
+    cfg.trace, cfg.workdir, cfg.capacities, cfg.workers = str(small), str(tmp_path / "w"), "20", 1
+    rows = _read(cp.run(cfg)["rows"])
+    assert {r["policy"] for r in rows if r["record"] == "cell"} == set(compare.policy_names())
+    ideal = rows[-1]
+    assert ideal["record"] == "ideal" and ideal["requests"] == 6 and ideal["evictions"] == 0
+    # The conversation trace's first lines share hash id 0; the synthetic one's do not.
+    assert (ideal["hit_tokens"] > 0) == hits
