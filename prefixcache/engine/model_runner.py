@@ -64,6 +64,21 @@ PackLayout = tuple
 _I32 = np.dtype(np.int32)
 
 
+class PackedInputs(NamedTuple):
+    """`DeviceInputs` as moved by a packing runner (`StepProgram` takes either).
+
+    Attributes:
+      packed: i32[n] device buffer from `pack_inputs` (step + sampling arrays).
+      mm_embeds, mm_mask: as in `DeviceInputs` (device arrays or None).
+      layout: the `pack_inputs` layout (static: part of the compiled program's key).
+    """
+
+    packed: Any
+    mm_embeds: Any
+    mm_mask: Any
+    layout: PackLayout
+
+
 def pack_inputs(step: StepInputs, sampling: SamplingArrays | None
                 ) -> tuple[np.ndarray, PackLayout]:
     """The step's index and sampling arrays (None: none) as ONE flat int32 buffer.
@@ -227,15 +242,14 @@ class StepProgram:
                                       static_argnames=("layout", "all_greedy"),
                                       out_shardings=out_shardings)
 
-    def __call__(self, kv_caches, inputs: DeviceInputs, *, all_greedy: bool):
+    def __call__(self, kv_caches, inputs: DeviceInputs | PackedInputs, *,
+                 all_greedy: bool):
         """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated."""
+        if isinstance(inputs, PackedInputs):
+            return self._jitted_packed(self._param_leaves, kv_caches, inputs.packed,
+                                       inputs.mm_embeds, inputs.mm_mask,
+                                       layout=inputs.layout, all_greedy=all_greedy)
         return self._jitted(self._param_leaves, kv_caches, inputs, all_greedy=all_greedy)
-
-    def run_packed(self, kv_caches, packed, mm_embeds, mm_mask, *, layout: PackLayout,
-                   all_greedy: bool):
-        """`__call__` on a `pack_inputs` buffer (device arrays; mm_* may be None)."""
-        return self._jitted_packed(self._param_leaves, kv_caches, packed, mm_embeds, mm_mask,
-                                   layout=layout, all_greedy=all_greedy)
 
 
 class ModelRunner:
@@ -376,14 +390,12 @@ class ModelRunner:
             host = (prepared.packed, prepared.inputs.mm_embeds, prepared.inputs.mm_mask)
             packed, mm_embeds, mm_mask = (jax.device_put(host) if sharding is None
                                           else jax.device_put(host, sharding))
-            tokens, logits, self.kv_caches = self.program.run_packed(
-                self.kv_caches, packed, mm_embeds, mm_mask, layout=prepared.layout,
-                all_greedy=prepared.all_greedy)
+            inputs = PackedInputs(packed, mm_embeds, mm_mask, prepared.layout)
         else:
             inputs = (jax.device_put(prepared.inputs) if sharding is None
                       else jax.device_put(prepared.inputs, sharding))
-            tokens, logits, self.kv_caches = self.program(
-                self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        tokens, logits, self.kv_caches = self.program(
+            self.kv_caches, inputs, all_greedy=prepared.all_greedy)
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
