@@ -36,8 +36,12 @@ def ttft_cold_vs_warm(model_config, *, prefix_len: int, new_len: int, block_size
     """Cold vs warm TTFT of a (prefix_len cached + new_len new)-token prompt.
 
     Returns:
-      cold_ttft_s, warm_ttft_s (medians), ttft_ratio (warm / cold), the scheduled token
-      count of the warm request and its cached tokens (asserted == new_len, prefix_len).
+      cold_ttft_s, warm_ttft_s (medians), ttft_ratio (warm / cold), the same from the
+      minima (`*_min_s`, ttft_ratio_min: the figures least disturbed by a shared CPU),
+      where the warm request's step went (`warm_{schedule,prepare,device}_ms`, medians
+      of `Engine.last_step_times`; TTFT also holds admission and the start of the
+      update), the scheduled token count of the warm request and its cached tokens
+      (asserted == new_len, prefix_len).
     """
     total = prefix_len + new_len
     if prefix_len % block_size:
@@ -57,7 +61,7 @@ def ttft_cold_vs_warm(model_config, *, prefix_len: int, new_len: int, block_size
         (out,) = engine.generate([prompt], params)
         return out
 
-    cold, warm = [], []
+    cold, warm, warm_steps = [], [], []
     for trial in range(num_trials + 1):  # trial 0 compiles both programs
         prefix = rng.integers(1, vocab, prefix_len).tolist()
         c = one(prefix + rng.integers(1, vocab, new_len).tolist())
@@ -70,8 +74,13 @@ def ttft_cold_vs_warm(model_config, *, prefix_len: int, new_len: int, block_size
         if trial:
             cold.append(c.metrics.ttft_s)
             warm.append(w.metrics.ttft_s)
+            warm_steps.append(engine.last_step_times)
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+    phases = [statistics.median(x) * 1e3 for x in zip(*warm_steps)]
     return dict(cold_ttft_s=cold_s, warm_ttft_s=warm_s, ttft_ratio=warm_s / cold_s,
+                cold_ttft_min_s=min(cold), warm_ttft_min_s=min(warm),
+                ttft_ratio_min=min(warm) / min(cold), warm_schedule_ms=phases[0],
+                warm_prepare_ms=phases[1], warm_device_ms=phases[2],
                 prefix_len=prefix_len, new_len=new_len, num_trials=num_trials,
                 warm_cached_tokens=prefix_len, warm_scheduled_tokens=warm_scheduled)
 
