@@ -29,7 +29,7 @@ class _Node:
     __slots__ = ("edge", "children", "tenants", "parent")
 
     def __init__(self, edge: np.ndarray, parent: "_Node | None"):
-        self.edge = edge  # i64[n]: the tokens on the edge into this node
+        self.edge = edge  # u64[n]: the tokens on the edge into this node
         self.children: dict[int, _Node] = {}
         self.tenants: dict[int, int] = {}  # replica -> last access (router clock)
         self.parent = parent
@@ -44,7 +44,7 @@ class ApproxTree:
     """
 
     def __init__(self, num_tenants: int):
-        self.root = _Node(np.zeros(0, np.int64), None)
+        self.root = _Node(np.zeros(0, np.uint64), None)
         self.size = [0] * num_tenants
         self.clock = 0
 
@@ -178,7 +178,8 @@ class CacheAwareRouter(Router):
         self._routed = 0
 
     def route(self, request, loads, now):
-        toks = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        # NOTE: the ids' u64 bytes viewed as an array (one copy, no Python ints).
+        toks = np.frombuffer(request.token_bytes(0, request.num_prompt_tokens), np.uint64)
         hi = max(ld.outstanding for ld in loads)
         lo = min(ld.outstanding for ld in loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:

@@ -36,12 +36,11 @@ class SessionRouter(Router):
         self._owners = [r for _, r in ring]
 
     def key(self, request) -> bytes:
-        n = self.key_blocks * self.block_size
-        toks = request.all_token_ids[:n]
+        n = min(self.key_blocks * self.block_size, request.num_prompt_tokens)
         lora = request.lora
         parts = [repr(request.cache_salt).encode(),
                  repr((lora.name, lora.path) if lora is not None else None).encode(),
-                 b",".join(str(t).encode() for t in toks)]
+                 request.token_bytes(0, n)]  # the ids' u64 bytes: exact, one copy
         return b"|".join(parts)
 
     def route(self, request, loads, now):
