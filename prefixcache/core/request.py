@@ -216,6 +216,7 @@ class Request:
         "_plain_tag",
         "_tokens_view",
         "_hashes_view",
+        "priority",
     )
 
     def __init__(
@@ -228,6 +229,7 @@ class Request:
         cache_salt: str | None = None,
         hasher: BlockHasher | None = None,
         block_size: int | None = None,
+        priority: int = 0,
     ):
         """Args:
         request_id: hashable id, unique among live requests of a manager.
@@ -236,10 +238,13 @@ class Request:
         lora: the LoRA adapter, or None.
         cache_salt: isolates this request's cache (enters block 0's key); "" = none.
         hasher, block_size: bind a hasher now (else the manager binds its own).
+        priority: the request's priority (an int; larger = more important), read by
+          the ``priority`` eviction policy (SGLang's: blocks of lower-priority requests
+          are evicted first). A plain attribute ``request.priority``.
 
         Raises:
           ValueError: empty prompt, bad token ids, bad multimodal ranges, bad salt,
-            lora or hasher/block size.
+            lora or hasher/block size, a priority that is not an int.
         """
         try:
             hash(request_id)
@@ -274,6 +279,10 @@ class Request:
             raise ValueError(f"request {request_id!r}: lora must be a LoRARequest, got {lora!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"request {request_id!r}: cache_salt must be a str, got {cache_salt!r}")
+        if type(priority) is not int:
+            raise ValueError(
+                f"request {request_id!r}: priority must be an int, got {priority!r}"
+            )
         if (hasher is None) != (block_size is None):
             raise ValueError(
                 f"request {request_id!r}: pass hasher and block_size together (or neither)"
@@ -296,6 +305,7 @@ class Request:
         self._plain_tag: tuple | None = None
         self._tokens_view = ReadOnlyList(self._tokens)
         self._hashes_view = ReadOnlyList(self._block_hashes)
+        self.priority = priority
         if hasher is not None:
             self.bind_hasher(hasher, block_size)
 

@@ -1,5 +1,6 @@
 """Property test: random new/append/allocate/free/reset sequences over random pools keep
-every invariant, and once everything is freed all blocks are free and usage is 0."""
+every invariant (each eviction policy's own state included), and once everything is
+freed all blocks are free and usage is 0."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import KVCacheManager, Request
+from prefixcache.core.eviction import TraceFuture, policy_names
 
 # Small alphabets and shared stems so that prefixes collide, hit, duplicate and evict.
 _STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23], [30] * 9]
@@ -19,22 +21,37 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(1, 12),
     block_size=st.sampled_from([1, 2, 4]),
     free_order=st.sampled_from(["append", "unhashed_first"]),
     ops=st.lists(_op, max_size=40),
+    eviction=st.sampled_from(policy_names()),
 )
-def test_random_operation_sequences_keep_invariants(num_blocks, block_size, free_order, ops):
-    m = KVCacheManager(num_blocks, block_size, free_order=free_order)
+def test_random_operation_sequences_keep_invariants(
+    num_blocks, block_size, free_order, ops, eviction
+):
+    prompts = [_STEMS[op[1]] + op[2] for op in ops if op[0] == "new"]
+    options = None
+    if eviction == "belady":
+        # The future of this operation sequence: its prompts' block hashes, in order
+        # (the hasher is deterministic: sha256 with the default root).
+        hasher = KVCacheManager(1, block_size).hasher
+        options = {"future": TraceFuture.from_hashes(
+            hasher.hash_token_blocks(p, block_size) for p in prompts
+        )}
+    m = KVCacheManager(
+        num_blocks, block_size, free_order=free_order, eviction=eviction,
+        eviction_options=options,
+    )
     running: list[Request] = []
     n = 0
     for op in ops:
         kind = op[0]
         if kind == "new":
-            _, stem, tail = op
-            req = Request(f"r{n}", _STEMS[stem] + tail)
+            req = Request(f"r{n}", prompts[n], priority=n % 3)
+            m.on_arrival(req, n)
             n += 1
             blocks, hit = m.get_computed_blocks(req)
             assert hit % block_size == 0 and hit <= req.num_tokens - 1
