@@ -33,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
     # One page bucket (1024 / 16 pages): fewer compiled programs, a faster run.
     c.page_buckets = (64,)
     c.hash_algo = "sha256"
+    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (not belady: online)
     c.attention_backend = "auto"
     # Workload.
     c.system_prompt_lens = (128, 512)  # user u starts from system prompt u % 2

@@ -2,6 +2,8 @@ r"""Replay a request trace (or a generated workload) through the KV cache manage
 
   python -m experiments.replay --trace=T.jsonl --num_blocks=4096 --block_size=16 \
       --hash_algo=sha256 --free_order=append --concurrency=8 --out=O.jsonl
+  python -m experiments.replay --config=configs/replay_mooncake_conversation.py \
+      --eviction=belady --num_blocks=10000   # the offline bound (reads the trace twice)
   python -m experiments.replay --config=configs/replay_few_shot.py --workdir=/tmp/r
 
 Flags given on the command line override the config (default:
@@ -39,8 +41,9 @@ def run(config, *, progress: bool = False) -> dict:
     Args:
       config: a replay config (see ``configs/replay.py``): trace / workload,
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
-        ``free_order``, ``concurrency``, ``max_model_len`` (0: none), ``out``,
-        ``workdir``, ``max_requests``, ``seed``.
+        ``free_order``, ``eviction``, ``index``, ``model`` ("": none),
+        ``concurrency``, ``max_model_len`` (0: none), ``out``, ``workdir``,
+        ``max_requests``, ``seed``.
       progress: tqdm progress bar.
 
     Returns:
@@ -54,7 +57,9 @@ def run(config, *, progress: bool = False) -> dict:
 
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
-    requests = _common.requests_from_config(config, workdir, progress=progress)
+    # NOTE: a callable: belady reads the trace twice (a fresh stream each time).
+    def requests():
+        return _common.requests_from_config(config, workdir, progress=progress)
     prompt = array.array("q")  # per-request prompt tokens, for the plot
     hits = array.array("q")
 
@@ -69,7 +74,8 @@ def run(config, *, progress: bool = False) -> dict:
             requests, num_blocks=config.num_blocks, block_size=config.block_size,
             hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
             free_order=config.free_order, concurrency=config.concurrency,
-            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress)
+            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
+            eviction=config.eviction, index=config.index, model=config.model or None)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
@@ -113,6 +119,9 @@ def main() -> None:
         "block_size": ("integer", "Tokens per block"),
         "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
         "free_order": ("string", "append | unhashed_first (vLLM's)"),
+        "eviction": ("string", "Eviction policy: lru | fifo | lfu | slru | priority | length "
+                               "| cost | belady"),
+        "index": ("string", "Prefix index: hash | radix"),
         "concurrency": ("integer", "Most requests holding blocks at once"),
         "max_requests": ("integer", "Only the first N requests (0: all)"),
         "out": ("string", "Per-request JSONL output"),

@@ -150,6 +150,8 @@ def simulate(
     hash_seed: int | str | None = None,
     free_order: str = "append",
     enable_caching: bool = True,
+    eviction: str = "lru",
+    eviction_options: dict | None = None,
     warmup: Iterable[TraceRequest] | None = None,
     arrival_rate: float | None = None,
     seed: int = 0,
@@ -163,8 +165,9 @@ def simulate(
       requests: trace entries in arrival order (streamed: only arrived,
         unfinished requests are held in memory).
       cost_model: step times.
-      num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching:
-        the ``KVCacheManager`` the simulated server uses.
+      num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching,
+        eviction, eviction_options: the ``KVCacheManager`` the simulated server uses
+        (``belady`` needs the trace's future: use ``prefixcache.sim.replay``).
       scheduler: batching limits.
       warmup: if given, these prompts are prefilled one by one (and freed)
         before the first arrival: the run starts with a warm cache.
@@ -190,7 +193,8 @@ def simulate(
     """
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
-                             log_stats=False)
+                             log_stats=False, eviction=eviction,
+                             eviction_options=eviction_options)
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
     arrivals = _arrivals(requests, arrival_rate, seed)
