@@ -258,29 +258,41 @@ class BlockPool:
         """Cached blocks no lookup can reach: some earlier block of their chain is not
         cached (evicted), so every lookup stops before them. O(cached blocks)."""
         cached = self.cached_block_hash_to_block
+        # NOTE: first one cheap pass: a stranded block exists only if some cached block's
+        # parent is not cached (with lru a freed request's deepest block goes first, so
+        # usually none is, and this pass is all the work).
+        parents = {b.parent_hash for b in self.blocks if b.block_hash is not None}
+        parents.discard(None)
+        if parents <= cached.keys():
+            return []
         parent_of = {b.block_hash: b.parent_hash for b in self.blocks if b.block_hash is not None}
         reach: dict[bytes, bool] = {}  # cached hash -> a lookup can reach it
         out = []
+        chain: list[bytes] = []  # NOTE: one list reused (few allocations: see replay)
         for b in self.blocks:
-            if b.block_hash is None:
+            h = b.block_hash
+            if h is None:
                 continue
-            chain = []
-            cur = b.block_hash
-            while True:
-                ok = reach.get(cur)
-                if ok is not None:
-                    break
-                if cur not in cached:  # an ancestor that was evicted
-                    ok = False
-                    break
-                chain.append(cur)
-                cur = parent_of[cur]
-                if cur is None:  # the chain's first block
-                    ok = True
-                    break
-            for x in chain:
-                reach[x] = ok
-            if not reach[b.block_hash]:
+            ok = reach.get(h)
+            if ok is None:
+                cur = h
+                while True:
+                    chain.append(cur)
+                    p = parent_of[cur]
+                    if p is None:  # the chain's first block
+                        ok = True
+                        break
+                    ok = reach.get(p)
+                    if ok is not None:
+                        break
+                    if p not in cached:  # an earlier block was evicted
+                        ok = False
+                        break
+                    cur = p
+                for x in chain:
+                    reach[x] = ok
+                chain.clear()
+            if not ok:
                 out.append(b.block_id)
         return out
 
@@ -377,13 +389,17 @@ class BlockPool:
                 "block hashes"
             )
         cached = self.cached_block_hash_to_block
-        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
         # NOTE: one slice of each (a Request's hashes are a read-only view whose
-        # per-item indexing is a Python-level call).
-        for blk, h in zip(
-            blocks[num_cached_blocks:num_full_blocks],
-            block_hashes[num_cached_blocks:num_full_blocks],
-        ):
+        # per-item indexing is a Python-level call); the hashes' slice starts at the
+        # parent of the first new block (kept as each block's parent_hash).
+        if num_cached_blocks:
+            hashes = block_hashes[num_cached_blocks - 1:num_full_blocks]
+            parent = hashes[0]
+            hashes = hashes[1:]
+        else:
+            hashes = block_hashes[:num_full_blocks]
+            parent = None
+        for blk, h in zip(blocks[num_cached_blocks:num_full_blocks], hashes):
             if blk.block_hash is not None:
                 raise InvariantError(
                     f"block {blk.block_id} is being cached as {h.hex()} but already "

@@ -235,3 +235,16 @@ def test_registry_is_read_only_and_each_policy_is_keyed():
     assert p.block_size == 16
     with pytest.raises(ValueError, match="needs block_size"):
         make_policy("cost", num_blocks=8)
+
+
+def test_stranded_blocks_are_counted_down_the_chain():
+    # cost evicts the shallowest block of a 3-block chain: its child and grandchild
+    # (whose own parent is still cached) are both unreachable.
+    m = KVCacheManager(4, BS, eviction="cost")
+    r0, _ = _admit(m, "r0", [1, 1, 2, 2, 3, 3, 9])  # blocks 0, 1, 2 cached, 3 partial
+    m.free(r0)
+    r1, _ = _admit(m, "r1", [5, 5, 9])  # 3, then the victim 0 (H = v0, the smallest)
+    assert m.get_block_ids("r1") == [3, 0]
+    assert m.cached_block_ids() == [1, 2, 3]
+    assert sorted(m.block_pool.stranded_block_ids()) == [1, 2]
+    assert m.num_stranded_blocks() == 2
