@@ -261,6 +261,7 @@ def replay(
                 cache_salt=tr.cache_salt,
                 hasher=hasher,
                 block_size=block_size,
+                priority=tr.priority,
             )
             req.block_hashes  # NOTE: hashing is lazy; do it here, on the hashing clock
             t1 = perf()

@@ -248,3 +248,37 @@ def test_stranded_blocks_are_counted_down_the_chain():
     assert m.cached_block_ids() == [1, 2, 3]
     assert sorted(m.block_pool.stranded_block_ids()) == [1, 2]
     assert m.num_stranded_blocks() == 2
+
+
+class _SiblingManager:
+    """A stand-in for another index's manager class (not a KVCacheManager)."""
+
+    def __init__(self, num_blocks, block_size, *, index, **kwargs):
+        self.args = (num_blocks, block_size, index, kwargs)
+
+
+class _SubclassManager(KVCacheManager):
+    def __init__(self, *args, index="sub", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.index = index
+        self.inits = getattr(self, "inits", 0) + 1
+
+
+def test_index_dispatch(monkeypatch):
+    from types import MappingProxyType
+
+    from prefixcache.core import indexes
+
+    monkeypatch.setattr(indexes, "INDEXES", MappingProxyType({
+        **indexes.INDEXES,
+        "sibling": f"{__name__}:_SiblingManager",
+        "sub": f"{__name__}:_SubclassManager",
+    }))
+    m = KVCacheManager(8, BS, index="sibling", eviction="lfu")
+    assert type(m) is _SiblingManager  # built fully by __new__ (no __init__ after)
+    assert m.args == (8, BS, "sibling", {"eviction": "lfu"})
+    m = KVCacheManager(8, BS, index="sub")
+    assert type(m) is _SubclassManager and m.inits == 1 and m.index == "sub"
+    with pytest.raises(ValueError, match="unknown index 'nope'.*'sibling'"):
+        KVCacheManager(8, BS, index="nope")
+    assert type(KVCacheManager(8, BS, index="hash")) is KVCacheManager

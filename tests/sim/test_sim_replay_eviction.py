@@ -147,3 +147,29 @@ def test_bad_input_is_rejected_before_the_trace_is_read(traces):
     with pytest.raises(ValueError, match="unknown model preset"):
         replay(stream(), num_blocks=64, block_size=16, model="gpt-9")
     assert consumed == []
+
+
+def test_trace_priority_reaches_the_priority_policy(tmp_path):
+    from prefixcache.sim.trace import TraceRequest, TraceError, write_trace
+
+    # Two tenants' 3-block prompts a0 (priority 9) and b0, then x (3 new blocks), then
+    # a1 extends a0. 7 blocks, one request at a time: x takes the last unhashed block
+    # and evicts two cached ones -- lru a0's deepest two (released first), so a1 hits
+    # one block; priority b0's two (priority 0), so a1 hits all three.
+    a = TraceRequest("a0", list(range(1, 49)), 1, priority=9)
+    b = TraceRequest("b0", list(range(100, 148)), 1)
+    again = [TraceRequest("x", list(range(200, 248)), 1),
+             TraceRequest("a1", list(range(1, 49)) + [7] * 16, 1, priority=9)]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [a, b, *again])
+    reqs = list(read_trace(path))
+    assert [r.priority for r in reqs] == [9, 0, 0, 9]
+    hits = {p: [] for p in ("lru", "priority")}
+    for p in hits:
+        replay(reqs, num_blocks=7, block_size=16, hash_seed=0, eviction=p,
+               on_record=hits[p].append)
+    assert [r["num_computed_tokens"] for r in hits["lru"]] == [0, 0, 0, 16]
+    assert [r["num_computed_tokens"] for r in hits["priority"]] == [0, 0, 0, 48]
+    path.write_text('{"id": "r", "prompt": [1], "output_len": 1, "priority": 1.5}\n')
+    with pytest.raises(TraceError, match="'priority' must be an int"):
+        list(read_trace(path))
