@@ -173,3 +173,29 @@ def test_trace_priority_reaches_the_priority_policy(tmp_path):
     path.write_text('{"id": "r", "prompt": [1], "output_len": 1, "priority": 1.5}\n')
     with pytest.raises(TraceError, match="'priority' must be an int"):
         list(read_trace(path))
+
+
+def test_documented_case_where_online_policies_beat_belady():
+    # belady's "next use" is the next request whose prompt CONTAINS the block (the
+    # issue's definition), but a lookup adopts at most num_tokens - 1 tokens: r3 is
+    # exactly block A, so it contains A yet can never hit it. 2-token blocks, 3 blocks,
+    # one request at a time. r2 needs its partial block (unhashed) plus one victim:
+    #   belady: next uses A -> r3 (index 3), B -> r4 (index 4): evicts B, r4 misses;
+    #   fifo, lfu, slru, priority, length, cost: evict A (released/cached first),
+    #   so r4 hits B (2 tokens).
+    # (The default lru with free_order="append" also gets 0: freed partial blocks
+    # join the tail, so r2 evicts A and r3 then takes the queue head, B.)
+    from prefixcache.sim.trace import TraceRequest
+
+    trace = [TraceRequest("r0", [1, 1, 9], 1), TraceRequest("r1", [2, 2, 9], 1),
+             TraceRequest("r2", [3, 3, 9], 1), TraceRequest("r3", [1, 1], 1),
+             TraceRequest("r4", [2, 2, 8], 1)]
+    hits = _hits_c1(trace, 3, 2, policy_names())
+    assert hits["belady"] == 0
+    assert {p: hits[p] for p in ONLINE if p != "lru"} == {
+        p: 2 for p in ONLINE if p != "lru"}
+
+
+def _hits_c1(reqs, nb, bs, policies):
+    return {p: replay(reqs, num_blocks=nb, block_size=bs, hash_seed=0,
+                      eviction=p)["hit_tokens"] for p in policies}
