@@ -24,7 +24,12 @@ What it is optimal for, and what not (NOTE):
   * blocks produced by decoding are in the future index only if a later prompt holds
     them (their content hashes to a prompt block of a later request).
   It is therefore a strong offline reference, not a proven upper bound on hit tokens:
-  an online policy may beat it on some trace (tests keep such a case documented).
+  an online policy may beat it. A documented case
+  (``tests/sim/test_sim_replay_eviction.py::test_documented_case_where_online_policies_beat_belady``):
+  a later prompt that is exactly a cached block "uses" it but cannot hit it (its last
+  token is always computed), so belady keeps that block and evicts one that a later
+  request would have hit. On the generated workloads and the Mooncake traces it beat
+  or tied every online policy at every capacity measured (WORKSPACE_NOTES).
 """
 
 from __future__ import annotations
