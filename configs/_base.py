@@ -71,6 +71,9 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", da
     c.hash_algo = "sha256"
     c.hash_seed = ""  # "" -> the algorithm's default root (see prefixcache.core.hashing)
     c.free_order = "append"
+    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (belady: the offline bound)
+    c.index = "hash"  # prefixcache.core.indexes.INDEXES
+    c.model = ""  # a cost_model preset: report cache memory in bytes ("" -> blocks only)
     c.concurrency = concurrency
     c.max_model_len = 0  # 0 -> no limit
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given

@@ -41,6 +41,7 @@ def get_config():
     c.num_blocks = 8192  # 0: as many as fit in the HBM left after the weights
     c.block_size = 16
     c.hash_algo = "sha256"
+    c.eviction = "lru"  # the simulated server's eviction policy (not belady: no future)
     c.max_num_batched_tokens = 8192
     c.max_num_seqs = 256
     c.arrival_rate = 4.0  # 0: the trace's timestamps; > 0: Poisson arrivals (req/s)

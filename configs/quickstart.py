@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
     # compiled programs, a faster run; follows --config.block_size.
     c.page_buckets = ()
     c.hash_algo = "sha256"
+    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (not belady: online)
     c.attention_backend = "auto"
     # Workload.
     c.system_prompt_lens = (128, 512)  # user u starts from system prompt u % 2

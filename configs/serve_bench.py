@@ -33,6 +33,7 @@ def get_config():
     c.num_blocks = 512
     c.block_size = 16
     c.hash_algo = "sha256"
+    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (not belady: online)
     c.max_num_seqs = 8
     c.max_num_batched_tokens = 1024
     c.batch_size = 8

@@ -26,5 +26,6 @@ def get_config():
     c.hash_algo = "sha256"
     c.hash_seed = ""
     c.free_order = "append"
+    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES
     c.concurrency = 8
     return c

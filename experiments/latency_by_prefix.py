@@ -87,7 +87,7 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
             summary = des.simulate(
                 itertools.islice(make_requests(), n_warm, None), cost_model=cost,
                 num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
-                hash_algo=config.hash_algo,
+                hash_algo=config.hash_algo, eviction=config.eviction,
                 warmup=itertools.islice(make_requests(), n_warm) if state == "warm" else None,
                 arrival_rate=config.arrival_rate or None, seed=config.seed,
                 on_record=recs.append, progress=progress, total=total)

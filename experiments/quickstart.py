@@ -54,7 +54,8 @@ def run(config, *, progress: bool = False) -> dict:
                     enable_caching=True, seed=config.seed, max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens,
                     max_model_len=config.max_model_len,
-                    page_buckets=page_buckets(config), hash_algo=config.hash_algo, attention_backend=config.attention_backend)
+                    page_buckets=page_buckets(config), hash_algo=config.hash_algo,
+                    attention_backend=config.attention_backend, eviction=config.eviction)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
 
     def workload(seed):

@@ -2,6 +2,8 @@ r"""Replay a request trace (or a generated workload) through the KV cache manage
 
   python -m experiments.replay --trace=T.jsonl --num_blocks=4096 --block_size=16 \
       --hash_algo=sha256 --free_order=append --concurrency=8 --out=O.jsonl
+  python -m experiments.replay --config=configs/replay_mooncake_conversation.py \
+      --eviction=belady --num_blocks=10000   # the offline bound (reads the trace twice)
   python -m experiments.replay --config=configs/replay_few_shot.py --workdir=/tmp/r
   python -m experiments.replay --dataset=mooncake_synthetic --block_size=512 \
       --num_blocks=200000 --concurrency=1    # a public trace by name (downloaded once)
@@ -41,8 +43,9 @@ def run(config, *, progress: bool = False) -> dict:
     Args:
       config: a replay config (see ``configs/replay.py``): dataset / trace / workload,
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
-        ``free_order``, ``concurrency``, ``max_model_len`` (0: none), ``out``,
-        ``workdir``, ``max_requests``, ``seed``.
+        ``free_order``, ``eviction``, ``index``, ``model`` ("": none),
+        ``concurrency``, ``max_model_len`` (0: none), ``out``, ``workdir``,
+        ``max_requests``, ``seed``.
       progress: tqdm progress bar.
 
     Returns:
@@ -56,7 +59,14 @@ def run(config, *, progress: bool = False) -> dict:
 
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
-    requests, total = _common.load_requests(config, workdir, progress=progress)
+    first, total = _common.load_requests(config, workdir, progress=progress)
+    unused = [first]
+
+    # NOTE: a callable: belady reads the trace twice (the stream opened above first,
+    # then a fresh one).
+    def requests():
+        return unused.pop() if unused else _common.requests_from_config(
+            config, workdir, progress=progress)
     prompt = array.array("q")  # per-request prompt tokens, for the plot
     hits = array.array("q")
 
@@ -72,7 +82,8 @@ def run(config, *, progress: bool = False) -> dict:
             hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
             free_order=config.free_order, concurrency=config.concurrency,
             max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
-            total=total)
+            total=total, eviction=config.eviction, index=config.index,
+            model=config.model or None)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
@@ -118,6 +129,9 @@ def main() -> None:
         "block_size": ("integer", "Tokens per block"),
         "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
         "free_order": ("string", "append | unhashed_first (vLLM's)"),
+        "eviction": ("string", "Eviction policy: lru | fifo | lfu | slru | priority | length "
+                               "| cost | belady"),
+        "index": ("string", "Prefix index: hash | radix"),
         "concurrency": ("integer", "Most requests holding blocks at once"),
         "max_requests": ("integer", "Only the first N requests (0: all)"),
         "out": ("string", "Per-request JSONL output"),

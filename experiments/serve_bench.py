@@ -104,7 +104,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
                             block_size=config.block_size, enable_caching=caching,
                             seed=config.seed, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            hash_algo=config.hash_algo,
+                            hash_algo=config.hash_algo, eviction=config.eviction,
                             model=None if engine is None else engine.model)
             # NOTE: a caching engine serves the compile set twice (cold, then warm):
             # warm steps have other (smaller) bucketed shapes than cold ones.

@@ -34,7 +34,8 @@ def measure(requests: Sequence, warmup: Sequence, *, num_blocks: int, block_size
       warmup: requests replayed first when ``cache_state == "warm"``.
       num_blocks, block_size: the cache.
       cache_state: "cold" or "warm".
-      **replay_kwargs: ``hash_algo``, ``hash_seed``, ``free_order``, ``concurrency``.
+      **replay_kwargs: ``hash_algo``, ``hash_seed``, ``free_order``, ``concurrency``,
+        ``eviction``.
 
     Returns:
       ``{"num_blocks", "capacity_tokens", "cache_state", "requests", "prompt_tokens",
@@ -111,7 +112,7 @@ def run(config, *, progress: bool = False) -> dict:
     rows = sweep(requests, capacities=list(config.capacities), block_size=config.block_size,
                  warmup_requests=config.warmup_requests, hash_algo=config.hash_algo,
                  hash_seed=config.hash_seed or None, free_order=config.free_order,
-                 concurrency=config.concurrency, progress=progress)
+                 concurrency=config.concurrency, eviction=config.eviction, progress=progress)
     source = _common.source_name(config)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl") as w:
         for state in _common.CACHE_STATES:

@@ -57,9 +57,15 @@ class KVCacheBlock:
         prev_free_block / next_free_block: links of the free queue; both ``None``
             exactly when the block is not in the queue. Only ``FreeKVCacheBlockQueue``
             touches them.
+        parent_hash: while the block is cached, the digest of the block before it in
+            its chain (``None`` for a first block); stale otherwise. Read only by
+            ``stranded_block_ids``.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = (
+        "block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block",
+        "parent_hash",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -67,6 +73,7 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
+        self.parent_hash: bytes | None = None
 
     def __repr__(self) -> str:
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None
@@ -234,6 +241,7 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.num_blocks_cached = 0  # blocks that entered the hash map
         self.num_blocks_allocated = 0  # blocks popped from the free queue
+        self.num_blocks_cleared = 0  # cached blocks dropped by reset_prefix_cache
 
     # ------------------------------------------------------------------ lookups
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -246,6 +254,53 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the hash map now (O(1), from the counters)."""
+        return self.num_blocks_cached - self.num_evictions - self.num_blocks_cleared
+
+    def stranded_block_ids(self) -> list[int]:
+        """Cached blocks no lookup can reach: some earlier block of their chain is not
+        cached (evicted), so every lookup stops before them. O(cached blocks)."""
+        cached = self.cached_block_hash_to_block
+        # NOTE: first one cheap pass: a stranded block exists only if some cached block's
+        # parent is not cached (with lru a freed request's deepest block goes first, so
+        # usually none is, and this pass is all the work).
+        parents = {b.parent_hash for b in self.blocks if b.block_hash is not None}
+        parents.discard(None)
+        if parents <= cached.keys():
+            return []
+        parent_of = {b.block_hash: b.parent_hash for b in self.blocks if b.block_hash is not None}
+        reach: dict[bytes, bool] = {}  # cached hash -> a lookup can reach it
+        out = []
+        chain: list[bytes] = []  # NOTE: one list reused (few allocations: see replay)
+        for b in self.blocks:
+            h = b.block_hash
+            if h is None:
+                continue
+            ok = reach.get(h)
+            if ok is None:
+                cur = h
+                while True:
+                    chain.append(cur)
+                    p = parent_of[cur]
+                    if p is None:  # the chain's first block
+                        ok = True
+                        break
+                    ok = reach.get(p)
+                    if ok is not None:
+                        break
+                    if p not in cached:  # an earlier block was evicted
+                        ok = False
+                        break
+                    cur = p
+                for x in chain:
+                    reach[x] = ok
+                chain.clear()
+            if not ok:
+                out.append(b.block_id)
+        return out
 
     # ------------------------------------------------------------- allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -296,8 +351,10 @@ class BlockPool:
                 BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_GPU, group_idx=0)
             )
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks (out of the free queue if unused)."""
+    def touch(self, blocks: Iterable[KVCacheBlock], request=None) -> None:
+        """Take a reference on prefix-hit blocks (out of the free queue if unused).
+
+        ``request`` (the one adopting them) is for eviction policies only."""
         n = 0
         for block in blocks:
             if block.ref_cnt == 0:
@@ -339,17 +396,24 @@ class BlockPool:
             )
         cached = self.cached_block_hash_to_block
         # NOTE: one slice of each (a Request's hashes are a read-only view whose
-        # per-item indexing is a Python-level call).
-        for blk, h in zip(
-            blocks[num_cached_blocks:num_full_blocks],
-            block_hashes[num_cached_blocks:num_full_blocks],
-        ):
+        # per-item indexing is a Python-level call); the hashes' slice starts at the
+        # parent of the first new block (kept as each block's parent_hash).
+        if num_cached_blocks:
+            hashes = block_hashes[num_cached_blocks - 1:num_full_blocks]
+            parent = hashes[0]
+            hashes = hashes[1:]
+        else:
+            hashes = block_hashes[:num_full_blocks]
+            parent = None
+        for blk, h in zip(blocks[num_cached_blocks:num_full_blocks], hashes):
             if blk.block_hash is not None:
                 raise InvariantError(
                     f"block {blk.block_id} is being cached as {h.hex()} but already "
                     f"has hash {blk.block_hash.hex()}"
                 )
             blk.block_hash = h
+            blk.parent_hash = parent
+            parent = h
             cur = cached.get(h)
             if cur is None:
                 cached[h] = blk
@@ -386,11 +450,13 @@ class BlockPool:
                 )
             )
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue.
 
         ``ordered_blocks`` is in eviction priority order (first evicted first): a
-        request's blocks reversed, so its last block is reused first.
+        request's blocks reversed, so its last block is reused first. ``request``
+        (the owner, whose whole table ``ordered_blocks`` is) is for eviction
+        policies (``PolicyBlockPool``); the LRU queue does not need it.
         """
         # NOTE: one pass; blocks bound for the tail are linked in as they come
         # (FreeKVCacheBlockQueue.append_n, inlined: this runs once per freed block).
@@ -425,6 +491,7 @@ class BlockPool:
         """Drop every cached hash. ``False`` (nothing changed) if any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks:
             return False
+        self.num_blocks_cleared += self.num_cached_blocks
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
@@ -510,3 +577,7 @@ class BlockPool:
                 )
         if not self.enable_caching and in_map:
             raise InvariantError(f"caching is off but blocks {sorted(in_map)} are cached")
+        if len(in_map) != self.num_cached_blocks:
+            raise InvariantError(
+                f"{len(in_map)} blocks are cached but the counters say {self.num_cached_blocks}"
+            )

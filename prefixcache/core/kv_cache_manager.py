@@ -19,6 +19,7 @@ ids. See ``tests/core/test_core_manager*.py`` and the replay goldens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
@@ -29,8 +30,11 @@ from prefixcache.core.block_pool import (
     InvariantError,
     KVCacheBlock,
 )
+from prefixcache.core.eviction import DEFAULT_POLICY, EvictionPolicy, get_policy_class, make_policy
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
+from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
 
@@ -127,7 +131,33 @@ class KVCacheManager:
         max_model_len: longest allowed sequence (tokens); ``None`` for no limit.
         int_event_hashes: events carry block hashes as vLLM publishes them by
             default (the digest's low 64 bits as an int); ``False``: raw digests.
+        eviction: the eviction policy's name (``prefixcache.core.eviction.POLICIES``):
+            ``"lru"`` (vLLM's order, the default: the pool's own free queue, no
+            policy object), ``fifo``, ``lfu``, ``slru``, ``priority``, ``length``,
+            ``cost``, or ``belady`` (offline: needs ``eviction_options={"future":
+            ...}``, which the replay builds; see ``on_arrival``).
+        eviction_options: the policy's own options (e.g. ``{"model": "llama_3_1_8b"}``
+            for ``cost``); with ``"lru"``, ``{"fast_path": False}`` runs the keyed
+            LRU policy through the policy pool instead (the radix index's form; a
+            test pins it to the fast path).
+        index: the prefix index (``prefixcache.core.indexes.INDEXES``): ``"hash"``
+            (this class) or ``"radix"`` (``KVCacheManager(..., index="radix")``
+            returns that class's manager, same API).
+
+    Attributes:
+        eviction, index: the names chosen.
+        policy: the ``EvictionPolicy`` object, or ``None`` for the LRU fast path.
     """
+
+    def __new__(cls, *args, index: str = DEFAULT_INDEX, **kwargs):
+        if index == DEFAULT_INDEX or cls is not KVCacheManager:
+            return super().__new__(cls)
+        target = get_index_class(index)  # unknown name -> ValueError naming the choices
+        if issubclass(target, cls):
+            return super().__new__(target)  # Python then runs target.__init__
+        # NOTE: a sibling class: Python skips __init__ for an object that is not a
+        # KVCacheManager, so it is built fully here.
+        return target(*args, index=index, **kwargs)
 
     def __init__(
         self,
@@ -142,7 +172,13 @@ class KVCacheManager:
         enable_events: bool = False,
         max_model_len: int | None = None,
         int_event_hashes: bool = True,
+        eviction: str = DEFAULT_POLICY,
+        eviction_options: Mapping[str, Any] | None = None,
+        index: str = DEFAULT_INDEX,
     ):
+        if index != DEFAULT_INDEX and type(self) is KVCacheManager:
+            get_index_class(index)  # unknown -> ValueError; else __new__ dispatched
+            raise ValueError(f"index {index!r} is not served by {type(self).__name__}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -153,7 +189,28 @@ class KVCacheManager:
             not isinstance(max_model_len, int) or max_model_len <= 0
         ):
             raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
+        if eviction_options is None:
+            eviction_options = {}
+        elif not isinstance(eviction_options, Mapping):
+            raise TypeError(
+                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}"
+            )
+        options = dict(eviction_options)
+        fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
+        if policy_cls.needs_future and options.get("future") is None:
+            raise ValueError(
+                f"{eviction} needs the trace's future: run it through the replay "
+                f"(prefixcache.sim.replay.replay(..., eviction={eviction!r})), which reads "
+                "the trace once to index next uses; online serving has no future"
+            )
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        policy: EvictionPolicy | None = None
+        if eviction != DEFAULT_POLICY or options or not fast_path:
+            policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size, **options)
+        self.eviction = eviction
+        self.index = DEFAULT_INDEX
+        self.policy = policy
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
@@ -162,12 +219,18 @@ class KVCacheManager:
         self.enable_events = bool(enable_events)
         self.max_model_len = max_model_len
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
-        self.block_pool = BlockPool(
-            num_blocks,
+        pool_kwargs = dict(
             enable_caching=self.enable_caching,
             enable_events=self.enable_events,
             free_order=free_order,
             int_event_hashes=int_event_hashes,
+        )
+        # NOTE: LRU keeps vLLM's intrusive free queue (BlockPool, untouched: no work
+        # added to the decode path, free or touch); any other policy runs through the
+        # PolicyBlockPool subclass.
+        self.block_pool = (
+            BlockPool(num_blocks, **pool_kwargs) if policy is None
+            else PolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
         )
         self._states: dict[str, _RequestState] = {}
         # The same states keyed by the Request object (identity hash, C speed): the
@@ -455,7 +518,7 @@ class KVCacheManager:
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
-            pool.touch(computed)
+            pool.touch(computed, request)
             st = _RequestState(request, computed, len(computed))
             self._states[rid] = st
             self._states_by_request[request] = st
@@ -497,7 +560,7 @@ class KVCacheManager:
         del self._states_by_request[st.request]
         blocks = st.blocks
         blocks.reverse()
-        self.block_pool.free_blocks(blocks)
+        self.block_pool.free_blocks(blocks, st.request)
 
     # ------------------------------------------------------------- inspection
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -535,6 +598,23 @@ class KVCacheManager:
     def cached_block_ids(self) -> list[int]:
         """Ids of all blocks currently in the hash map, ascending."""
         return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the cache now (held or free), O(1)."""
+        return self.block_pool.num_cached_blocks
+
+    def num_stranded_blocks(self) -> int:
+        """Cached blocks no lookup can reach (an earlier block of their chain is not
+        cached). O(cached blocks): for summaries, not per step."""
+        return len(self.block_pool.stranded_block_ids())
+
+    def on_arrival(self, request, index: int) -> None:
+        """Trace request number ``index`` arrives (before its first lookup): the
+        offline ``belady`` policy advances its next uses; a no-op otherwise."""
+        if self.policy is not None:
+            self._bind(request)
+            self.policy.on_arrival(request, index)
 
     @property
     def num_evictions(self) -> int:

@@ -257,7 +257,8 @@ class RadixKVCacheManager:
                 f"eviction_options must be a mapping or None, got {eviction_options!r}"
             )
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
-        self.policy = make_policy(eviction, num_blocks=num_blocks, **dict(eviction_options or {}))
+        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                                  **dict(eviction_options or {}))
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
@@ -331,6 +332,8 @@ class RadixKVCacheManager:
 
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives (forwarded to the policy)."""
+        if self.policy.needs_future:  # belady reads the request's block hashes
+            request.bind_hasher(self.hasher, self.block_size)
         self.policy.on_arrival(request, index)
 
     # -------------------------------------------------------------- scheduling

@@ -218,6 +218,7 @@ class Request:
         "_plain_tag",
         "_tokens_view",
         "_hashes_view",
+        "priority",
     )
 
     def __init__(
@@ -231,6 +232,7 @@ class Request:
         cache_salt_offset: int = 0,
         hasher: BlockHasher | None = None,
         block_size: int | None = None,
+        priority: int = 0,
     ):
         """Args:
         request_id: hashable id, unique among live requests of a manager.
@@ -245,10 +247,13 @@ class Request:
           prompt) stay shareable across salts; no block from it on is. Needs a
           non-empty salt when > 0 and must be < the prompt length.
         hasher, block_size: bind a hasher now (else the manager binds its own).
+        priority: the request's priority (an int; larger = more important), read by
+          the ``priority`` eviction policy (SGLang's: blocks of lower-priority requests
+          are evicted first). A plain attribute ``request.priority``.
 
         Raises:
           ValueError: empty prompt, bad token ids, bad multimodal ranges, bad salt,
-            lora or hasher/block size.
+            lora or hasher/block size, a priority that is not an int.
         """
         try:
             hash(request_id)
@@ -294,6 +299,10 @@ class Request:
                 f"request {request_id!r}: cache_salt_offset={cache_salt_offset} is not "
                 f"inside the {n}-token prompt"
             )
+        if type(priority) is not int:
+            raise ValueError(
+                f"request {request_id!r}: priority must be an int, got {priority!r}"
+            )
         if (hasher is None) != (block_size is None):
             raise ValueError(
                 f"request {request_id!r}: pass hasher and block_size together (or neither)"
@@ -317,6 +326,7 @@ class Request:
         self._plain_tag: tuple | None = None
         self._tokens_view = ReadOnlyList(self._tokens)
         self._hashes_view = ReadOnlyList(self._block_hashes)
+        self.priority = priority
         if hasher is not None:
             self.bind_hasher(hasher, block_size)
 

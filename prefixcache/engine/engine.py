@@ -63,6 +63,12 @@ class Engine:
       mesh: a `jax.sharding.Mesh` to shard the model and KV over (None: one device).
       model: an already built/loaded `Transformer` (None: random init from `seed`).
       token_buckets, seq_buckets, page_buckets: shape buckets of the MetadataBuilder.
+      eviction: the KV cache manager's eviction policy (`prefixcache.core.eviction`;
+        default "lru", vLLM's). `belady` is rejected: it needs the trace's future,
+        which online serving does not have. Its options go in `manager_kwargs`
+        (`eviction_options`).
+      index: the prefix index: "hash" (vLLM's hash chain, the default) or "radix"
+        (`prefixcache.core.radix`, SGLang's radix tree); `prefixcache.core.indexes`.
       manager_kwargs: extra keyword arguments for `KVCacheManager`.
       share_programs_with: another Engine over the same model, backend and mesh whose
         compiled step programs this one reuses (its own KV pool and cache stay separate);
@@ -104,9 +110,19 @@ class Engine:
                  model=None, token_buckets=None, seq_buckets=None, page_buckets=None,
                  manager_kwargs: Mapping[str, Any] | None = None,
                  share_programs_with: "Engine | None" = None,
-                 lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs"):
+                 lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
+                 eviction: str = "lru", index: str = "hash"):
         from prefixcache.core import KVCacheManager
+        from prefixcache.core.eviction import get_policy_class
+        from prefixcache.core.indexes import get_index_class
         from prefixcache.scheduling import make_scheduling_policy
+
+        if get_policy_class(eviction).needs_future:  # unknown name -> ValueError
+            raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
+                             "bound for the replay): an online engine has none")
+        get_index_class(index)  # unknown name -> ValueError
+        if manager_kwargs and ({"eviction", "index"} & set(manager_kwargs)):
+            raise ValueError("pass eviction= and index= to Engine, not in manager_kwargs")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -138,7 +154,8 @@ class Engine:
         self.vocab_size = int(model_config.vocab_size)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
-            hash_seed=hash_seed, max_model_len=max_model_len, **dict(manager_kwargs or {}))
+            hash_seed=hash_seed, max_model_len=max_model_len, eviction=eviction, index=index,
+            **dict(manager_kwargs or {}))
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,

@@ -394,6 +394,8 @@ def simulate(
     free_order: str = "append",
     enable_caching: bool = True,
     scheduling: str = "fcfs",
+    eviction: str = "lru",
+    eviction_options: dict | None = None,
     warmup: Iterable[TraceRequest] | None = None,
     arrival_rate: float | None = None,
     seed: int = 0,
@@ -407,8 +409,9 @@ def simulate(
       requests: trace entries in arrival order (streamed: only arrived,
         unfinished requests are held in memory).
       cost_model: step times.
-      num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching:
-        the ``KVCacheManager`` the simulated server uses.
+      num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching,
+        eviction, eviction_options: the ``KVCacheManager`` the simulated server uses
+        (``belady`` needs the trace's future: use ``prefixcache.sim.replay``).
       scheduler: batching limits.
       scheduling: the waiting queue's admission order (``fcfs``, ``lpm``,
         ``dfs_weight``; ``prefixcache.scheduling``).
@@ -437,7 +440,8 @@ def simulate(
     make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
-                             log_stats=False)
+                             log_stats=False, eviction=eviction,
+                             eviction_options=eviction_options)
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
     arrivals = _arrivals(requests, arrival_rate, seed)

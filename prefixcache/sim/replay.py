@@ -24,6 +24,23 @@ and block ids (vLLM's are ours + 1: it reserves block 0) for ``--num-blocks N``.
 
 Memory is bounded by the window and the cache: the trace is consumed as a stream
 and per-request records are handed to ``on_record``, never kept.
+
+Eviction policies (``eviction=``, ``prefixcache.core.eviction.POLICIES``): the default
+``"lru"`` is vLLM's order (the manager's fast path, unchanged). The offline bound
+``"belady"`` needs the future, so the replay reads the trace twice: pass 1 hashes every
+prompt's full blocks (same hasher, root, block size, salt, LoRA and multimodal keys as
+the replay) into a compact ``TraceFuture`` (per distinct hash, the int32 indices of
+the requests holding it), pass 2 replays, calling ``manager.on_arrival(request, i)``
+before each request's lookup. For it, ``requests`` must be re-iterable (a list) or a
+zero-arg callable returning a fresh iterator each call (e.g. ``lambda:
+read_trace(path)``: streams twice, memory stays bounded).
+
+Cache memory: the summary reports the blocks in the cache (held or free, cached under
+a hash) sampled after every admission (``peak_cached_blocks``, ``mean_cached_blocks``;
+in bytes with ``model=``), and ``stranded_blocks``: cached blocks no lookup can reach
+because an earlier block of their chain is not cached, counted once at the end
+(freeing drops no hash, so before or after the final frees is the same count; a
+per-request peak would cost O(cached blocks) per sample and is not kept).
 """
 
 from __future__ import annotations
@@ -34,13 +51,33 @@ import time
 import zlib
 from typing import Any, Callable, Iterable
 
+from prefixcache.core.eviction import DEFAULT_POLICY, TraceFuture, get_policy_class
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.sim.cost_model import ModelShape
 from prefixcache.sim.trace import TraceRequest
 
 
+def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
+                 block_size: int) -> TraceFuture:
+    """Pass 1 of a ``belady`` replay: next uses of every prompt block hash.
+
+    Args:
+        requests: the trace, in arrival order (consumed once, streamed).
+        hasher: the replay's hasher (same algorithm and root).
+        block_size: tokens per block.
+    """
+    h = hasher.hash_token_blocks
+    return TraceFuture.from_hashes(
+        h(tr.prompt, block_size, lora=tr.lora, mm_features=tr.mm, cache_salt=tr.cache_salt)
+        for tr in requests
+    )
+
+
 def replay(
-    requests: Iterable[TraceRequest],
+    requests: Iterable[TraceRequest] | Callable[[], Iterable[TraceRequest]],
     *,
     num_blocks: int,
     block_size: int,
@@ -53,11 +90,17 @@ def replay(
     record_evictions: bool = False,
     progress: bool = False,
     total: int | None = None,
+    eviction: str = DEFAULT_POLICY,
+    eviction_options: dict | None = None,
+    index: str = DEFAULT_INDEX,
+    model: str | None = None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
     Args:
-        requests: the trace, in arrival order (any iterable; consumed once).
+        requests: the trace, in arrival order (any iterable; consumed once), or a
+            zero-arg callable returning one. ``belady`` reads it twice: a list (or
+            other re-iterable) or a callable, not a one-shot iterator.
         num_blocks: allocatable KV cache blocks.
         block_size: tokens per block.
         hash_algo: block hash algorithm (``sha256``, ``sha256_cbor``, ``xxhash``,
@@ -77,6 +120,12 @@ def replay(
         progress: show a tqdm progress bar.
         total: the number of requests, when known in advance (the bar's total and
             ETA); ``None``: a bar without a total.
+        eviction: the eviction policy (``prefixcache.core.eviction.POLICIES``).
+        eviction_options: the policy's options (``belady``'s ``future`` is built
+            here; passing one is an error).
+        index: the prefix index (``prefixcache.core.indexes.INDEXES``).
+        model: a ``prefixcache.sim.cost_model.MODEL_PRESETS`` name: report the cache
+            memory in bytes too (``kv_bytes_per_token * block_size`` per block).
 
     Returns:
         Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
@@ -89,8 +138,12 @@ def replay(
         appending tokens, i.e. prompt and incremental hashing), ``manager_s`` (the
         manager calls, plus advancing ``num_computed_tokens`` after each decode
         step); the rest of ``loop_s`` is the loop's own bookkeeping (window, records,
-        the prefill's ``num_computed_tokens``). Also ``requests_per_s`` and
-        ``prompt_tokens_per_s`` over ``loop_s``.
+        the prefill's ``num_computed_tokens``); ``future_s`` (``belady`` only: pass
+        1, not in ``loop_s``). Also ``requests_per_s`` and ``prompt_tokens_per_s``
+        over ``loop_s``. Cache memory: ``peak_cached_blocks``,
+        ``mean_cached_blocks`` (after each admission), ``stranded_blocks`` (at the
+        end), and with ``model`` ``bytes_per_block``, ``peak_cached_bytes``,
+        ``mean_cached_bytes``; ``eviction``, ``index``, ``model``.
 
     Raises:
         ValueError: bad configuration (before anything runs) or a request the
@@ -98,6 +151,44 @@ def replay(
     """
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    policy_cls = get_policy_class(eviction)  # unknown -> ValueError naming the choices
+    get_index_class(index)  # likewise
+    bytes_per_block = None
+    if model is not None:
+        if not isinstance(model, str):
+            raise ValueError(f"model must be a preset name or None, got {model!r}")
+        bytes_per_block = ModelShape.preset(model).kv_bytes_per_token * block_size
+    if eviction_options is not None and not isinstance(eviction_options, dict):
+        raise ValueError(f"eviction_options must be a dict or None, got {eviction_options!r}")
+    options = dict(eviction_options or {})
+    t_future = None
+    if policy_cls.needs_future:
+        if "future" in options:
+            raise ValueError(f"{eviction}: the replay builds the future itself; do not pass one")
+        if callable(requests):
+            fresh = requests
+        elif iter(requests) is requests:
+            raise ValueError(
+                f"{eviction} reads the trace twice (pass 1 indexes next uses): pass a list "
+                "or a zero-arg callable returning a fresh iterator, not a one-shot iterator"
+            )
+        else:
+            source = requests
+
+            def fresh():
+                return source
+
+        # NOTE: pass 1 hashes with the replay's own root: a seedless xxhash hasher
+        # draws a random root, so the manager gets the resolved seed string.
+        first = BlockHasher(hash_algo, hash_seed)
+        hash_seed = first.seed
+        t0 = time.perf_counter()
+        options["future"] = trace_future(fresh(), first, block_size)
+        t_future = time.perf_counter() - t0
+        del first
+        requests = fresh()
+    elif callable(requests):
+        requests = requests()
     m = KVCacheManager(
         num_blocks,
         block_size,
@@ -107,8 +198,17 @@ def replay(
         log_stats=False,
         enable_events=False,
         max_model_len=max_model_len,
+        eviction=eviction,
+        eviction_options=options or None,
+        index=index,
     )
     hasher = m.hasher
+    arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
+    on_arrival = m.on_arrival
+    # Cached blocks after each admission: two counters of the hash index's pool (no
+    # call on the default path); another index answers its num_cached_blocks.
+    pool = m.block_pool if index == DEFAULT_INDEX else None
+    peak_cached = sum_cached = 0
     running: collections.deque = collections.deque()
     get_computed_blocks = m.get_computed_blocks
     allocate_slots = m.allocate_slots
@@ -164,10 +264,13 @@ def replay(
                 cache_salt=tr.cache_salt,
                 hasher=hasher,
                 block_size=block_size,
+                priority=tr.priority,
             )
             req.block_hashes  # NOTE: hashing is lazy; do it here, on the hashing clock
             t1 = perf()
             t_hash += t1 - t0
+            if arrivals:
+                on_arrival(req, n_req - 1)
             # ---- admission --------------------------------------------------
             while True:
                 computed, num_hit = get_computed_blocks(req)
@@ -195,6 +298,13 @@ def replay(
                     bar.update(1)
                 continue
             n_admitted += 1
+            if pool is not None:
+                c = pool.num_blocks_cached - pool.num_evictions
+            else:
+                c = m.num_cached_blocks
+            sum_cached += c
+            if c > peak_cached:
+                peak_cached = c
             admitted_prompt += num_prompt
             hit_tokens += num_hit
             if num_hit:
@@ -260,6 +370,10 @@ def replay(
         t1 = perf()
         t_mgr += t1 - t0
         t_loop += t1 - t0
+        # NOTE: the final frees dropped no hash: this is also the count before them.
+        # Counted while the heap is still frozen (its allocations would otherwise let
+        # a full GC pass walk the whole trace: ~2% of a replay's instructions).
+        stranded = m.num_stranded_blocks()
     finally:
         gc.unfreeze()
         if bar is not None:
@@ -268,7 +382,23 @@ def replay(
     if m.num_free_blocks != num_blocks:  # pragma: no cover - a bug, caught loudly
         raise AssertionError(f"replay leaked blocks: {num_blocks - m.num_free_blocks} held")
     counters = m.counters()
+    mean_cached = sum_cached / n_admitted if n_admitted else 0.0
+    memory = {
+        "peak_cached_blocks": peak_cached,
+        "mean_cached_blocks": mean_cached,
+        "stranded_blocks": stranded,
+    }
+    if bytes_per_block is not None:
+        memory["bytes_per_block"] = bytes_per_block
+        memory["peak_cached_bytes"] = peak_cached * bytes_per_block
+        memory["mean_cached_bytes"] = mean_cached * bytes_per_block
+    timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
+    if t_future is not None:
+        timing["future_s"] = t_future
     return {
+        "eviction": eviction,
+        "index": index,
+        "model": model,
         "hash_algo": hash_algo,
         "free_order": free_order,
         "num_blocks": num_blocks,
@@ -288,7 +418,8 @@ def replay(
         "requests_with_hit": n_with_hit,
         "evictions": counters["evictions"],
         "blocks_cached": counters["blocks_cached"],
-        "timing": {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr},
+        **memory,
+        "timing": timing,
         "requests_per_s": n_req / t_loop if t_loop > 0 else 0.0,
         "prompt_tokens_per_s": prompt_tokens / t_loop if t_loop > 0 else 0.0,
     }

@@ -4,7 +4,7 @@ Our format (JSON lines, arrival order, one request per line)::
 
     {"id": str, "prompt": [int], "output_len": int, "cache_salt": str | null,
      "lora": [name, path] | null, "mm": [[identifier, offset, length], ...],
-     "timestamp": float (seconds, optional)}
+     "timestamp": float (seconds, optional), "priority": int (optional, default 0)}
 
 Mooncake format (``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``):
 each hash id stands for a 512-token block; ``len(hash_ids) == ceil(input_length /
@@ -56,6 +56,8 @@ class TraceRequest:
         mm: multimodal items ``(identifier, offset, length)``, sorted by offset,
             inside the prompt and not overlapping.
         timestamp: arrival time in seconds, or ``None``.
+        priority: the request's priority (larger = more important; the ``priority``
+            eviction policy reads it), default 0.
     """
 
     id: str
@@ -65,6 +67,7 @@ class TraceRequest:
     lora: tuple[str, str] | None = None
     mm: tuple[tuple[str, int, int], ...] = ()
     timestamp: float | None = None
+    priority: int = 0
 
     def __post_init__(self):
         # NOTE: only the cheap checks (the readers validate every field; generators and
@@ -80,6 +83,9 @@ class TraceRequest:
         if self.timestamp is not None and not _is_time(self.timestamp):
             raise ValueError(f"TraceRequest {self.id!r}: timestamp must be a finite number "
                              f"or None, got {self.timestamp!r}")
+        if not _is_int(self.priority):
+            raise ValueError(f"TraceRequest {self.id!r}: priority must be an int, "
+                             f"got {self.priority!r}")
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL object of this request (our format)."""
@@ -93,6 +99,8 @@ class TraceRequest:
         }
         if self.timestamp is not None:
             d["timestamp"] = self.timestamp
+        if self.priority:
+            d["priority"] = self.priority  # only when set: older readers see no change
         return d
 
 
@@ -264,6 +272,9 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
     ts = obj.get("timestamp")
     if ts is not None and (not _is_time(ts) or ts < 0):
         raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (seconds), got {ts!r}")
+    priority = obj.get("priority", 0)
+    if not _is_int(priority):
+        raise TraceError(f"{where}: field 'priority' must be an int, got {priority!r}")
     return TraceRequest(
         id=rid,
         prompt=prompt,
@@ -272,6 +283,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
         lora=lora,
         mm=tuple(mm),
         timestamp=float(ts) if ts is not None else None,
+        priority=priority,
     )
 
 

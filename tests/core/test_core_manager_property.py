@@ -1,9 +1,11 @@
 """Property test: random new/append/allocate/free/reset sequences over random pools keep
-every invariant, and once everything is freed all blocks are free and usage is 0.
+every invariant (each eviction policy's own state included), and once everything is
+freed all blocks are free and usage is 0.
 
 Runs for both indexes: the hash chain (``KVCacheManager``) and the radix tree
-(``RadixKVCacheManager``, under every eviction policy that needs no future), with its
-tree, lock and candidate invariants after every operation and no stranded block ever.
+(``RadixKVCacheManager``), under every eviction policy (``belady`` with the future of
+the operation sequence), with the tree's lock and candidate invariants after every
+operation and no stranded block ever in the tree.
 """
 
 from __future__ import annotations
@@ -13,11 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import KVCacheManager, Request
-from prefixcache.core.eviction import get_policy_class, policy_names
-from prefixcache.core.radix import RadixKVCacheManager
-
-# Policies a manager can run without a driver that knows the trace (belady needs one).
-_POLICIES = [p for p in policy_names() if not get_policy_class(p).needs_future]
+from prefixcache.core.eviction import TraceFuture, policy_names
 
 # Small alphabets and shared stems so that prefixes collide, hit, duplicate and evict.
 _STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23], [30] * 9]
@@ -34,28 +32,37 @@ _op = st.one_of(
 
 
 @pytest.mark.parametrize("index", ["hash", "radix"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(1, 12),
     block_size=st.sampled_from([1, 2, 4]),
     free_order=st.sampled_from(["append", "unhashed_first"]),
-    eviction=st.sampled_from(_POLICIES),
+    eviction=st.sampled_from(policy_names()),
     ops=st.lists(_op, max_size=40),
 )
 def test_random_operation_sequences_keep_invariants(
     index, num_blocks, block_size, free_order, eviction, ops
 ):
-    if index == "hash":
-        m = KVCacheManager(num_blocks, block_size, free_order=free_order)
-    else:
-        m = RadixKVCacheManager(num_blocks, block_size, free_order=free_order, eviction=eviction)
+    news = [op for op in ops if op[0] == "new"]
+    options = None
+    if eviction == "belady":
+        # The future of this operation sequence: its prompts' block hashes, in order
+        # (the hasher is deterministic: sha256 with the default root).
+        hasher = KVCacheManager(1, block_size).hasher
+        options = {"future": TraceFuture.from_hashes(
+            hasher.hash_token_blocks(_STEMS[s] + t, block_size, cache_salt=salt)
+            for _, s, t, salt in news
+        )}
+    m = KVCacheManager(num_blocks, block_size, free_order=free_order, eviction=eviction,
+                       eviction_options=options, index=index)
     running: list[Request] = []
     n = 0
     for op in ops:
         kind = op[0]
         if kind == "new":
             _, stem, tail, salt = op
-            req = Request(f"r{n}", _STEMS[stem] + tail, cache_salt=salt)
+            req = Request(f"r{n}", _STEMS[stem] + tail, cache_salt=salt, priority=n % 3)
+            m.on_arrival(req, n)
             n += 1
             blocks, hit = m.get_computed_blocks(req)
             assert hit % block_size == 0 and hit <= req.num_tokens - 1
@@ -90,9 +97,9 @@ def test_random_operation_sequences_keep_invariants(
         m.check_invariants()
         held = {bid for r in running for bid in m.get_block_ids(r.request_id)}
         assert m.num_free_blocks == num_blocks - len(held)
+        assert m.num_cached_blocks == len(m.cached_block_ids())
         if index == "radix":
             assert m.num_stranded_blocks() == 0
-            assert m.num_cached_blocks == len(m.cached_block_ids())
     for req in running:
         m.free(req)
         m.check_invariants()

@@ -357,3 +357,29 @@ def test_bad_generate_batch_adds_nothing(engines):
                            SamplingParams(max_tokens=1))
     assert len({o.request_id for o in outs}) == 3
     logits_by_request(cached)
+
+
+def test_eviction_policy_never_changes_outputs(config, engines):
+    # A non-default policy (lfu) in a small pool that must evict: same tokens as the
+    # engine without caching.
+    cached, uncached = engines
+    engine = Engine(config, share_programs_with=cached, eviction="lfu",
+                    **{**COMMON, "num_blocks": 24})
+    assert engine.kv_cache_manager.eviction == "lfu"
+    rng = np.random.default_rng(11)
+    v = config.vocab_size
+    stems = [rand_tokens(rng, 64, v) for _ in range(3)]
+    prompts = [stems[i % 3] + rand_tokens(rng, 20 + i, v) for i in range(9)]
+    params = SamplingParams(max_tokens=3)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    want = [o.token_ids for o in uncached.generate(prompts, params)]
+    assert got == want
+    assert engine.kv_cache_manager.num_evictions > 0
+    engine.kv_cache_manager.check_invariants()
+
+
+def test_belady_and_unknown_policies_are_rejected(config):
+    with pytest.raises(ValueError, match="needs the trace's future"):
+        Engine(config, eviction="belady", **COMMON)
+    with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
+        Engine(config, eviction="nope", **COMMON)

@@ -1,10 +1,6 @@
-"""The engine runs the radix-tree index unchanged: same greedy tokens and prefix hits as
-with the hash chain, with and without memory pressure (preemption + eviction).
-
-NOTE: ``Engine`` builds a ``KVCacheManager``; until the index registry lets
-``manager_kwargs={"index": "radix"}`` choose the tree, ``radix_engine`` swaps a
-``RadixKVCacheManager`` into a fresh engine (before any request: the scheduler and the
-engine hold the manager by reference and nothing else).
+"""The engine runs the radix-tree index unchanged (``Engine(..., index="radix")``): same
+greedy tokens and prefix hits as with the hash chain, with and without memory pressure
+(preemption + eviction).
 """
 
 from __future__ import annotations
@@ -22,14 +18,7 @@ COMMON = dict(block_size=BS, seed=0, max_num_seqs=8, max_num_batched_tokens=256,
 
 
 def radix_engine(config, **kw) -> Engine:
-    engine = Engine(config, enable_caching=True, **kw)
-    old = engine.kv_cache_manager
-    tree = RadixKVCacheManager(
-        old.num_blocks, old.block_size, hash_algo=old.hash_algo, hash_seed=old.hasher.seed,
-        max_model_len=old.max_model_len,
-    )
-    engine.kv_cache_manager = engine.scheduler.kv_cache_manager = tree
-    return engine
+    return Engine(config, enable_caching=True, index="radix", **kw)
 
 
 @pytest.fixture(scope="module")

@@ -113,3 +113,16 @@ def test_bucket_by_and_percentiles():
         (0, 5, 1, 1.0), (5, 10, 2, 4.0)]
     with pytest.raises(ValueError, match="increasing"):
         des.bucket_by(recs, "c", "v", [0, 0])
+
+
+def test_eviction_policy_passes_to_the_manager():
+    # The same preempting run under each online policy finishes everything; belady
+    # (offline) is rejected before anything runs.
+    reqs = [_req(f"r{i}", [i % 2 + 1] * 8 + [i + 3] * 4, out=8, t=0.0) for i in range(6)]
+    for ev in ("fifo", "lfu", "cost"):
+        summary, recs = _run(reqs, num_blocks=8, eviction=ev)
+        assert summary["finished"] == 6 and summary["evictions"] > 0
+    with pytest.raises(ValueError, match="needs the trace's future"):
+        _run(reqs, eviction="belady")
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        _run(reqs, eviction="nope")

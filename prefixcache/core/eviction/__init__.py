@@ -11,11 +11,25 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from prefixcache.core.eviction.base import EvictionPolicy, KeyedPolicy, PolicyError
+from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
+from prefixcache.core.eviction.cost import CostPolicy
+from prefixcache.core.eviction.fifo import FIFOPolicy
+from prefixcache.core.eviction.length import LengthPolicy
+from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
+from prefixcache.core.eviction.priority import PriorityPolicy
+from prefixcache.core.eviction.slru import SLRUPolicy
 
 # NOTE: the registry is read-only (no module-level mutable state): add a policy here.
 POLICIES = MappingProxyType({
     "lru": LRUPolicy,
+    "fifo": FIFOPolicy,
+    "lfu": LFUPolicy,
+    "slru": SLRUPolicy,
+    "priority": PriorityPolicy,
+    "length": LengthPolicy,
+    "cost": CostPolicy,
+    "belady": BeladyPolicy,
 })
 
 DEFAULT_POLICY = "lru"
@@ -33,16 +47,23 @@ def get_policy_class(name: str) -> type[EvictionPolicy]:
     return POLICIES[name]
 
 
-def make_policy(name: str, *, num_blocks: int, **options) -> EvictionPolicy:
+def make_policy(name: str, *, num_blocks: int, block_size: int | None = None,
+                **options) -> EvictionPolicy:
     """Build the policy ``name`` for a pool of ``num_blocks`` blocks.
 
     Args:
         name: a registered name (``policy_names()``).
         num_blocks: blocks in the pool.
+        block_size: tokens per block; passed on to policies with
+            ``needs_block_size`` (``cost``), ignored by the others.
         **options: the policy's own options (e.g. ``belady``'s ``future``); an option
             the policy does not take is a ``TypeError`` naming it.
     """
     cls = get_policy_class(name)
+    if cls.needs_block_size:
+        if block_size is None:
+            raise ValueError(f"eviction policy {name!r} needs block_size")
+        options = {**options, "block_size": block_size}
     try:
         return cls(num_blocks, **options)
     except TypeError as e:
@@ -51,6 +72,7 @@ def make_policy(name: str, *, num_blocks: int, **options) -> EvictionPolicy:
 
 __all__ = [
     "DEFAULT_POLICY",
+    "TraceFuture",
     "EvictionPolicy",
     "KeyedPolicy",
     "POLICIES",

@@ -53,10 +53,13 @@ class EvictionPolicy:
         name: the registry name (set by subclasses).
         needs_future: the policy needs ``on_arrival`` calls from a driver that knows
             the trace (``belady``); a manager built without one raises.
+        needs_block_size: the constructor takes ``block_size=`` (tokens per block);
+            ``make_policy`` passes the index's own (``cost``).
     """
 
     name = "base"
     needs_future = False
+    needs_block_size = False
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -206,8 +209,23 @@ class KeyedPolicy(EvictionPolicy):
         live = sorted(e for e in self._heap if token[e[2].block_id] == e[1])
         return [e[2].block_id for e in live]
 
+    def current_key(self, block) -> Any:
+        """What ``key(block)`` is now, without side effects (``check_invariants``
+        compares it with each live heap entry's key: metadata that changed while the
+        block waited, without a ``rekey``, is a bug)."""
+        return self.key(block)
+
     def check_invariants(self, candidate_ids: Sequence[int]) -> None:
         n_live = sum(1 for t in self._token if t)
         if n_live != self._n:
             raise PolicyError(f"{self.name}: {n_live} live tokens but {self._n} candidates")
         super().check_invariants(candidate_ids)
+        token = self._token
+        for k, tok, block in self._heap:
+            if token[block.block_id] == tok:
+                now = self.current_key(block)
+                if k != now:
+                    raise PolicyError(
+                        f"{self.name}: candidate block {block.block_id} is keyed {k!r} "
+                        f"but its key is now {now!r} (metadata changed without a rekey)"
+                    )
