@@ -113,8 +113,14 @@ _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can 
 # 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
 # per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
 _MEMO_SIZE = 1 << 15
-# Blocks per group entry of the memo (one lookup per run of this many known blocks).
+# Blocks per group entry of the memo (one lookup per run of this many known blocks):
+# _MEMO_GROUP, but runs of at most _MEMO_GROUP_TOKENS tokens (8 blocks up to block size
+# 16, 2 at 64). NOTE: none from 128 tokens per block on (session 6): a block lookup is
+# then amortised over as many tokens as a group's, and a group key only hashed the
+# same token bytes again (siphash of 32 KiB per lookup and per insert at block size
+# 512: ~4 ns per token).
 _MEMO_GROUP = 8
+_MEMO_GROUP_TOKENS = 128
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
 # it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
@@ -172,6 +178,13 @@ _ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
 _BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
 # CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
 _CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
+# pickle's opcode of the ids below 256 (BININT1 'K' and the byte).
+_PICKLE_SMALL_ITEM = tuple(b"K" + bytes([v]) for v in range(256))
+# From this many tokens per block on, pickle keys are written by `_pickle_chain` (token
+# items cut from one byte stream, as CBOR's) instead of unpacking the ids to ints for
+# pickle.dumps per block or the vectorised writer (session 6, block size 512: 14 vs 21
+# (per block) and 33 (vectorised) ns per token, sha256 included).
+_MIN_STREAM_BS_PICKLE = 64
 _ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
@@ -776,7 +789,7 @@ class BlockHasher:
                 parent, lora, mm_features, cache_salt,
             )
         # Block keys: (parent, the block's token bytes, its suffix) -> its digest. Group
-        # keys, for runs of _MEMO_GROUP blocks aligned to start_block: (the run's token
+        # keys, for runs of `group` blocks aligned to start_block: (the run's token
         # bytes, parent, its suffix(es)) -> the run's digests; one lookup per run makes
         # long shared prefixes cheap. The two never collide: a block key starts with a
         # digest (digest_size bytes), a group key with at least 64 bytes of tokens.
@@ -788,9 +801,9 @@ class BlockHasher:
         tails = None
         if plan.id_of:
             tails = plan.tails_for(num_blocks)
-        group = _MEMO_GROUP
+        group = min(_MEMO_GROUP, _MEMO_GROUP_TOKENS // block_size)
         gw = group * width
-        n_groups = num_blocks // group
+        n_groups = num_blocks // group if group > 1 else 0
         parent0 = parent
         g = 0
         while g < n_groups:
@@ -829,7 +842,11 @@ class BlockHasher:
                 rest = self._cbor_chain(
                     new, n_new, block_size, parent, btails[n_hit - first :], high
                 )
-            else:
+            elif self._is_cbor or block_size < _MIN_STREAM_BS_PICKLE or (
+                rest := self._pickle_chain(
+                    new, n_new, block_size, parent, btails[n_hit - first :]
+                )
+            ) is None:
                 rest = self._hash_blocks(
                     new, n_new, block_size, start_block + n_hit, parent,
                     lora, mm_features, cache_salt, plan, n_hit,
@@ -1110,6 +1127,77 @@ class BlockHasher:
         else:
             out += [parent := digest(head + parent + x) for x in pieces]
         return out
+
+    def _pickle_chain(self, packed, num_blocks, bs, parent, sfx) -> list[bytes] | None:
+        """pickle block by block from the ids' bytes, as `_cbor_chain` writes CBOR: each
+        message is PROTO, FRAME (its length), SHORT_BINBYTES + the parent, MEMOIZE, MARK,
+        the token items, then the block's suffix ``sfx[i]`` (TUPLE, MEMOIZE, the extra
+        keys' opcodes, TUPLE3, MEMOIZE, STOP; see `_frame` / `_extra_tail`).
+
+        For ids in [256, 65536) pickle writes BININT2: ``M``, byte 0, byte 1 -- ONE
+        bytearray for all ids, written with three strided slice assignments, and each
+        block's items are a slice of it; ids < 256 (BININT1: ``K`` and the byte) are
+        spliced in. NOTE: no Python int per token (unpacking the ids for pickle.dumps
+        cost as much as pickling them, ~9 ns per token each at block size 512).
+
+        Returns:
+          The digests, or None when some id is >= 65536 or the block size is < 4
+          (TUPLE1-3 keys), or a frame would exceed what one pickle frame holds: then
+          the caller's other writers.
+        """
+        n = num_blocks * bs
+        ds = self._digest_size
+        b0 = packed[_BYTE0::8]
+        b1 = packed[_BYTE1::8]
+        if bs < 4 or len(parent) != ds or _low_u16s(packed, b0, b1) != packed:
+            return None
+        stream = bytearray(3 * n)
+        stream[0::3] = b"M" * n
+        stream[1::3] = b0
+        stream[2::3] = b1
+        w = 3 * bs
+        open_ = b"\x94("  # MEMOIZE (the parent), MARK
+        pieces = [open_ + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
+        # Ids < 256 (byte 1 zero): BININT1, one byte shorter; spliced per block.
+        i = b1.find(0)
+        while i >= 0:
+            k = i // bs
+            end = (k + 1) * bs
+            parts = [open_]
+            a = k * bs
+            while 0 <= i < end:
+                if a < i:
+                    parts.append(stream[3 * a : 3 * i])
+                a = i + 1
+                if a < end and not b1[a]:
+                    a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
+                    run = bytearray(2 * (a - i))
+                    run[0::2] = b"K" * (a - i)
+                    run[1::2] = b0[i:a]
+                    parts.append(run)
+                else:
+                    parts.append(_PICKLE_SMALL_ITEM[b0[i]])
+                i = b1.find(0, a)
+            if a < end:
+                parts.append(stream[3 * a : 3 * end])
+            parts.append(sfx[k])
+            pieces[k] = b"".join(parts)
+        # PROTO, FRAME + the frame's length (all after these 11 bytes), SHORT_BINBYTES.
+        heads: dict[int, bytes] = {}
+        tag = b"C" + bytes((ds,))
+        lens = [2 + ds + len(x) for x in pieces]
+        for m in lens:
+            if m not in heads:
+                if m > _MAX_FAST_PICKLE_FRAME:
+                    return None
+                heads[m] = b"\x80" + bytes((_PICKLE_PROTOCOL,)) + b"\x95" + m.to_bytes(8, "little") + tag
+        digest = self._digest
+        if digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            return [
+                parent := sha256(heads[m] + parent + x).digest() for m, x in zip(lens, pieces)
+            ]
+        return [parent := digest(heads[m] + parent + x) for m, x in zip(lens, pieces)]
 
     # -- vectorised path ------------------------------------------------------------
     def _extra_tail(self, extra: tuple | None) -> bytes | None:
