@@ -710,6 +710,36 @@ class BlockHasher:
             memo[key] = d
         return d
 
+    # -- blocks known by ids, not tokens ---------------------------------------------
+    def hash_keyed_blocks(self, keys: Sequence[bytes], parent: bytes | None = None) -> list[bytes]:
+        """Chained digests of blocks identified by caller-given keys instead of token ids:
+        ``d[i] = H(b"\\0key" + d[i - 1] + keys[i])``, from ``parent`` (None: the root).
+
+        NOT vLLM's block digests: a key space of its own for traces whose blocks are
+        known only by ids (Mooncake's hash ids, see ``prefixcache.sim.replay``). Where
+        equal keys at equal chain positions mean equal token blocks, prefix matches are
+        exactly those of the token digests. The leading zero byte keeps these messages
+        apart from every token block's (pickle's start with PROTO 0x80, CBOR's with
+        array(3) 0x83).
+
+        Args:
+          keys: one bytes key per block, in order (a fixed-length encoding, so that
+            ``parent + key`` splits one way only).
+          parent: digest of the block before the first; None for the root.
+
+        Returns:
+          One ``digest_size``-byte digest per key.
+        """
+        parent = self._parent_bytes(parent)
+        if len(parent) != self._digest_size:
+            raise ValueError(f"parent must be a {self._digest_size}-byte digest of this hasher")
+        head = b"\0key"
+        if self._digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            return [parent := sha256(head + parent + k).digest() for k in keys]
+        digest = self._digest
+        return [parent := digest(head + parent + k) for k in keys]
+
     # -- whole sequences ------------------------------------------------------------
     def hash_token_blocks(
         self,
