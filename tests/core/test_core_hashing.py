@@ -478,10 +478,11 @@ mm_strategy = st.lists(
     vector_from=st.sampled_from([1, 3, 10**9]),
     stream_to=st.sampled_from([0, 4, 10**9]),
     pickle_stream_bs=st.sampled_from([1, 10**9]),
+    numpy_stream_from=st.sampled_from([1, 10**9]),
 )
 def test_specialised_encoder_bytes_equal_generic_serializers(
     algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from, stream_to,
-    pickle_stream_bs,
+    pickle_stream_bs, numpy_stream_from,
 ):
     """Every message the fast path digests equals pickle.dumps / cbor2.dumps(canonical)
     of the canonical key tuple (vLLM's bytes)."""
@@ -491,16 +492,20 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
     # function-scoped fixtures).
     # CBOR: up to stream_to blocks of ids < 65536 stay with the per-block writer.
     # pickle: from pickle_stream_bs tokens per block on, the stream writer (_pickle_chain).
+    # Both writers' streams: numpy-built from numpy_stream_from ids on, else strided.
     saved = (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-             hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE)
+             hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
+             hashing._NUMPY_STREAM_MIN_IDS)
     hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
     hashing._MAX_STREAM_BLOCKS_CBOR = stream_to
     hashing._MIN_STREAM_BS_PICKLE = pickle_stream_bs
+    hashing._NUMPY_STREAM_MIN_IDS = numpy_stream_from
     try:
         _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
     finally:
         (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-         hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE) = saved
+         hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
+         hashing._NUMPY_STREAM_MIN_IDS) = saved
 
 
 def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
@@ -902,14 +907,20 @@ def test_cbor_crossover_between_the_writers_at_default_knobs(algo, high_at):
     assert hasher.hash_token_blocks(tokens, bs) == _chain_reference(hasher, tokens, bs)
 
 
-@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("algo", HASH_ALGOS)
 @pytest.mark.parametrize("bs", [64, 512])
 @pytest.mark.parametrize("shape", ["plain", "small_ids", "high_id", "lora", "mm_salt"])
-def test_pickle_stream_writer_at_large_blocks(algo, bs, shape):
+@pytest.mark.parametrize("numpy_from", [None, 10**9])
+def test_stream_writers_at_large_blocks(algo, bs, shape, numpy_from, monkeypatch):
     """Block sizes from _MIN_STREAM_BS_PICKLE on: pickle keys written from the ids'
-    bytes (`_pickle_chain`; BININT1 runs spliced in; an id >= 65536 falls back) equal
-    the spec, every message byte for byte, cold and through the memo."""
+    bytes (`_pickle_chain`; BININT1 runs spliced in; an id >= 65536 falls back), CBOR's
+    by `_cbor_chain`, their streams built with numpy (from _NUMPY_STREAM_MIN_IDS ids:
+    the 512-token case) or strided slicing, equal the spec, every message byte for
+    byte, cold and through the memo."""
     assert bs >= hashing._MIN_STREAM_BS_PICKLE
+    assert 5 * 64 + 7 < hashing._NUMPY_STREAM_MIN_IDS <= 5 * 512  # 64: strided, 512: numpy
+    if numpy_from is not None:
+        monkeypatch.setattr(hashing, "_NUMPY_STREAM_MIN_IDS", numpy_from)
     rng = np.random.default_rng(bs)
     n = 5 * bs + 7
     tokens = rng.integers(256, 40000, size=n).tolist()
@@ -937,7 +948,7 @@ def test_pickle_stream_writer_at_large_blocks(algo, bs, shape):
         key = hasher2.block_key(
             parent, tokens[start : start + bs], block_extra_keys(start, start + bs, **kw)
         )
-        assert msg == pickle.dumps(key, protocol=pickle.HIGHEST_PROTOCOL), b
+        assert msg == hasher2.serialize(key), b
         parent = ref[b]
     assert len(cap.messages) == len(ref)
     assert hasher.hash_token_blocks(tokens, bs, **kw) == ref  # from the memo
