@@ -404,7 +404,10 @@ def main(argv):
     if _TRACE_DIR.value is None:
         FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
     block_sizes = [int(b) for b in _BLOCK_SIZES.value] or [_BLOCK_SIZE.value]
-    paths = generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
+    paths = (
+        generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
+        if _WORKLOADS.value else {}
+    )
     # (name, JSONL path, Mooncake source or None, vLLM pool at block size bs)
     cells = [
         (name, paths[name], None, lambda bs: _NUM_BLOCKS.value * _BLOCK_SIZE.value // bs)
