@@ -403,6 +403,7 @@ def main(argv):
 
     if _TRACE_DIR.value is None:
         FLAGS.trace_dir = tempfile.mkdtemp(prefix="prefixcache-bench-")
+    os.makedirs(_TRACE_DIR.value, exist_ok=True)
     block_sizes = [int(b) for b in _BLOCK_SIZES.value] or [_BLOCK_SIZE.value]
     paths = (
         generate_traces(_PEERS.value, _TRACE_DIR.value, _SEED.value, _WORKLOADS.value)
