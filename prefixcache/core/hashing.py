@@ -105,7 +105,10 @@ _MIN_VECTOR_BLOCKS_PICKLE = 64
 # isolation 1.3-1.9 vs 1.5-3.1 us per block at 64-256 blocks (vocab 32000); with ids
 # >= 65536 (a 128K vocab) the per-block writer falls back to cbor2 per block and the
 # vectorised one wins from 64 blocks (3.2-4.5 vs 6.4-8.5 us).
-_MAX_STREAM_BLOCKS_CBOR = 256
+# NOTE (session 6): with the stream built by numpy from _NUMPY_STREAM_MIN_IDS ids on,
+# the per-block writer also wins past 256 blocks (960 cold 16-token blocks of a
+# Mooncake prompt: ~0.45 vs ~0.8 relative time): no upper bound any more.
+_MAX_STREAM_BLOCKS_CBOR = 1 << 62
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
@@ -185,6 +188,9 @@ _PICKLE_SMALL_ITEM = tuple(b"K" + bytes([v]) for v in range(256))
 # pickle.dumps per block or the vectorised writer (session 6, block size 512: 14 vs 21
 # (per block) and 33 (vectorised) ns per token, sha256 included).
 _MIN_STREAM_BS_PICKLE = 64
+# ... and at any block size >= 4 from this many new blocks on, instead of the vectorised
+# writer (session 6: 960 cold 16-token blocks, ids < 65536: ~0.65x its time).
+_MIN_STREAM_BLOCKS_PICKLE = 64
 _ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
@@ -437,6 +443,13 @@ def _stream16(packed: bytes, n: int, cbor: bool) -> tuple[bytes, bytes, bytes, b
     out[:, 2] = lo if cbor else hi
     stream, b0, b1 = out.tobytes(), lo.tobytes(), hi.tobytes()
     return stream, b0, b1, high
+
+
+def _has_high(packed: bytes) -> bool:
+    """Whether some of the native u64 ids in ``packed`` is >= 65536."""
+    if len(packed) >= 8 * _NUMPY_STREAM_MIN_IDS:
+        return bool(np.frombuffer(packed, dtype=np.uint64).max() >= 65536)
+    return _low_u16s(packed, packed[_BYTE0::8], packed[_BYTE1::8]) != packed
 
 
 def _low_u16s(packed: bytes, b0: bytes, b1: bytes) -> bytearray:
@@ -890,14 +903,16 @@ class BlockHasher:
             if self._is_cbor and (
                 n_new < _MIN_VECTOR_BLOCKS_CBOR
                 or n_new <= _MAX_STREAM_BLOCKS_CBOR
-                and not (high := _low_u16s(new, new[_BYTE0::8], new[_BYTE1::8]) != new)
+                and not (high := _has_high(new))
             ):
                 # The per-block CBOR writer straight from the plan (the parent is one
                 # of our digests: the plan exists).
                 rest = self._cbor_chain(
                     new, n_new, block_size, parent, btails[n_hit - first :], high
                 )
-            elif self._is_cbor or block_size < _MIN_STREAM_BS_PICKLE or (
+            elif self._is_cbor or (
+                block_size < _MIN_STREAM_BS_PICKLE and n_new < _MIN_STREAM_BLOCKS_PICKLE
+            ) or (
                 rest := self._pickle_chain(
                     new, n_new, block_size, parent, btails[n_hit - first :]
                 )

@@ -141,6 +141,9 @@ def path(request, monkeypatch):
     monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
     # CBOR blocks of ids < 65536 take the per-block writer up to this many blocks.
     monkeypatch.setattr(hashing, "_MAX_STREAM_BLOCKS_CBOR", 0 if threshold == 1 else 10**9)
+    # pickle: the stream writer from these block sizes / new blocks on (never: vectorised).
+    monkeypatch.setattr(hashing, "_MIN_STREAM_BS_PICKLE", 10**9 if threshold == 1 else 64)
+    monkeypatch.setattr(hashing, "_MIN_STREAM_BLOCKS_PICKLE", 10**9 if threshold == 1 else 64)
     return request.param
 
 
@@ -495,17 +498,17 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
     # Both writers' streams: numpy-built from numpy_stream_from ids on, else strided.
     saved = (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
              hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
-             hashing._NUMPY_STREAM_MIN_IDS)
+             hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE)
     hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
     hashing._MAX_STREAM_BLOCKS_CBOR = stream_to
-    hashing._MIN_STREAM_BS_PICKLE = pickle_stream_bs
+    hashing._MIN_STREAM_BS_PICKLE = hashing._MIN_STREAM_BLOCKS_PICKLE = pickle_stream_bs
     hashing._NUMPY_STREAM_MIN_IDS = numpy_stream_from
     try:
         _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
     finally:
         (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
          hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
-         hashing._NUMPY_STREAM_MIN_IDS) = saved
+         hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE) = saved
 
 
 def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
