@@ -13,9 +13,9 @@ Ours only (any venv with our package)::
 
 With vLLM (the peer venv's Python, our package and the peer harness on PYTHONPATH)::
 
-  PYTHONHASHSEED=0 PYTHONPATH=$PWD:$PWD/../shared/peers \
+  PYTHONHASHSEED=0 PYTHONPATH=$PWD:$PWD/experiments/peers \
       $HOME/.cache/prefixcache-peers/vllm-venv/bin/python -m experiments.bench_radix \
-      --trace_dir=/tmp/radix-traces --rounds=5   # --peers_dir=DIR: another ../shared/peers
+      --trace_dir=/tmp/radix-traces --rounds=5   # --peers_dir=DIR: another copy of experiments/peers
 
 Under pressure (``--pressure=64,256,1024``: pool sizes in blocks; our two indexes only,
 no timing): per workload x pool x eviction policy, hits, evictions and *stranded*
@@ -46,7 +46,7 @@ import sys
 import types
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PEERS_DEFAULT = os.path.join(os.path.dirname(_REPO), "shared", "peers")
+_PEERS_DEFAULT = os.path.join(_REPO, "experiments", "peers")
 WORKLOADS = ("shared_system_prompt", "multi_turn", "few_shot", "mm_salt")
 
 
@@ -186,17 +186,22 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace_dir", required=True,
                     help="where the peer traces are (made if missing)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--hash_algos", default="sha256,xxhash_cbor")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma-separated generated workloads")
+    ap.add_argument("--hash_algos", default="sha256,xxhash_cbor",
+                    help="comma-separated hash algorithms")
     ap.add_argument("--num_blocks", type=int, default=4096,
                     help="vLLM's pool incl. its null block (ours: one less)")
-    ap.add_argument("--block_size", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--hash_seed", type=int, default=0)
+    ap.add_argument("--block_size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--concurrency", type=int, default=8,
+                    help="most requests holding blocks at once")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per cell")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed replays first")
+    ap.add_argument("--hash_seed", type=int, default=0,
+                    help="hash root seed (vLLM reads PYTHONHASHSEED, which must equal it)")
     ap.add_argument("--seed", type=int, default=0, help="make_traces.py seed")
-    ap.add_argument("--free_order", default="unhashed_first")
+    ap.add_argument("--free_order", default="unhashed_first",
+                    help="our free order (vLLM's is unhashed_first)")
     ap.add_argument("--peers_dir", default=_PEERS_DEFAULT,
                     help="directory of make_traces.py and vllm_replay.py")
     ap.add_argument("--pressure", default="",

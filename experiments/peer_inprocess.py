@@ -17,6 +17,11 @@ with the same Python, numpy, cbor2 and xxhash, after the same untimed warm-up re
 Records (hits, block ids shifted by vLLM's null block, failures, truncations) are
 compared request by request.
 
+With ``--mooncake_trace`` (the Mooncake file ``--trace`` was converted from) a third side
+joins the rounds: our replay keying blocks by the Mooncake hash ids
+(``read_trace(..., mooncake_tokens="lazy")``), its records checked against vLLM's too.
+Our token-path requests share the peer's prompt lists (one copy of the tokens).
+
 Prints one JSON line per hash algorithm: per-round ``loop_s``/``hashing_s``/
 ``manager_s`` of both, their hits, ``records_identical`` and the library versions.
 """
@@ -68,6 +73,10 @@ def main(argv=None) -> None:
                     help="ours; vLLM reads PYTHONHASHSEED, which must equal it")
     ap.add_argument("--free_order", default="unhashed_first",
                     help="our free order (vLLM's is unhashed_first; parity needs it)")
+    ap.add_argument("--mooncake_trace", default=None,
+                    help="the Mooncake file --trace was converted from: adds a third "
+                         "side, ours keyed by its hash ids (read_trace mooncake_tokens="
+                         "'lazy'), on the same first len(trace) requests")
     args = ap.parse_args(argv)
     if os.environ.get("PYTHONHASHSEED") != str(args.hash_seed):
         ap.error(f"set PYTHONHASHSEED={args.hash_seed}: vLLM seeds its hash chain from it")
@@ -86,7 +95,21 @@ def main(argv=None) -> None:
     out_tokens = [
         [peer.output_token(e["id"], s) for s in range(max(1, e["output_len"]))] for e in trace
     ]
-    ours_trace = list(read_trace(args.trace))
+    # NOTE: our requests share the peer's prompt lists (one copy of the tokens: a
+    # Mooncake trace is ~36 bytes per token as Python ints); read_trace still validates.
+    ours_trace = []
+    for tr, e in zip(read_trace(args.trace), trace):
+        tr.prompt = e["prompt"]
+        ours_trace.append(tr)
+    keyed_trace = None
+    if args.mooncake_trace:
+        import itertools  # noqa: PLC0415
+
+        keyed_trace = list(itertools.islice(
+            read_trace(args.mooncake_trace, mooncake_tokens="lazy"), len(trace)
+        ))
+        if [t.id for t in keyed_trace] != [t.id for t in ours_trace]:
+            ap.error("--mooncake_trace does not match --trace (request ids differ)")
     versions = _versions()
 
     for algo in filter(None, args.hash_algos.split(",")):
@@ -105,28 +128,39 @@ def main(argv=None) -> None:
                 "hashing_s": timings["request_build_s"] + timings["append_s"],
             }
 
-        def run_ours():
+        def run_ours(reqs=ours_trace):
             records: list[dict] = []
             r = replay(
-                ours_trace, num_blocks=args.num_blocks - 1, block_size=args.block_size,
+                reqs, num_blocks=args.num_blocks - 1, block_size=args.block_size,
                 hash_algo=algo, hash_seed=args.hash_seed, free_order=args.free_order,
                 concurrency=args.concurrency, on_record=records.append,
             )
             return records, dict(r["timing"])
 
+        sides = [("vllm", run_vllm), ("ours", run_ours)]
+        if keyed_trace is not None:
+            sides.append(("ours_hash_ids", lambda: run_ours(keyed_trace)))
         for _ in range(args.warmup):
-            run_vllm()
-            run_ours()
-        timed = {"vllm": [], "ours": []}
+            for _, fn in sides:
+                fn()
+        timed = {name: [] for name, _ in sides}
         first = {}
         for i in range(args.rounds):
-            order = (("vllm", run_vllm), ("ours", run_ours))
-            for name, fn in order if i % 2 == 0 else order[::-1]:
+            for name, fn in sides if i % 2 == 0 else sides[::-1]:
                 records, t = fn()
                 timed[name].append(t)
                 first.setdefault(name, records)
         theirs = [dict(r, block_ids=[b - 1 for b in r["block_ids"]]) for r in first["vllm"]]
         ours = first["ours"]
+        extra = {}
+        if keyed_trace is not None:
+            extra = {
+                "ours_hash_ids": timed["ours_hash_ids"],
+                "ours_hash_ids_hit_tokens": sum(
+                    r["num_computed_tokens"] for r in first["ours_hash_ids"]
+                ),
+                "hash_ids_records_identical": theirs == first["ours_hash_ids"],
+            }
         print(json.dumps({
             "hash_algo": algo,
             "trace": os.path.abspath(args.trace),
@@ -138,6 +172,7 @@ def main(argv=None) -> None:
             "ours_hit_tokens": sum(r["num_computed_tokens"] for r in first["ours"]),
             "records_identical": theirs == ours,
             "versions": versions,
+            **extra,
         }), flush=True)
 
 

@@ -107,7 +107,10 @@ _MIN_VECTOR_BLOCKS_PICKLE = 64
 # isolation 1.3-1.9 vs 1.5-3.1 us per block at 64-256 blocks (vocab 32000); with ids
 # >= 65536 (a 128K vocab) the per-block writer falls back to cbor2 per block and the
 # vectorised one wins from 64 blocks (3.2-4.5 vs 6.4-8.5 us).
-_MAX_STREAM_BLOCKS_CBOR = 256
+# NOTE (session 6): with the stream built by numpy from _NUMPY_STREAM_MIN_IDS ids on,
+# the per-block writer also wins past 256 blocks (960 cold 16-token blocks of a
+# Mooncake prompt: ~0.45 vs ~0.8 relative time): no upper bound any more.
+_MAX_STREAM_BLOCKS_CBOR = 1 << 62
 # Bound of the per-hasher cache of serialized extra keys (cleared when full).
 _TAIL_CACHE_SIZE = 4096
 _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
@@ -115,8 +118,14 @@ _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can 
 # 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
 # per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
 _MEMO_SIZE = 1 << 15
-# Blocks per group entry of the memo (one lookup per run of this many known blocks).
+# Blocks per group entry of the memo (one lookup per run of this many known blocks):
+# _MEMO_GROUP, but runs of at most _MEMO_GROUP_TOKENS tokens (8 blocks up to block size
+# 16, 2 at 64). NOTE: none from 128 tokens per block on (session 6): a block lookup is
+# then amortised over as many tokens as a group's, and a group key only hashed the
+# same token bytes again (siphash of 32 KiB per lookup and per insert at block size
+# 512: ~4 ns per token).
 _MEMO_GROUP = 8
+_MEMO_GROUP_TOKENS = 128
 
 # The vectorised writer lays every token out in one little-endian u64 "row": the bytes
 # it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
@@ -174,6 +183,16 @@ _ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
 _BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
 # CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
 _CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
+# pickle's opcode of the ids below 256 (BININT1 'K' and the byte).
+_PICKLE_SMALL_ITEM = tuple(b"K" + bytes([v]) for v in range(256))
+# From this many tokens per block on, pickle keys are written by `_pickle_chain` (token
+# items cut from one byte stream, as CBOR's) instead of unpacking the ids to ints for
+# pickle.dumps per block or the vectorised writer (session 6, block size 512: 14 vs 21
+# (per block) and 33 (vectorised) ns per token, sha256 included).
+_MIN_STREAM_BS_PICKLE = 64
+# ... and at any block size >= 4 from this many new blocks on, instead of the vectorised
+# writer (session 6: 960 cold 16-token blocks, ids < 65536: ~0.65x its time).
+_MIN_STREAM_BLOCKS_PICKLE = 64
 _ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
@@ -402,6 +421,38 @@ def _pack_tokens(token_ids: Any) -> bytes | None:
         if bad:
             raise ValueError(bad) from None
         return None  # only ids >= 2**64
+
+
+# From this many ids on, the per-block writers build their byte streams with numpy (a
+# dozen calls of fixed cost, then ~1-2 instructions per id) instead of strided bytes
+# slicing (~9 instructions per byte written, five strided passes). NOTE (session 6):
+# strided slicing was 27 instructions per token of a 512-token-block replay.
+_NUMPY_STREAM_MIN_IDS = 1024
+
+
+def _stream16(packed: bytes, n: int, cbor: bool) -> tuple[bytes, bytes, bytes, bool]:
+    """(stream, b0, b1, high) of ``n`` native u64 ids: ``stream`` holds 3 bytes per id,
+    the item of its low 16 bits as CBOR's uint16 (``0x19``, byte 1, byte 0) or pickle's
+    BININT2 (``M``, byte 0, byte 1); ``b0`` / ``b1`` the ids' bytes 0 / 1 (as
+    ``packed[_BYTE0::8]`` / ``packed[_BYTE1::8]``); ``high``: some id is >= 65536."""
+    high = bool(np.frombuffer(packed, dtype=np.uint64, count=n).max() >= 65536)
+    v = np.frombuffer(packed, dtype=np.uint8, count=8 * n).reshape(n, 8)
+    lo, hi = v[:, _BYTE0], v[:, _BYTE1]
+    # NOTE: three 1-D strided column copies; a 2-D copy (e.g. u32 words cut to their
+    # first 3 bytes) runs numpy's generic N-d loop: ~10x slower.
+    out = np.empty((n, 3), dtype=np.uint8)
+    out[:, 0] = 0x19 if cbor else 0x4D
+    out[:, 1] = hi if cbor else lo
+    out[:, 2] = lo if cbor else hi
+    stream, b0, b1 = out.tobytes(), lo.tobytes(), hi.tobytes()
+    return stream, b0, b1, high
+
+
+def _has_high(packed: bytes) -> bool:
+    """Whether some of the native u64 ids in ``packed`` is >= 65536."""
+    if len(packed) >= 8 * _NUMPY_STREAM_MIN_IDS:
+        return bool(np.frombuffer(packed, dtype=np.uint64).max() >= 65536)
+    return _low_u16s(packed, packed[_BYTE0::8], packed[_BYTE1::8]) != packed
 
 
 def _low_u16s(packed: bytes, b0: bytes, b1: bytes) -> bytearray:
@@ -700,6 +751,36 @@ class BlockHasher:
             memo[key] = d
         return d
 
+    # -- blocks known by ids, not tokens ---------------------------------------------
+    def hash_keyed_blocks(self, keys: Sequence[bytes], parent: bytes | None = None) -> list[bytes]:
+        """Chained digests of blocks identified by caller-given keys instead of token ids:
+        ``d[i] = H(b"\\0key" + d[i - 1] + keys[i])``, from ``parent`` (None: the root).
+
+        NOT vLLM's block digests: a key space of its own for traces whose blocks are
+        known only by ids (Mooncake's hash ids, see ``prefixcache.sim.replay``). Where
+        equal keys at equal chain positions mean equal token blocks, prefix matches are
+        exactly those of the token digests. The leading zero byte keeps these messages
+        apart from every token block's (pickle's start with PROTO 0x80, CBOR's with
+        array(3) 0x83).
+
+        Args:
+          keys: one bytes key per block, in order (a fixed-length encoding, so that
+            ``parent + key`` splits one way only).
+          parent: digest of the block before the first; None for the root.
+
+        Returns:
+          One ``digest_size``-byte digest per key.
+        """
+        parent = self._parent_bytes(parent)
+        if len(parent) != self._digest_size:
+            raise ValueError(f"parent must be a {self._digest_size}-byte digest of this hasher")
+        head = b"\0key"
+        if self._digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            return [parent := sha256(head + parent + k).digest() for k in keys]
+        digest = self._digest
+        return [parent := digest(head + parent + k) for k in keys]
+
     # -- whole sequences ------------------------------------------------------------
     def hash_token_blocks(
         self,
@@ -782,7 +863,7 @@ class BlockHasher:
                 parent, lora, mm_features, cache_salt,
             )
         # Block keys: (parent, the block's token bytes, its suffix) -> its digest. Group
-        # keys, for runs of _MEMO_GROUP blocks aligned to start_block: (the run's token
+        # keys, for runs of `group` blocks aligned to start_block: (the run's token
         # bytes, parent, its suffix(es)) -> the run's digests; one lookup per run makes
         # long shared prefixes cheap. The two never collide: a block key starts with a
         # digest (digest_size bytes), a group key with at least 64 bytes of tokens.
@@ -794,9 +875,9 @@ class BlockHasher:
         tails = None
         if plan.id_of:
             tails = plan.tails_for(num_blocks)
-        group = _MEMO_GROUP
+        group = min(_MEMO_GROUP, _MEMO_GROUP_TOKENS // block_size)
         gw = group * width
-        n_groups = num_blocks // group
+        n_groups = num_blocks // group if group > 1 else 0
         parent0 = parent
         g = 0
         while g < n_groups:
@@ -828,14 +909,20 @@ class BlockHasher:
             if self._is_cbor and (
                 n_new < _MIN_VECTOR_BLOCKS_CBOR
                 or n_new <= _MAX_STREAM_BLOCKS_CBOR
-                and not (high := _low_u16s(new, new[_BYTE0::8], new[_BYTE1::8]) != new)
+                and not (high := _has_high(new))
             ):
                 # The per-block CBOR writer straight from the plan (the parent is one
                 # of our digests: the plan exists).
                 rest = self._cbor_chain(
                     new, n_new, block_size, parent, btails[n_hit - first :], high
                 )
-            else:
+            elif self._is_cbor or (
+                block_size < _MIN_STREAM_BS_PICKLE and n_new < _MIN_STREAM_BLOCKS_PICKLE
+            ) or (
+                rest := self._pickle_chain(
+                    new, n_new, block_size, parent, btails[n_hit - first :]
+                )
+            ) is None:
                 rest = self._hash_blocks(
                     new, n_new, block_size, start_block + n_hit, parent,
                     lora, mm_features, cache_salt, plan, n_hit,
@@ -1047,16 +1134,21 @@ class BlockHasher:
         ds = self._digest_size
         digest = self._digest
         arr = _CBOR_ARRAY_HEAD[bs] if bs < len(_CBOR_ARRAY_HEAD) else _cbor_head(4, bs)
-        b0 = packed[_BYTE0::8]
-        b1 = packed[_BYTE1::8]
         low16 = None
-        if high is None:
-            low16 = _low_u16s(packed, b0, b1)
-            high = low16 != packed
-        stream = bytearray(3 * n)
-        stream[0::3] = b"\x19" * n
-        stream[1::3] = b1
-        stream[2::3] = b0
+        if n >= _NUMPY_STREAM_MIN_IDS:
+            stream, b0, b1, high_ = _stream16(packed, n, True)
+            if high is None:
+                high = high_
+        else:
+            b0 = packed[_BYTE0::8]
+            b1 = packed[_BYTE1::8]
+            if high is None:
+                low16 = _low_u16s(packed, b0, b1)
+                high = low16 != packed
+            stream = bytearray(3 * n)
+            stream[0::3] = b"\x19" * n
+            stream[1::3] = b1
+            stream[2::3] = b0
         w = 3 * bs
         pieces = [arr + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
         # Ids >= 65536 make their block's items longer: cbor2 writes those blocks.
@@ -1116,6 +1208,84 @@ class BlockHasher:
         else:
             out += [parent := digest(head + parent + x) for x in pieces]
         return out
+
+    def _pickle_chain(self, packed, num_blocks, bs, parent, sfx) -> list[bytes] | None:
+        """pickle block by block from the ids' bytes, as `_cbor_chain` writes CBOR: each
+        message is PROTO, FRAME (its length), SHORT_BINBYTES + the parent, MEMOIZE, MARK,
+        the token items, then the block's suffix ``sfx[i]`` (TUPLE, MEMOIZE, the extra
+        keys' opcodes, TUPLE3, MEMOIZE, STOP; see `_frame` / `_extra_tail`).
+
+        For ids in [256, 65536) pickle writes BININT2: ``M``, byte 0, byte 1 -- ONE
+        bytearray for all ids, written with three strided slice assignments, and each
+        block's items are a slice of it; ids < 256 (BININT1: ``K`` and the byte) are
+        spliced in. NOTE: no Python int per token (unpacking the ids for pickle.dumps
+        cost as much as pickling them, ~9 ns per token each at block size 512).
+
+        Returns:
+          The digests, or None when some id is >= 65536 or the block size is < 4
+          (TUPLE1-3 keys), or a frame would exceed what one pickle frame holds: then
+          the caller's other writers.
+        """
+        n = num_blocks * bs
+        ds = self._digest_size
+        if bs < 4 or len(parent) != ds:
+            return None
+        if n >= _NUMPY_STREAM_MIN_IDS:
+            stream, b0, b1, high = _stream16(packed, n, False)
+            if high:
+                return None
+        else:
+            b0 = packed[_BYTE0::8]
+            b1 = packed[_BYTE1::8]
+            if _low_u16s(packed, b0, b1) != packed:
+                return None
+            stream = bytearray(3 * n)
+            stream[0::3] = b"M" * n
+            stream[1::3] = b0
+            stream[2::3] = b1
+        w = 3 * bs
+        open_ = b"\x94("  # MEMOIZE (the parent), MARK
+        pieces = [open_ + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
+        # Ids < 256 (byte 1 zero): BININT1, one byte shorter; spliced per block.
+        i = b1.find(0)
+        while i >= 0:
+            k = i // bs
+            end = (k + 1) * bs
+            parts = [open_]
+            a = k * bs
+            while 0 <= i < end:
+                if a < i:
+                    parts.append(stream[3 * a : 3 * i])
+                a = i + 1
+                if a < end and not b1[a]:
+                    a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
+                    run = bytearray(2 * (a - i))
+                    run[0::2] = b"K" * (a - i)
+                    run[1::2] = b0[i:a]
+                    parts.append(run)
+                else:
+                    parts.append(_PICKLE_SMALL_ITEM[b0[i]])
+                i = b1.find(0, a)
+            if a < end:
+                parts.append(stream[3 * a : 3 * end])
+            parts.append(sfx[k])
+            pieces[k] = b"".join(parts)
+        # PROTO, FRAME + the frame's length (all after these 11 bytes), SHORT_BINBYTES.
+        heads: dict[int, bytes] = {}
+        tag = b"C" + bytes((ds,))
+        lens = [2 + ds + len(x) for x in pieces]
+        for m in lens:
+            if m not in heads:
+                if m > _MAX_FAST_PICKLE_FRAME:
+                    return None
+                heads[m] = b"\x80" + bytes((_PICKLE_PROTOCOL,)) + b"\x95" + m.to_bytes(8, "little") + tag
+        digest = self._digest
+        if digest is _sha256_digest:
+            sha256 = hashlib.sha256
+            return [
+                parent := sha256(heads[m] + parent + x).digest() for m, x in zip(lens, pieces)
+            ]
+        return [parent := digest(heads[m] + parent + x) for m, x in zip(lens, pieces)]
 
     # -- vectorised path ------------------------------------------------------------
     def _extra_tail(self, extra: tuple | None) -> bytes | None:

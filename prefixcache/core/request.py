@@ -505,6 +505,35 @@ class Request:
         """Number of full blocks (== len(block_hashes)); needs a bound hasher."""
         return len(self.block_hashes)
 
+    def adopt_block_hashes(self, hashes: Sequence[bytes]) -> None:
+        """Take given digests for the first ``len(hashes)`` full blocks instead of hashing
+        their tokens (whose ids are then never read for hashing).
+
+        For callers that key blocks by something other than token ids: the replay of a
+        Mooncake trace keys them by its hash ids (`BlockHasher.hash_keyed_blocks`); the
+        manager matches prefixes by these digests, and later blocks (decode) are hashed
+        from their tokens as usual, chained from the last adopted digest.
+
+        Raises:
+          ValueError: no hasher bound, some block already hashed, more hashes than full
+            blocks, or an item that is not bytes of the hasher's digest size.
+        """
+        if self._hasher is None or self._block_hashes:
+            raise ValueError(
+                f"request {self._request_id!r}: adopt_block_hashes needs a bound hasher "
+                "and no block hashed yet"
+            )
+        hashes = list(hashes)
+        ds = self._hasher.digest_size
+        if len(hashes) * self._block_size > len(self._tokens):
+            raise ValueError(
+                f"request {self._request_id!r}: {len(hashes)} hashes for "
+                f"{len(self._tokens) // self._block_size} full blocks"
+            )
+        if not all(type(h) is bytes and len(h) == ds for h in hashes):
+            raise ValueError(f"request {self._request_id!r}: hashes must be {ds}-byte bytes")
+        self._block_hashes.extend(hashes)
+
     def _hash_new_blocks(self) -> None:
         hashes = self._block_hashes
         bs = self._block_size

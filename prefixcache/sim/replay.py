@@ -41,6 +41,17 @@ in bytes with ``model=``), and ``stranded_blocks``: cached blocks no lookup can 
 because an earlier block of their chain is not cached, counted once at the end
 (freeing drops no hash, so before or after the final frees is the same count; a
 per-request peak would cost O(cached blocks) per sample and is not kept).
+
+Mooncake hash ids as block keys (opt-in, by how the trace is read): a request whose
+prompt is a `MooncakePrompt` (``read_trace(..., mooncake_tokens="lazy")``), without
+LoRA, multimodal items or salt, at a block size dividing 512, gets its prompt's full
+blocks keyed by the hash ids (``BlockHasher.hash_keyed_blocks`` over (hash id, block
+within the id)) instead of digests of the expanded tokens; only the last partial
+block's tokens are materialised (the blocks it starts, which decode fills, are hashed
+from tokens as usual; the other prompt tokens are zeros nobody reads). Equal hash ids
+at equal chain positions are equal token blocks, so hits, evictions and records equal
+the token path's (tests check both Mooncake traces); the digests themselves are not
+vLLM's. Any other prompt takes the token path.
 """
 
 from __future__ import annotations
@@ -51,13 +62,42 @@ import time
 import zlib
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from prefixcache.core.eviction import DEFAULT_POLICY, TraceFuture, get_policy_class
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.sim.cost_model import ModelShape
-from prefixcache.sim.trace import TraceRequest
+from prefixcache.sim.trace import MOONCAKE_BLOCK_TOKENS, MooncakePrompt, TraceRequest
+
+
+def _hash_id_inputs(tr: TraceRequest, block_size: int) -> tuple[np.ndarray, list[bytes]] | None:
+    """For the hash-id path (module docstring): the Request's tokens (zeros, but the
+    last partial block's real ids) and one key per full prompt block (8 bytes of the
+    hash id, 2 of the block's index within it); None when the token path applies."""
+    prompt = tr.prompt
+    if (
+        type(prompt) is not MooncakePrompt
+        or MOONCAKE_BLOCK_TOKENS % block_size
+        or tr.lora is not None
+        or tr.mm
+        or tr.cache_salt
+    ):
+        return None
+    n = len(prompt)
+    n_full = n // block_size
+    per = MOONCAKE_BLOCK_TOKENS // block_size
+    ids = prompt.hash_ids
+    keys = [
+        ids[b // per].to_bytes(8, "little") + (b % per).to_bytes(2, "little")
+        for b in range(n_full)
+    ]
+    tokens = np.zeros(n, dtype=np.uint64)
+    if n_full * block_size < n:
+        tokens[n_full * block_size :] = prompt[n_full * block_size :]
+    return tokens, keys
 
 
 def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
@@ -69,11 +109,14 @@ def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
         hasher: the replay's hasher (same algorithm and root).
         block_size: tokens per block.
     """
-    h = hasher.hash_token_blocks
-    return TraceFuture.from_hashes(
-        h(tr.prompt, block_size, lora=tr.lora, mm_features=tr.mm, cache_salt=tr.cache_salt)
-        for tr in requests
-    )
+    def prompt_hashes(tr):
+        keyed = _hash_id_inputs(tr, block_size)  # the replay's keys for hash-id prompts
+        if keyed is not None:
+            return hasher.hash_keyed_blocks(keyed[1])
+        return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
+                                        mm_features=tr.mm, cache_salt=tr.cache_salt)
+
+    return TraceFuture.from_hashes(prompt_hashes(tr) for tr in requests)
 
 
 def replay(
@@ -250,6 +293,7 @@ def replay(
             n_out = tr.output_len if tr.output_len > 1 else 1
             pre = f"{rid}:"
             out_tokens = [1 + crc(f"{pre}{k}".encode()) % 1000 for k in range(n_out)]
+            keyed = _hash_id_inputs(tr, block_size) if type(prompt) is not list else None
 
             t_start = perf()
             if len(running) >= concurrency:
@@ -258,7 +302,7 @@ def replay(
             t_mgr += t0 - t_start
             req = Request(
                 rid,
-                prompt,
+                prompt if keyed is None else keyed[0],
                 mm_features=mm,
                 lora=lora,
                 cache_salt=tr.cache_salt,
@@ -266,6 +310,8 @@ def replay(
                 block_size=block_size,
                 priority=tr.priority,
             )
+            if keyed is not None:  # Mooncake hash ids as block keys
+                req.adopt_block_hashes(hasher.hash_keyed_blocks(keyed[1]))
             req.block_hashes  # NOTE: hashing is lazy; do it here, on the hashing clock
             t1 = perf()
             t_hash += t1 - t0

@@ -11,7 +11,10 @@ each hash id stands for a 512-token block; ``len(hash_ids) == ceil(input_length 
 512)``. ``read_trace`` expands every hash id into a deterministic block of token ids
 (equal ids give equal blocks, different ids different blocks with overwhelming
 probability), truncates the last block to ``input_length``, names the request
-``f"mc-{line_number}"`` and converts the timestamp to seconds.
+``f"mc-{line_number}"`` and converts the timestamp to seconds. With
+``mooncake_tokens="lazy"`` the prompt is a `MooncakePrompt` instead of a list: the same
+token ids, expanded only where read, and its ``hash_ids``; the replay then keys the
+prompt's blocks by the hash ids themselves (see ``prefixcache.sim.replay``).
 
 Decode tokens are a function of the request id: step ``k`` of request ``id`` emits
 ``output_token(id, k) = 1 + crc32(f"{id}:{k}") % 1000``, so multi-turn traces can embed
@@ -25,9 +28,11 @@ import dataclasses
 import gzip
 import json
 import math
+import operator
 import os
 import tempfile
 import zlib
+from collections.abc import Sequence
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -91,7 +96,7 @@ class TraceRequest:
         """The JSONL object of this request (our format)."""
         d: dict[str, Any] = {
             "id": self.id,
-            "prompt": self.prompt,
+            "prompt": self.prompt if type(self.prompt) is list else list(self.prompt),
             "output_len": self.output_len,
             "cache_salt": self.cache_salt,
             "lora": list(self.lora) if self.lora is not None else None,
@@ -155,8 +160,79 @@ def mooncake_tokens(
     return (z % np.uint64(vocab_size - 1) + np.uint64(1)).astype(np.int64)
 
 
+class MooncakePrompt(Sequence):
+    """A Mooncake prompt as its hash ids: the token ids `read_trace` would expand them
+    to, computed only where read (``mooncake_block_tokens`` of each id, the last block
+    cut to the prompt's length).
+
+    Compares equal to the expanded list. The replay reads only ``hash_ids`` and
+    ``len()`` (the blocks' keys come from the ids; see ``prefixcache.sim.replay``).
+
+    Attributes:
+        hash_ids: the Mooncake hash ids, one per 512-token block (the last may be partial).
+        vocab_size: token ids lie in [1, vocab_size).
+    """
+
+    __slots__ = ("hash_ids", "vocab_size", "_len")
+
+    def __init__(self, hash_ids: Sequence[int], length: int, vocab_size: int = DEFAULT_VOCAB_SIZE):
+        if len(hash_ids) != math.ceil(length / MOONCAKE_BLOCK_TOKENS) or length <= 0:
+            raise ValueError(
+                f"{len(hash_ids)} hash ids do not cover {length} tokens in "
+                f"{MOONCAKE_BLOCK_TOKENS}-token blocks"
+            )
+        self.hash_ids = tuple(hash_ids)
+        self.vocab_size = vocab_size
+        self._len = length
+
+    def __len__(self) -> int:
+        return self._len
+
+    def block(self, k: int) -> np.ndarray:
+        """Token ids of the k-th 512-token block (cut at the prompt's end): i64[<= 512]."""
+        toks = mooncake_block_tokens(self.hash_ids[k], vocab_size=self.vocab_size)
+        return toks[: self._len - k * MOONCAKE_BLOCK_TOKENS]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1 or start >= stop:
+                return [self[i] for i in range(start, stop, step)]
+            bt = MOONCAKE_BLOCK_TOKENS
+            lo, hi = start // bt, (stop - 1) // bt + 1
+            toks = np.concatenate([self.block(k) for k in range(lo, hi)])
+            return toks[start - lo * bt : stop - lo * bt].tolist()
+        i = operator.index(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("MooncakePrompt index out of range")
+        return int(self.block(i // MOONCAKE_BLOCK_TOKENS)[i % MOONCAKE_BLOCK_TOKENS])
+
+    def __iter__(self) -> Iterator[int]:
+        for k in range(len(self.hash_ids)):
+            yield from self.block(k).tolist()
+
+    def tolist(self) -> list[int]:
+        return self[:]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, MooncakePrompt):
+            return self.hash_ids == other.hash_ids and self._len == other._len and (
+                self.vocab_size == other.vocab_size
+            )
+        if isinstance(other, (list, tuple)):
+            return len(other) == self._len and self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # compares equal to lists
+
+    def __repr__(self) -> str:
+        return f"MooncakePrompt({len(self.hash_ids)} hash ids, {self._len} tokens)"
+
+
 def _mooncake_request(
-    obj: dict, where: str, lineno: int, vocab_size: int
+    obj: dict, where: str, lineno: int, vocab_size: int, lazy: bool = False
 ) -> TraceRequest:
     for field in ("input_length", "output_length", "hash_ids"):
         if field not in obj:
@@ -174,10 +250,17 @@ def _mooncake_request(
             f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length={n_in} "
             f"needs ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
         )
-    prompt = mooncake_tokens(hash_ids, vocab_size=vocab_size)[:n_in].tolist()
     ts = obj.get("timestamp")
     if ts is not None and not _is_time(ts):
         raise TraceError(f"{where}: field 'timestamp' must be a finite number (ms), got {ts!r}")
+    if lazy:  # mooncake_tokens="lazy"
+        return TraceRequest(
+            id=f"mc-{lineno}",
+            prompt=MooncakePrompt(hash_ids, n_in, vocab_size),
+            output_len=int(n_out),
+            timestamp=ts / 1000.0 if ts is not None else None,
+        )
+    prompt = mooncake_tokens(hash_ids, vocab_size=vocab_size)[:n_in].tolist()
     return TraceRequest(
         id=f"mc-{lineno}",
         prompt=prompt,
@@ -292,6 +375,7 @@ def read_trace(
     *,
     format: str = "auto",
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    mooncake_tokens: str = "expand",
 ) -> Iterator[TraceRequest]:
     """Stream the requests of a JSONL trace, validating each line.
 
@@ -300,6 +384,10 @@ def read_trace(
         format: ``"jsonl"`` (ours), ``"mooncake"``, or ``"auto"`` (per line: a line
             with ``hash_ids`` is Mooncake).
         vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
+        mooncake_tokens: ``"expand"`` (a Mooncake prompt is the list of its token ids)
+            or ``"lazy"`` (a `MooncakePrompt`: the same ids, expanded only where read,
+            and the hash ids; the replay then keys blocks by hash ids -- same hits,
+            evictions and records, no token hashing).
 
     Yields:
         ``TraceRequest`` per non-blank line, in file order (memory O(1) in the trace).
@@ -313,11 +401,13 @@ def read_trace(
         raise ValueError(f"unknown trace format {format!r}; expected one of {TRACE_FORMATS}")
     if not _is_int(vocab_size) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    if mooncake_tokens not in ("expand", "lazy"):
+        raise ValueError(f"mooncake_tokens must be 'expand' or 'lazy', got {mooncake_tokens!r}")
     path = os.fspath(path)
-    return _read(path, format, vocab_size)
+    return _read(path, format, vocab_size, mooncake_tokens == "lazy")
 
 
-def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
+def _read(path: str, format: str, vocab_size: int, lazy: bool = False) -> Iterator[TraceRequest]:
     opener = gzip.open if path.endswith(".gz") else open
     # NOTE: bytes, decoded line by line: a stray non-UTF-8 byte (or a corrupt gzip
     # stream) is a TraceError naming its line, not a UnicodeDecodeError / OSError from
@@ -340,7 +430,7 @@ def _read(path: str, format: str, vocab_size: int) -> Iterator[TraceRequest]:
                     raise TraceError(
                         f"{where}: expected a JSON object, got {type(obj).__name__}")
                 if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
-                    yield _mooncake_request(obj, where, lineno, vocab_size)
+                    yield _mooncake_request(obj, where, lineno, vocab_size, lazy)
                 else:
                     yield _parse_request(obj, where)
         except (OSError, EOFError, zlib.error) as e:

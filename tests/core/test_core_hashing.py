@@ -141,6 +141,9 @@ def path(request, monkeypatch):
     monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
     # CBOR blocks of ids < 65536 take the per-block writer up to this many blocks.
     monkeypatch.setattr(hashing, "_MAX_STREAM_BLOCKS_CBOR", 0 if threshold == 1 else 10**9)
+    # pickle: the stream writer from these block sizes / new blocks on (never: vectorised).
+    monkeypatch.setattr(hashing, "_MIN_STREAM_BS_PICKLE", 10**9 if threshold == 1 else 64)
+    monkeypatch.setattr(hashing, "_MIN_STREAM_BLOCKS_PICKLE", 10**9 if threshold == 1 else 64)
     return request.param
 
 
@@ -477,9 +480,12 @@ mm_strategy = st.lists(
     start_block=st.integers(0, 3),
     vector_from=st.sampled_from([1, 3, 10**9]),
     stream_to=st.sampled_from([0, 4, 10**9]),
+    pickle_stream_bs=st.sampled_from([1, 10**9]),
+    numpy_stream_from=st.sampled_from([1, 10**9]),
 )
 def test_specialised_encoder_bytes_equal_generic_serializers(
-    algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from, stream_to
+    algo, block_size, tokens, huge, lora, salt, mm, start_block, vector_from, stream_to,
+    pickle_stream_bs, numpy_stream_from,
 ):
     """Every message the fast path digests equals pickle.dumps / cbor2.dumps(canonical)
     of the canonical key tuple (vLLM's bytes)."""
@@ -488,15 +494,21 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
     # From how many blocks on the numpy writer takes over (hypothesis cannot use
     # function-scoped fixtures).
     # CBOR: up to stream_to blocks of ids < 65536 stay with the per-block writer.
+    # pickle: from pickle_stream_bs tokens per block on, the stream writer (_pickle_chain).
+    # Both writers' streams: numpy-built from numpy_stream_from ids on, else strided.
     saved = (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-             hashing._MAX_STREAM_BLOCKS_CBOR)
+             hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
+             hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE)
     hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
     hashing._MAX_STREAM_BLOCKS_CBOR = stream_to
+    hashing._MIN_STREAM_BS_PICKLE = hashing._MIN_STREAM_BLOCKS_PICKLE = pickle_stream_bs
+    hashing._NUMPY_STREAM_MIN_IDS = numpy_stream_from
     try:
         _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
     finally:
         (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-         hashing._MAX_STREAM_BLOCKS_CBOR) = saved
+         hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
+         hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE) = saved
 
 
 def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
@@ -896,3 +908,50 @@ def test_cbor_crossover_between_the_writers_at_default_knobs(algo, high_at):
         tokens[high_at * bs + 1] = 70000
     hasher = BlockHasher(algo, seed=3)
     assert hasher.hash_token_blocks(tokens, bs) == _chain_reference(hasher, tokens, bs)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("bs", [64, 512])
+@pytest.mark.parametrize("shape", ["plain", "small_ids", "high_id", "lora", "mm_salt"])
+@pytest.mark.parametrize("numpy_from", [None, 10**9])
+def test_stream_writers_at_large_blocks(algo, bs, shape, numpy_from, monkeypatch):
+    """Block sizes from _MIN_STREAM_BS_PICKLE on: pickle keys written from the ids'
+    bytes (`_pickle_chain`; BININT1 runs spliced in; an id >= 65536 falls back), CBOR's
+    by `_cbor_chain`, their streams built with numpy (from _NUMPY_STREAM_MIN_IDS ids:
+    the 512-token case) or strided slicing, equal the spec, every message byte for
+    byte, cold and through the memo."""
+    assert bs >= hashing._MIN_STREAM_BS_PICKLE
+    assert 5 * 64 + 7 < hashing._NUMPY_STREAM_MIN_IDS <= 5 * 512  # 64: strided, 512: numpy
+    if numpy_from is not None:
+        monkeypatch.setattr(hashing, "_NUMPY_STREAM_MIN_IDS", numpy_from)
+    rng = np.random.default_rng(bs)
+    n = 5 * bs + 7
+    tokens = rng.integers(256, 40000, size=n).tolist()
+    kw = {}
+    if shape == "small_ids":
+        tokens[3] = 0
+        tokens[bs - 1] = 255
+        tokens[bs + 10 : bs + 40] = [0] * 30  # a run (placeholders)
+        tokens[2 * bs - 5 : 2 * bs + 5] = range(100, 110)  # a run across a boundary
+        tokens[4 * bs : 5 * bs] = [7] * bs  # a whole block
+    elif shape == "high_id":
+        tokens[2 * bs + 1] = 70000
+    elif shape == "lora":
+        kw = dict(lora=("lora-a", "/adapters/lora-a"))
+    elif shape == "mm_salt":
+        kw = dict(mm_features=[("img-a", bs - 3, bs + 9)], cache_salt="salt-1")
+    ref = _chain_reference(BlockHasher(algo, seed=3), tokens, bs, **kw)
+    hasher = BlockHasher(algo, seed=3)
+    cap = _Capture(hasher)
+    assert hasher.hash_token_blocks(tokens, bs, **kw) == ref
+    hasher2 = BlockHasher(algo, seed=3)
+    parent = None
+    for b, msg in enumerate(cap.messages):
+        start = b * bs
+        key = hasher2.block_key(
+            parent, tokens[start : start + bs], block_extra_keys(start, start + bs, **kw)
+        )
+        assert msg == hasher2.serialize(key), b
+        parent = ref[b]
+    assert len(cap.messages) == len(ref)
+    assert hasher.hash_token_blocks(tokens, bs, **kw) == ref  # from the memo

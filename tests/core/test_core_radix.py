@@ -29,7 +29,6 @@ from prefixcache.core.radix import RadixKVCacheManager, block_keys
 from prefixcache.sim import workloads
 from prefixcache.sim.trace import read_trace
 
-MOONCAKE = "/work/shared/traces/mooncake"
 _POLICIES = [p for p in policy_names() if not get_policy_class(p).needs_future]
 
 
@@ -321,8 +320,10 @@ def _mooncake_ideal(path, n, bs=512):
 
 
 @pytest.mark.parametrize("trace_name", ["conversation_trace", "synthetic_trace"])
-def test_mooncake_unbounded_hits_equal_the_chain_and_the_ideal(trace_name):
-    path = f"{MOONCAKE}/{trace_name}.jsonl"
+def test_mooncake_unbounded_hits_equal_the_chain_and_the_ideal(trace_name, local_datasets):
+    from prefixcache.sim import datasets
+
+    path = datasets.path_of("mooncake_" + trace_name.removesuffix("_trace"), download=False)
     n = 120
     trace = list(itertools.islice(read_trace(path), n))
     kw = dict(num_blocks=_blocks_needed(trace, 512), block_size=512, hash_algo="xxhash",

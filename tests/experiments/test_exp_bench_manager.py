@@ -123,3 +123,41 @@ def test_inprocess_peer_needs_the_hash_seed_in_the_environment(peers, tmp_path):
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode != 0 and "PYTHONHASHSEED=0" in proc.stderr
+
+
+def test_block_sizes_and_mooncake_rows(peers, tmp_path):
+    """--block_sizes runs every cell at each size (pools of equal KV tokens); a Mooncake
+    trace is converted for the peer and gets a second row keyed by its hash ids."""
+    mc = tmp_path / "mc"
+    mc.mkdir()
+    lines = [
+        {"timestamp": i, "input_length": 600 + 37 * i, "output_length": 5,
+         "hash_ids": [1, 2] if i % 2 else [1, 3 + i]}
+        for i in range(10)
+    ]
+    (mc / "tiny_trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_manager", f"--vllm_python={sys.executable}",
+         f"--peers_dir={peers}", f"--trace_dir={tmp_path / 'traces'}",
+         "--workloads=tiny", "--hash_algos=sha256", "--repeat=1", "--warmup=0",
+         "--num_blocks=64", "--block_size=4", "--block_sizes=4,16", "--concurrency=2",
+         "--mooncake=tiny", f"--mooncake_dir={mc}", "--mooncake_requests=8",
+         "--mooncake_num_blocks=6"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["block_sizes"] == [4, 16] and summary["all_records_identical"] is True
+    cells = {(r["workload"], r["block_size"], r["keys"]): r for r in summary["results"]}
+    assert set(cells) == {
+        ("tiny", 4, "tokens"), ("tiny", 16, "tokens"),
+        ("mooncake_tiny", 4, "tokens"), ("mooncake_tiny", 4, "hash_ids"),
+        ("mooncake_tiny", 16, "tokens"), ("mooncake_tiny", 16, "hash_ids"),
+    }
+    assert cells["tiny", 16, "tokens"]["num_blocks_vllm"] == 16  # 64 x 4 tokens
+    assert cells["mooncake_tiny", 16, "tokens"]["num_blocks_vllm"] == 6 * 512 // 16
+    for bs in (4, 16):
+        tok, ids = cells["mooncake_tiny", bs, "tokens"], cells["mooncake_tiny", bs, "hash_ids"]
+        assert tok["requests"] == ids["requests"] == 8
+        assert tok["hit_tokens"] == ids["hit_tokens"] > 0 and ids["hit_tokens_equal"]
+        assert ids["vllm"]["loop_s_runs"] == tok["vllm"]["loop_s_runs"]  # the same rounds

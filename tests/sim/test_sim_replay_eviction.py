@@ -16,7 +16,6 @@ from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import read_trace
 
 ONLINE = [p for p in policy_names() if p != "belady"]
-MOONCAKE = pathlib.Path("/work/shared/traces/mooncake")
 
 _WORKLOADS = {
     "multi_turn": dict(num_conversations=40, num_turns=4),
@@ -65,12 +64,14 @@ def test_belady_hits_at_least_every_online_policy(traces, workload):
         assert all(hits["belady"] >= h for h in hits.values()), (nb, hits)
 
 
-@pytest.mark.skipif(not MOONCAKE.is_dir(), reason="the Mooncake traces are not here")
 @pytest.mark.parametrize("name", ["conversation", "synthetic"])
-def test_belady_hits_at_least_every_online_policy_mooncake_prefix(name):
+def test_belady_hits_at_least_every_online_policy_mooncake_prefix(name, local_datasets):
     # The first 200 requests at 512-token blocks; capacities scaled down with the trace
     # (the full grid is in WORKSPACE_NOTES).
-    reqs = list(itertools.islice(read_trace(MOONCAKE / f"{name}_trace.jsonl"), 200))
+    from prefixcache.sim import datasets
+
+    path = datasets.path_of(f"mooncake_{name}", download=False)
+    reqs = list(itertools.islice(read_trace(path), 200))
     for nb in (30, 100, 300):
         hits = _hits(reqs, nb, 512, policy_names())
         assert all(hits["belady"] >= h for h in hits.values()), (nb, hits)
