@@ -95,6 +95,77 @@ def _check_hit_container(new_computed_blocks) -> None:
             f"got {type(new_computed_blocks).__name__}")
 
 
+def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
+                      new_computed_blocks, num_lookahead_tokens):
+    """The checks ``allocate_slots`` makes on a call before changing anything, shared by
+    every index (``KVCacheManager``, ``RadixKVCacheManager``): the request, the counts
+    (converted to ints or rejected), ``num_computed_tokens``, the hit blocks' count
+    against the hit tokens, ``max_model_len`` and the bound hasher.
+
+    Returns:
+        ``(st, computed, total, need, num_new_computed_tokens)``: the request's state
+        (None for a new request), the hit blocks as a list, its sequence length after
+        the step, the tokens that need slots (lookahead included, capped at
+        max_model_len), and the hit-token count as an int.
+
+    Raises:
+        ValueError / TypeError naming the problem; nothing changed.
+    """
+    if type(request) is not Request:
+        _check_request(request)
+    rid = request.request_id
+    st = manager._states.get(rid)
+    if st is not None and st.request is not request:
+        raise ValueError(f"request id {rid!r} is already running as another Request")
+    if (type(num_new_tokens) is not int or type(num_new_computed_tokens) is not int
+            or type(num_lookahead_tokens) is not int):
+        num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = _int_counts(
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens))
+    KVCacheManager._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+    bad = _bad_num_computed_tokens(request)
+    if bad:
+        raise ValueError(bad)
+    nc = request.num_computed_tokens
+    if new_computed_blocks is not None and type(new_computed_blocks) is not list:
+        _check_hit_container(new_computed_blocks)  # sets (unordered), generators, ...
+    computed = list(new_computed_blocks) if new_computed_blocks else []
+    bs = manager.block_size
+    if st is not None and computed:
+        raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
+    if len(computed) * bs != num_new_computed_tokens:
+        raise ValueError(
+            f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+            f"{len(computed)} hit blocks of {bs} tokens"
+        )
+    if computed and not manager.enable_caching:
+        raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
+    total = nc + num_new_computed_tokens + num_new_tokens
+    if st is None and computed and nc:
+        raise ValueError(
+            f"request {rid!r} has num_computed_tokens={nc} "
+            "but no blocks; it cannot adopt prefix-hit blocks"
+        )
+    mml = manager.max_model_len
+    need = total + num_lookahead_tokens
+    if mml is not None:
+        if total > mml:
+            raise ValueError(
+                f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
+            )
+        need = min(need, mml)
+    hasher = request.hasher
+    if manager.enable_caching and hasher is not None and (
+        (hasher is not manager.hasher and hasher != manager.hasher) or request.block_size != bs
+    ):
+        raise ValueError(
+            f"request {rid!r} is bound to {hasher!r} with block size "
+            f"{request.block_size}, not this manager's {manager.hasher!r} / {bs}"
+        )
+    return st, computed, total, need, num_new_computed_tokens
+
+
 class KVCacheManager:
     """Allocates KV cache blocks to requests and reuses cached prefixes.
 
@@ -446,36 +517,10 @@ class KVCacheManager:
         new_computed_blocks, num_lookahead_tokens,
     ):
         """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
-        if type(request) is not Request:
-            _check_request(request)
-        rid = request.request_id
-        st = self._states.get(rid)
-        if st is not None and st.request is not request:
-            raise ValueError(f"request id {rid!r} is already running as another Request")
-        if (type(num_new_tokens) is not int or type(num_new_computed_tokens) is not int
-                or type(num_lookahead_tokens) is not int):
-            num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = _int_counts(
-                ("num_new_tokens", num_new_tokens),
-                ("num_new_computed_tokens", num_new_computed_tokens),
-                ("num_lookahead_tokens", num_lookahead_tokens))
-        self._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
-        bad = _bad_num_computed_tokens(request)
-        if bad:
-            raise ValueError(bad)
-        nc = request.num_computed_tokens
-        if new_computed_blocks is not None and type(new_computed_blocks) is not list:
-            _check_hit_container(new_computed_blocks)  # sets (unordered), generators, ...
-        computed = list(new_computed_blocks) if new_computed_blocks else []
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens)
         bs = self.block_size
-        if st is not None and computed:
-            raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
-        if len(computed) * bs != num_new_computed_tokens:
-            raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                f"{len(computed)} hit blocks of {bs} tokens"
-            )
-        if computed and not self.enable_caching:
-            raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
         # Hit blocks that sit in the free queue leave it when touched: they count
         # against the free blocks too (vLLM's num_evictable_computed_blocks).
         num_evictable = 0
@@ -488,28 +533,6 @@ class KVCacheManager:
                 raise ValueError(f"block {b.block_id} is not a cached block of this manager")
             if b.ref_cnt == 0:
                 num_evictable += 1
-        total = nc + num_new_computed_tokens + num_new_tokens
-        if st is None and computed and nc:
-            raise ValueError(
-                f"request {rid!r} has num_computed_tokens={nc} "
-                "but no blocks; it cannot adopt prefix-hit blocks"
-            )
-        mml = self.max_model_len
-        need = total + num_lookahead_tokens
-        if mml is not None:
-            if total > mml:
-                raise ValueError(
-                    f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
-                )
-            need = min(need, mml)
-        hasher = request.hasher
-        if self.enable_caching and hasher is not None and (
-            (hasher is not self.hasher and hasher != self.hasher) or request.block_size != bs
-        ):
-            raise ValueError(
-                f"request {rid!r} is bound to {hasher!r} with block size "
-                f"{request.block_size}, not this manager's {self.hasher!r} / {bs}"
-            )
         pool = self.block_pool
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
@@ -520,7 +543,7 @@ class KVCacheManager:
         if st is None:
             pool.touch(computed, request)
             st = _RequestState(request, computed, len(computed))
-            self._states[rid] = st
+            self._states[request.request_id] = st
             self._states_by_request[request] = st
             if self.log_stats and self.enable_caching:
                 self.prefix_cache_stats.record(

@@ -80,7 +80,11 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.kv_cache_manager import KVCacheManager, _bad_num_computed_tokens
+from prefixcache.core.kv_cache_manager import (
+    KVCacheManager,
+    _admission_checks,
+    _bad_num_computed_tokens,
+)
 from prefixcache.core.stats import PrefixCacheStats
 
 INDEX_NAME = "radix"
@@ -419,9 +423,9 @@ class RadixKVCacheManager:
         """
         try:
             st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
-        except KeyError:
+        except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
             st = None
-        nc = request.num_computed_tokens
+        nc = request.num_computed_tokens if st is not None else None
         if (
             st is None
             or type(nc) is not int
@@ -429,6 +433,7 @@ class RadixKVCacheManager:
             or num_new_computed_tokens
             or new_computed_blocks
             or num_lookahead_tokens
+            or type(num_new_tokens) is not int  # floats, numpy ints, bools: the slow path
             or num_new_tokens <= 0
         ):
             return self._allocate_slow(
@@ -488,48 +493,12 @@ class RadixKVCacheManager:
         new_computed_blocks, num_lookahead_tokens,
     ):
         """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
+        # NOTE: the same admission checks (and errors) as the hash chain's.
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens)
         rid = request.request_id
-        st = self._states.get(rid)
-        if st is not None and st.request is not request:
-            raise ValueError(f"request id {rid!r} is already running as another Request")
-        KVCacheManager._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
-        bad = _bad_num_computed_tokens(request)
-        if bad:
-            raise ValueError(bad)
-        nc = request.num_computed_tokens
-        computed = list(new_computed_blocks) if new_computed_blocks else []
         bs = self.block_size
-        if st is not None and computed:
-            raise ValueError(f"request {rid!r} is running: it cannot adopt prefix-hit blocks")
-        if len(computed) * bs != num_new_computed_tokens:
-            raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} does not match "
-                f"{len(computed)} hit blocks of {bs} tokens"
-            )
-        if computed and not self.enable_caching:
-            raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
-        total = nc + num_new_computed_tokens + num_new_tokens
-        if st is None and computed and nc:
-            raise ValueError(
-                f"request {rid!r} has num_computed_tokens={nc} "
-                "but no blocks; it cannot adopt prefix-hit blocks"
-            )
-        mml = self.max_model_len
-        need = total + num_lookahead_tokens
-        if mml is not None:
-            if total > mml:
-                raise ValueError(
-                    f"request {rid!r} needs {total} tokens, beyond max_model_len={mml}"
-                )
-            need = min(need, mml)
-        hasher = request.hasher
-        if self.enable_caching and hasher is not None and (
-            (hasher is not self.hasher and hasher != self.hasher) or request.block_size != bs
-        ):
-            raise ValueError(
-                f"request {rid!r} is bound to {hasher!r} with block size "
-                f"{request.block_size}, not this manager's {self.hasher!r} / {bs}"
-            )
         ns = _namespace(request)
         nodes = self._adopted_nodes(request, computed, ns) if computed else []
         # Hit nodes not locked yet leave the available blocks when locked. Along a

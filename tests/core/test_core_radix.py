@@ -12,6 +12,7 @@ import inspect
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 import prefixcache.sim.replay as replay_module
@@ -456,3 +457,33 @@ def test_adoption_checks_a_changed_hit_list_and_caching_off():
     off.free(c)
     assert admit(off, Request("d", [1, 2, 3, 4, 5]))[0] == [] and off.cached_block_ids() == []
     off.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_new_tokens=np.float64(10.0)),
+    dict(num_new_tokens=True),
+    dict(num_new_tokens=-1),
+    dict(num_new_tokens=4, num_new_computed_tokens=4),  # hit tokens without hit blocks
+])
+def test_bad_calls_raise_the_same_errors_on_both_indexes_and_change_nothing(bad):
+    # Both indexes share one set of admission checks (kv_cache_manager._admission_checks).
+    errors = []
+    for index in ("hash", "radix"):
+        m = KVCacheManager(16, 4, index=index)
+        warm = Request("warm", list(range(1, 14)))
+        admit(m, warm)
+        m.free(warm)
+        before = (m.free_block_ids(), m.cached_block_ids(), m.counters())
+        req = Request("r", list(range(1, 14)))
+        with pytest.raises((TypeError, ValueError)) as e:
+            m.allocate_slots(req, **bad)
+        errors.append((type(e.value), str(e.value)))
+        assert (m.free_block_ids(), m.cached_block_ids(), m.counters()) == before
+        m.check_invariants()
+        # ... and a running request's decode step with a float count takes the slow path.
+        admit(m, req)
+        req.num_computed_tokens = req.num_tokens
+        with pytest.raises((TypeError, ValueError)):
+            m.allocate_slots(req, np.float64(1.0))
+        m.check_invariants()
+    assert errors[0] == errors[1]
