@@ -137,8 +137,12 @@ def was_interrupted(proc) -> bool:
 def interrupt(cmd, ready, timeout=60.0):
     """Starts `cmd`, waits until `ready()` (or fails), sends SIGINT; returns the process
     after it exited."""
+    # NOTE: a shell runs background jobs with SIGINT ignored, and a child inherits that
+    # (Python then installs no KeyboardInterrupt handler): restore the default first, so
+    # the test behaves the same however CI was started.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     try:
         while not ready():
