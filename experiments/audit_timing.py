@@ -32,8 +32,10 @@ Scenarios (``SCENARIOS``; pick with ``config.scenarios``):
 * ``ordering_tenant_salt``: ``lpm`` and the burst with per-tenant salts: the attacker
   can only jump the queue on its own prefixes, so nothing leaks.
 
-The ordering scenarios need a queue: engine backend only (the simulator backend serves
-each request alone and lists them as skipped).
+The simulator backend serves the ordering scenarios' burst and probe through one
+simulated server (``prefixcache.sim.des.Server``: the scenario's waiting-queue policy,
+the cost model's step times, the engine config's batching limits); the other scenarios
+one request at a time.
 
 Statistics (scipy only): the one-sided two-sample KS test that hits are faster
 (``ks_2samp(hit, miss, alternative="greater")``), the ROC AUC of the best threshold
@@ -108,9 +110,8 @@ SCENARIOS = {s.name: s for s in (
              burst=True),
 )}
 
-# Scenarios a backend cannot run (name -> why), reported as skipped.
+# Scenarios the audit cannot run yet (name -> why), reported as skipped.
 PENDING_SCENARIOS: dict[str, str] = {}
-SIM_SKIPS = "needs a waiting queue: the simulator backend serves each request alone"
 
 ATTACKER, VICTIM = "attacker", "victim"
 MODELS = ("tiny", "llama_3_2_1b", "qwen2_5_0_5b")  # ModelConfig presets (engine backend)
@@ -147,9 +148,7 @@ def parse_scenarios(names: str | Sequence[str], backend: str = "engine"
         names = [n.strip() for n in names.split(",") if n.strip()]
     run, skipped = [], {}
     for n in names:
-        if n in SCENARIOS and backend == "sim" and SCENARIOS[n].burst:
-            skipped[n] = SIM_SKIPS
-        elif n in SCENARIOS:
+        if n in SCENARIOS:
             run.append(SCENARIOS[n])
         elif n in PENDING_SCENARIOS:
             skipped[n] = PENDING_SCENARIOS[n]
@@ -449,6 +448,35 @@ def run_sim_scenario(config, scenario: Scenario, trials: Sequence[Trial],
             attribution.note(spec.tenant, req.block_hashes)
         return req, hit
 
+    def queue_and_serve(trial: Trial):
+        """The ordering scenarios: the burst and the probe arrive together at one
+        simulated server (``des.Server``: the scenario's waiting-queue policy, the cost
+        model's step times); returns (probe Request, hit, TTFT, queue time)."""
+        from prefixcache.sim import des  # noqa: PLC0415
+        from prefixcache.sim.trace import TraceRequest  # noqa: PLC0415
+
+        e = config.engine
+        server = des.Server(mgr, cost, des.SchedulerConfig(
+            max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
+            on_finish=lambda s, r: None, on_fail=lambda s, r: None,
+            scheduling=scenario.scheduling)
+        sims = []
+        for spec in (*trial.noise, trial.probe):
+            salt = salt_kwargs(scenario, salts, spec)
+            assert "cache_salt_offset" not in salt  # burst scenarios salt from block 0
+            tr = TraceRequest(id=f"{spec.role}-{next(counter)}", prompt=list(spec.tokens),
+                              output_len=spec.max_tokens, cache_salt=salt.get("cache_salt"))
+            sims.append(des.make_sim_request(tr, 0.0))
+            server.arrive(sims[-1])
+        while server.step():
+            pass
+        for spec, sreq in zip(trial.noise, sims):
+            attribution.note(spec.tenant, sreq.req.block_hashes)
+        probe = sims[-1]
+        if probe.ttft_s is None:
+            raise ValueError(f"the probe did not fit in num_blocks={config.num_blocks}")
+        return probe.req, probe.num_cached_tokens, probe.ttft_s, probe.first_scheduled_s
+
     rows: list[dict] = []
     hits0 = first_hit = None
     it = trials
@@ -460,6 +488,17 @@ def run_sim_scenario(config, scenario: Scenario, trials: Sequence[Trial],
         if trial.measured and hits0 is None:
             hits0 = mgr.counters()["hit_tokens"]
         serve(trial.victim)
+        if scenario.burst:
+            req, hit, ttft, queue = queue_and_serve(trial)
+            if first_hit is None:
+                first_hit = hit
+            if trial.measured:
+                ttft = ttft * float(rng.lognormal(0.0, sc.jitter_sigma)) + float(
+                    sc.host_jitter_median_s * rng.lognormal(0.0, sc.host_jitter_sigma))
+                rows.append(_probe_row(scenario, trial, req, ttft, hit, attribution,
+                                       bs, queue))
+            attribution.note(ATTACKER, req.block_hashes)
+            continue
         for spec in trial.noise:
             serve(spec)
         req, hit = serve(trial.probe)
