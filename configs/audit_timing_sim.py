@@ -19,7 +19,9 @@ ms), cross_tenant_hit_tokens = 250 * 1024 = 256000; tenant_salt, public_prefix_s
 public_prefix_first_block_salt: p 0.3-0.7 (> 0.01), AUC ~0.47-0.49,
 cross_tenant_hit_tokens 0; the attacker's first request hits the 1024-token public
 prompt with the salt after it (attacker_first_request_hit_tokens 1024) and nothing with
-vLLM's first-block salt (0). Shorter secrets leak less per probe at this scale (a step
+vLLM's first-block salt (0). Ordering (the burst and the probe queue at one simulated
+server): under lpm the probe's queue time alone gives AUC 1.0 (gap ~38 ms); under FCFS
+queue AUC ~0.55 (gap ~3 us); with per-tenant salts 0 cross-tenant tokens. Shorter secrets leak less per probe at this scale (a step
 is bound by reading 140 GB of weights): --config.secret_len=256 gives AUC ~0.74 (p
 ~1e-17), 64 gives AUC ~0.50 (p ~0.3: hidden in this noise at n = 250; earlier draws of
 the same noise model gave 0.54-0.58) -- a leak that repeated probes can still amplify.
