@@ -161,6 +161,42 @@ class FreeKVCacheBlockQueue:
         tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
+    def release(self, ordered_blocks: Iterable[KVCacheBlock], unhashed_first: bool) -> int:
+        """Drop one reference from each block; blocks reaching 0 join the queue.
+
+        Blocks go to the tail in the given order, except -- with ``unhashed_first`` --
+        never-cached ones (``block_hash is None``), which go to the head afterwards
+        (LIFO). Returns how many went to the head.
+
+        NOTE: one pass, the tail linked in as blocks come (``append_n`` inlined: this
+        runs once per freed block); shared by ``BlockPool`` and the radix index.
+        """
+        tail = self.tail
+        last = tail.prev_free_block
+        first: list[KVCacheBlock] = []
+        n = 0
+        for block in ordered_blocks:
+            rc = block.ref_cnt - 1
+            block.ref_cnt = rc
+            if rc == 0:
+                if unhashed_first and block.block_hash is None:
+                    # Never-cached blocks can never be hit: reuse them first (LIFO);
+                    # cached ones go to the tail for LRU eviction (vLLM's order).
+                    first.append(block)
+                else:
+                    block.prev_free_block = last
+                    last.next_free_block = block
+                    last = block
+                    n += 1
+            elif rc < 0:
+                raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
+        last.next_free_block = tail
+        tail.prev_free_block = last
+        self.num_free_blocks += n
+        if first:
+            self.prepend_n(first)
+        return len(first)
+
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the head, in the given order (first one becomes the head)."""
         if not blocks:
@@ -458,34 +494,7 @@ class BlockPool:
         (the owner, whose whole table ``ordered_blocks`` is) is for eviction
         policies (``PolicyBlockPool``); the LRU queue does not need it.
         """
-        # NOTE: one pass; blocks bound for the tail are linked in as they come
-        # (FreeKVCacheBlockQueue.append_n, inlined: this runs once per freed block).
-        q = self.free_block_queue
-        tail = q.tail
-        last = tail.prev_free_block
-        unhashed_first = self.free_order == "unhashed_first"
-        first: list[KVCacheBlock] = []
-        n = 0
-        for block in ordered_blocks:
-            rc = block.ref_cnt - 1
-            block.ref_cnt = rc
-            if rc == 0:
-                if unhashed_first and block.block_hash is None:
-                    # Never-cached blocks can never be hit: reuse them first (LIFO);
-                    # cached ones go to the tail for LRU eviction (vLLM's order).
-                    first.append(block)
-                else:
-                    block.prev_free_block = last
-                    last.next_free_block = block
-                    last = block
-                    n += 1
-            elif rc < 0:
-                raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
-        last.next_free_block = tail
-        tail.prev_free_block = last
-        q.num_free_blocks += n
-        if first:
-            q.prepend_n(first)
+        self.free_block_queue.release(ordered_blocks, self.free_order == "unhashed_first")
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. ``False`` (nothing changed) if any block is in use."""
