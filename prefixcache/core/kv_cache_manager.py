@@ -341,11 +341,23 @@ class KVCacheManager:
             _check_request(request)
         if not self.enable_caching:
             return [], 0
-        request.bind_hasher(self.hasher, self.block_size)
+        computed = self._hit_blocks(request)
         num_tokens = request.num_tokens
-        # NOTE: all tokens hitting would leave nothing to compute logits from, so
-        # at most num_tokens - 1 tokens hit (a whole block may be recomputed).
-        max_blocks = (num_tokens - 1) // self.block_size
+        num_hit = len(computed) * self.block_size
+        self.num_lookups += 1
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += num_hit
+        # NOTE: the prefix-cache stats record admissions, not lookups (see
+        # allocate_slots), as vLLM 0.33's scheduler does: a request whose lookup is
+        # retried because it did not fit yet counts once.
+        return computed, num_hit
+
+    def _hit_blocks(self, request) -> list[KVCacheBlock]:
+        """The longest run of cached full blocks that starts the request: at most
+        ``num_tokens - 1`` tokens hit (all of them would leave nothing to compute logits
+        from, so a whole block may be recomputed). Reads the hash map only."""
+        request.bind_hasher(self.hasher, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.cached_block_hash_to_block.get
         computed: list[KVCacheBlock] = []
         append = computed.append
@@ -356,14 +368,7 @@ class KVCacheManager:
             if type(b) is dict:
                 b = next(iter(b.values()))
             append(b)
-        num_hit = len(computed) * self.block_size
-        self.num_lookups += 1
-        self.num_lookup_tokens += num_tokens
-        self.num_hit_tokens += num_hit
-        # NOTE: the prefix-cache stats record admissions, not lookups (see
-        # allocate_slots), as vLLM 0.33's scheduler does: a request whose lookup is
-        # retried because it did not fit yet counts once.
-        return computed, num_hit
+        return computed
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now.
@@ -373,15 +378,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return 0
-        request.bind_hasher(self.hasher, self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = self.block_pool.cached_block_hash_to_block
-        n = 0
-        for h in islice(request.block_hashes, max_blocks):
-            if h not in cached:
-                break
-            n += 1
-        return n * self.block_size
+        return len(self._hit_blocks(request)) * self.block_size
 
     def allocate_slots(
         self,

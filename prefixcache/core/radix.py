@@ -341,21 +341,12 @@ class RadixKVCacheManager:
         self.policy.on_arrival(request, index)
 
     # -------------------------------------------------------------- scheduling
-    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
-        """The blocks of the longest cached path that starts the request.
-
-        Changes no block state (no locks, ref counts or queue order); only counters.
-        At most ``(num_tokens - 1) // block_size`` blocks hit, as in the hash chain.
-
-        Returns:
-            ``(blocks, num_computed_tokens)``.
-        """
-        if not self.enable_caching:
-            return [], 0
+    def _lookup_nodes(self, request) -> list[_Node]:
+        """The nodes of the longest cached path that starts the request (at most
+        ``(num_tokens - 1) // block_size``); reads the tree only."""
         request.bind_hasher(self.hasher, self.block_size)
-        num_tokens = request.num_tokens
         bs = self.block_size
-        max_blocks = (num_tokens - 1) // bs
+        max_blocks = (request.num_tokens - 1) // bs
         nodes: list[_Node] = []
         root = self._roots.get(_namespace(request))
         if root is not None and max_blocks:
@@ -393,6 +384,29 @@ class RadixKVCacheManager:
                         start, chunk = end, 2 * chunk
                         continue
                 break
+        return nodes
+
+    def peek_computed_tokens(self, request) -> int:
+        """The prefix-hit tokens ``get_computed_blocks`` would return now; counts no
+        lookup and changes nothing (schedulers ordering their waiting queue)."""
+        if not self.enable_caching:
+            return 0
+        return len(self._lookup_nodes(request)) * self.block_size
+
+    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+        """The blocks of the longest cached path that starts the request.
+
+        Changes no block state (no locks, ref counts or queue order); only counters.
+        At most ``(num_tokens - 1) // block_size`` blocks hit, as in the hash chain.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        nodes = self._lookup_nodes(request)
+        num_tokens = request.num_tokens
+        bs = self.block_size
         computed = [node.block for node in nodes]
         # NOTE: allocate_slots adopts these nodes without walking them again while the
         # tree has lost no node since (the epoch counts removals); a copy of the list,
@@ -765,32 +779,8 @@ class RadixKVCacheManager:
             raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
         req = st.request
         del self._states_by_request[req]
-        # Blocks: cached ones to the queue's tail as they come (FreeKVCacheBlockQueue
-        # .append_n, inlined), unhashed ones to its head afterwards.
-        q = self._free
-        tail = q.tail
-        last = tail.prev_free_block
-        unhashed: list[KVCacheBlock] = []
-        n = 0
-        for b in reversed(st.blocks):
-            rc = b.ref_cnt - 1
-            b.ref_cnt = rc
-            if rc == 0:
-                if b.block_hash is None:
-                    unhashed.append(b)
-                else:
-                    b.prev_free_block = last
-                    last.next_free_block = b
-                    last = b
-                    n += 1
-            elif rc < 0:
-                raise InvariantError(f"block {b.block_id} freed below ref_cnt 0")
-        last.next_free_block = tail
-        tail.prev_free_block = last
-        q.num_free_blocks += n
-        if unhashed:
-            q.prepend_n(unhashed)
-            self._num_free_unhashed += len(unhashed)
+        # Blocks: cached ones to the queue's tail, unhashed ones to its head.
+        self._num_free_unhashed += self._free.release(reversed(st.blocks), True)
         # Path: deepest first. Only its last node can be a leaf (each other node has
         # the next as a child), so only it can become a candidate.
         policy = self.policy

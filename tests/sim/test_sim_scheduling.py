@@ -68,8 +68,9 @@ def test_starvation_bound_holds():
     manager.check_invariants()
 
 
-def test_policies_order_by_cached_prefix():
-    m = KVCacheManager(64, 4, log_stats=False)
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_policies_order_by_cached_prefix(index):
+    m = KVCacheManager(64, 4, log_stats=False, index=index)
     warm = Request("warm", list(range(1, 18)))
     blocks, hit = m.get_computed_blocks(warm)
     m.allocate_slots(warm, warm.num_tokens - hit, hit, blocks)
