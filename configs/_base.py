@@ -96,4 +96,5 @@ def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset:
     c.time_scale = 1.0
     c.arrival_rate = 0.0  # 0 -> the trace's timestamps
     c.hash_algo = "sha256"
+    c.eviction = "lru"  # every replica's eviction policy (prefixcache.core.eviction)
     return c

@@ -92,7 +92,8 @@ def run(config, *, progress: bool = False) -> dict:
             s = simulate_cluster(
                 requests, num_replicas=n, router=policy, cost_model=cost,
                 num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
-                hash_algo=config.hash_algo, time_scale=float(config.time_scale),
+                hash_algo=config.hash_algo, eviction=config.eviction,
+                time_scale=float(config.time_scale),
                 arrival_rate=config.arrival_rate or None, seed=config.seed)
             rows.append({"num_blocks": num_blocks, "block_size": config.block_size,
                          "model": config.model, "accelerator": config.accelerator, **s})

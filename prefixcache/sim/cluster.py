@@ -72,6 +72,7 @@ def simulate_cluster(
     hash_seed: int | str | None = None,
     free_order: str = "append",
     scheduling: str = "fcfs",
+    eviction: str = "lru",
     router_options: dict[str, Any] | None = None,
     arrival_rate: float | None = None,
     time_scale: float = 1.0,
@@ -89,7 +90,8 @@ def simulate_cluster(
       router: a registered routing policy name or a ``Router`` built for
         ``num_replicas`` replicas.
       cost_model, num_blocks, block_size, scheduler, hash_algo, hash_seed,
-        free_order, scheduling: every replica's server, as in ``des.simulate``.
+        free_order, scheduling, eviction: every replica's server, as in
+        ``des.simulate`` (``belady`` needs the trace's future: not here).
       router_options: keyword options of the named router.
       arrival_rate: Poisson arrivals (req/s) instead of the trace timestamps.
       time_scale: multiplies every arrival time (> 0; < 1 compresses the trace,
@@ -149,7 +151,8 @@ def simulate_cluster(
         # the router then keys its index on the request's own block hashes directly.
         manager = KVCacheManager(num_blocks, block_size, hash_algo=hash_algo,
                                  hash_seed=hash_seed, free_order=free_order, log_stats=False,
-                                 enable_events=router.needs_events, int_event_hashes=False)
+                                 enable_events=router.needs_events, int_event_hashes=False,
+                                 eviction=eviction)
 
         def finish(s, rec, i=i):
             totals.finish(s, {**rec, "replica": i})

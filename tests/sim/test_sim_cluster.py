@@ -60,6 +60,11 @@ def test_kv_events_beats_random_and_round_robin_at_8_replicas():
         assert out[p]["ttft_p90_s"] > kv["ttft_p90_s"], p
     assert kv["requests"] == len(reqs) and kv["failed"] == 0
     assert kv["route_us"]["count"] == len(reqs) and kv["route_hash_us"]["count"] == len(reqs)
+    # Every replica takes the eviction policy too.
+    lfu = simulate_cluster(reqs, num_replicas=8, router="kv_events", cost_model=COST,
+                           num_blocks=512, block_size=16, scheduler=SCHED, eviction="lfu",
+                           check_every=50)
+    assert lfu["requests"] == len(reqs) and lfu["evictions"] > 0
     assert sum(r["requests"] for r in kv["per_replica"]) == len(reqs)
 
 
@@ -200,6 +205,9 @@ def test_bad_input_is_rejected_before_anything_runs():
     with pytest.raises(ValueError, match="has no timestamp"):
         simulate_cluster(untimed, num_replicas=2, router="random", cost_model=COST,
                          num_blocks=100, block_size=16)
+    with pytest.raises(ValueError, match="belady needs the trace's future"):
+        simulate_cluster(reqs, num_replicas=2, router="random", cost_model=COST,
+                         num_blocks=100, block_size=16, eviction="belady")
     with pytest.raises(TypeError, match="routing policy 'session'"):
         make_router("session", num_replicas=2, block_size=16, bogus=1)
     with pytest.raises(ValueError, match="key_blocks"):
