@@ -108,6 +108,38 @@ def test_sliding_hit_falls_back_when_the_window_blocks_were_evicted():
     m.check_invariants()
 
 
+def test_window_one_past_a_block_needs_only_the_blocks_of_w_minus_one_tokens():
+    # W = 5, block 4: the next token (position 12) sees positions 8..12, i.e. one
+    # cached block (8..11) plus itself: ceil((5 - 1) / 4) = 1 block, not ceil(5 / 4).
+    m = _hybrid(window=5)
+    null = m.null_block_id
+    a = Request("a", list(range(12)))
+    _admit(m, a)
+    assert m.get_block_ids("a") == ([0, 1, 2], [3, 4, 5])
+    m.free(a)
+    b = Request("b", list(range(12)) + [1])
+    blocks, hit = m.get_computed_blocks(b)
+    assert (hit, [[x.block_id for x in g] for g in blocks]) == (12, [[0, 1, 2], [null, null, 5]])
+    m.allocate_slots(b, 1, 12, blocks)
+    assert m.get_block_ids("b") == ([0, 1, 2, 6], [null, null, 5, 7])
+    m.check_invariants()
+
+
+def test_a_failed_decode_still_releases_the_blocks_before_the_window():
+    # vLLM releases out-of-window blocks before it counts ("even if we cannot schedule
+    # this request"), so the free queue after a failed step is vLLM's.
+    m = _hybrid(num_blocks=8, window=12)
+    a = Request("a", list(range(16)))
+    _admit(m, a)
+    assert m.get_block_ids("a") == ([0, 1, 2, 3], [4, 5, 6, 7])
+    a.append_output_token_ids(99)
+    # Position 16 sees 5..16: slot 0 (tokens 0..3) goes; 2 new blocks needed, 1 free.
+    assert m.allocate_slots(a, 1) is None
+    assert m.get_block_ids("a") == ([0, 1, 2, 3], [m.null_block_id, 5, 6, 7])
+    assert m.free_block_ids() == [4]
+    m.check_invariants()
+
+
 def test_get_computed_blocks_with_two_windows_loops_until_all_agree():
     # Groups: full, W=8 and W=16 (block 4): the W=16 group needs 4 contiguous blocks.
     groups = parse_kv_groups("full,sw8,sw16")
