@@ -14,6 +14,14 @@ configuration our replay drives (one block size for every group, hash block = bl
 no EAGLE, no KV connector, dense retention); see ``tests/core/test_hybrid_manager.py``
 and the hybrid replay goldens.
 
+NOTE: not modelled, and why it does not change the replay: vLLM's
+``full_sequence_must_fit`` pre-check (for a new request given its whole prompt it is the
+same count as the main check; its per-request cap ``max_admission_blocks_per_request``
+is ``ceil(max_model_len / block_size) + 1`` with the manager's default
+``max_in_flight_tokens = max_model_len``, never below the prompt's blocks),
+``num_in_flight_tokens`` (0 in a synchronous step), partial-block hash hits (off
+unless Mamba groups), EAGLE drops, external (connector) tokens, sparse retention.
+
     blocks, num_hit = manager.get_computed_blocks(request)     # one list per group
     new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
     if new is None: ...                 # does not fit (see NOTE on allocate_slots)
