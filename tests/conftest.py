@@ -122,7 +122,7 @@ def merge_lora(hf_weights: dict, tensors: dict, scaling: float) -> dict:
     return out
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def lora_helpers():
     """`write_peft_adapter`, `merge_lora` and `LORA_MODULES`, as a namespace."""
     import types

@@ -41,7 +41,9 @@ def test_logits_match_merged_f64_oracle(tmp_path, hf_helpers, lora_helpers):
     prompt = rng.integers(1, hf_cfg["vocab_size"], 21).tolist()
     names = ["qv", "all", None, "l1"]
     loras = [None if n is None else LoRARequest(n, str(tmp_path / n)) for n in names]
-    # The same prompt under three adapters and none, in one batch.
+    # The same prompt under three adapters and none, in one batch. 4 x 21 tokens > the
+    # 64-token budget: step 1 runs the 4th prompt's first token, a one-token row that the
+    # metadata builder sorts first, so token rows are not in scheduled order.
     outs = engine.generate([prompt] * 4, SamplingParams(max_tokens=3), lora_request=loras)
     rows = {}
     for step in engine.step_logits:
