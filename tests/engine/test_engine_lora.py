@@ -46,8 +46,8 @@ def engines(config):
     return cached, uncached
 
 
-def test_cache_hits_only_under_the_same_adapter(config, adapters):
-    engine = Engine(config, **COMMON)
+def test_cache_hits_only_under_the_same_adapter(config, adapters, engines):
+    engine = Engine(config, share_programs_with=engines[0], **COMMON)  # a fresh cache
     mgr = engine.kv_cache_manager
     prompt = np.random.default_rng(0).integers(1, config.vocab_size, 48).tolist()
     a, b = adapters["a"], adapters["b"]
@@ -130,3 +130,25 @@ def test_adapter_without_a_slot_waits(config, adapters):
         for out in engine.step():
             assert out.error is None and len(out.token_ids) == 3
     assert engine.runner.lora_slots.num_loads == 2
+
+
+def test_sharded_engine_applies_adapters_as_one_device(config, adapters, engines):
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+    one = engines[1]  # no prefix caching: the cache state of earlier tests is irrelevant
+    one.step_logits.clear()
+    two = Engine(config, mesh=mesh, **COMMON)
+    assert len(two.runner.lora_slots.weights["q_proj"][0].sharding.device_set) == 2
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, config.vocab_size, n).tolist() for n in (9, 30, 17)]
+    loras = [adapters["a"], None, adapters["c"]]
+    sp = SamplingParams(max_tokens=5)
+    two.record_logits = True
+    outs1 = one.generate(prompts, sp, lora_request=loras)
+    outs2 = two.generate(prompts, sp, lora_request=loras)
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
+    l1, l2 = _logits_by_request(one), _logits_by_request(two)
+    for o1, o2 in zip(outs1, outs2):
+        np.testing.assert_allclose(np.stack(l2[o2.request_id]), np.stack(l1[o1.request_id]),
+                                   atol=1e-4, rtol=1e-4)
