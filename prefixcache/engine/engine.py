@@ -95,6 +95,8 @@ class Engine:
       record_logits: when True, each step also fetches the next-token logits of the
         requests that sampled (one explicit device_get) into `step_logits`: a list per
         step of {request_id: f32[vocab]} (for numerics checks; grows without bound).
+      lora_adapters: (name, path) -> `prefixcache.model.lora.LoRAAdapter` read so far
+        (with enable_lora; the device slots are `runner.lora_slots`).
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.

@@ -115,8 +115,16 @@ def test_mixed_adapters_same_tokens_cache_on_and_off(config, adapters, engines):
     assert cached.runner.program._jitted_packed._cache_size() == before
 
 
-def test_adapter_without_a_slot_waits(config, adapters):
-    engine = Engine(config, **dict(COMMON, max_loras=1))
+@pytest.fixture(scope="module")
+def one_slot(config):
+    """An engine with a single adapter slot (its compiled programs are shared)."""
+    return Engine(config, **dict(COMMON, max_loras=1))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_adapter_without_a_slot_waits(config, adapters, policy, one_slot):
+    engine = Engine(config, scheduling_policy=policy, share_programs_with=one_slot,
+                    **dict(COMMON, max_loras=1))
     sp = SamplingParams(max_tokens=3)
     ids = [engine.add_request([5, 6, 7], sp, lora_request=adapters["a"]),
            engine.add_request([5, 6, 8], sp, lora_request=adapters["b"]),
@@ -126,9 +134,13 @@ def test_adapter_without_a_slot_waits(config, adapters):
     # b gets no slot while a runs: skipped (not blocking the base and the other a).
     assert [s.request_id for s in engine.last_scheduler_output.scheduled] == [
         ids[0], ids[2], ids[3]]
+    assert [s.request_id for s in engine.scheduler.waiting] == [ids[1]]
+    finished = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.error is None and len(out.token_ids) == 3
+            finished.append(out.request_id)
+    assert finished[-1] == ids[1]
     assert engine.runner.lora_slots.num_loads == 2
 
 
