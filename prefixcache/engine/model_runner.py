@@ -440,9 +440,13 @@ class ModelRunner:
         else:
             inputs = (jax.device_put(prepared.inputs) if sharding is None
                       else jax.device_put(prepared.inputs, sharding))
-        lora_weights = None if self.lora_slots is None else self.lora_slots.weights
-        tokens, logits, self.kv_caches = self.program(
-            self.kv_caches, inputs, all_greedy=prepared.all_greedy, lora_weights=lora_weights)
+        if self.lora_slots is None:
+            tokens, logits, self.kv_caches = self.program(
+                self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        else:
+            tokens, logits, self.kv_caches = self.program(
+                self.kv_caches, inputs, all_greedy=prepared.all_greedy,
+                lora_weights=self.lora_slots.weights)
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
