@@ -170,7 +170,7 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     """Builds the jitted step of `model` (params captured now; graphdef static).
 
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
-    mm_mask=None) -> (logits f32[S, V], kv_caches)`:
+    mm_mask=None, lora=None) -> (logits f32[S, V], kv_caches)`:
       kv_caches: L arrays [num_pages, page_size, 2K, H], donated (invalid after the call).
       input_ids: i32[T]; metadata: `AttentionMetadata`; logits_indices: i32[S] (the
         `StepInputs` of `prefixcache.metadata`).
@@ -182,9 +182,9 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     (T, S, P, num_pages) shape, mm on/off and LoRA on/off (any adapter mix of a fixed
     max_loras and max rank: one program).
 
-    `step.pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask)`
-    is the un-jitted function with params (an `nnx.State`, `step.params`) as an argument,
-    for callers that jit a larger function around it.
+    `step.pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask,
+    lora)` is the un-jitted function with params (an `nnx.State`, `step.params`) as an
+    argument, for callers that jit a larger function around it.
 
     Args:
       model: the Transformer. With `mesh`, its params are laid out over the mesh first

@@ -202,3 +202,28 @@ def test_slots_are_reused_least_recently_used_first(tmp_path, tiny, lora_helpers
     np.testing.assert_allclose(a[1][:, :, :2], aa.a["down_proj"])
     assert not a[1][:, :, 2:].any() and not b[1][:, 2:].any()
     assert not np.asarray(slots.weights["k_proj"][0]).any()  # not targeted: zeros
+
+
+def test_step_rejects_malformed_lora_inputs(tiny):
+    from flax import nnx
+
+    from prefixcache.metadata import MetadataBuilder, ScheduledSeq
+    from prefixcache.model import Transformer, make_kv_caches, make_step_fn
+    from prefixcache.model.lora import LoRABatch
+
+    step = make_step_fn(Transformer(tiny, rngs=nnx.Rngs(0)))
+    b = MetadataBuilder(block_size=16, num_blocks=8, max_num_seqs=2, max_num_tokens=16,
+                        max_pages_per_seq=2, token_buckets=[16], seq_buckets=[2],
+                        page_buckets=[2])
+    si = b.build([ScheduledSeq([0], 0, [1, 2, 3])])
+    kv = make_kv_caches(tiny, num_blocks=8, block_size=16)
+    weights = LoRASlots(tiny, max_loras=1, max_lora_rank=2).weights
+    cases = [(LoRABatch(np.zeros(15, np.int32), weights), r"lora.slots must be i32\[16\]"),
+             (LoRABatch(np.zeros(16, np.float32), weights), "lora.slots"),
+             (LoRABatch(np.zeros(16, np.int32), {"q_proj": weights["q_proj"]}), "modules"),
+             (LoRABatch(np.zeros(16, np.int32), dict(weights, o_proj=weights["q_proj"])),
+              r"lora.weights\['o_proj'\] shapes"),
+             ((np.zeros(16, np.int32), weights), "must be a LoRABatch")]
+    for lora, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            step(kv, si.input_ids, si.metadata, si.logits_indices, lora=lora)
