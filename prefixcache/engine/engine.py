@@ -73,9 +73,18 @@ class Engine:
       share_programs_with: another Engine over the same model, backend and mesh whose
         compiled step programs this one reuses (its own KV pool and cache stay separate);
         e.g. a caching-on and a caching-off engine compared side by side.
-      lora_cache_key_only: the model applies no LoRA adapters, so requests with a
-        `lora` are rejected (ValueError) unless this is True: then they run the base
-        model and the adapter only keys the cache (for cache-isolation studies).
+      lora_cache_key_only: without `enable_lora` the model applies no LoRA adapters, so
+        requests with a `lora` are rejected (ValueError) unless this is True: then they
+        run the base model and the adapter only keys the cache (for cache-isolation
+        studies). Not together with `enable_lora`.
+      enable_lora: apply LoRA adapters in the model (`prefixcache.model.lora`): each
+        request's `LoRARequest(name, path)` names a PEFT adapter directory, read and
+        validated when the request is added (a bad adapter is a ValueError then); up to
+        `max_loras` distinct adapters run in one step (device slots, least recently used
+        reloaded; a request whose adapter gets no slot waits), each of rank <=
+        `max_lora_rank` (the padded rank of the one compiled step). The adapter's name
+        and path key the prefix cache as without it.
+      max_loras, max_lora_rank: see `enable_lora` (positive ints; used only with it).
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
@@ -86,6 +95,8 @@ class Engine:
       record_logits: when True, each step also fetches the next-token logits of the
         requests that sampled (one explicit device_get) into `step_logits`: a list per
         step of {request_id: f32[vocab]} (for numerics checks; grows without bound).
+      lora_adapters: (name, path) -> `prefixcache.model.lora.LoRAAdapter` read so far
+        (with enable_lora; the device slots are `runner.lora_slots`).
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
@@ -111,7 +122,8 @@ class Engine:
                  manager_kwargs: Mapping[str, Any] | None = None,
                  share_programs_with: "Engine | None" = None,
                  lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
-                 eviction: str = "lru", index: str = "hash"):
+                 eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
+                 max_loras: int = 4, max_lora_rank: int = 16):
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
         from prefixcache.core.indexes import get_index_class
@@ -131,6 +143,11 @@ class Engine:
                                                max_num_batched_tokens)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        max_loras = _positive_int("max_loras", max_loras)
+        max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
+        if enable_lora and lora_cache_key_only:
+            raise ValueError("enable_lora applies adapters, lora_cache_key_only runs the "
+                             "base model under an adapter's cache key: give one, not both")
         policy = make_scheduling_policy(scheduling_policy)  # unknown name: ValueError
         model_max = _model_max_len(model_config)
         if max_model_len is None:
@@ -151,6 +168,12 @@ class Engine:
         self.seed = int(seed)
         self.max_model_len = max_model_len
         self.lora_cache_key_only = bool(lora_cache_key_only)
+        self.enable_lora = bool(enable_lora)
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        # (name, path) -> LoRAAdapter read from disk (host arrays; kept for the engine's
+        # life, as vLLM's CPU LoRA cache without a bound).
+        self.lora_adapters: dict = {}
         self.vocab_size = int(model_config.vocab_size)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
@@ -159,7 +182,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len,
-                                   scheduling_policy=policy)
+                                   scheduling_policy=policy,
+                                   max_loras=max_loras if enable_lora else None)
         program = None
         if share_programs_with is not None:
             if model is not None and model is not share_programs_with.model:
@@ -174,12 +198,19 @@ class Engine:
             raise ValueError("model.config differs from model_config: pass the loaded "
                              "model's own config (load_hf_checkpoint returns both)")
         self.model = model
+        lora_slots = None
+        if self.enable_lora:
+            from prefixcache.model.lora import LoRASlots
+            lora_slots = LoRASlots(
+                model_config, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                sharding=None if mesh is None else _replicated(mesh))
         self.runner = ModelRunner(
             model, model_config, num_blocks=num_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, attention_backend=attention_backend,
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
-            seq_buckets=seq_buckets, page_buckets=page_buckets, program=program)
+            seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
+            lora_slots=lora_slots, lora_adapters=self.lora_adapters)
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -198,7 +229,7 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, *,
                     request_id: str | None = None, mm_features: Sequence = (),
                     mm_embeddings: Mapping[str, np.ndarray] | None = None,
-                    cache_salt: str | None = None, lora=None) -> str:
+                    cache_salt: str | None = None, lora=None, lora_request=None) -> str:
         """Queues one request.
 
         A request that can never run (prompt longer than max_model_len, more blocks than
@@ -213,8 +244,10 @@ class Engine:
           mm_features: `MultiModalFeature(identifier, offset, length)` items.
           mm_embeddings: identifier -> f32[length, d_model] embedding rows of each item.
           cache_salt: forwarded to the core Request (it enters the first block's hash).
-          lora: a LoRARequest; rejected unless the engine has lora_cache_key_only=True
-            (then it enters the block hashes; the base model runs).
+          lora: a LoRARequest: applied with enable_lora (its adapter is read and checked
+            now); with lora_cache_key_only it only enters the block hashes (the base model
+            runs); otherwise rejected.
+          lora_request: the same as `lora` (vLLM's name); give at most one of the two.
 
         Returns:
           The request id.
@@ -223,9 +256,12 @@ class Engine:
           ValueError: malformed input (not a token list, empty prompt, duplicate id,
             params not a SamplingParams, missing or mis-shaped multimodal embeddings).
         """
+        if lora is not None and lora_request is not None:
+            raise ValueError("give lora or lora_request (the same thing), not both")
         state = self._new_state(prompt, params, request_id=request_id,
                                 mm_features=mm_features, mm_embeddings=mm_embeddings,
-                                cache_salt=cache_salt, lora=lora)
+                                cache_salt=cache_salt,
+                                lora=lora if lora is not None else lora_request)
         self._commit(state)
         return state.request_id
 
@@ -262,12 +298,15 @@ class Engine:
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
-        if req.lora is not None and not self.lora_cache_key_only:
+        if req.lora is not None and self.enable_lora:
+            self._load_lora(req.lora)
+        elif req.lora is not None and not self.lora_cache_key_only:
             # NOTE: the model has no adapter weights; running a LoRA request on the base
             # model would silently produce base-model tokens under an adapter's cache key.
             raise ValueError(f"request {req.request_id!r} asks for LoRA adapter "
-                             f"{req.lora.name!r}, but the engine's model applies no adapters "
-                             "(Engine(..., lora_cache_key_only=True) runs the base model "
+                             f"{req.lora.name!r}, but the engine applies no adapters "
+                             "(Engine(..., enable_lora=True) applies them; "
+                             "Engine(..., lora_cache_key_only=True) runs the base model "
                              "with the adapter as a cache key only)")
         rid = req.request_id
         if rid in self._known_ids or rid in taken_ids:
@@ -275,6 +314,21 @@ class Engine:
         embeds = self._check_mm(req, mm_embeddings or {})
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, rid)
         return EngineRequest(req, params, seed, embeds)
+
+    def _load_lora(self, lora) -> None:
+        """Reads and checks `lora`'s adapter once (ValueError naming the problem)."""
+        from prefixcache.core import LoRARequest
+        from prefixcache.model.lora import load_lora_adapter
+
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora must be a LoRARequest, got {type(lora).__name__}")
+        key = (lora.name, lora.path)
+        if key not in self.lora_adapters:
+            # NOTE: a memo of the file's contents (host arrays), filled at validation
+            # time; adapters reach device slots only when a step runs them.
+            self.lora_adapters[key] = load_lora_adapter(
+                lora.path, self.model_config, max_lora_rank=self.max_lora_rank,
+                name=lora.name)
 
     def _commit(self, state: EngineRequest) -> None:
         self._known_ids.add(state.request_id)
@@ -456,8 +510,8 @@ class Engine:
             self._num_hit_requests += state.num_cached_tokens > 0
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, *, mm_embeddings: Sequence | None = None
-                 ) -> list[RequestOutput]:
+                 | None = None, *, mm_embeddings: Sequence | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Runs requests to completion.
 
         Args:
@@ -465,6 +519,8 @@ class Engine:
           params: one SamplingParams for all, or one per prompt.
           mm_embeddings: optional, one {identifier: rows} mapping (or None) per prompt
             (for `Request`s carrying multimodal features).
+          lora_request: one `LoRARequest` for all prompts, or a list with one LoRARequest
+            or None per prompt (see `add_request`'s `lora`).
 
         Returns:
           RequestOutputs in the order of `prompts`.
@@ -478,12 +534,18 @@ class Engine:
         mms = [None] * len(prompts) if mm_embeddings is None else list(mm_embeddings)
         if len(mms) != len(prompts):
             raise ValueError(f"{len(mms)} mm_embeddings for {len(prompts)} prompts")
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         if self.scheduler.has_unfinished_requests():
             raise ValueError("generate() needs an idle engine; drain step() first")
         # Validate everything first, so a bad prompt leaves the engine unchanged.
         states, taken = [], set()
-        for p, sp, mm in zip(prompts, params, mms):
-            st = self._new_state(p, sp, mm_embeddings=mm, taken_ids=taken)
+        for p, sp, mm, lo in zip(prompts, params, mms, loras):
+            st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken)
             taken.add(st.request_id)
             states.append(st)
         for st in states:
@@ -550,6 +612,11 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
+
+
+def _replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _as_token_list(prompt) -> list[int]:

@@ -51,12 +51,15 @@ class DeviceInputs(NamedTuple):
       sampling: SamplingArrays, each [S].
       mm_embeds: f32[T, d_model] embedding rows to inject, or None.
       mm_mask: bool[T] rows of `mm_embeds` that replace the token embedding, or None.
+      lora_slots: i32[T] each token row's LoRA adapter slot (0: none; padding rows 0),
+        or None when the engine runs without LoRA.
     """
 
     step: StepInputs
     sampling: SamplingArrays
     mm_embeds: np.ndarray | None
     mm_mask: np.ndarray | None
+    lora_slots: np.ndarray | None = None
 
 
 # (treedef, ((shape, dtype), ...)) of the packed arrays: static in the jitted step.
@@ -79,9 +82,12 @@ class PackedInputs(NamedTuple):
     layout: PackLayout
 
 
-def pack_inputs(step: StepInputs, sampling: SamplingArrays | None
-                ) -> tuple[np.ndarray, PackLayout]:
+def pack_inputs(step: StepInputs, sampling: SamplingArrays | None,
+                lora_slots: np.ndarray | None = None) -> tuple[np.ndarray, PackLayout]:
     """The step's index and sampling arrays (None: none) as ONE flat int32 buffer.
+
+    With `lora_slots` (i32[T]) it is packed too and `unpack_inputs` returns a 3-tuple
+    `(step, sampling, lora_slots)`.
 
     Every array has a native 4-byte dtype (int32, float32, uint32); float32 and uint32
     go in bit for bit (`view`), so `unpack_inputs` returns them unchanged.
@@ -89,7 +95,8 @@ def pack_inputs(step: StepInputs, sampling: SamplingArrays | None
     Returns:
       (i32[sum of sizes], layout): `layout` (hashable) says how to cut it back.
     """
-    leaves, treedef = jax.tree.flatten((step, sampling))
+    leaves, treedef = jax.tree.flatten(
+        (step, sampling) if lora_slots is None else (step, sampling, lora_slots))
     for a in leaves:
         if a.dtype.itemsize != 4 or not a.dtype.isnative:
             raise ValueError(f"pack_inputs: {a.dtype} array of shape {a.shape} is not a "
@@ -133,7 +140,8 @@ class PreparedStep:
     def shape_key(self) -> tuple:
         """The key of the compiled program this step runs."""
         t, s, p = MetadataBuilder.shape_of(self.inputs.step)
-        return (t, s, p, self.all_greedy, self.inputs.mm_embeds is not None)
+        key = (t, s, p, self.all_greedy, self.inputs.mm_embeds is not None)
+        return key if self.inputs.lora_slots is None else key + ("lora",)
 
 
 def mm_rows_for_step(
@@ -209,12 +217,16 @@ class StepProgram:
         # nnx.State argument is flattened by Python code on every call (~15 us a step).
         self._param_leaves, param_treedef = jax.tree.flatten(step.params)
 
-        def device_step(param_leaves, kv_caches, inputs: DeviceInputs, *,
+        def device_step(param_leaves, kv_caches, inputs: DeviceInputs, lora_weights=None, *,
                         all_greedy: bool):
             params = jax.tree.unflatten(param_treedef, param_leaves)
+            lora = None
+            if inputs.lora_slots is not None:
+                from prefixcache.model.lora import LoRABatch
+                lora = LoRABatch(inputs.lora_slots, lora_weights)
             logits, kv_caches = pure(params, kv_caches, inputs.step.input_ids,
                                      inputs.step.metadata, inputs.step.logits_indices,
-                                     inputs.mm_embeds, inputs.mm_mask)
+                                     inputs.mm_embeds, inputs.mm_mask, lora)
             tokens = sample(logits, inputs.sampling, all_greedy=all_greedy)
             return tokens, logits, kv_caches
 
@@ -229,12 +241,14 @@ class StepProgram:
             out_shardings = None
             self.input_sharding = None
 
-        def packed_step(param_leaves, kv_caches, packed, mm_embeds, mm_mask, *, layout,
-                        all_greedy: bool):
-            step_inputs, sampling = unpack_inputs(packed, layout)
+        def packed_step(param_leaves, kv_caches, packed, mm_embeds, mm_mask,
+                        lora_weights=None, *, layout, all_greedy: bool):
+            unpacked = unpack_inputs(packed, layout)
+            lora_slots = unpacked[2] if len(unpacked) == 3 else None
             return device_step(param_leaves, kv_caches,
-                               DeviceInputs(step_inputs, sampling, mm_embeds, mm_mask),
-                               all_greedy=all_greedy)
+                               DeviceInputs(unpacked[0], unpacked[1], mm_embeds, mm_mask,
+                                            lora_slots),
+                               lora_weights, all_greedy=all_greedy)
 
         self._jitted = jax.jit(device_step, donate_argnums=1, static_argnames="all_greedy",
                                out_shardings=out_shardings)
@@ -243,13 +257,17 @@ class StepProgram:
                                       out_shardings=out_shardings)
 
     def __call__(self, kv_caches, inputs: DeviceInputs | PackedInputs, *,
-                 all_greedy: bool):
-        """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated."""
+                 all_greedy: bool, lora_weights=None):
+        """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated.
+
+        `lora_weights`: `LoRASlots.weights` when the inputs carry LoRA slots, else None.
+        """
         if isinstance(inputs, PackedInputs):
             return self._jitted_packed(self._param_leaves, kv_caches, inputs.packed,
-                                       inputs.mm_embeds, inputs.mm_mask,
+                                       inputs.mm_embeds, inputs.mm_mask, lora_weights,
                                        layout=inputs.layout, all_greedy=all_greedy)
-        return self._jitted(self._param_leaves, kv_caches, inputs, all_greedy=all_greedy)
+        return self._jitted(self._param_leaves, kv_caches, inputs, lora_weights,
+                            all_greedy=all_greedy)
 
 
 class ModelRunner:
@@ -273,13 +291,18 @@ class ModelRunner:
       pack_transfers: move the step's arrays as one packed buffer (`pack_inputs`); False
         moves the `DeviceInputs` pytree as is (the plain path the packed one is tested
         against). Settable (`runner.pack_transfers`) between steps.
+      lora_slots: a `prefixcache.model.lora.LoRASlots` (the stacked adapter weights)
+        when LoRA is enabled, else None.
+      lora_adapters: (name, path) -> `LoRAAdapter` of every adapter requests may name
+        (the engine's loaded adapters; read at `prepare`), with `lora_slots`.
     """
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  token_buckets=None, seq_buckets=None, page_buckets=None,
-                 program: StepProgram | None = None, pack_transfers: bool = True):
+                 program: StepProgram | None = None, pack_transfers: bool = True,
+                 lora_slots=None, lora_adapters=None):
         from prefixcache.model import make_kv_caches
 
         if program is None:
@@ -306,6 +329,8 @@ class ModelRunner:
         self.compiled_shapes: set[tuple] = set()
         self._greedy_sampling: dict[int, SamplingArrays] = {}
         self.pack_transfers = bool(pack_transfers)
+        self.lora_slots = lora_slots
+        self.lora_adapters = lora_adapters if lora_adapters is not None else {}
 
     @property
     def d_model(self) -> int:
@@ -365,13 +390,34 @@ class ModelRunner:
         mm = (mm_rows_for_step(scheduled, step.logits_indices, step.input_ids.shape[0],
                                self.d_model, self._embed_dtype) if has_mm else None)
         mm_embeds, mm_mask = mm if mm is not None else (None, None)
-        prepared = PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask), n,
-                                all_greedy)
+        lora_slots = (None if self.lora_slots is None
+                      else self._lora_token_slots(scheduled, step))
+        prepared = PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask, lora_slots),
+                                n, all_greedy)
         if self.pack_transfers:
             # NOTE: the all-greedy program never reads the sampling arrays: not packed.
             prepared.packed, prepared.layout = pack_inputs(
-                step, None if all_greedy else sampling)
+                step, None if all_greedy else sampling, lora_slots)
         return prepared
+
+    def _lora_token_slots(self, scheduled: Sequence[ScheduledRequest], step: StepInputs
+                          ) -> np.ndarray:
+        """i32[T]: the adapter slot of every token row (loads the step's adapters into
+        slots first; padding rows 0)."""
+        adapters = self.lora_adapters
+        keys = [None if (lo := s.state.request.lora) is None else (lo.name, lo.path)
+                for s in scheduled]
+        slots = np.asarray(self.lora_slots.activate(
+            [None if k is None else adapters[k] for k in keys]), np.int32)
+        out = np.zeros(step.input_ids.shape[0], np.int32)
+        if slots.any():
+            # Sequence i's token rows end at logits_indices[i] and are contiguous
+            # (rows are grouped by kind, so not in scheduled order).
+            q = np.fromiter(map(_NUM_NEW, scheduled), np.int64, len(scheduled))
+            starts = step.logits_indices[:len(scheduled)] - q + 1
+            order = np.argsort(starts, kind="stable")
+            out[:int(q.sum())] = np.repeat(slots[order], q[order])
+        return out
 
     def execute(self, prepared: PreparedStep, *, return_logits: bool = False
                 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -394,8 +440,13 @@ class ModelRunner:
         else:
             inputs = (jax.device_put(prepared.inputs) if sharding is None
                       else jax.device_put(prepared.inputs, sharding))
-        tokens, logits, self.kv_caches = self.program(
-            self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        if self.lora_slots is None:
+            tokens, logits, self.kv_caches = self.program(
+                self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        else:
+            tokens, logits, self.kv_caches = self.program(
+                self.kv_caches, inputs, all_greedy=prepared.all_greedy,
+                lora_weights=self.lora_slots.weights)
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]

@@ -202,11 +202,16 @@ class Scheduler:
       scheduling_policy: the waiting queue's admission order, a name of
         ``prefixcache.scheduling`` (``fcfs``: vLLM's, the default; ``lpm``;
         ``dfs_weight``) or a ``WaitingPolicy``.
+      max_loras: None (no LoRA limit, the default), or the most distinct LoRA adapters
+        among the running requests (the engine's adapter slots, as vLLM's max_loras): a
+        waiting request whose adapter would exceed it is skipped this step (it keeps its
+        place; later requests may be admitted).
     """
 
     def __init__(self, kv_cache_manager: "KVCacheManager", *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 scheduling_policy: "str | WaitingPolicy" = "fcfs"):
+                 scheduling_policy: "str | WaitingPolicy" = "fcfs",
+                 max_loras: int | None = None):
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
@@ -218,6 +223,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        if max_loras is not None and (not isinstance(max_loras, int)
+                                      or isinstance(max_loras, bool) or max_loras < 1):
+            raise ValueError(f"max_loras must be None or a positive int, got {max_loras!r}")
+        self.max_loras = max_loras
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
@@ -373,7 +382,9 @@ class Scheduler:
         # policy's order (FCFS: the queue itself).
         if not preempted and self.waiting:
             policy = self.policy
-            if policy.is_fcfs:
+            if self.max_loras is not None:
+                self._admit_with_lora_limit(budget, scheduled, finished)
+            elif policy.is_fcfs:
                 while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                     left = self._admit(self.waiting[0], budget, scheduled, finished)
                     if left is None:
@@ -401,6 +412,36 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         self.num_steps += 1
         return SchedulerOutput(scheduled, preempted, finished)
+
+    def _admit_with_lora_limit(self, budget: int, scheduled: list, finished: list) -> None:
+        """Admission (policy order) that skips requests whose LoRA adapter would make
+        more than `max_loras` distinct adapters run at once (vLLM's scheduler skips them
+        the same way); the first request that does not fit stops admission."""
+        active = {(r.request.lora.name, r.request.lora.path) for r in self.running
+                  if r.request.lora is not None}
+        policy = self.policy
+        fcfs = list(self.waiting)
+        order = fcfs if policy.is_fcfs else policy.order(fcfs, _core_request,
+                                                         self.kv_cache_manager)
+        admitted = []
+        for state in order:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            lora = state.request.lora
+            key = None if lora is None else (lora.name, lora.path)
+            if key is not None and key not in active and len(active) >= self.max_loras:
+                continue  # no adapter slot this step: it waits
+            n_running = len(self.running)
+            left = self._admit(state, budget, scheduled, finished)
+            if left is None:
+                break
+            if len(self.running) > n_running:
+                admitted.append(state)
+                if key is not None:
+                    active.add(key)
+            budget = left
+        if not policy.is_fcfs:
+            policy.after_admission(fcfs, admitted, _core_request)
 
     def _admit(self, state: EngineRequest, budget: int, scheduled: list,
                finished: list) -> int | None:

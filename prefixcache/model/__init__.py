@@ -39,6 +39,14 @@ Public API (the contract the engine codes against)::
   "model" (see `prefixcache.model.sharding`); `make_step_fn(model, mesh=mesh)` runs the
   attention of each device's kv heads under `jax.shard_map`.
 
+- LoRA (`prefixcache.model.lora`): `load_lora_adapter(path, config, *, max_lora_rank,
+  name=None) -> LoRAAdapter` (PEFT directory, validated against the model);
+  `LoRASlots(config, *, max_loras, max_lora_rank, sharding=None)`: stacked device weights
+  `.weights` (module -> (A [max_loras+1, L, in, R], B [max_loras+1, L, R, out]), scaling
+  in B, slot 0 zeros) and `.activate(adapters) -> slots` (LRU); the model and
+  `make_step_fn`'s step take `lora=LoRABatch(slots i32[T], weights)` (None: no LoRA, a
+  separate program; any adapter mix of fixed max_loras and R: one program).
+
 Numerics follow Hugging Face exactly: RMSNorm in f32, rotate-half RoPE (`rope_theta`,
 optional Llama-3 scaling), query head i on kv head `i // (num_heads // num_kv_heads)`,
 SwiGLU, scale `head_dim ** -0.5`, logits in f32.
@@ -46,17 +54,22 @@ SwiGLU, scale `head_dim ** -0.5`, logits in f32.
 from prefixcache.model.config import ModelConfig, RopeScaling
 from prefixcache.model.llama import Transformer
 from prefixcache.model.loading import load_hf_checkpoint, read_safetensors, save_hf_checkpoint
+from prefixcache.model.lora import LoRAAdapter, LoRABatch, LoRASlots, load_lora_adapter
 from prefixcache.model.sharding import MODEL_AXIS, kv_cache_sharding, shard_model
 from prefixcache.model.step import check_kv_cache_memory, make_kv_caches, make_step_fn
 
 __all__ = [
     "MODEL_AXIS",
+    "LoRAAdapter",
+    "LoRABatch",
+    "LoRASlots",
     "ModelConfig",
     "RopeScaling",
     "Transformer",
     "check_kv_cache_memory",
     "kv_cache_sharding",
     "load_hf_checkpoint",
+    "load_lora_adapter",
     "make_kv_caches",
     "make_step_fn",
     "read_safetensors",

@@ -23,6 +23,7 @@ from flax import nnx
 import kernels
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
+from prefixcache.model.lora import LoRABatch, lora_delta
 
 __all__ = [
     "Attention",
@@ -132,11 +133,16 @@ class MLP(nnx.Module):
         self.up_proj = nnx.Param(_init(rngs, (D, F), D, dt))  # [d, f]
         self.down_proj = nnx.Param(_init(rngs, (F, D), F, dt))  # [f, d]
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [T, D] -> [T, D]."""
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
+        """x: [T, D] -> [T, D]; lora: this layer's adapters (`LoRABatch.layer`) or None."""
         gate = jnp.einsum("td,df->tf", x, self.gate_proj[...])
         up = jnp.einsum("td,df->tf", x, self.up_proj[...])
-        return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, self.down_proj[...])
+        if lora is not None:
+            gate = gate + lora_delta(x, lora, "gate_proj")
+            up = up + lora_delta(x, lora, "up_proj")
+        h = jax.nn.silu(gate) * up
+        out = jnp.einsum("tf,fd->td", h, self.down_proj[...])
+        return out if lora is None else out + lora_delta(h, lora, "down_proj")
 
 
 class Attention(nnx.Module):
@@ -156,7 +162,8 @@ class Attention(nnx.Module):
             self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
             self.v_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
 
-    def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend):
+    def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend,
+                 lora: LoRABatch | None = None):
         """One layer's attention.
 
         Args:
@@ -166,6 +173,7 @@ class Attention(nnx.Module):
           cos, sin: f32[T, H // 2] RoPE tables of the step's positions.
           attend: `(q, k, v, kv_cache, metadata) -> (out [T, N, H], kv_cache)`, which
             writes k/v at `metadata.slot_mapping` and attends (maybe under shard_map).
+          lora: this layer's adapters (`LoRABatch.layer`) or None.
 
         Returns:
           ([T, D], updated kv_cache).
@@ -173,6 +181,10 @@ class Attention(nnx.Module):
         q = jnp.einsum("td,dnh->tnh", x, self.q_proj[...])
         k = jnp.einsum("td,dkh->tkh", x, self.k_proj[...])
         v = jnp.einsum("td,dkh->tkh", x, self.v_proj[...])
+        if lora is not None:
+            q = q + lora_delta(x, lora, "q_proj").reshape(q.shape)
+            k = k + lora_delta(x, lora, "k_proj").reshape(k.shape)
+            v = v + lora_delta(x, lora, "v_proj").reshape(v.shape)
         if self.qkv_bias:
             q = q + self.q_bias[...]
             k = k + self.k_bias[...]
@@ -180,7 +192,11 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         out, kv_cache = attend(q, k, v, kv_cache, metadata)
-        return jnp.einsum("tnh,nhd->td", out.astype(x.dtype), self.o_proj[...]), kv_cache
+        out = out.astype(x.dtype)
+        y = jnp.einsum("tnh,nhd->td", out, self.o_proj[...])
+        if lora is not None:
+            y = y + lora_delta(out.reshape(out.shape[0], -1), lora, "o_proj")
+        return y, kv_cache
 
 
 class Block(nnx.Module):
@@ -194,10 +210,11 @@ class Block(nnx.Module):
                                       rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, kv_cache, metadata, cos, sin, attend):
-        h, kv_cache = self.attn(self.input_norm(x), kv_cache, metadata, cos, sin, attend)
+    def __call__(self, x, kv_cache, metadata, cos, sin, attend, lora=None):
+        h, kv_cache = self.attn(self.input_norm(x), kv_cache, metadata, cos, sin, attend,
+                                lora)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + self.mlp(self.post_attn_norm(x), lora)
         return x, kv_cache
 
 
@@ -240,7 +257,8 @@ class Transformer(nnx.Module):
     def __call__(self, kv_caches: Sequence[jax.Array], input_ids: jax.Array,
                  metadata: AttentionMetadata, logits_indices: jax.Array,
                  mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None, *,
-                 attend=None) -> tuple[jax.Array, list[jax.Array]]:
+                 attend=None, lora: LoRABatch | None = None
+                 ) -> tuple[jax.Array, list[jax.Array]]:
         """One step over ragged tokens.
 
         Args:
@@ -252,6 +270,8 @@ class Transformer(nnx.Module):
           mm_mask: bool[T], or None (both or neither).
           attend: the attention callable (see `Attention.__call__`); default: write_kv +
             `kernels.paged_attention(backend="auto")` on one device.
+          lora: `prefixcache.model.lora.LoRABatch` (slots i32[T] + stacked adapter
+            weights): each token's adapter is added to the targeted projections; None: none.
 
         Returns:
           (logits f32[S, V], the L updated kv caches).
@@ -270,8 +290,9 @@ class Transformer(nnx.Module):
         freqs = metadata.positions.astype(jnp.float32)[:, None] * inv_freq
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)  # f32[T, H // 2]
         new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, kv_cache, metadata, cos, sin, attend)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, kv_cache = layer(x, kv_cache, metadata, cos, sin, attend,
+                                None if lora is None else lora.layer(i))
             new_caches.append(kv_cache)
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]
         head = emb if cfg.tie_embeddings else self.lm_head[...]

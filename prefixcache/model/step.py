@@ -142,23 +142,49 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
             raise ValueError(f"mm_mask must be bool[{T}], got {mm_mask.dtype}{mm_mask.shape}")
 
 
+def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
+    """Static checks of a LoRABatch (trace time)."""
+    from prefixcache.model.lora import TARGET_MODULES, LoRABatch, module_dims
+
+    if not isinstance(lora, LoRABatch):
+        raise ValueError(f"lora must be a LoRABatch, got {type(lora).__name__}")
+    T = input_ids.shape[0]
+    if lora.slots.shape != (T,) or not jnp.issubdtype(lora.slots.dtype, jnp.integer):
+        raise ValueError(f"lora.slots must be i32[{T}] like input_ids, got "
+                         f"{lora.slots.dtype}{lora.slots.shape}")
+    if set(lora.weights) != set(TARGET_MODULES):
+        raise ValueError(f"lora.weights must have the modules {TARGET_MODULES}, got "
+                         f"{sorted(lora.weights)}")
+    dims = module_dims(config)
+    for m, (a, b) in lora.weights.items():
+        S, L, fan_in, R = a.shape if a.ndim == 4 else (None,) * 4
+        if (a.ndim != 4 or (L, fan_in) != (config.num_layers, dims[m][0])
+                or b.shape != (S, L, R, dims[m][1])):
+            raise ValueError(f"lora.weights[{m!r}] shapes {a.shape}, {b.shape} are not "
+                             f"[S, {config.num_layers}, {dims[m][0]}, R], "
+                             f"[S, {config.num_layers}, R, {dims[m][1]}]")
+
+
 def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
                  interpret: bool = False, mesh: Mesh | None = None):
     """Builds the jitted step of `model` (params captured now; graphdef static).
 
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
-    mm_mask=None) -> (logits f32[S, V], kv_caches)`:
+    mm_mask=None, lora=None) -> (logits f32[S, V], kv_caches)`:
       kv_caches: L arrays [num_pages, page_size, 2K, H], donated (invalid after the call).
       input_ids: i32[T]; metadata: `AttentionMetadata`; logits_indices: i32[S] (the
         `StepInputs` of `prefixcache.metadata`).
       mm_embeds: float[T, D] rows replacing the token embedding where mm_mask: bool[T] is
         set, or None for both (a separately compiled program).
+      lora: a `prefixcache.model.lora.LoRABatch` (per-token adapter slots i32[T] and
+        the stacked adapter weights) or None (a separately compiled program).
     Every per-step value is an array argument, so one program is compiled per distinct
-    (T, S, P, num_pages) shape and mm on/off.
+    (T, S, P, num_pages) shape, mm on/off and LoRA on/off (any adapter mix of a fixed
+    max_loras and max rank: one program).
 
-    `step.pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask)`
-    is the un-jitted function with params (an `nnx.State`, `step.params`) as an argument,
-    for callers that jit a larger function around it.
+    `step.pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask,
+    lora)` is the un-jitted function with params (an `nnx.State`, `step.params`) as an
+    argument, for callers that jit a larger function around it.
 
     Args:
       model: the Transformer. With `mesh`, its params are laid out over the mesh first
@@ -196,19 +222,21 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     graphdef, params = nnx.split(model)
 
     def pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
-             mm_mask=None):
+             mm_mask=None, lora=None):
         _check_step_args(config, kv_caches, input_ids, metadata, logits_indices, mm_embeds,
                          mm_mask)
+        if lora is not None:
+            _check_lora_args(config, input_ids, lora)
         m = nnx.merge(graphdef, params)
         return m(list(kv_caches), input_ids, metadata, logits_indices, mm_embeds, mm_mask,
-                 attend=attend)
+                 attend=attend, lora=lora)
 
     jitted = jax.jit(pure, donate_argnums=(1,), out_shardings=out_shardings)
 
     def step(kv_caches: Sequence[jax.Array], input_ids, metadata: AttentionMetadata,
-             logits_indices, mm_embeds=None, mm_mask=None):
+             logits_indices, mm_embeds=None, mm_mask=None, lora=None):
         return jitted(params, list(kv_caches), input_ids, metadata, logits_indices,
-                      mm_embeds, mm_mask)
+                      mm_embeds, mm_mask, lora)
 
     step.pure = pure
     step.params = params
