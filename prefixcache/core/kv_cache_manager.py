@@ -34,6 +34,7 @@ from prefixcache.core.eviction import DEFAULT_POLICY, EvictionPolicy, get_policy
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
+from prefixcache.core.kv_groups import manager_class_for_groups
 from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
@@ -214,13 +215,23 @@ class KVCacheManager:
         index: the prefix index (``prefixcache.core.indexes.INDEXES``): ``"hash"``
             (this class) or ``"radix"`` (``KVCacheManager(..., index="radix")``
             returns that class's manager, same API).
+        kv_cache_groups: the model's KV cache groups (``prefixcache.core.kv_groups``);
+            ``None`` or one full-attention group: this class. With a sliding-window
+            group ``KVCacheManager(...)`` returns a ``hybrid.HybridKVCacheManager``
+            (one block table per group; ``get_block_ids`` returns one list per group).
 
     Attributes:
         eviction, index: the names chosen.
         policy: the ``EvictionPolicy`` object, or ``None`` for the LRU fast path.
     """
 
-    def __new__(cls, *args, index: str = DEFAULT_INDEX, **kwargs):
+    def __new__(cls, *args, index: str = DEFAULT_INDEX, kv_cache_groups=None, **kwargs):
+        if kv_cache_groups is not None and cls is KVCacheManager:
+            # A sliding-window layout: the hybrid manager (kv_groups.HYBRID_MANAGER);
+            # one full-attention group: this class (bad layouts raise here).
+            target = manager_class_for_groups(kv_cache_groups)
+            if target is not None:
+                return target(*args, index=index, kv_cache_groups=kv_cache_groups, **kwargs)
         if index == DEFAULT_INDEX or cls is not KVCacheManager:
             return super().__new__(cls)
         target = get_index_class(index)  # unknown name -> ValueError naming the choices
@@ -246,7 +257,10 @@ class KVCacheManager:
         eviction: str = DEFAULT_POLICY,
         eviction_options: Mapping[str, Any] | None = None,
         index: str = DEFAULT_INDEX,
+        kv_cache_groups=None,
     ):
+        if kv_cache_groups is not None and manager_class_for_groups(kv_cache_groups) is not None:
+            raise ValueError(f"{type(self).__name__} serves one full-attention KV cache group")
         if index != DEFAULT_INDEX and type(self) is KVCacheManager:
             get_index_class(index)  # unknown -> ValueError; else __new__ dispatched
             raise ValueError(f"index {index!r} is not served by {type(self).__name__}")

@@ -1,0 +1,770 @@
+"""KV cache manager for sliding-window and hybrid models (vLLM 0.33's hybrid manager).
+
+``KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)`` returns this class
+when the layout has a sliding-window group (``prefixcache.core.kv_groups``); a single
+full-attention group keeps the default ``KVCacheManager``, untouched.
+
+One block table per KV cache group, one shared block pool, blocks cached under
+``(block hash, group id)`` keys (vLLM's ``BlockHashWithGroupId``: the digest followed
+by the group id as 4 big-endian bytes). The calls, counts, caching points and free
+order follow vLLM 0.33's ``KVCacheManager.allocate_slots`` /
+``HybridKVCacheCoordinator`` (``UnitaryKVCacheCoordinator`` for one group) /
+``FullAttentionManager`` / ``SlidingWindowManager`` / ``BlockPool`` for the
+configuration our replay drives (one block size for every group, hash block = block,
+no EAGLE, no KV connector, dense retention); see ``tests/core/test_hybrid_manager.py``
+and the hybrid replay goldens.
+
+    blocks, num_hit = manager.get_computed_blocks(request)     # one list per group
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+    if new is None: ...                 # does not fit (see NOTE on allocate_slots)
+    manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
+
+Null slots. A sliding-window table slot whose block fell wholly before the window
+(or was skipped by a prefix hit) holds ``manager.null_block``, whose ``block_id`` is
+``num_blocks``: the metadata builder's padding page (``MetadataBuilder(num_blocks=...)``
+pads with page ``num_blocks``). It plays vLLM's null block (vLLM reserves block 0 for
+it and numbers real blocks 1..N-1; ours are 0..N-1 with the null one past the end, so
+vLLM id ``k > 0`` is our ``k - 1`` and vLLM's ``0`` is our ``num_blocks``). It is
+never in the pool, the free queue or the hash map, and its ``ref_cnt`` is not kept.
+The kernels mask keys before the window, so the padding page is never attended.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import Sequence
+
+from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
+from prefixcache.core.eviction import DEFAULT_POLICY
+from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.indexes import DEFAULT_INDEX
+from prefixcache.core.kv_cache_manager import (
+    _admission_checks,
+    _bad_num_computed_tokens,
+    _check_request,
+)
+from prefixcache.core.kv_groups import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    check_kv_cache_groups,
+    lookup_groups,
+)
+from prefixcache.core.request import Request
+from prefixcache.core.stats import PrefixCacheStats
+
+_KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
+
+
+def _group_suffix(group_id: int) -> bytes:
+    return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
+
+
+class HybridBlockPool(BlockPool):
+    """The shared pool of a hybrid manager: ``BlockPool`` whose hash map keys carry
+    the group id (``block.block_hash`` is the key), plus the null block.
+
+    Events carry the plain digest and ``group_idx`` (vLLM's), not the key.
+
+    Args:
+        num_blocks, enable_caching, enable_events, free_order, int_event_hashes: as
+            ``BlockPool``.
+        groups: the checked KV cache groups (event spec kinds and windows).
+    """
+
+    def __init__(self, num_blocks: int, *, groups, **kwargs):
+        super().__init__(num_blocks, **kwargs)
+        # NOTE: the padding page; not in self.blocks (ids 0..num_blocks-1 stay the pool).
+        self.null_block = KVCacheBlock(num_blocks)
+        self._groups = groups
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop ``block`` from the hash map (it is being reused)."""
+        key = block.block_hash
+        cached = self.cached_block_hash_to_block
+        cur = cached.pop(key, None)
+        if cur is None:
+            raise InvariantError(
+                f"block {block.block_id} has key {key.hex()} that is not in the hash map")
+        if type(cur) is dict:
+            if cur.pop(block.block_id, None) is None:
+                raise InvariantError(f"block {block.block_id} missing under its key {key.hex()}")
+            if cur:
+                cached[key] = cur
+        elif cur is not block:
+            cached[key] = cur
+            raise InvariantError(
+                f"key {key.hex()} maps to block {cur.block_id}, not to block "
+                f"{block.block_id} that carries it")
+        block.block_hash = None
+        self.num_evictions += 1
+        if self.enable_events:
+            self.events.append(BlockRemoved(
+                block_hashes=[self._event_hash(key[:-_KEY_BYTES])], medium=MEDIUM_GPU,
+                group_idx=int.from_bytes(key[-_KEY_BYTES:], "big")))
+
+    def cache_group_blocks(
+        self,
+        request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` of group ``group_id``
+        under ``(hash, group_id)`` keys, skipping null slots (vLLM's
+        ``cache_full_blocks`` with a group id)."""
+        if len(block_hashes) < num_full_blocks:
+            raise InvariantError(
+                f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} hashes")
+        null = self.null_block
+        suffix = _group_suffix(group_id)
+        cached = self.cached_block_hash_to_block
+        hashes = block_hashes[:num_full_blocks]
+        stored: list[bytes] = []
+        n = 0
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk is null:
+                continue
+            h = hashes[i]
+            key = h + suffix
+            if blk.block_hash is not None:
+                raise InvariantError(
+                    f"group {group_id} block {blk.block_id} is being cached as {key.hex()} "
+                    f"but already has key {blk.block_hash.hex()}")
+            blk.block_hash = key
+            blk.parent_hash = hashes[i - 1] + suffix if i else None
+            cur = cached.get(key)
+            if cur is None:
+                cached[key] = blk
+            elif type(cur) is dict:
+                cur[blk.block_id] = blk
+            else:
+                cached[key] = {cur.block_id: cur, blk.block_id: blk}
+            n += 1
+            if self.enable_events:
+                stored.append(h)
+        self.num_blocks_cached += n
+        if self.enable_events and stored:
+            start = num_cached_blocks * block_size
+            end = num_full_blocks * block_size
+            lora = request.lora
+            extra = [
+                event_extra_keys(request, i * block_size, (i + 1) * block_size)
+                for i in range(num_cached_blocks, num_full_blocks) if blocks[i] is not null
+            ]
+            eh = self._event_hash
+            spec = self._groups[group_id].spec
+            self.events.append(BlockStored(
+                block_hashes=[eh(h) for h in stored],
+                parent_block_hash=eh(hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
+                token_ids=list(request.all_token_ids[start:end]),
+                block_size=block_size,
+                lora_id=lora.int_id if lora is not None else None,
+                medium=MEDIUM_GPU,
+                lora_name=lora.name if lora is not None else None,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+                group_idx=group_id,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
+            ))
+
+
+class _HybridState:
+    """A running request's tables: ``tables[g]`` is group g's block table (null slots
+    included), ``num_cached[g]`` its leading slots already cached (or null)."""
+
+    __slots__ = ("request", "tables", "num_cached")
+
+    def __init__(self, request, tables, num_cached):
+        self.request = request
+        self.tables = tables
+        self.num_cached = num_cached
+
+
+class HybridKVCacheManager:
+    """Block tables per KV cache group over one shared pool (vLLM's hybrid manager).
+
+    Invariants (``check_invariants``):
+        * Each block's ``ref_cnt`` equals the number of table slots (over all running
+          requests and groups) that hold it; ``ref_cnt == 0`` blocks are exactly the
+          free queue. A block sits in at most one group's tables.
+        * Null slots (``null_block``, id ``num_blocks``) appear only in
+          sliding-window tables, and only as a leading run.
+        * A request's first ``num_cached[g]`` non-null slots of group g are cached
+          under ``hash + group id``; its later blocks hold no key.
+        * A sliding-window table holds, after each ``allocate_slots``, real blocks
+          only from the first block overlapping the last ``W - 1`` computed tokens
+          on (the rest are null): at most ``ceil(W / block_size) + 1`` in decode.
+        * A call that raises changes no state. NOTE: one that returns ``None`` may
+          have released a running request's blocks that fell before its window, as
+          vLLM does ("we can do this even if we cannot schedule this request") --
+          the free queue order that follows is vLLM's, so block ids stay equal.
+
+    Args:
+        num_blocks, block_size, enable_caching, hash_algo, hash_seed, free_order,
+        log_stats, enable_events, max_model_len, int_event_hashes: as
+            ``KVCacheManager`` (``free_order="unhashed_first"`` is vLLM's order).
+        kv_cache_groups: the layout (``kv_groups.KVCacheGroup`` list).
+        eviction, eviction_options, index: only the defaults (``"lru"``, ``None``,
+            ``"hash"``); others raise ``ValueError``.
+
+    Attributes:
+        kv_cache_groups: the checked groups (tuple); ``num_groups``.
+        null_block: the null slot's block (``block_id == num_blocks``).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        kv_cache_groups,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed=None,
+        free_order: str = "append",
+        log_stats: bool = True,
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+        int_event_hashes: bool = True,
+        eviction: str = DEFAULT_POLICY,
+        eviction_options=None,
+        index: str = DEFAULT_INDEX,
+    ):
+        groups = check_kv_cache_groups(kv_cache_groups)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+            or max_model_len <= 0
+        ):
+            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        if eviction != DEFAULT_POLICY or eviction_options:
+            raise ValueError(
+                f"eviction={eviction!r} (options {eviction_options!r}) is not supported with "
+                "sliding-window KV cache groups: the hybrid manager keeps vLLM's LRU queue")
+        if index != DEFAULT_INDEX:
+            raise ValueError(
+                f"index={index!r} is not supported with sliding-window KV cache groups "
+                f"(only {DEFAULT_INDEX!r}, vLLM's hash chain)")
+        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        self.kv_cache_groups = groups
+        self.num_groups = len(groups)
+        self.eviction = DEFAULT_POLICY
+        self.index = DEFAULT_INDEX
+        self.policy = None
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
+        self.free_order = free_order
+        self.log_stats = bool(log_stats)
+        self.enable_events = bool(enable_events)
+        self.max_model_len = max_model_len
+        self.block_pool = HybridBlockPool(
+            num_blocks, groups=groups, enable_caching=self.enable_caching,
+            enable_events=self.enable_events, free_order=free_order,
+            int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
+        self.null_block = self.block_pool.null_block
+        self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
+        # Per group: the window W (None for full attention).
+        self._windows = [g.spec.sliding_window for g in groups]
+        self._lookup = lookup_groups(groups)
+        self._states: dict[str, _HybridState] = {}
+        self._states_by_request: dict = {}  # the same states keyed by Request object
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if self.log_stats else None)
+        self.num_lookups = 0
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_failed_allocations = 0
+
+    @property
+    def hash_algo(self) -> str:
+        return self.hasher.algo
+
+    @property
+    def null_block_id(self) -> int:
+        """The id of null slots in ``get_block_ids`` (the padding page, ``num_blocks``)."""
+        return self.num_blocks
+
+    # ---------------------------------------------------------------- lookups
+    def _skipped_tokens(self, group_id: int, num_computed_tokens: int) -> int:
+        """vLLM's ``get_num_skipped_tokens``: tokens before the window of the next
+        token (0 for full attention)."""
+        w = self._windows[group_id]
+        if w is None:
+            return 0
+        s = num_computed_tokens - w + 1
+        return s if s > 0 else 0
+
+    def _get_cached(self, h: bytes, group_ids: list[int]) -> list[KVCacheBlock] | None:
+        """vLLM's ``BlockPool.get_cached_block``: one cached block per group, or None
+        if any group misses (the first inserted block of a key)."""
+        cached = self.block_pool.cached_block_hash_to_block
+        out = []
+        for g in group_ids:
+            b = cached.get(h + self._suffix[g])
+            if b is None:
+                return None
+            if type(b) is dict:
+                b = next(iter(b.values()))
+            out.append(b)
+        return out
+
+    def _full_hit(self, hashes, max_length: int, group_ids):
+        """``FullAttentionManager.find_longest_cache_hit``: cached blocks from the left."""
+        bs = self.block_size
+        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
+        for h in islice(hashes, max_length // bs):
+            got = self._get_cached(h, group_ids)
+            if got is None:
+                break
+            for c, b in zip(computed, got):
+                c.append(b)
+        return computed, len(computed[0]) * bs
+
+    def _sliding_hit(self, hashes, max_length: int, group_ids, window: int):
+        """``SlidingWindowManager.find_longest_cache_hit``: from the right, the first
+        run of ``ceil((W - 1) / block_size)`` cached blocks ends the hit (earlier slots
+        null); without one, the cached run at the start (shorter than the window)."""
+        bs = self.block_size
+        need = -(-(window - 1) // bs)
+        max_num_blocks = max_length // bs
+        null = self.null_block
+        computed = [[null] * max_num_blocks for _ in group_ids]
+        n = 0
+        found = False
+        for i in range(max_num_blocks - 1, -1, -1):
+            got = self._get_cached(hashes[i], group_ids)
+            if got is not None:
+                for c, b in zip(computed, got):
+                    c[i] = b
+                n += 1
+                if n >= need:
+                    for c in computed:
+                        del c[i + n:]
+                    found = True
+                    break
+            else:
+                n = 0
+        if not found:
+            for c in computed:
+                del c[n:]
+        return computed, len(computed[0]) * bs
+
+    def _find(self, spec, hashes, max_length, group_ids):
+        if isinstance(spec, SlidingWindowSpec):
+            return self._sliding_hit(hashes, max_length, group_ids, spec.sliding_window)
+        return self._full_hit(hashes, max_length, group_ids)
+
+    def _longest_hit(self, request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """vLLM's coordinator ``find_longest_cache_hit`` (hit <= num_tokens - 1)."""
+        request.bind_hasher(self.hasher, self.block_size)
+        hashes = request.block_hashes
+        max_len = request.num_tokens - 1
+        n_groups = self.num_groups
+        if n_groups == 1:  # UnitaryKVCacheCoordinator: one search
+            spec, ids = self._lookup[0]
+            blocks, hit = self._find(spec, hashes, max_len, ids)
+            return (blocks[0],), hit
+        # HybridKVCacheCoordinator: each spec accepts the candidate length or lowers
+        # it; repeat until none lowers it (one pass for full + one other spec).
+        lookup = self._lookup
+        simple = len(lookup) == 2 and isinstance(lookup[0][0], FullAttentionSpec)
+        hit_length = max_len
+        by_group: list[list[KVCacheBlock] | None] = [None] * n_groups
+        len_by_group = [0] * n_groups
+        while True:
+            curr = hit_length
+            for spec, ids in lookup:
+                if isinstance(spec, FullAttentionSpec) and by_group[ids[0]] is not None:
+                    # Downward-closed: looked up once, trimmed to the final length.
+                    if len_by_group[ids[0]] < curr:
+                        curr = len_by_group[ids[0]]
+                    continue
+                blocks, curr = self._find(spec, hashes, curr, ids)
+                for g, b in zip(ids, blocks):
+                    by_group[g] = b
+                    len_by_group[g] = curr
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        num_blocks = -(-hit_length // self.block_size)
+        for spec, ids in lookup:
+            if isinstance(spec, FullAttentionSpec):
+                for g in ids:
+                    del by_group[g][num_blocks:]
+        return tuple(b if b is not None else [] for b in by_group), hit_length
+
+    def get_computed_blocks(self, request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The longest prefix hit valid for every group.
+
+        Changes no block state; only statistics.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``: ``blocks[g]`` is group g's hit slots
+            (``num_computed_tokens // block_size`` of them; a sliding-window group's
+            slots before its window are ``null_block``).
+        """
+        if type(request) is not Request:
+            _check_request(request)
+        if not self.enable_caching:
+            return tuple([] for _ in range(self.num_groups)), 0
+        blocks, num_hit = self._longest_hit(request)
+        self.num_lookups += 1
+        self.num_lookup_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit
+        return blocks, num_hit
+
+    def peek_computed_tokens(self, request) -> int:
+        """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
+        if type(request) is not Request:
+            _check_request(request)
+        if not self.enable_caching:
+            return 0
+        return self._longest_hit(request)[1]
+
+    # ------------------------------------------------------------- allocation
+    def _check_hit_blocks(self, new_computed_blocks):
+        """The per-group hit lists as a list of lists (validated), or None."""
+        if new_computed_blocks is None:
+            return None
+        if not isinstance(new_computed_blocks, (tuple, list)) or len(new_computed_blocks) != (
+                self.num_groups):
+            raise ArgumentTypeError(
+                f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
+                f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
+        out = []
+        pool_blocks = self.block_pool.blocks
+        null = self.null_block
+        for g, blocks in enumerate(new_computed_blocks):
+            if not isinstance(blocks, (list, tuple)):
+                raise ArgumentTypeError(
+                    f"new_computed_blocks[{g}] must be a list of blocks, got "
+                    f"{type(blocks).__name__}")
+            blocks = list(blocks)
+            if len(blocks) != len(out[0] if out else blocks):
+                raise ValueError(
+                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has "
+                    f"{len(out[0])}: every group's hit covers the same tokens")
+            suffix = self._suffix[g]
+            for b in blocks:
+                if b is null:
+                    if self._windows[g] is None:
+                        raise ValueError(
+                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
+                            "full attention")
+                    continue
+                if type(b) is not KVCacheBlock:
+                    raise ArgumentTypeError(
+                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
+                if (b.block_hash is None or not 0 <= b.block_id < self.num_blocks
+                        or pool_blocks[b.block_id] is not b or b.block_hash[-_KEY_BYTES:] != suffix):
+                    raise ValueError(
+                        f"block {b.block_id} is not a cached block of group {g} of this manager")
+            out.append(blocks)
+        return out
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks=None,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...] | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens in every group.
+
+        As ``KVCacheManager.allocate_slots``, with per-group hit blocks (the tuple
+        ``get_computed_blocks`` returned). Before counting, a running request's
+        sliding-window blocks that lie wholly before the window of its next token
+        (``num_computed_tokens - W + 1`` tokens) are released and their slots nulled
+        (vLLM's ``remove_skipped_blocks``); a new request's hit slots before the
+        window become null slots without being touched.
+
+        Returns:
+            The newly allocated blocks per group (a tuple of lists, possibly empty),
+            or ``None`` when the free blocks do not suffice (see the class NOTE).
+
+        Raises:
+            ValueError / TypeError as ``KVCacheManager.allocate_slots``, or hit blocks
+            that are not this manager's per-group hits. Nothing changed.
+        """
+        hits = self._check_hit_blocks(new_computed_blocks)
+        flat = hits[0] if hits is not None else None
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, flat,
+            num_lookahead_tokens)
+        # --- validated: vLLM's allocate_slots from here on --------------------
+        bs = self.block_size
+        pool = self.block_pool
+        null = self.null_block
+        n_groups = self.num_groups
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        if st is not None:
+            self._remove_skipped(st, num_local_computed)  # (may precede a None)
+        num_required = -(-need // bs)
+        num_alloc = 0
+        if st is not None:
+            for table in st.tables:
+                if num_required > len(table):
+                    num_alloc += num_required - len(table)
+        else:
+            for g in range(n_groups):
+                hit = hits[g] if hits is not None else ()
+                skipped = self._skipped_tokens(g, num_local_computed) // bs
+                num_alloc += max(num_required - max(skipped, len(hit)), 0)
+                # Hit blocks in the free queue leave it when touched.
+                num_alloc += sum(
+                    1 for b in islice(hit, skipped, None) if b is not null and b.ref_cnt == 0)
+        if num_alloc > pool.free_block_queue.num_free_blocks:
+            self.num_failed_allocations += 1
+            return None
+        if st is None:
+            tables = []
+            for g in range(n_groups):
+                hit = hits[g] if hits is not None else []
+                skipped = self._skipped_tokens(g, num_local_computed) // bs
+                kept = hit[skipped:]
+                pool.touch([b for b in kept if b is not null], request)
+                tables.append([null] * skipped + kept)
+            st = _HybridState(request, tables, [len(t) for t in tables])
+            self._states[request.request_id] = st
+            self._states_by_request[request] = st
+            if self.log_stats and self.enable_caching:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
+        new_blocks = []
+        for table in st.tables:
+            n = num_required - len(table)
+            if n > 0:
+                got = pool.get_new_blocks(n)
+                table.extend(got)
+                new_blocks.append(got)
+            else:
+                new_blocks.append([])
+        if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)
+            hashes = request.block_hashes
+            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            for g, table in enumerate(st.tables):
+                done = st.num_cached[g]
+                if done >= num_full:
+                    continue
+                w = self._windows[g]
+                # NOTE: vLLM's reachable_block_mask (dense retention, alignment = block
+                # size) caches every block, except W == 1: no block is ever needed.
+                if w is None or w > 1:
+                    pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
+                st.num_cached[g] = num_full
+        return tuple(new_blocks)
+
+    def _remove_skipped(self, st: _HybridState, num_computed_tokens: int) -> None:
+        """vLLM's ``remove_skipped_blocks``: release each sliding-window table's blocks
+        wholly before the window (last slot first, stopping at a null one); their
+        slots become null. One ``free_blocks`` call per group, groups in order."""
+        bs = self.block_size
+        null = self.null_block
+        for g, table in enumerate(st.tables):
+            if self._windows[g] is None:
+                continue
+            n = self._skipped_tokens(g, num_computed_tokens) // bs
+            if n > len(table):
+                n = len(table)
+            freed = []
+            for i in range(n - 1, -1, -1):
+                b = table[i]
+                if b is null:
+                    break
+                freed.append(b)
+                table[i] = null
+            if freed:
+                self.block_pool.free_blocks(freed, st.request)
+
+    def free(self, request) -> None:
+        """Release a request's blocks: group by group, each table reversed (its last
+        block evicts first), null slots skipped.
+
+        Raises:
+            ValueError: the request holds no blocks here (nothing changed).
+        """
+        rid = request.request_id if isinstance(request, Request) else request
+        try:
+            st = self._states.pop(rid, None)
+        except TypeError:
+            st = None
+        if st is None:
+            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        del self._states_by_request[st.request]
+        null = self.null_block
+        for table in st.tables:
+            blocks = [b for b in reversed(table) if b is not null]
+            if blocks:
+                self.block_pool.free_blocks(blocks, st.request)
+
+    # ------------------------------------------------------------- inspection
+    def _state(self, request_id) -> _HybridState:
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return st
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables as ids, one list per group (vLLM's shape); null
+        slots are ``null_block_id`` (``num_blocks``, the padding page)."""
+        return tuple([b.block_id for b in t] for t in self._state(request_id).tables)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block objects per group (copies of the lists)."""
+        return tuple(list(t) for t in self._state(request_id).tables)
+
+    def num_held_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Real (non-null) blocks the request holds, per group."""
+        null = self.null_block
+        return tuple(sum(b is not null for b in t) for t in self._state(request_id).tables)
+
+    @property
+    def running_request_ids(self) -> list[str]:
+        return list(self._states)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.block_pool.free_block_queue.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        return self.block_pool.free_block_queue.block_ids()
+
+    def cached_block_ids(self) -> list[int]:
+        return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.block_pool.num_cached_blocks
+
+    def num_stranded_blocks(self) -> int:
+        """Cached blocks whose chain (in their group) has an evicted earlier block.
+        NOTE: a sliding-window lookup does not need the chain, so for those groups this
+        counts blocks a full-attention-style lookup could not reach."""
+        return len(self.block_pool.stranded_block_ids())
+
+    def on_arrival(self, request, index: int) -> None:
+        """A no-op (no offline policy runs with the hybrid manager)."""
+
+    @property
+    def num_evictions(self) -> int:
+        return self.block_pool.num_evictions
+
+    def counters(self) -> dict[str, int]:
+        pool = self.block_pool
+        return {
+            "lookups": self.num_lookups,
+            "lookup_tokens": self.num_lookup_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "evictions": pool.num_evictions,
+            "blocks_cached": pool.num_blocks_cached,
+            "blocks_allocated": pool.num_blocks_allocated,
+            "failed_allocations": self.num_failed_allocations,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self):
+        return self.block_pool.take_events()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def check_invariants(self) -> None:
+        """Verify pool and per-group table bookkeeping; ``InvariantError`` if broken."""
+        pool = self.block_pool
+        pool.check_invariants()
+        null = self.null_block
+        if null.block_hash is not None or null.prev_free_block or null.next_free_block:
+            raise InvariantError("the null block was cached or queued")
+        refs = [0] * self.num_blocks
+        owner: dict[int, int] = {}  # block id -> group
+        bs = self.block_size
+        if len(self._states_by_request) != len(self._states):
+            raise InvariantError("states by request object and by id differ in number")
+        for rid, st in self._states.items():
+            req = st.request
+            if req.request_id != rid or self._states_by_request.get(req) is not st:
+                raise InvariantError(f"state of {rid!r} is not found by its request")
+            bad = _bad_num_computed_tokens(req)
+            if bad:
+                raise InvariantError(bad)
+            hashes = req.block_hashes if self.enable_caching else ()
+            for g, table in enumerate(st.tables):
+                w = self._windows[g]
+                num_null = 0
+                while num_null < len(table) and table[num_null] is null:
+                    num_null += 1
+                if num_null and w is None:
+                    raise InvariantError(f"request {rid!r}: full-attention group {g} has null slots")
+                if any(b is null for b in table[num_null:]):
+                    raise InvariantError(
+                        f"request {rid!r} group {g}: a null slot after a real block "
+                        f"{[b.block_id for b in table]}")
+                if -(-req.num_computed_tokens // bs) > len(table):
+                    raise InvariantError(
+                        f"request {rid!r} group {g}: {req.num_computed_tokens} computed "
+                        f"tokens but {len(table)} slots")
+                if st.num_cached[g] > len(table):
+                    raise InvariantError(
+                        f"request {rid!r} group {g}: {st.num_cached[g]} cached > {len(table)}")
+                suffix = self._suffix[g]
+                for i, b in enumerate(table):
+                    if b is null:
+                        continue
+                    if pool.blocks[b.block_id] is not b:
+                        raise InvariantError(f"request {rid!r} holds a foreign block {b.block_id}")
+                    if owner.setdefault(b.block_id, g) != g:
+                        raise InvariantError(
+                            f"block {b.block_id} is in the tables of groups {owner[b.block_id]} "
+                            f"and {g}")
+                    refs[b.block_id] += 1
+                    if i < st.num_cached[g] and (w is None or w > 1):
+                        if i >= len(hashes) or b.block_hash != hashes[i] + suffix:
+                            raise InvariantError(
+                                f"request {rid!r} group {g} slot {i} (block {b.block_id}) "
+                                "should be cached under its hash and group")
+                    elif b.block_hash is not None:
+                        raise InvariantError(
+                            f"request {rid!r} group {g} slot {i} (block {b.block_id}) is past "
+                            f"its {st.num_cached[g]} cached slots but has a key")
+        for b in pool.blocks:
+            if b.ref_cnt != refs[b.block_id]:
+                raise InvariantError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} slots "
+                    "hold it")
+            if b.block_hash is not None:
+                g = int.from_bytes(b.block_hash[-_KEY_BYTES:], "big")
+                if g >= self.num_groups or owner.get(b.block_id, g) != g:
+                    raise InvariantError(
+                        f"block {b.block_id} is cached for group {g} but held by group "
+                        f"{owner.get(b.block_id)}")
+
+
+__all__ = ["HybridBlockPool", "HybridKVCacheManager"]

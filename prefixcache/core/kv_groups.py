@@ -1,0 +1,176 @@
+"""KV cache groups: which layers share one block table, and their attention type.
+
+vLLM 0.33's ``kv_cache_interface`` shape, reduced to what the host manager needs (the
+page shape lives in the model config, not here):
+
+    groups = [
+        KVCacheGroup(FullAttentionSpec(), ["layers.5", "layers.11"]),
+        KVCacheGroup(SlidingWindowSpec(sliding_window=512), ["layers.0", "layers.1"]),
+    ]
+    manager = KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)
+
+Rules (vLLM's, checked by ``check_kv_cache_groups`` before anything is built):
+    * at least one group; every group has at least one layer; a layer name appears
+      once across all groups (one attention type per layer, one block table per
+      group);
+    * all groups share the manager's ``block_size`` (vLLM allows per-group block sizes
+      with a common scheduler block; our KV array has one page size);
+    * ``sliding_window`` is a positive int (bool rejected). The kernels mask any
+      window (``kernels/reference.py``: a query at position p sees keys in
+      ``(p - W, p]``), so it need not be a multiple of ``block_size``.
+    * No full-attention group is required. NOTE: vLLM 0.33 serves sliding-window-only
+      models (one ``SlidingWindowManager``, or the hybrid coordinator with
+      ``full_attention_group_id = None``), so the manager does too; the hybrid
+      coordinator only *orders* full attention first (its left-to-right scan bounds
+      the right-to-left sliding-window searches), which ``lookup_groups`` mirrors.
+      A layout is rejected only for what vLLM rejects: empty groups, duplicate layers.
+
+Groups with equal specs are looked up together (vLLM's ``SpecGroup``): a block hit
+counts only if every group of the spec has the block cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Sequence, Union
+
+from prefixcache._validate import ArgumentTypeError, check_count
+
+# NOTE: the hybrid manager's class, imported only when a layout needs it (the
+# registry form of core/indexes.py: one entry, no import cost on the default path).
+HYBRID_MANAGER = "prefixcache.core.hybrid:HybridKVCacheManager"
+
+
+@dataclasses.dataclass(frozen=True)
+class FullAttentionSpec:
+    """Full (causal) attention: every earlier token's KV is kept until the request ends."""
+
+    kind = "full_attention"  # vLLM's KV event spec kind
+
+    @property
+    def sliding_window(self) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowSpec:
+    """Sliding-window attention: a query at position p attends to positions
+    ``p - sliding_window + 1 .. p`` (the window counts the query's own token, as
+    vLLM's ``SlidingWindowSpec`` and the kernels' mask do).
+
+    Args:
+        sliding_window: W, a positive int.
+    """
+
+    sliding_window: int
+    kind = "sliding_window"
+
+    def __post_init__(self):
+        # NOTE: numpy ints are accepted (as int), bools and floats are not.
+        object.__setattr__(
+            self, "sliding_window", check_count("sliding_window", self.sliding_window, min=1))
+
+
+KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
+_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table (vLLM's ``KVCacheGroupSpec``).
+
+    Args:
+        spec: ``FullAttentionSpec()`` or ``SlidingWindowSpec(W)``.
+        layer_names: the layers' names (a non-empty sequence of distinct non-empty
+            strings; stored as a tuple).
+    """
+
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.spec, _SPECS):
+            raise ArgumentTypeError(
+                "KVCacheGroup spec must be a FullAttentionSpec or SlidingWindowSpec, got "
+                f"{self.spec!r}")
+        names = self.layer_names
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+            raise ArgumentTypeError(
+                f"layer_names must be a list or tuple of str, got {names!r}")
+        names = tuple(names)
+        if not names:
+            raise ValueError(f"a KV cache group needs at least one layer ({self.spec})")
+        for n in names:
+            if not isinstance(n, str) or not n:
+                raise ArgumentTypeError(f"layer names must be non-empty str, got {n!r}")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"layer names {dup} appear twice in one KV cache group")
+        object.__setattr__(self, "layer_names", names)
+
+
+def check_kv_cache_groups(groups) -> tuple[KVCacheGroup, ...]:
+    """``groups`` as a tuple, or ``ValueError`` / ``ArgumentTypeError`` naming the
+    problem (see the module docstring's rules)."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)):
+        raise ArgumentTypeError(
+            f"kv_cache_groups must be a list or tuple of KVCacheGroup, got {groups!r}")
+    groups = tuple(groups)
+    if not groups:
+        raise ValueError("kv_cache_groups is empty: a model needs at least one KV cache group")
+    seen: dict[str, int] = {}
+    for i, g in enumerate(groups):
+        if not isinstance(g, KVCacheGroup):
+            raise ArgumentTypeError(f"kv_cache_groups[{i}] is not a KVCacheGroup: {g!r}")
+        for n in g.layer_names:
+            if n in seen:
+                raise ValueError(
+                    f"layer {n!r} is in KV cache groups {seen[n]} and {i}: a layer has one "
+                    "attention type and one block table")
+            seen[n] = i
+    return groups
+
+
+def is_hybrid(groups: Sequence[KVCacheGroup]) -> bool:
+    """Whether a (checked) layout needs the hybrid manager: anything but one
+    full-attention group (the default manager's case)."""
+    return not (len(groups) == 1 and isinstance(groups[0].spec, FullAttentionSpec))
+
+
+def manager_class_for_groups(groups) -> type | None:
+    """The manager class a layout needs: ``None`` for one full-attention group (the
+    default ``KVCacheManager``), else the hybrid manager. Bad layouts raise here."""
+    groups = check_kv_cache_groups(groups)
+    if not is_hybrid(groups):
+        return None
+    module, _, attr = HYBRID_MANAGER.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def lookup_groups(groups: Sequence[KVCacheGroup]) -> list[tuple[KVCacheSpec, list[int]]]:
+    """vLLM's ``verify_and_split_kv_cache_groups``: group ids merged by equal spec (in
+    first-seen order), full attention moved first (a stable sort)."""
+    out: list[tuple[KVCacheSpec, list[int]]] = []
+    for i, g in enumerate(groups):
+        for spec, ids in out:
+            if spec == g.spec:
+                ids.append(i)
+                break
+        else:
+            out.append((g.spec, [i]))
+    out.sort(key=lambda e: not isinstance(e[0], FullAttentionSpec))
+    return out
+
+
+__all__ = [
+    "FullAttentionSpec",
+    "HYBRID_MANAGER",
+    "KVCacheGroup",
+    "KVCacheSpec",
+    "SlidingWindowSpec",
+    "check_kv_cache_groups",
+    "is_hybrid",
+    "lookup_groups",
+    "manager_class_for_groups",
+]
