@@ -209,3 +209,24 @@ def test_bad_hybrid_configurations_fail_before_anything_is_built(config, monkeyp
     monkeypatch.setattr(core, "KVCacheManager", boom)
     with pytest.raises(ValueError, match=match):
         Engine(config, **{**COMMON, **kw})
+
+
+def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
+    """A pool far smaller than the batch needs: requests are preempted and re-admitted
+    (their rows released and re-added in every group); tokens equal the ample pool's."""
+    cached, _ = engines
+    rng = np.random.default_rng(4)
+    system = rng.integers(1, config.vocab_size, 24).tolist()
+    prompts = [system + rng.integers(1, config.vocab_size, n).tolist() for n in (8, 12, 16, 4)]
+    small = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": 20})
+    for p in prompts:
+        small.add_request(p, SamplingParams(max_tokens=24))
+    outs = {}
+    while small.has_unfinished_requests():
+        for o in small.step():
+            outs[o.request_id] = o
+        _check_tables(small)
+        small.kv_cache_manager.check_invariants()
+    assert small.metrics().num_preemptions > 0
+    ample = cached.generate(prompts, SamplingParams(max_tokens=24))
+    assert [outs[f"req-{i}"].token_ids for i in range(4)] == [o.token_ids for o in ample]

@@ -33,14 +33,14 @@ def _hybrid_cfg(hf_helpers, variant):
                                       rope_scaling=None)
 
 
-def _run(config, model, steps, *, num_blocks=32, kv=None):
+def _run(config, model, steps, *, num_blocks=32, kv=None, step=None):
     """Runs `steps` (each: a list of per-group ScheduledSeq lists, or one list) in order on
     one KV; returns the last step's logits and the KV."""
     builder = MetadataBuilder(block_size=BS, num_blocks=num_blocks, max_num_seqs=4,
                               max_num_tokens=64, max_pages_per_seq=8,
                               token_buckets=[64], seq_buckets=[4], page_buckets=[8])
     kv = make_kv_caches(config, num_blocks=num_blocks, block_size=BS) if kv is None else kv
-    step = make_step_fn(model)
+    step = make_step_fn(model) if step is None else step
     for seqs in steps:
         if isinstance(seqs, tuple):  # one ScheduledSeq list per KV group
             built = [builder.build(s) for s in seqs]
@@ -98,7 +98,8 @@ def test_per_group_tables_with_released_blocks(hf_helpers, tmp_path):
     full = [0, 1, 2, 3, 4]  # group 0: full attention
     local = [20, 21, 22, 23, 24]  # group 1: sliding window, other block ids
     step1 = ([ScheduledSeq(full[:3], 0, tokens[:24])], [ScheduledSeq(local[:3], 0, tokens[:24])])
-    _, kv = _run(config, model, [step1], num_blocks=num_blocks)
+    step = make_step_fn(model)  # one program for both steps (same shapes)
+    _, kv = _run(config, model, [step1], num_blocks=num_blocks, step=step)
     # Junk in the padding page and in the released blocks' pages: never read.
     kv = [c.at[pad].set(1e4).at[20].set(-1e4).at[21].set(3e3) for c in kv]
     # Step 2: positions 24..39; the earliest key any of them sees is 24 - W + 1 = 17, so
@@ -112,7 +113,6 @@ def test_per_group_tables_with_released_blocks(hf_helpers, tmp_path):
     pi[0, :2] = pad
     md1 = g1.metadata._replace(page_indices=pi)
     np.testing.assert_array_equal(g1.metadata.slot_mapping[:16] // BS, [23] * 8 + [24] * 8)
-    step = make_step_fn(model)
     kv_copy = [c.copy() for c in kv]
     logits, _ = step(kv, g0.input_ids, (g0.metadata, md1), g0.logits_indices)
     want = hf_helpers.np_forward(hf_cfg, weights, tokens)
