@@ -17,6 +17,7 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.core.stats import PrefixCacheStats
 
@@ -27,12 +28,15 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
     "InvariantError",
     "KVCacheBlock",
     "KVCacheEvent",
+    "KVCacheGroup",
     "KVCacheManager",
     "LoRARequest",
     "MultiModalFeature",
     "PrefixCacheStats",
     "Request",
+    "SlidingWindowSpec",
 ]

@@ -198,8 +198,10 @@ class HybridKVCacheManager:
         * A request's first ``num_cached[g]`` non-null slots of group g are cached
           under ``hash + group id``; its later blocks hold no key.
         * A sliding-window table holds, after each ``allocate_slots``, real blocks
-          only from the first block overlapping the last ``W - 1`` computed tokens
-          on (the rest are null): at most ``ceil(W / block_size) + 1`` in decode.
+          only from the first block overlapping the window of the next token on
+          (the rest are null): at most ``ceil(W / block_size) + 1`` in decode (a
+          prefill allocates all of its chunk first). Checked by the property test:
+          ``num_computed_tokens`` moves on after the call, so not here.
         * A call that raises changes no state. NOTE: one that returns ``None`` may
           have released a running request's blocks that fell before its window, as
           vLLM does ("we can do this even if we cannot schedule this request") --

@@ -138,6 +138,24 @@ def is_hybrid(groups: Sequence[KVCacheGroup]) -> bool:
     return not (len(groups) == 1 and isinstance(groups[0].spec, FullAttentionSpec))
 
 
+def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
+    """Groups from the peer harness's ``--kv-groups`` form: comma-separated ``full``
+    or ``sw<W>``, one group (of one layer, ``layers.<i>``) each; ``"full,sw32"`` is a
+    full-attention group and a sliding-window group of W = 32."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"kv groups must be a non-empty string such as 'full,sw32', got {text!r}")
+    groups = []
+    for i, part in enumerate(p.strip() for p in text.split(",")):
+        if part == "full":
+            spec = FullAttentionSpec()
+        elif part.startswith("sw") and part[2:].isdigit():
+            spec = SlidingWindowSpec(int(part[2:]))
+        else:
+            raise ValueError(f"bad kv group {part!r} in {text!r}: expected 'full' or 'sw<W>'")
+        groups.append(KVCacheGroup(spec, (f"layers.{i}",)))
+    return tuple(groups)
+
+
 def manager_class_for_groups(groups) -> type | None:
     """The manager class a layout needs: ``None`` for one full-attention group (the
     default ``KVCacheManager``), else the hybrid manager. Bad layouts raise here."""
@@ -173,4 +191,5 @@ __all__ = [
     "is_hybrid",
     "lookup_groups",
     "manager_class_for_groups",
+    "parse_kv_groups",
 ]

@@ -137,6 +137,7 @@ def replay(
     eviction_options: dict | None = None,
     index: str = DEFAULT_INDEX,
     model: str | None = None,
+    kv_cache_groups=None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -169,6 +170,11 @@ def replay(
         index: the prefix index (``prefixcache.core.indexes.INDEXES``).
         model: a ``prefixcache.sim.cost_model.MODEL_PRESETS`` name: report the cache
             memory in bytes too (``kv_bytes_per_token * block_size`` per block).
+        kv_cache_groups: the model's KV cache groups (``prefixcache.core.kv_groups``;
+            ``None``: one full-attention group). With a sliding-window group the
+            manager is the hybrid one and records' ``block_ids`` hold one list per
+            group (null slots: id ``num_blocks``), as vLLM's replay with
+            ``--kv-groups``.
 
     Returns:
         Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
@@ -232,9 +238,11 @@ def replay(
         requests = fresh()
     elif callable(requests):
         requests = requests()
+    group_kw = {} if kv_cache_groups is None else {"kv_cache_groups": kv_cache_groups}
     m = KVCacheManager(
         num_blocks,
         block_size,
+        **group_kw,
         hash_algo=hash_algo,
         hash_seed=hash_seed,
         free_order=free_order,
@@ -246,6 +254,8 @@ def replay(
         index=index,
     )
     hasher = m.hasher
+    # NOTE: the hybrid manager answers a tuple of per-group lists; records hold lists.
+    per_group_ids = getattr(m, "num_groups", None) is not None
     arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
     on_arrival = m.on_arrival
     # Cached blocks after each admission: two counters of the hash index's pool (no
@@ -360,7 +370,8 @@ def replay(
                 rec = {
                     "id": rid,
                     "num_computed_tokens": num_hit,
-                    "block_ids": m.get_block_ids(rid),
+                    "block_ids": (
+                        list(m.get_block_ids(rid)) if per_group_ids else m.get_block_ids(rid)),
                     "prompt_tokens": num_prompt,
                 }
                 if record_evictions:
