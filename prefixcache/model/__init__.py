@@ -39,7 +39,8 @@ Public API (the contract the engine codes against)::
   as an explicit argument, for callers that jit a larger function around the step (so the
   weights are arguments, not constants folded into the outer program).
 - `load_hf_checkpoint(path, dtype=None) -> (ModelConfig, Transformer)` for
-  `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (config.json + *.safetensors, sharded with
+  `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (config.json +
+  *.safetensors, sharded with
   model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
   path, *, max_shard_bytes=None)` writes one (f32).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
