@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (config.json + *.safetensors) <-> `Transformer`.
 
-Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (torch
-`nn.Linear` weights are [out_features, in_features]):
+Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` /
+`MistralForCausalLM` (torch `nn.Linear` weights are [out_features, in_features]):
 
   model.embed_tokens.weight                       [V, D]      -> embedding [V, D]
   model.layers.i.self_attn.q_proj.weight          [N*H, D]    -> q_proj [D, N, H]
