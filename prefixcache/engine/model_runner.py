@@ -310,7 +310,9 @@ class ModelRunner:
         self._greedy_sampling: dict[int, SamplingArrays] = {}
         self.pack_transfers = bool(pack_transfers)
         # The first KV group is sliding-window (e.g. Mistral): its table has null slots.
-        self._sliding_group0 = getattr(config, "kv_groups", ((None, ()),))[0][0] is not None
+        kv_groups = getattr(config, "kv_groups", ((None, ()),))
+        self._sliding_group0 = kv_groups[0][0] is not None
+        self._num_kv_groups = len(kv_groups)
 
     @property
     def d_model(self) -> int:
@@ -345,6 +347,9 @@ class ModelRunner:
                 raise ValueError(f"{len(block_tables)} block tables for the model's "
                                  f"{len(self.config.kv_groups)} KV cache groups")
             group_tables, block_tables = block_tables, block_tables[0]
+        elif self._num_kv_groups > 1:
+            raise ValueError(f"the model has {self._num_kv_groups} KV cache groups: pass one "
+                             "BlockTables per group (the scheduler's kv_group_tables)")
         if isinstance(block_tables, BlockTables):
             # NOTE: the engine's path: columns gathered at C level, the page table one
             # row gather from the persistent tables (no per-request lists or arrays).
@@ -371,7 +376,7 @@ class ModelRunner:
                         null_slots_ok=w is not None).metadata)
                 step = step._replace(metadata=tuple(metadata))
         else:
-            if self._sliding_group0 or len(self.config.kv_groups) > 1:
+            if self._sliding_group0:
                 raise ValueError("a sliding-window model's step needs the scheduler's "
                                  "kv_group_tables (null slots), not a block-table function")
             step = self.builder.build([

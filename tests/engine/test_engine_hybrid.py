@@ -116,6 +116,10 @@ def test_hybrid_tokens_identical_with_cache_on_and_off(engines, config):
     assert not np.array_equal(md[0].page_indices, md[1].page_indices)
     # the prefix hit of 40+ tokens: the sliding group's first slots are null (padding page)
     assert md[1].page_indices[0, 0] == cached.num_blocks != md[0].page_indices[0, 0]
+    # One table for a two-group model would have the sliding layers read pages they
+    # never wrote: refused.
+    with pytest.raises(ValueError, match="2 KV cache groups: pass one BlockTables per"):
+        cached.runner.prepare(sched.scheduled, cached.scheduler.block_tables)
     for s in sched.scheduled:
         cached.scheduler.finish_request(s.state, "abort")
     cached.step()
