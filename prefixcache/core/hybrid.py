@@ -14,6 +14,14 @@ configuration our replay drives (one block size for every group, hash block = bl
 no EAGLE, no KV connector, dense retention); see ``tests/core/test_hybrid_manager.py``
 and the hybrid replay goldens.
 
+NOTE: not modelled, and why it does not change the replay: vLLM's
+``full_sequence_must_fit`` pre-check (for a new request given its whole prompt it is the
+same count as the main check; its per-request cap ``max_admission_blocks_per_request``
+is ``ceil(max_model_len / block_size) + 1`` with the manager's default
+``max_in_flight_tokens = max_model_len``, never below the prompt's blocks),
+``num_in_flight_tokens`` (0 in a synchronous step), partial-block hash hits (off
+unless Mamba groups), EAGLE drops, external (connector) tokens, sparse retention.
+
     blocks, num_hit = manager.get_computed_blocks(request)     # one list per group
     new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
     if new is None: ...                 # does not fit (see NOTE on allocate_slots)
@@ -175,15 +183,28 @@ class HybridBlockPool(BlockPool):
 
 
 class _HybridState:
-    """A running request's tables: ``tables[g]`` is group g's block table (null slots
-    included), ``num_cached[g]`` its leading slots already cached (or null)."""
+    """A running request's tables.
 
-    __slots__ = ("request", "tables", "num_cached")
+    Attributes:
+        tables: ``tables[g]`` is group g's block table (null slots included; all
+            tables have the same length).
+        num_cached: ``num_cached[g]``, group g's leading slots already cached (or null).
+        num_null: ``num_null[g]``, the length of group g's leading run of null slots.
+        idle_total / idle_nc: the decode fast path's bounds: a step with
+            ``num_computed_tokens + num_new_tokens <= idle_total`` and
+            ``num_computed_tokens <= idle_nc`` needs no block, caches none and
+            releases none -- nothing to do. Set after every allocation.
+    """
 
-    def __init__(self, request, tables, num_cached):
+    __slots__ = ("request", "tables", "num_cached", "num_null", "idle_total", "idle_nc")
+
+    def __init__(self, request, tables, num_cached, num_null):
         self.request = request
         self.tables = tables
         self.num_cached = num_cached
+        self.num_null = num_null
+        self.idle_total = -1
+        self.idle_nc = -1
 
 
 class HybridKVCacheManager:
@@ -278,6 +299,8 @@ class HybridKVCacheManager:
         # Per group: the window W (None for full attention).
         self._windows = [g.spec.sliding_window for g in groups]
         self._lookup = lookup_groups(groups)
+        # NOTE: what the decode fast path returns: immutable, shared (no allocation).
+        self._no_new_blocks = tuple(() for _ in groups)
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
         self.prefix_cache_stats: PrefixCacheStats | None = (
@@ -494,13 +517,30 @@ class HybridKVCacheManager:
         window become null slots without being touched.
 
         Returns:
-            The newly allocated blocks per group (a tuple of lists, possibly empty),
-            or ``None`` when the free blocks do not suffice (see the class NOTE).
+            The newly allocated blocks per group (a tuple with one sequence per group:
+            a list, or a shared empty tuple when a step allocates nothing), or
+            ``None`` when the free blocks do not suffice (see the class NOTE).
 
         Raises:
             ValueError / TypeError as ``KVCacheManager.allocate_slots``, or hit blocks
             that are not this manager's per-group hits. Nothing changed.
         """
+        try:
+            st = self._states_by_request[request]
+        except (KeyError, TypeError):
+            st = None
+        if st is not None:
+            nc = request.num_computed_tokens
+            # Fast path: a decode step that needs nothing (most of them). Anything
+            # else -- odd types, hits, lookahead -- takes the checked path below.
+            if (
+                type(nc) is int and nc >= 0
+                and type(num_new_tokens) is int and num_new_tokens > 0
+                and not num_new_computed_tokens and not new_computed_blocks
+                and not num_lookahead_tokens
+                and nc + num_new_tokens <= st.idle_total and nc <= st.idle_nc
+            ):
+                return self._no_new_blocks
         hits = self._check_hit_blocks(new_computed_blocks)
         flat = hits[0] if hits is not None else None
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
@@ -533,13 +573,15 @@ class HybridKVCacheManager:
             return None
         if st is None:
             tables = []
+            num_null = []
             for g in range(n_groups):
                 hit = hits[g] if hits is not None else []
                 skipped = self._skipped_tokens(g, num_local_computed) // bs
                 kept = hit[skipped:]
                 pool.touch([b for b in kept if b is not null], request)
                 tables.append([null] * skipped + kept)
-            st = _HybridState(request, tables, [len(t) for t in tables])
+                num_null.append(skipped)
+            st = _HybridState(request, tables, [len(t) for t in tables], num_null)
             self._states[request.request_id] = st
             self._states_by_request[request] = st
             if self.log_stats and self.enable_caching:
@@ -568,7 +610,32 @@ class HybridKVCacheManager:
                 if w is None or w > 1:
                     pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
+        self._set_idle_bounds(st)
         return tuple(new_blocks)
+
+    def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
+        """``(idle_total, idle_nc)`` for the state's tables now."""
+        bs = self.block_size
+        total = len(st.tables[0]) * bs
+        if self.max_model_len is not None and self.max_model_len < total:
+            total = self.max_model_len
+        if self.enable_caching:
+            # One more token than this fills the next uncached block: cache it.
+            full = (min(st.num_cached) + 1) * bs - 1
+            if full < total:
+                total = full
+        nc = 1 << 62
+        for g, w in enumerate(self._windows):
+            if w is not None:
+                # One more computed token than this moves the window past the first
+                # real block: release it.
+                limit = (st.num_null[g] + 1) * bs + w - 2
+                if limit < nc:
+                    nc = limit
+        return total, nc
+
+    def _set_idle_bounds(self, st: _HybridState) -> None:
+        st.idle_total, st.idle_nc = self._idle_bounds(st)
 
     def _remove_skipped(self, st: _HybridState, num_computed_tokens: int) -> None:
         """vLLM's ``remove_skipped_blocks``: release each sliding-window table's blocks
@@ -590,6 +657,7 @@ class HybridKVCacheManager:
                 freed.append(b)
                 table[i] = null
             if freed:
+                st.num_null[g] = n  # nulls are the table's head: slots 0 .. n-1 now
                 self.block_pool.free_blocks(freed, st.request)
 
     def free(self, request) -> None:
@@ -718,11 +786,24 @@ class HybridKVCacheManager:
             if bad:
                 raise InvariantError(bad)
             hashes = req.block_hashes if self.enable_caching else ()
+            if len({len(t) for t in st.tables}) != 1:
+                raise InvariantError(
+                    f"request {rid!r}: tables of different lengths {st.tables}")
+            total, nc = self._idle_bounds(st)
+            # NOTE: after a None return the window bound may lag (conservative).
+            if st.idle_total != total or st.idle_nc > nc:
+                raise InvariantError(
+                    f"request {rid!r}: fast-path bounds ({st.idle_total}, {st.idle_nc}) "
+                    f"vs ({total}, {nc})")
             for g, table in enumerate(st.tables):
                 w = self._windows[g]
                 num_null = 0
                 while num_null < len(table) and table[num_null] is null:
                     num_null += 1
+                if num_null != st.num_null[g]:
+                    raise InvariantError(
+                        f"request {rid!r} group {g}: {num_null} leading null slots, "
+                        f"tracked {st.num_null[g]}")
                 if num_null and w is None:
                     raise InvariantError(f"request {rid!r}: full-attention group {g} has null slots")
                 if any(b is null for b in table[num_null:]):

@@ -50,7 +50,7 @@ def test_sliding_window_blocks_become_null_slots_and_hits_need_the_window():
     # 17 tokens -> 5 blocks per group, allocated group by group from the queue head.
     assert m.get_block_ids("a") == ([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
     a.append_output_token_ids(99)
-    assert m.allocate_slots(a, 1) == ([], [])
+    assert [list(g) for g in m.allocate_slots(a, 1)] == [[], []]
     # The next token (position 17) sees positions 10..17: slots 0 and 1 (tokens 0..7)
     # are released, last first, to the queue tail (cached: LRU order).
     assert m.get_block_ids("a") == ([0, 1, 2, 3, 4], [null, null, 7, 8, 9])
