@@ -234,3 +234,27 @@ def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
     assert small.metrics().num_preemptions > 0
     ample = cached.generate(prompts, SamplingParams(max_tokens=24))
     assert [outs[f"req-{i}"].token_ids for i in range(4)] == [o.token_ids for o in ample]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_backends_read_per_group_tables_with_null_slots(engines, config, backend):
+    """The Pallas kernels (interpret mode) over the per-group tables, a prefix hit with
+    null slots included: the tokens of the reference backend (~5-10 s each on CPU)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    cached, _ = engines
+    base = np.random.default_rng(5).integers(1, config.vocab_size, 40).tolist()
+    prompts = [base + [3, 4], base + [5]]
+    kw = {**COMMON, "num_blocks": 32}
+    ref = Engine(config, model=cached.model, attention_backend="reference", **kw)
+    want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=4))]
+    engine = Engine(config, model=cached.model, attention_backend=backend, interpret=True,
+                    **kw)
+    if backend == "pallas_tpu":
+        with pltpu.force_tpu_interpret_mode():
+            outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    else:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == want
+    assert outs[1].metrics.num_cached_tokens == 40
