@@ -597,7 +597,7 @@ class MetadataBuilder:
         return StepInputs(input_ids=input_ids, metadata=metadata, logits_indices=logits_indices)
 
     def build_rows(self, block_table: np.ndarray, rows, num_table_blocks, num_computed,
-                   q_lens, token_ids) -> StepInputs:
+                   q_lens, token_ids, *, null_slots_ok: bool = False) -> StepInputs:
         """`build` from columnar inputs and one 2-D block table (the engine's path).
 
         NOTE: vLLM's persistent-batch layout: every running request owns a row of one int32
@@ -617,6 +617,9 @@ class MetadataBuilder:
           num_computed: int[n] tokens of KV each sequence holds before this step.
           q_lens: int[n] tokens scheduled per sequence (>= 1).
           token_ids: int[sum(q_lens)] the scheduled token ids, concatenated in caller order.
+          null_slots_ok: the table may hold the padding page id (`num_blocks`) in cells a
+            sequence reads: a sliding-window KV group's released slots before the window
+            (the kernels mask those keys; no new token is written there).
 
         Returns:
           `StepInputs`, as `build`.
@@ -690,8 +693,9 @@ class MetadataBuilder:
         w = min(P, W)
         live = iota[:w] < pages_s[:, None]
         g = np.where(live, block_table[rows_s, :w], 0)
-        if g.view(np.uint32).max() >= self.num_blocks:
-            r, k = (int(x[0]) for x in np.nonzero(g.view(np.uint32) >= self.num_blocks))
+        limit = self.num_blocks + 1 if null_slots_ok else self.num_blocks
+        if g.view(np.uint32).max() >= limit:
+            r, k = (int(x[0]) for x in np.nonzero(g.view(np.uint32) >= limit))
             i = r if order is None else int(order[r])
             raise ValueError(f"seqs[{i}]: block id {int(g[r, k])} out of range "
                              f"0..{self.num_blocks - 1}")

@@ -89,6 +89,14 @@ class Engine:
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
 
+    Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
+    one KV cache group per attention kind (`model_config.kv_groups`: full-attention
+    layers first, then the sliding-window layers with their window) and keeps one block
+    table per group; a sliding group holds only the blocks overlapping the window (the
+    earlier ones go back to the cache, their slots read the padding page), and each
+    layer reads its group's table in the step. Such models need eviction "lru" and
+    index "hash" (ValueError here otherwise).
+
     Attributes:
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
         runner with its MetadataBuilder `runner.builder` and KV arrays).
@@ -135,6 +143,11 @@ class Engine:
         get_index_class(index)  # unknown name -> ValueError
         if manager_kwargs and ({"eviction", "index"} & set(manager_kwargs)):
             raise ValueError("pass eviction= and index= to Engine, not in manager_kwargs")
+        if manager_kwargs and "kv_cache_groups" in manager_kwargs:
+            raise ValueError("kv_cache_groups come from the model config (its sliding-window "
+                             "layers), not from manager_kwargs")
+        kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index,
+                                           manager_kwargs=manager_kwargs)
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -178,6 +191,7 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, max_model_len=max_model_len, eviction=eviction, index=index,
+            **({"kv_cache_groups": kv_cache_groups} if kv_cache_groups else {}),
             **dict(manager_kwargs or {}))
         self.scheduler = Scheduler(self.kv_cache_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -418,7 +432,8 @@ class Engine:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector("before_device", sched)
-                prepared = self.runner.prepare(sched.scheduled, self.scheduler.block_tables)
+                prepared = self.runner.prepare(
+                    sched.scheduled, self.scheduler.kv_group_tables or self.scheduler.block_tables)
                 t2 = time.perf_counter()
                 tokens, logits = self.runner.execute(prepared,
                                                      return_logits=self.record_logits)
@@ -617,6 +632,34 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
 def _replicated(mesh):
     from jax.sharding import NamedSharding, PartitionSpec
     return NamedSharding(mesh, PartitionSpec())
+
+
+def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tuple | None:
+    """The KV cache groups of a model with sliding-window layers (None otherwise): full
+    attention layers -> group 0, sliding-window layers -> the next group, as
+    `config.kv_groups` (the step's per-group metadata has the same order).
+
+    Raises:
+      ValueError: a sliding-window model with an eviction policy, index or manager
+        option the hybrid manager does not serve (checked before anything is built).
+    """
+    groups = getattr(config, "kv_groups", None)
+    if not groups or (len(groups) == 1 and groups[0][0] is None):
+        return None
+    from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+
+    windows = sorted({w for w, _ in groups if w is not None})
+    if eviction != "lru" or index != "hash":
+        raise ValueError(f"sliding-window layers (window {windows}) need eviction='lru' and "
+                         f"index='hash' (the hybrid KV cache manager is vLLM's); got "
+                         f"eviction={eviction!r}, index={index!r}")
+    if manager_kwargs and manager_kwargs.get("eviction_options"):
+        raise ValueError("sliding-window layers: eviction_options are not supported by the "
+                         "hybrid KV cache manager")
+    return tuple(
+        KVCacheGroup(FullAttentionSpec() if w is None else SlidingWindowSpec(w),
+                     tuple(f"layers.{i}" for i in layers))
+        for w, layers in groups)
 
 
 def _as_token_list(prompt) -> list[int]:

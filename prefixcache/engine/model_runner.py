@@ -30,7 +30,7 @@ import numpy as np
 from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampler import SamplingArrays, sample
 from prefixcache.engine.scheduler import ScheduledRequest
-from prefixcache.metadata import MetadataBuilder, ScheduledSeq, StepInputs
+from prefixcache.metadata import AttentionMetadata, MetadataBuilder, ScheduledSeq, StepInputs
 
 
 # ScheduledRequest / EngineRequest field getters (C-level iteration in `prepare`).
@@ -139,7 +139,10 @@ class PreparedStep:
     @property
     def shape_key(self) -> tuple:
         """The key of the compiled program this step runs."""
-        t, s, p = MetadataBuilder.shape_of(self.inputs.step)
+        step = self.inputs.step
+        if not isinstance(step.metadata, AttentionMetadata):  # one per KV group
+            step = step._replace(metadata=step.metadata[0])
+        t, s, p = MetadataBuilder.shape_of(step)
         key = (t, s, p, self.all_greedy, self.inputs.mm_embeds is not None)
         return key if self.inputs.lora_slots is None else key + ("lora",)
 
@@ -331,20 +334,30 @@ class ModelRunner:
         self.pack_transfers = bool(pack_transfers)
         self.lora_slots = lora_slots
         self.lora_adapters = lora_adapters if lora_adapters is not None else {}
+        # The first KV group is sliding-window (e.g. Mistral): its table has null slots.
+        kv_groups = getattr(config, "kv_groups", ((None, ()),))
+        self._sliding_group0 = kv_groups[0][0] is not None
+        self._num_kv_groups = len(kv_groups)
 
     @property
     def d_model(self) -> int:
         return int(self.config.d_model)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest],
-                block_tables: BlockTables | Callable[[str], list[int]]) -> PreparedStep:
+                block_tables: BlockTables | Sequence[BlockTables] | Callable[[str], list[int]]
+                ) -> PreparedStep:
         """Builds the step's host arrays.
 
         Args:
           scheduled: the step's requests (>= 1).
           block_tables: the scheduler's `BlockTables` (each request's row is
             `state.block_row`), or a function request id -> its block table (e.g.
-            `KVCacheManager.get_block_ids`; slower: whole tables every step).
+            `KVCacheManager.get_block_ids`; slower: whole tables every step), or, for a
+            model with several KV cache groups (hybrid sliding-window models), the
+            scheduler's `kv_group_tables` (one `BlockTables` per group, in
+            `config.kv_groups` order): the step's metadata is then a tuple of
+            `AttentionMetadata`, one per group, differing in `page_indices` and
+            `slot_mapping` (null slots read the padding page).
 
         Returns:
           PreparedStep (numpy only; nothing is on the device yet).
@@ -353,6 +366,15 @@ class ModelRunner:
         states = list(map(_STATE, scheduled))
         all_greedy = not any(map(_TEMPERATURE, states))
         has_mm = any(map(_MM_EMBEDDINGS, states))
+        group_tables = None
+        if isinstance(block_tables, (tuple, list)):
+            if len(block_tables) != len(self.config.kv_groups):
+                raise ValueError(f"{len(block_tables)} block tables for the model's "
+                                 f"{len(self.config.kv_groups)} KV cache groups")
+            group_tables, block_tables = block_tables, block_tables[0]
+        elif self._num_kv_groups > 1:
+            raise ValueError(f"the model has {self._num_kv_groups} KV cache groups: pass one "
+                             "BlockTables per group (the scheduler's kv_group_tables)")
         if isinstance(block_tables, BlockTables):
             # NOTE: the engine's path: columns gathered at C level, the page table one
             # row gather from the persistent tables (no per-request lists or arrays).
@@ -368,8 +390,20 @@ class ModelRunner:
             rows = np.fromiter(map(_BLOCK_ROW, states), np.int64, n)
             step = self.builder.build_rows(block_tables.table, rows,
                                            block_tables.lengths[rows], comps, q_lens,
-                                           tokens)
+                                           tokens, null_slots_ok=self._sliding_group0)
+            if group_tables is not None and len(group_tables) > 1:
+                # NOTE: the other groups' inputs differ only in page_indices and
+                # slot_mapping; built the same way from their own tables.
+                metadata = [step.metadata]
+                for (w, _), t in zip(self.config.kv_groups[1:], group_tables[1:]):
+                    metadata.append(self.builder.build_rows(
+                        t.table, rows, t.lengths[rows], comps, q_lens, tokens,
+                        null_slots_ok=w is not None).metadata)
+                step = step._replace(metadata=tuple(metadata))
         else:
+            if self._sliding_group0:
+                raise ValueError("a sliding-window model's step needs the scheduler's "
+                                 "kv_group_tables (null slots), not a block-table function")
             step = self.builder.build([
                 ScheduledSeq(block_tables(st.request.request_id), s.num_computed_tokens,
                              st.request.all_token_ids[s.num_computed_tokens:

@@ -121,7 +121,8 @@ class ScheduledRequest:
       num_new_tokens: tokens scheduled in this step (the query length).
       new_block_ids: block ids newly allocated for it in this step (prefix-hit blocks
         excluded; the full table is `Scheduler.block_ids` or
-        `KVCacheManager.get_block_ids`).
+        `KVCacheManager.get_block_ids`); with KV cache groups (a hybrid manager) a
+        tuple of such lists, one per group.
       num_cached_tokens: prefix-cache hit counted at this admission (0 for a request
         that was already running).
     """
@@ -192,6 +193,12 @@ class Scheduler:
       - `block_tables` row `state.block_row` of every running request equals the
         manager's `get_block_ids(request_id)` (kept from what `allocate_slots` and
         `get_computed_blocks` return; released on preemption and finish).
+      - With KV cache groups (a manager with `kv_cache_groups`: sliding-window or
+        hybrid models), `kv_group_tables[g]` holds group g's tables, all groups' rows
+        at the same index (`block_tables` is `kv_group_tables[0]`), and row
+        `state.block_row` of group g equals `get_block_ids(request_id)[g]`: a
+        sliding-window group's slots before the window of the next token hold the
+        padding page id (the manager's null slots, released to the cache).
 
     Args:
       kv_cache_manager: the block manager (`prefixcache.core.KVCacheManager`).
@@ -235,6 +242,16 @@ class Scheduler:
         # NOTE: engine-side int32 block tables, appended from allocate_slots' new blocks,
         # so a step never rebuilds whole tables from the manager (see block_table.py).
         self.block_tables = BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
+        # KV cache groups (hybrid manager): one BlockTables per group, and each group's
+        # sliding window (None: full attention). None for the plain manager.
+        groups = getattr(kv_cache_manager, "kv_cache_groups", None)
+        self.kv_group_tables: tuple[BlockTables, ...] | None = None
+        self._group_windows: tuple[int | None, ...] = ()
+        if groups is not None:
+            self._group_windows = tuple(g.spec.sliding_window for g in groups)
+            self.kv_group_tables = (self.block_tables,) + tuple(
+                BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
+                for _ in groups[1:])
 
     # -- queue management -------------------------------------------------------------
 
@@ -306,8 +323,38 @@ class Scheduler:
 
     def _release_row(self, state: EngineRequest) -> None:
         if state.block_row is not None:
-            self.block_tables.release(state.block_row)
+            if self.kv_group_tables is None:
+                self.block_tables.release(state.block_row)
+            else:
+                for t in self.kv_group_tables:
+                    t.release(state.block_row)
             state.block_row = None
+
+    def _add_group_rows(self, hit_blocks, new_blocks, num_computed: int) -> tuple[int, tuple]:
+        """Hybrid manager: a new row in every group's table (hit + new block ids);
+        returns (row, the new ids per group)."""
+        row = None
+        for g, t in enumerate(self.kv_group_tables):
+            hit = [b.block_id for b in hit_blocks[g]] if hit_blocks else []
+            r = t.add_row(hit)
+            assert row is None or r == row, (r, row)  # the groups' rows move in lockstep
+            row = r
+        return row, self._append_group_blocks(row, new_blocks, num_computed)
+
+    def _append_group_blocks(self, row: int, new_blocks, num_computed: int) -> tuple:
+        """Hybrid manager: appends each group's new blocks to its row and nulls the
+        sliding-window slots the manager released in that `allocate_slots` call (the
+        blocks wholly before the window of token `num_computed`: vLLM's
+        `remove_skipped_blocks`, `num_computed - W + 1` tokens, whole blocks only)."""
+        ids = tuple([b.block_id for b in blocks] for blocks in new_blocks)
+        bs = self.kv_cache_manager.block_size
+        for t, w, new in zip(self.kv_group_tables, self._group_windows, ids):
+            if new:
+                t.append(row, new)
+            if w is not None and num_computed >= w:
+                skipped = min((num_computed - w + 1) // bs, int(t.lengths[row]))
+                t.table[row, :skipped] = t.pad_id
+        return ids
 
     def block_ids(self, request_id: str) -> list[int]:
         """A running request's block table from `block_tables` (inspection and tests).
@@ -318,6 +365,8 @@ class Scheduler:
         state = self.requests.get(request_id)
         if state is None or state.block_row is None:
             raise ValueError(f"no running request with id {request_id!r}")
+        if self.kv_group_tables is not None:  # one list per KV cache group
+            return tuple(t.block_ids(state.block_row) for t in self.kv_group_tables)
         return self.block_tables.block_ids(state.block_row)
 
     def _too_large_error(self, state: EngineRequest, num_tokens: int) -> str:
@@ -345,6 +394,7 @@ class Scheduler:
         # 1. Running requests.
         running = self.running
         allocate = mgr.allocate_slots
+        grouped = self.kv_group_tables is not None
         i = 0
         while i < len(running) and budget > 0:
             state = running[i]
@@ -369,7 +419,9 @@ class Scheduler:
                                         self._too_large_error(state, num_computed + num_new))
                     finished.append(state)
                 break
-            if new_blocks:
+            if grouped:
+                new_ids = self._append_group_blocks(state.block_row, new_blocks, num_computed)
+            elif new_blocks:
                 new_ids = [b.block_id for b in new_blocks]
                 tables.append(state.block_row, new_ids)
             else:
@@ -479,6 +531,10 @@ class Scheduler:
             state.admitted = True
             state.num_cached_tokens = num_hit
             state.first_scheduled_time = time.perf_counter()
+        if self.kv_group_tables is not None:
+            state.block_row, new_ids = self._add_group_rows(hit_blocks, new_blocks, num_hit)
+            scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
+            return budget - num_new
         new_ids = [b.block_id for b in new_blocks]
         state.block_row = self.block_tables.add_row(
             [b.block_id for b in hit_blocks] + new_ids if hit_blocks else new_ids)

@@ -11,9 +11,16 @@ Public API (the contract the engine codes against)::
   dict)` / `.to_hf_config()`; `.replace(**changes)`. Fields: vocab_size, d_model,
   num_layers, num_heads, num_kv_heads, head_dim, mlp_dim, rms_norm_eps, rope_theta,
   rope_scaling (`RopeScaling`, Llama-3), max_position_embeddings, tie_embeddings,
-  qkv_bias, dtype ("float32" | "bfloat16"), architecture.
+  qkv_bias, dtype ("float32" | "bfloat16"), architecture, sliding_window, layer_types.
+  Sliding-window / hybrid models (HF `sliding_window`, `layer_types`, Qwen2's
+  `use_sliding_window` + `max_window_layers`, Mistral's window on every layer): a
+  sliding layer's query at position p attends to keys (p - W, p], as HF. Derived:
+  `attention_types`, `layer_windows`, `kv_groups` ((window or None, layer ids), full
+  first), `layer_kv_groups`. Preset `ModelConfig.tiny_hybrid()` (4 layers S,S,F,S, W=16).
 - `Transformer(config, *, rngs)`: `model(kv_caches, input_ids, metadata, logits_indices,
-  mm_embeds=None, mm_mask=None, *, attend=None) -> (logits f32[S, V], kv_caches)`.
+  mm_embeds=None, mm_mask=None, *, attend=None) -> (logits f32[S, V], kv_caches)`;
+  `metadata` may be a tuple of `AttentionMetadata`, one per KV group (each layer reads
+  its group's `page_indices` / `slot_mapping`).
 - `make_kv_caches(config, num_pages=None, page_size=None, dtype=None, sharding=None, *,
   num_blocks=None, block_size=None, mesh=None) -> list[jax.Array]`: one zeroed
   `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer; `num_blocks` means
@@ -32,7 +39,8 @@ Public API (the contract the engine codes against)::
   as an explicit argument, for callers that jit a larger function around the step (so the
   weights are arguments, not constants folded into the outer program).
 - `load_hf_checkpoint(path, dtype=None) -> (ModelConfig, Transformer)` for
-  `LlamaForCausalLM` / `Qwen2ForCausalLM` (config.json + *.safetensors, sharded with
+  `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (config.json +
+  *.safetensors, sharded with
   model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
   path, *, max_shard_bytes=None)` writes one (f32).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis

@@ -6,15 +6,23 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "SUPPORTED_DTYPES"]
+__all__ = ["ATTENTION_TYPES", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES",
+           "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-# HF `architectures[0]` -> our flavour (they differ only in defaults: Qwen2 has q/k/v bias).
+# HF `architectures[0]` -> our flavour (they differ only in defaults: Qwen2 has q/k/v bias,
+# Mistral a sliding window on every layer).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM"}
+# Per-layer attention kinds, with Hugging Face's names (`config.layer_types`).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 def _positive_int(name: str, v: Any) -> None:
@@ -72,6 +80,13 @@ class ModelConfig:
       qkv_bias: q/k/v projections carry a bias (Qwen2).
       dtype: "float32" or "bfloat16".
       architecture: the HF architecture name written by `save_hf_checkpoint`.
+      sliding_window: W, the window of the sliding-window layers, or None (no such layer).
+        HF semantics: a query at position p attends to the keys at positions (p - W, p]
+        (W keys, itself included), as `kernels.paged_attention(sliding_window=W)`.
+      layer_types: per layer "full_attention" or "sliding_attention" (HF's names), or
+        None for a uniform model: every layer sliding when `sliding_window` is set
+        (Mistral), else every layer full. A uniform tuple is stored as None, so equal
+        models compare equal; `attention_types` is always the resolved tuple.
     """
 
     vocab_size: int
@@ -89,6 +104,8 @@ class ModelConfig:
     qkv_bias: bool = False
     dtype: str = "float32"
     architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -114,8 +131,75 @@ class ModelConfig:
         for name in ("tie_embeddings", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        """Validates `sliding_window` / `layer_types` and stores a uniform tuple as None."""
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
+        types = self.layer_types
+        if types is None:
+            return
+        if isinstance(types, str) or not isinstance(types, (tuple, list)):
+            raise ValueError(f"layer_types must be a tuple of {ATTENTION_TYPES} per layer, "
+                             f"got {types!r}")
+        types = tuple(types)
+        if len(types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for num_layers="
+                             f"{self.num_layers}")
+        unknown = sorted({str(t) for t in types if t not in ATTENTION_TYPES})
+        if unknown:
+            raise ValueError(f"layer_types has unknown attention types {unknown}; expected "
+                             f"{ATTENTION_TYPES}")
+        num_sliding = types.count(SLIDING_ATTENTION)
+        if num_sliding and w is None:
+            raise ValueError(f"layer_types has {num_sliding} sliding_attention layers but "
+                             "sliding_window is None")
+        if not num_sliding and w is not None:
+            raise ValueError(f"sliding_window={w} but layer_types has no sliding_attention "
+                             "layer (set sliding_window=None)")
+        # NOTE: uniform -> None, so a config equals itself after a round trip through HF.
+        object.__setattr__(self, "layer_types",
+                           None if num_sliding in (0, len(types)) else types)
 
     # ----------------------------------------------------------------- derived
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's attention kind, "full_attention" or "sliding_attention"."""
+        if self.layer_types is not None:
+            return self.layer_types
+        kind = FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+        return (kind,) * self.num_layers
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None for full attention)."""
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None
+                     for t in self.attention_types)
+
+    @property
+    def kv_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
+        """KV cache groups as (sliding_window or None, layer indices): the full-attention
+        layers first (when any), then the sliding-window layers (when any). Layers of one
+        group share block tables; a model with one attention kind has one group."""
+        windows = self.layer_windows
+        groups = []
+        for w in (None, self.sliding_window) if self.sliding_window is not None else (None,):
+            layers = tuple(i for i, x in enumerate(windows) if x == w)
+            if layers:
+                groups.append((w, layers))
+        return tuple(groups)
+
+    @property
+    def layer_kv_groups(self) -> tuple[int, ...]:
+        """The index in `kv_groups` of each layer's group."""
+        out = [0] * self.num_layers
+        for g, (_, layers) in enumerate(self.kv_groups):
+            for i in layers:
+                out[i] = g
+        return tuple(out)
+
     @property
     def num_groups(self) -> int:
         """Query heads per kv head (GQA group size)."""
@@ -144,6 +228,17 @@ class ModelConfig:
                    max_position_embeddings=8192, tie_embeddings=True, dtype="float32")
         cfg.update(overrides)
         return cls(**cfg)
+
+    @classmethod
+    def tiny_hybrid(cls, **overrides) -> ModelConfig:
+        """`tiny()` with 4 layers, sliding window 16 on layers 0, 1 and 3, full attention on
+        layer 2 (a Gemma-style local/global mix), as a Qwen2 checkpoint (q/k/v bias)."""
+        cfg = dict(num_layers=4, sliding_window=16,
+                   layer_types=(SLIDING_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION,
+                                SLIDING_ATTENTION),
+                   qkv_bias=True, architecture="Qwen2ForCausalLM")
+        cfg.update(overrides)
+        return cls.tiny(**cfg)
 
     @classmethod
     def llama_3_2_1b(cls, **overrides) -> ModelConfig:
@@ -206,8 +301,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} not supported (only 'silu')")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=True not supported")
-        if hf.get("use_sliding_window", False):
-            raise ValueError("use_sliding_window=True not supported")
+        sliding_window, layer_types = _hf_layer_types(hf, arch, flavour)
 
         # Newer transformers nest RoPE settings under `rope_parameters`.
         rope = dict(hf.get("rope_scaling") or {})
@@ -245,10 +339,11 @@ class ModelConfig:
             d_model=d_model,
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=(hf.get("num_key_value_heads", 8 if flavour == "mistral" else None)
+                          or num_heads),
             head_dim=head_dim,
             mlp_dim=need("intermediate_size"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if flavour == "qwen2" else 1e-5)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if flavour == "llama" else 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
@@ -256,6 +351,8 @@ class ModelConfig:
             qkv_bias=True if flavour == "qwen2" else bool(hf.get("attention_bias", False)),
             dtype=dtype,
             architecture=arch,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -278,12 +375,95 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
         }
-        if flavour == "llama":
-            out["attention_bias"] = self.qkv_bias
-            out["mlp_bias"] = False
-        elif not self.qkv_bias:
-            raise ValueError("Qwen2ForCausalLM always has q/k/v bias; set qkv_bias=True")
+        if flavour == "qwen2":
+            if not self.qkv_bias:
+                raise ValueError("Qwen2ForCausalLM always has q/k/v bias; set qkv_bias=True")
+            out["use_sliding_window"] = self.sliding_window is not None
+            if self.sliding_window is not None:
+                types = self.attention_types
+                full = [i for i, t in enumerate(types) if t == FULL_ATTENTION]
+                out["sliding_window"] = self.sliding_window
+                # The HF rule's max_window_layers where it describes the layers, else the
+                # explicit list (which takes precedence in transformers).
+                out["max_window_layers"] = len(full) if full == list(range(len(full))) else 0
+                out["layer_types"] = list(types)
+        else:
+            if self.qkv_bias and flavour == "mistral":
+                raise ValueError("MistralForCausalLM has no q/k/v bias; set qkv_bias=False")
+            if flavour == "llama":
+                out["attention_bias"] = self.qkv_bias
+                out["mlp_bias"] = False
+                if self.sliding_window is not None:
+                    raise ValueError("LlamaForCausalLM has no sliding-window attention; use "
+                                     "Qwen2ForCausalLM or MistralForCausalLM")
+            elif self.layer_types is not None:
+                raise ValueError("MistralForCausalLM applies its sliding window to every "
+                                 "layer; a per-layer mix needs Qwen2ForCausalLM")
+            else:
+                out["sliding_window"] = self.sliding_window
         if self.rope_scaling is not None:
             out["rope_scaling"] = {"rope_type": "llama3",
                                    **dataclasses.asdict(self.rope_scaling)}
         return out
+
+
+def _hf_layer_types(hf: Mapping[str, Any], arch: str, flavour: str
+                    ) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of an HF config, by transformers' rules per flavour.
+
+    Qwen2 (`Qwen2Config.__post_init__`): the window is `sliding_window` (default 4096) if
+    `use_sliding_window` else None; `layer_types`, when absent, is "sliding_attention" for
+    layer i iff the window is set and `i >= max_window_layers` (default 28). Mistral: the
+    window `sliding_window` (default 4096, null = full attention) on every layer. Llama has
+    no sliding window.
+    """
+    def window(v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{arch}: sliding_window must be a positive int or null, got "
+                             f"{v!r}")
+        return v
+
+    types = hf.get("layer_types")
+    if types is not None and (isinstance(types, str) or not isinstance(types, (list, tuple))):
+        raise ValueError(f"{arch}: layer_types must be a list of {ATTENTION_TYPES}, got "
+                         f"{types!r}")
+    if flavour == "llama":
+        if hf.get("use_sliding_window") or hf.get("sliding_window") is not None or (
+                types is not None and SLIDING_ATTENTION in types):
+            raise ValueError(f"{arch} has no sliding-window attention (sliding_window="
+                             f"{hf.get('sliding_window')!r}, use_sliding_window="
+                             f"{hf.get('use_sliding_window')!r}); a sliding-window Llama-"
+                             "style model is MistralForCausalLM or Qwen2ForCausalLM")
+        return None, None
+    if flavour == "mistral":
+        if types is not None:
+            raise ValueError(f"{arch}: layer_types not supported (transformers' Mistral "
+                             "applies sliding_window to every layer and ignores it)")
+        return window(hf.get("sliding_window", 4096)), None
+    # qwen2
+    use = hf.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"{arch}: use_sliding_window must be a bool, got {use!r}")
+    w = window(hf.get("sliding_window", 4096)) if use else None
+    num_layers = hf.get("num_hidden_layers")
+    if types is None:
+        if w is None:
+            return None, None
+        m = hf.get("max_window_layers", 28)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{arch}: max_window_layers must be an int >= 0, got {m!r}")
+        if not isinstance(num_layers, int):
+            return w, None  # ModelConfig names the bad num_hidden_layers
+        types = [SLIDING_ATTENTION if i >= m else FULL_ATTENTION for i in range(num_layers)]
+    types = tuple(types)
+    if w is None:
+        if SLIDING_ATTENTION in types:
+            raise ValueError(f"{arch}: layer_types has sliding_attention layers but "
+                             "use_sliding_window is false (no window is set)")
+        types = None
+    elif SLIDING_ATTENTION not in types and len(types) == num_layers and all(
+            t in ATTENTION_TYPES for t in types):
+        # NOTE: use_sliding_window with no layer past max_window_layers (Qwen2.5's
+        # configs): every layer attends fully; the model is a plain one.
+        return None, None
+    return w, types

@@ -146,9 +146,13 @@ class MLP(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention over the paged KV cache (write new K/V, then attend)."""
+    """Grouped-query attention over the paged KV cache (write new K/V, then attend).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    With `sliding_window=W` a query at position p attends to the keys at (p - W, p], as
+    HF's sliding-window layers (`kernels.paged_attention(sliding_window=W)`).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, sliding_window: int | None = None):
         D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
         dt = jnp.dtype(config.dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
@@ -157,6 +161,7 @@ class Attention(nnx.Module):
         self.v_proj = nnx.Param(_init(rngs, (D, K, H), D, dt))  # [d, k, h]
         self.o_proj = nnx.Param(_init(rngs, (N, H, D), N * H, dt))  # [n, h, d]
         self.qkv_bias = config.qkv_bias
+        self.sliding_window = sliding_window
         if config.qkv_bias:
             self.q_bias = nnx.Param(_init(rngs, (N, H), 1, dt, scale=0.1))  # [n, h]
             self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
@@ -172,7 +177,8 @@ class Attention(nnx.Module):
           metadata: the step's index arrays (device arrays).
           cos, sin: f32[T, H // 2] RoPE tables of the step's positions.
           attend: `(q, k, v, kv_cache, metadata) -> (out [T, N, H], kv_cache)`, which
-            writes k/v at `metadata.slot_mapping` and attends (maybe under shard_map).
+            writes k/v at `metadata.slot_mapping` and attends (maybe under shard_map);
+            a sliding-window layer calls it with `sliding_window=W` as well.
           lora: this layer's adapters (`LoRABatch.layer`) or None.
 
         Returns:
@@ -191,7 +197,11 @@ class Attention(nnx.Module):
             v = v + self.v_bias[...]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out, kv_cache = attend(q, k, v, kv_cache, metadata)
+        if self.sliding_window is None:
+            out, kv_cache = attend(q, k, v, kv_cache, metadata)
+        else:
+            out, kv_cache = attend(q, k, v, kv_cache, metadata,
+                                   sliding_window=self.sliding_window)
         out = out.astype(x.dtype)
         y = jnp.einsum("tnh,nhd->td", out, self.o_proj[...])
         if lora is not None:
@@ -202,10 +212,10 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, sliding_window: int | None = None):
         dt = jnp.dtype(config.dtype)
         self.input_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs, sliding_window=sliding_window)
         self.post_attn_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt,
                                       rngs=rngs)
         self.mlp = MLP(config, rngs=rngs)
@@ -219,12 +229,13 @@ class Block(nnx.Module):
 
 
 def _local_attend(q, k, v, kv_cache, metadata: AttentionMetadata, *, sm_scale, backend,
-                  interpret):
+                  interpret, sliding_window=None):
     """write_kv then paged attention on one device (or one shard's heads)."""
     kv_cache = kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
     out = kernels.paged_attention(
         q, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
-        metadata.num_seqs, sm_scale=sm_scale, backend=backend, interpret=interpret)
+        metadata.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+        backend=backend, interpret=interpret)
     return out, kv_cache
 
 
@@ -248,7 +259,8 @@ class Transformer(nnx.Module):
         # tests); RMSNorm makes the input side scale-free anyway.
         self.embedding = nnx.Param(
             _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([Block(config, rngs=rngs, sliding_window=w)
+                                for w in config.layer_windows])
         self.final_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
         if not config.tie_embeddings:
             self.lm_head = nnx.Param(
@@ -264,7 +276,12 @@ class Transformer(nnx.Module):
         Args:
           kv_caches: L arrays [num_pages, page_size, 2K, H].
           input_ids: i32[T].
-          metadata: `AttentionMetadata` of device arrays (positions i32[T] etc.).
+          metadata: `AttentionMetadata` of device arrays (positions i32[T] etc.), or a
+            tuple of them, one per KV group (`config.kv_groups`; hybrid models): layer i
+            then reads the block table and slot mapping of its group's entry,
+            `metadata[config.layer_kv_groups[i]]` (the entries differ only in
+            `page_indices` and `slot_mapping`). One AttentionMetadata serves every layer
+            (sliding-window layers mask the window over the full table).
           logits_indices: i32[S] token rows whose logits are returned.
           mm_embeds: [T, D] rows injected where `mm_mask` is set, or None.
           mm_mask: bool[T], or None (both or neither).
@@ -286,12 +303,16 @@ class Transformer(nnx.Module):
             # NOTE: multimodal rows replace the placeholder tokens' embeddings, so two
             # different images behind identical placeholder ids give different K/V.
             x = jnp.where(mm_mask[:, None], mm_embeds.astype(x.dtype), x)
+        per_group = not isinstance(metadata, AttentionMetadata)
+        group_of = cfg.layer_kv_groups
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # f32[H // 2], a host-computed constant
-        freqs = metadata.positions.astype(jnp.float32)[:, None] * inv_freq
+        positions = (metadata[0] if per_group else metadata).positions
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)  # f32[T, H // 2]
         new_caches = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, kv_cache = layer(x, kv_cache, metadata, cos, sin, attend,
+            md = metadata[group_of[i]] if per_group else metadata
+            x, kv_cache = layer(x, kv_cache, md, cos, sin, attend,
                                 None if lora is None else lora.layer(i))
             new_caches.append(kv_cache)
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]

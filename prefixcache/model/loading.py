@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (config.json + *.safetensors) <-> `Transformer`.
 
-Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` (torch
-`nn.Linear` weights are [out_features, in_features]):
+Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` /
+`MistralForCausalLM` (torch `nn.Linear` weights are [out_features, in_features]):
 
   model.embed_tokens.weight                       [V, D]      -> embedding [V, D]
   model.layers.i.self_attn.q_proj.weight          [N*H, D]    -> q_proj [D, N, H]
@@ -148,7 +148,7 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
-    """Loads a Llama / Qwen2 checkpoint directory.
+    """Loads a Llama / Qwen2 / Mistral checkpoint directory.
 
     Args:
       path: a directory with config.json and *.safetensors (one file, or shards listed in

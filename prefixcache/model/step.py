@@ -113,6 +113,18 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
 def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits_indices,
                      mm_embeds, mm_mask) -> None:
     """Static (shape/dtype) checks; runs at trace time, so no device transfer."""
+    if isinstance(metadata, (tuple, list)) and not isinstance(metadata, AttentionMetadata):
+        # Hybrid models: one AttentionMetadata per KV group.
+        if len(metadata) != len(config.kv_groups) or not all(
+                isinstance(m, AttentionMetadata) for m in metadata):
+            raise ValueError(f"metadata must be an AttentionMetadata or a tuple of "
+                             f"{len(config.kv_groups)} (one per KV group), got "
+                             f"{[type(m).__name__ for m in metadata]}")
+        for g, m in enumerate(metadata):
+            if m.page_indices.shape[0] != metadata[0].page_indices.shape[0]:
+                raise ValueError(f"metadata[{g}].page_indices {m.page_indices.shape} has "
+                                 f"another row count than metadata[0]")
+        metadata = metadata[0]
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if len(kv_caches) != config.num_layers:
@@ -172,7 +184,8 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
     mm_mask=None, lora=None) -> (logits f32[S, V], kv_caches)`:
       kv_caches: L arrays [num_pages, page_size, 2K, H], donated (invalid after the call).
-      input_ids: i32[T]; metadata: `AttentionMetadata`; logits_indices: i32[S] (the
+      input_ids: i32[T]; metadata: `AttentionMetadata` (or a tuple of them, one per KV
+        group of a hybrid model: `Transformer.__call__`); logits_indices: i32[S] (the
         `StepInputs` of `prefixcache.metadata`).
       mm_embeds: float[T, D] rows replacing the token embedding where mm_mask: bool[T] is
         set, or None for both (a separately compiled program).
@@ -214,9 +227,11 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         pages = P(None, None, MODEL_AXIS, None)  # [num_pages, page_size, 2K, H]
         # NOTE: metadata is replicated (P() as a prefix spec for the whole NamedTuple);
         # each device writes and attends over its own kv heads only.
-        attend = jax.shard_map(local, mesh=mesh,
-                               in_specs=(heads, heads, heads, pages, P()),
-                               out_specs=(heads, pages), check_vma=False)
+        def attend(q, k, v, kv_cache, metadata, sliding_window=None):
+            fn = functools.partial(local, sliding_window=sliding_window)
+            return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, pages, P()),
+                                 out_specs=(heads, pages), check_vma=False)(
+                                     q, k, v, kv_cache, metadata)
         kv_sharding = kv_cache_sharding(mesh)
         out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.num_layers)
     graphdef, params = nnx.split(model)

@@ -79,8 +79,29 @@ def _inv_freq(hf_cfg: dict) -> np.ndarray:
     return inv
 
 
+def hf_layer_windows(hf_cfg: dict) -> list:
+    """Each layer's sliding window (None: full attention), by transformers' rules:
+    Qwen2Config (`sliding_window` only with `use_sliding_window`; `layer_types`, else
+    sliding iff layer >= `max_window_layers`), MistralConfig (`sliding_window`, default
+    4096, on every layer), Llama (none)."""
+    L = hf_cfg["num_hidden_layers"]
+    arch = hf_cfg["architectures"][0]
+    if arch == "MistralForCausalLM":
+        return [hf_cfg.get("sliding_window", 4096)] * L
+    if arch != "Qwen2ForCausalLM":
+        return [None] * L
+    window = hf_cfg.get("sliding_window", 4096) if hf_cfg.get("use_sliding_window") else None
+    types = hf_cfg.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf_cfg.get("max_window_layers", 28)
+        else "full_attention" for i in range(L)]
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 def np_forward(hf_cfg: dict, weights: dict, token_ids, *, mm_rows=None) -> np.ndarray:
     """Logits f64[T, V] of one sequence, dense causal attention, HF conventions.
+
+    Sliding-window layers (`hf_layer_windows`) use HF's mask: query q sees key k iff
+    `q - W < k <= q` (`masking_utils.sliding_window_overlay` and the causal mask).
 
     mm_rows: optional {position: f[D] embedding row} replacing token embeddings.
     """
@@ -107,6 +128,7 @@ def np_forward(hf_cfg: dict, weights: dict, token_ids, *, mm_rows=None) -> np.nd
         return t * cos + rot * sin
 
     causal = np.tril(np.ones((T, T), bool))
+    windows = hf_layer_windows(hf_cfg)
     for i in range(hf_cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = rms(x, W[p + "input_layernorm.weight"])
@@ -123,7 +145,11 @@ def np_forward(hf_cfg: dict, weights: dict, token_ids, *, mm_rows=None) -> np.nd
         k = np.repeat(k, N // K, axis=1)  # HF repeat_kv: q head n uses kv head n // (N/K)
         v = np.repeat(v, N // K, axis=1)
         s = np.einsum("qnh,knh->nqk", q, k) / math.sqrt(H)
-        s = np.where(causal[None], s, -np.inf)
+        mask = causal
+        if windows[i] is not None:
+            qi, ki = np.arange(T)[:, None], np.arange(T)[None, :]
+            mask = causal & (ki > qi - windows[i])
+        s = np.where(mask[None], s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         s = s / s.sum(-1, keepdims=True)
         o = np.einsum("nqk,knh->qnh", s, v).reshape(T, N * H)
@@ -175,4 +201,5 @@ def hf_helpers():
     ns.np_forward = np_forward
     ns.llama_hf_config = llama_hf_config
     ns.qwen2_hf_config = qwen2_hf_config
+    ns.hf_layer_windows = hf_layer_windows
     return ns

@@ -70,7 +70,7 @@ def test_llama3_rope_scaling_matches_hf_formula():
         (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
         (dict(rope_theta=float("nan")), "rope_theta"),
         (dict(rope_scaling={"factor": 8}), "rope_scaling must be a RopeScaling"),
-        (dict(architecture="MistralForCausalLM"), "architecture 'MistralForCausalLM'"),
+        (dict(architecture="GemmaForCausalLM"), "architecture 'GemmaForCausalLM'"),
         (dict(tie_embeddings=1), "tie_embeddings must be a bool"),
     ],
 )

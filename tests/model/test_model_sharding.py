@@ -41,8 +41,13 @@ def run_steps(config, mesh):
                           num_layers=1, vocab_size=256), (8,), ("model",)),
         # tiny (2 kv heads, GQA 2) on a 4 x 2 mesh: replicated over "data".
         (ModelConfig.tiny(num_layers=1), (4, 2), ("data", "model")),
+        # a local (window 8 < the 17-token prompt) + a global layer: the window reaches
+        # the kernels under shard_map.
+        (ModelConfig.tiny(num_layers=2, sliding_window=8,
+                          layer_types=("sliding_attention", "full_attention")),
+         (4, 2), ("data", "model")),
     ],
-    ids=["kv8-model8", "tiny-data4xmodel2"],
+    ids=["kv8-model8", "tiny-data4xmodel2", "hybrid-data4xmodel2"],
 )
 def test_sharded_step_equals_single_device(config, mesh_shape, axes):
     devices = np.array(jax.devices()[:8]).reshape(mesh_shape)

@@ -1,0 +1,260 @@
+"""Sliding-window / hybrid models in the engine: one block table per KV cache group
+(full-attention layers, sliding-window layers), the sliding group holding only the blocks
+of its window, and tokens that never depend on the prefix cache.
+
+The model is `ModelConfig.tiny_hybrid()` (f32, 4 layers S,S,F,S, window 16); block size
+8 (the kernels' smallest page) so that a window spans 2 blocks and a 100-token request 13.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from prefixcache.engine import Engine, SamplingParams
+from prefixcache.metadata import AttentionMetadata
+from prefixcache.model import ModelConfig
+
+BS = 8
+W = 16
+BUCKETS = dict(token_buckets=(64,), seq_buckets=(4,), page_buckets=(16,))
+COMMON = dict(num_blocks=96, block_size=BS, seed=0, max_num_seqs=4,
+              max_num_batched_tokens=64, max_model_len=128, **BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def config():
+    cfg = ModelConfig.tiny_hybrid()
+    assert cfg.sliding_window == W and cfg.kv_groups == ((None, (2,)), (W, (0, 1, 3)))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def engines(config):
+    cached = Engine(config, enable_caching=True, **COMMON)
+    uncached = Engine(config, enable_caching=False, share_programs_with=cached, **COMMON)
+    return cached, uncached
+
+
+def _check_tables(engine):
+    """The scheduler's per-group rows equal the manager's tables (null slots included)."""
+    sched, mgr = engine.scheduler, engine.kv_cache_manager
+    for state in sched.running:
+        assert sched.block_ids(state.request_id) == mgr.get_block_ids(state.request_id), (
+            state.request_id)
+
+
+def _run(engine, prompts, max_tokens, *, check=None):
+    """Adds prompts one after the other (each after the previous finished, so later ones
+    can hit the earlier ones' cached blocks) and returns their outputs."""
+    outs = []
+    for p in prompts:
+        rid = engine.add_request(p, SamplingParams(max_tokens=max_tokens))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs.append(out)
+            _check_tables(engine)
+            if check is not None:
+                check(engine)
+        assert outs[-1].request_id == rid
+    return outs
+
+
+def _greedy_reference(model, config, prompts, num_tokens):
+    """Greedy tokens by recomputing the whole sequence each step: one sequence, one block
+    table for every layer (sliding layers mask their window over it)."""
+    from prefixcache.metadata import MetadataBuilder, ScheduledSeq
+    from prefixcache.model import make_kv_caches, make_step_fn
+
+    builder = MetadataBuilder(block_size=BS, num_blocks=16, max_num_seqs=4,
+                              max_num_tokens=128, max_pages_per_seq=16,
+                              token_buckets=[128], seq_buckets=[4], page_buckets=[16])
+    step = make_step_fn(model)
+    kv = make_kv_caches(config, num_blocks=16, block_size=BS)
+    out = []
+    for prompt in prompts:
+        tokens = list(prompt)
+        for _ in range(num_tokens):  # each step rewrites all the KV it reads
+            blocks = list(range(-(-len(tokens) // BS)))
+            inputs = builder.build([ScheduledSeq(blocks, 0, tokens)])
+            logits, kv = step(kv, inputs.input_ids, inputs.metadata, inputs.logits_indices)
+            tokens.append(int(np.asarray(logits)[0].argmax()))
+        out.append(tokens[len(prompt):])
+    return out
+
+
+def test_hybrid_tokens_identical_with_cache_on_and_off(engines, config):
+    cached, uncached = engines
+    rng = np.random.default_rng(0)
+    system = rng.integers(1, config.vocab_size, 40).tolist()
+    prompts = [system + rng.integers(1, config.vocab_size, n).tolist() for n in (5, 9, 2)]
+    prompts.append(list(prompts[0]))  # an exact repeat: a hit up to the last token
+    outs_c = _run(cached, prompts, 12)
+    outs_u = _run(uncached, prompts, 12)
+    for c, u in zip(outs_c, outs_u):
+        assert c.error is None and u.error is None
+        assert c.token_ids == u.token_ids, c.request_id
+    # ... and equal to recomputing every token over one full table (so the null slots
+    # and per-group tables change nothing, whether or not the cache is on).
+    want = _greedy_reference(cached.model, config, prompts[:3], 12)
+    assert [c.token_ids for c in outs_c[:3]] == want
+    hits = [o.metrics.num_cached_tokens for o in outs_c]
+    # The later requests hit the shared 40-token prefix (whole blocks, every group valid:
+    # the sliding group's W tokens before the hit point are cached).
+    assert hits == [0, 40, 40, 40], hits
+    assert all(o.metrics.num_cached_tokens == 0 for o in outs_u)
+    # The step really is per group: two AttentionMetadata whose page tables differ.
+    cached.add_request(prompts[1], SamplingParams(max_tokens=1))
+    sched = cached.scheduler.schedule()
+    prepared = cached.runner.prepare(sched.scheduled, cached.scheduler.kv_group_tables)
+    md = prepared.inputs.step.metadata
+    assert isinstance(md, tuple) and len(md) == 2
+    assert all(isinstance(m, AttentionMetadata) for m in md)
+    assert not np.array_equal(md[0].page_indices, md[1].page_indices)
+    # the prefix hit of 40+ tokens: the sliding group's first slots are null (padding page)
+    assert md[1].page_indices[0, 0] == cached.num_blocks != md[0].page_indices[0, 0]
+    # One table for a two-group model would have the sliding layers read pages they
+    # never wrote: refused.
+    with pytest.raises(ValueError, match="2 KV cache groups: pass one BlockTables per"):
+        cached.runner.prepare(sched.scheduled, cached.scheduler.block_tables)
+    for s in sched.scheduled:
+        cached.scheduler.finish_request(s.state, "abort")
+    cached.step()
+
+
+def test_sliding_group_blocks_bounded_by_the_window(engines, config):
+    cached, _ = engines
+    cached.kv_cache_manager.reset_prefix_cache()
+    chunk = COMMON["max_num_batched_tokens"]
+    seen = {"max_local": 0, "max_full": 0, "decode_steps": 0}
+    decode_bound = math.ceil(W / BS) + 1
+    prefill_bound = math.ceil((W - 1 + chunk) / BS) + 1
+
+    def check(engine):
+        for state in engine.scheduler.running:
+            full, local = engine.kv_cache_manager.get_block_ids(state.request_id)
+            n_local = sum(b != engine.num_blocks for b in local)
+            assert engine.num_blocks not in full
+            assert len(local) == len(full)  # same slots, the early ones null
+            computed = state.request.num_computed_tokens
+            if computed > state.request.num_prompt_tokens:  # decoding
+                seen["decode_steps"] += 1
+                assert n_local <= decode_bound, (computed, local)
+            assert n_local <= prefill_bound, (computed, local)
+            seen["max_local"] = max(seen["max_local"], n_local)
+            seen["max_full"] = max(seen["max_full"], len(full))
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(1, config.vocab_size, 36).tolist()
+    out, = _run(cached, [prompt], 64, check=check)
+    assert out.error is None and len(out.token_ids) == 64
+    # The full group grew to the whole request (99 tokens of KV -> 13 blocks), the sliding
+    # group stayed within its window.
+    assert seen["max_full"] == math.ceil(99 / BS) and seen["decode_steps"] > 50
+    assert seen["max_local"] <= prefill_bound
+
+
+def test_hybrid_step_loop_has_no_hidden_transfers(engines, config):
+    cached, _ = engines
+    prompt = np.random.default_rng(2).integers(1, config.vocab_size, 30).tolist()
+    cached.add_request(prompt, SamplingParams(max_tokens=4))
+    cached.step()  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        while cached.has_unfinished_requests():
+            cached.step()
+
+
+def test_mistral_style_all_sliding_model_runs(engines):
+    """One sliding-window group and no full-attention one (vLLM serves these too): the
+    step's one table has null slots; tokens equal the cache-off run."""
+    config = ModelConfig.tiny(architecture="MistralForCausalLM", sliding_window=8)
+    kw = {**COMMON, "num_blocks": 64}
+    cached = Engine(config, enable_caching=True, **kw)
+    uncached = Engine(config, enable_caching=False, share_programs_with=cached, **kw)
+    rng = np.random.default_rng(3)
+    base = rng.integers(1, config.vocab_size, 30).tolist()
+    prompts = [base + [5, 6], base + [7]]
+    oc, ou = _run(cached, prompts, 10), _run(uncached, prompts, 10)
+    assert [o.token_ids for o in oc] == [o.token_ids for o in ou]
+    assert oc[1].metrics.num_cached_tokens > 0
+
+
+def test_plain_model_keeps_one_table_and_one_metadata():
+    engine = Engine(ModelConfig.tiny(), **{**COMMON, "num_blocks": 16})
+    assert engine.scheduler.kv_group_tables is None
+    assert type(engine.kv_cache_manager).__name__ == "KVCacheManager"
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    sched = engine.scheduler.schedule()
+    prepared = engine.runner.prepare(sched.scheduled, engine.scheduler.block_tables)
+    assert isinstance(prepared.inputs.step.metadata, AttentionMetadata)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(eviction="lfu"), "need eviction='lru' and index='hash'"),
+        (dict(index="radix"), "need eviction='lru' and index='hash'"),
+        (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
+        (dict(manager_kwargs={"eviction_options": {"x": 1}}), "eviction_options"),
+    ],
+)
+def test_bad_hybrid_configurations_fail_before_anything_is_built(config, monkeypatch, kw,
+                                                                 match):
+    import prefixcache.core as core
+    import prefixcache.engine.engine as engine_mod
+
+    def boom(*a, **k):
+        raise AssertionError("built before the configuration was checked")
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", boom)
+    monkeypatch.setattr(core, "KVCacheManager", boom)
+    with pytest.raises(ValueError, match=match):
+        Engine(config, **{**COMMON, **kw})
+
+
+def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
+    """A pool far smaller than the batch needs: requests are preempted and re-admitted
+    (their rows released and re-added in every group); tokens equal the ample pool's."""
+    cached, _ = engines
+    rng = np.random.default_rng(4)
+    system = rng.integers(1, config.vocab_size, 24).tolist()
+    prompts = [system + rng.integers(1, config.vocab_size, n).tolist() for n in (8, 12, 16, 4)]
+    small = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": 20})
+    for p in prompts:
+        small.add_request(p, SamplingParams(max_tokens=24))
+    outs = {}
+    while small.has_unfinished_requests():
+        for o in small.step():
+            outs[o.request_id] = o
+        _check_tables(small)
+        small.kv_cache_manager.check_invariants()
+    assert small.metrics().num_preemptions > 0
+    ample = cached.generate(prompts, SamplingParams(max_tokens=24))
+    assert [outs[f"req-{i}"].token_ids for i in range(4)] == [o.token_ids for o in ample]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_pallas_backends_read_per_group_tables_with_null_slots(engines, config, backend):
+    """The Pallas kernels (interpret mode) over the per-group tables, a prefix hit with
+    null slots included: the tokens of the reference backend (~5-10 s each on CPU)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    cached, _ = engines
+    base = np.random.default_rng(5).integers(1, config.vocab_size, 40).tolist()
+    prompts = [base + [3, 4], base + [5]]
+    kw = {**COMMON, "num_blocks": 32}
+    ref = Engine(config, model=cached.model, attention_backend="reference", **kw)
+    want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=4))]
+    engine = Engine(config, model=cached.model, attention_backend=backend, interpret=True,
+                    **kw)
+    if backend == "pallas_tpu":
+        with pltpu.force_tpu_interpret_mode():
+            outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    else:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == want
+    assert outs[1].metrics.num_cached_tokens == 40
