@@ -274,11 +274,19 @@ class HostTierMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 10), num_host=st.integers(1, 6),
                 block_size=st.sampled_from([1, 2, 2, 4]),
                 free_order=st.sampled_from(["append", "unhashed_first"]),
-                eviction=st.sampled_from(ONLINE), host_eviction=st.sampled_from(ONLINE))
-    def setup(self, num_blocks, num_host, block_size, free_order, eviction, host_eviction):
+                eviction=st.sampled_from(ONLINE),
+                host_eviction=st.sampled_from(ONLINE + ["keyed lru"]),
+                events=st.booleans())
+    def setup(self, num_blocks, num_host, block_size, free_order, eviction, host_eviction,
+              events=True):
+        # (events off + both lru: the pool's inlined demotion loop; else per block)
+        options = None
+        if host_eviction == "keyed lru":
+            host_eviction, options = "lru", {"fast_path": False}
         self.m = KVCacheManager(num_blocks, block_size, free_order=free_order,
                                 eviction=eviction, num_host_blocks=num_host,
-                                host_eviction=host_eviction, enable_events=True)
+                                host_eviction=host_eviction, host_eviction_options=options,
+                                enable_events=events)
         self.nb, self.nh, self.bs = num_blocks, num_host, block_size
         self.dev = np.zeros((num_blocks, WIDTH), np.float32)
         self.host = np.zeros((num_host, WIDTH), np.float32)
