@@ -45,8 +45,13 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from prefixcache._validate import ArgumentTypeError, check_count
-from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
+from prefixcache._validate import ArgumentTypeError, check_count, check_host_memory
+from prefixcache.core.block_pool import (
+    HOST_BYTES_PER_BLOCK,
+    BlockPool,
+    InvariantError,
+    KVCacheBlock,
+)
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -133,6 +138,9 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
         ArgumentTypeError / ValueError naming the argument.
     """
     num_host_blocks = check_count("num_host_blocks", num_host_blocks)
+    # The slots' bookkeeping only (the KV pages are the engine's): refused up front.
+    check_host_memory(f"a host tier of num_host_blocks={num_host_blocks}",
+                      num_host_blocks * HOST_BYTES_PER_BLOCK)
     if not isinstance(host_eviction, str):
         raise ArgumentTypeError(
             f"host_eviction must be a policy name (str), got {host_eviction!r}")

@@ -204,6 +204,7 @@ def test_reset_clears_both_tiers_one_event():
     (True, TypeError, "num_host_blocks must be an int"),
     ("8", TypeError, "num_host_blocks must be an int"),
     (None, TypeError, "num_host_blocks must be an int"),
+    (10**15, ValueError, "host tier of num_host_blocks=1000000000000000"),
 ])
 def test_bad_host_size(bad, exc, match):
     with pytest.raises(exc, match=match):
