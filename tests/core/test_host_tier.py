@@ -463,9 +463,17 @@ def test_big_host_tier_gives_the_infinite_cache_hits_mooncake(local_datasets):
     assert ideal["evictions"] == 0
     longest = max(-(-(len(r.prompt) + r.output_len) // 512) for r in reqs)
     for nb in (longest, 2 * longest + 5):
-        s = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, num_host_blocks=100_000)
+        tiered, alone = [], []
+        s = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, num_host_blocks=100_000,
+                   on_record=tiered.append)
+        d = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, on_record=alone.append)
         assert s["failed"] == 0 and s["hit_tokens"] == ideal["hit_tokens"]
         assert s["host_hit_tokens"] > 0
+        # The tier is invisible to the device here: a host hit takes the fresh block its
+        # recomputation would have taken, in the same order (no device hit behind a host
+        # hit in this slice), so block ids and device hits equal the device-only run's.
+        assert [r["block_ids"] for r in tiered] == [r["block_ids"] for r in alone]
+        assert s["device_hit_tokens"] == d["hit_tokens"] < s["hit_tokens"]
     small = replay(reqs, num_blocks=longest, block_size=512, concurrency=1,
                    num_host_blocks=longest, host_eviction="lru")
     assert small["hit_tokens"] < ideal["hit_tokens"]
