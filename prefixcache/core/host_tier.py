@@ -24,6 +24,11 @@ The transfers are sequential copies, to apply in list order before the step comp
 entry being promoted is pinned (out of the host policy's candidates) while the device
 blocks for it are taken, so the demotions those evictions cause never store into a
 slot that is about to be loaded; its slot is freed only after its load is recorded.
+Two rare cases keep the tiers exclusive: a demotion while the host is full of pinned
+entries is dropped (``num_dropped``: the block is gone, as without a tier), and a
+block the device computes and caches while the host holds its hash (a prompt that
+cannot hit its own last block, a chain whose parent was evicted) drops the host copy
+(``num_discarded``, ``BlockRemoved(medium="CPU")``).
 
 Host policy: ``lru`` (the default) evicts the least recently demoted entry, kept as
 the insertion order of the hash -> slot ``OrderedDict`` (the fast path, no policy
