@@ -343,3 +343,19 @@ def test_random_sequences_keep_invariants_and_the_window_bound(
         m.free(req)
     m.check_invariants()
     assert m.num_free_blocks == num_blocks and m.usage == 0.0  # nothing leaked
+
+
+def test_hybrid_manager_rejects_a_host_tier_and_reports_none():
+    """Sliding-window groups have no host tier: a size > 0 is a clear error before
+    anything is built; size 0 answers the host-tier API with nothing (the replay and
+    the engine call it)."""
+    from prefixcache.core import FullAttentionSpec, KVCacheGroup, KVCacheManager, SlidingWindowSpec
+
+    groups = [KVCacheGroup(FullAttentionSpec(), ["layers.0"]),
+              KVCacheGroup(SlidingWindowSpec(sliding_window=8), ["layers.1"])]
+    with pytest.raises(ValueError, match="host tier"):
+        KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=8)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=-1)
+    m = KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=0)
+    assert m.num_host_blocks == 0 and m.take_host_transfers() == []
