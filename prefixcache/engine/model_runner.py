@@ -273,13 +273,15 @@ class ModelRunner:
       pack_transfers: move the step's arrays as one packed buffer (`pack_inputs`); False
         moves the `DeviceInputs` pytree as is (the plain path the packed one is tested
         against). Settable (`runner.pack_transfers`) between steps.
+      num_host_blocks: host-tier pages (`host_pages`, a `HostPages`; 0: none, None).
     """
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  token_buckets=None, seq_buckets=None, page_buckets=None,
-                 program: StepProgram | None = None, pack_transfers: bool = True):
+                 program: StepProgram | None = None, pack_transfers: bool = True,
+                 num_host_blocks: int = 0):
         from prefixcache.model import make_kv_caches
 
         if program is None:
@@ -306,6 +308,11 @@ class ModelRunner:
         self.compiled_shapes: set[tuple] = set()
         self._greedy_sampling: dict[int, SamplingArrays] = {}
         self.pack_transfers = bool(pack_transfers)
+        self.host_pages = None
+        if num_host_blocks:
+            from prefixcache.engine.host_pages import HostPages
+            self.host_pages = HostPages(self.kv_caches, num_blocks=num_blocks,
+                                        num_host_blocks=num_host_blocks, mesh=mesh)
 
     @property
     def d_model(self) -> int:
@@ -396,11 +403,19 @@ class ModelRunner:
                       else jax.device_put(prepared.inputs, sharding))
         tokens, logits, self.kv_caches = self.program(
             self.kv_caches, inputs, all_greedy=prepared.all_greedy)
+        if self.host_pages is not None:
+            self.host_pages.finish()  # the pending stores' one device_get, step dispatched
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
         tokens = jax.device_get(tokens)
         return tokens[:prepared.num_seqs], None
+
+    def apply_host_transfers(self, transfers) -> None:
+        """Dispatches the manager's ordered host-tier copies (`HostTransfer`s) before
+        the step computes (see `prefixcache.engine.host_pages`); the stores' pages reach
+        the host in `execute` (or `host_pages.finish()`)."""
+        self.kv_caches = self.host_pages.apply(self.kv_caches, transfers)
 
     @property
     def num_compiled_programs(self) -> int:
