@@ -145,3 +145,216 @@ def test_apply_runs_clean_under_transfer_guard_disallow():
         kv = pages.apply(kv, [("store", 1, 0), ("load", 2, 3)])
         pages.finish()
     assert (pages.num_h2d, pages.num_d2h) == (1, 1)
+
+
+# ----------------------------------------------------------------- the engine end to end
+
+from prefixcache.engine import Engine, SamplingParams  # noqa: E402
+from prefixcache.model import ModelConfig  # noqa: E402
+
+BS = 16
+# A device pool far smaller than the working set: three families of requests, each
+# sharing a 96-token (6-block) prefix; a family's prefix is evicted from the device by
+# the next two before it is revisited. One shape bucket each: one compiled program.
+COMMON = dict(num_blocks=20, block_size=BS, seed=0, max_num_seqs=2,
+              max_num_batched_tokens=64, max_model_len=256, token_buckets=(64,),
+              seq_buckets=(2,), page_buckets=(16,))
+PARAMS = SamplingParams(max_tokens=4)
+NUM_HOST = 48
+
+
+def _rounds():
+    rng = np.random.default_rng(11)
+    prefixes = [rng.integers(1, 512, 6 * BS).tolist() for _ in range(3)]
+    rounds = []
+    for visit in range(2):
+        for f, prefix in enumerate(prefixes):
+            rounds.append([(f"f{f}v{visit}r{k}", prefix + rng.integers(1, 512, n).tolist())
+                           for k, n in enumerate((5, 21))])
+    return rounds
+
+
+def _serve(engine):
+    """Runs every round to completion; returns (tokens by id, logits by id)."""
+    tokens, logits = {}, {}
+    engine.record_logits = True
+    for batch in _rounds():
+        for rid, prompt in batch:
+            engine.add_request(prompt, PARAMS, request_id=rid)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+                tokens[out.request_id] = out.token_ids
+    for step in engine.step_logits:
+        for rid, row in step.items():
+            logits.setdefault(rid, []).append(row)
+    return tokens, {k: np.stack(v) for k, v in logits.items()}
+
+
+@pytest.fixture(scope="module")
+def off():
+    eng = Engine(ModelConfig.tiny(), **COMMON)
+    return eng, _serve(eng)
+
+
+def _engine(off_engine, **kw):
+    return Engine(ModelConfig.tiny(), share_programs_with=off_engine, **COMMON,
+                  num_host_blocks=NUM_HOST, **kw)
+
+
+class _Spy:
+    """Wraps the runner's `apply_host_transfers`: records each batch, the counters
+    around it, and checks every promoted page byte for byte against the demoted one."""
+
+    def __init__(self, engine):
+        self.engine, self.runner = engine, engine.runner
+        self.batches, self.demoted, self.num_checked = [], {}, 0
+        self._apply = self.runner.apply_host_transfers
+        self.runner.apply_host_transfers = self
+
+    def __call__(self, transfers):
+        runner = self.runner
+        with jax.transfer_guard("allow"):
+            before = [np.asarray(x) for x in runner.kv_caches]
+        assert all(np.isfinite(x).all() for x in before)
+        cur = {}  # device page -> its content after this batch's loads so far
+        for kind, b, s in transfers:
+            if kind == "store":
+                self.demoted[s] = cur.get(b, [x[b].copy() for x in before])
+            else:
+                cur[b] = self.demoted[s]
+        pages = runner.host_pages
+        counts = (pages.num_h2d, pages.num_d2h)
+        self._apply(transfers)
+        self.batches.append((list(transfers), counts, (pages.num_h2d, pages.num_d2h)))
+        with jax.transfer_guard("allow"):
+            after = [np.asarray(x) for x in runner.kv_caches]
+        for b, want in cur.items():
+            for l in range(len(after)):
+                assert after[l][b].tobytes() == want[l].tobytes(), (b, l)
+            self.num_checked += 1
+
+
+def test_tier_on_matches_off_and_hits_more(off):
+    off_engine, (want_tokens, want_logits) = off
+    eng = _engine(off_engine)
+    spy = _Spy(eng)
+    tokens, logits = _serve(eng)
+    assert tokens == want_tokens
+    for rid, rows in want_logits.items():
+        np.testing.assert_allclose(logits[rid], rows, atol=1e-4, rtol=0)
+    m, m_off = eng.metrics(), off_engine.metrics()
+    assert m.num_cached_tokens > m_off.num_cached_tokens
+    assert m.host_hit_tokens > 0 and m.device_hit_tokens > 0
+    assert m.host_blocks_loaded > 0 and m.host_blocks_stored > 0
+    page_bytes = 2 * BS * 2 * 2 * 64 * 4  # layers x page x 2K x head_dim x f32
+    assert m.host_bytes_loaded == m.host_blocks_loaded * page_bytes
+    assert m.host_pool_bytes == NUM_HOST * page_bytes
+    assert m_off.host_hit_tokens is None and m_off.host_pool_bytes is None
+    # Every promoted page was compared byte for byte with the page demoted.
+    loads = sum(t[0] == "load" for batch, _, _ in spy.batches for t in batch)
+    assert spy.num_checked == loads == m.host_blocks_loaded
+    eng.kv_cache_manager.check_invariants()
+
+
+def test_one_h2d_and_at_most_one_d2h_per_step_under_transfer_guard(off):
+    from prefixcache.engine.host_pages import plan_host_transfers
+
+    eng = _engine(off[0])
+    spy = _Spy(eng)
+    real_step = eng.step
+
+    def guarded_step():
+        with jax.transfer_guard("disallow"):
+            return real_step()
+
+    eng.step = guarded_step
+    num_steps_before = eng.metrics().num_steps
+    _serve(eng)
+    pages = eng.runner.host_pages
+    assert spy.batches and any(b[1] != b[2] for b in spy.batches)
+    d2h_total = 0
+    for transfers, (h0, d0), (h1, _) in spy.batches:
+        plan = plan_host_transfers(transfers, num_blocks=COMMON["num_blocks"],
+                                   num_host_blocks=NUM_HOST)
+        assert h1 - h0 == int(plan.touches_device)
+        d2h_total += int(plan.store_slots.size > 0)
+    assert pages.num_d2h == d2h_total > 0  # each done once, after the step's dispatch
+    assert pages.num_h2d == len(spy.batches)
+    assert len(spy.batches) <= eng.metrics().num_steps - num_steps_before
+    assert pages.num_pages_loaded == eng.metrics().host_blocks_loaded
+    assert pages.num_pages_stored <= eng.metrics().host_blocks_stored
+
+
+def test_tier_off_does_no_host_work(off, monkeypatch):
+    eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON)
+    assert eng.runner.host_pages is None
+
+    def boom():
+        raise AssertionError("take_host_transfers called with the tier off")
+
+    monkeypatch.setattr(eng.kv_cache_manager, "take_host_transfers", boom)
+    assert _serve(eng)[0] == off[1][0]
+
+
+def test_failed_step_resets_both_tiers_and_serves_no_stale_slot(off):
+    from prefixcache.engine.faults import StepFault
+
+    eng = _engine(off[0])
+    rounds = _rounds()
+    for batch in rounds[:4]:  # families 0, 1, 2, then 0 again: the host tier is used
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert eng.kv_cache_manager.num_host_cached_blocks > 0
+    fault = StepFault(1, kind="kv_lost").attach(eng)
+    for rid, prompt in rounds[4]:
+        eng.add_request(prompt, PARAMS, request_id=rid)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        if fault.fired:
+            eng.fault_injector = None
+    assert fault.fired
+    assert any(o.finish_reason == "error" for o in outs.values())
+    assert eng.kv_cache_manager.num_host_cached_blocks == 0  # both tiers reset
+    # Afterwards: tokens as without the fault, and every load reads a slot stored
+    # after the reset (a stale slot is never served).
+    spy = _Spy(eng)
+    for i, batch in enumerate([rounds[5], rounds[0], rounds[1], rounds[2], rounds[0]]):
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=f"{rid}:{i}")
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                assert o.error is None
+                assert o.token_ids == off[1][0][o.request_id.split(":")[0]]
+    eng.kv_cache_manager.check_invariants()
+    stored, num_loads = set(), 0
+    for transfers, _, _ in spy.batches:
+        for kind, _, s in transfers:
+            if kind == "store":
+                stored.add(s)
+            else:
+                assert s in stored
+                num_loads += 1
+    assert num_loads > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, "8", None])
+def test_bad_host_size_raises_before_anything_is_built(bad, monkeypatch):
+    import prefixcache.engine.engine as engine_mod
+
+    def built(*a, **k):
+        raise AssertionError("built something before validating num_host_blocks")
+
+    monkeypatch.setattr(engine_mod, "_check_runnable", built)
+    monkeypatch.setattr(engine_mod, "ModelRunner", built)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        Engine(ModelConfig.tiny(), num_blocks=8, num_host_blocks=bad)
+    for name in ("belady", "nope"):
+        with pytest.raises(ValueError, match=name):
+            Engine(ModelConfig.tiny(), num_blocks=8, num_host_blocks=4, host_eviction=name)
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        Engine(ModelConfig.tiny(), num_blocks=8, manager_kwargs={"num_host_blocks": 4})
