@@ -31,6 +31,7 @@ Nothing else crosses the host/device boundary; the two transfers run inside a sc
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -53,8 +54,9 @@ class HostTransferPlan(NamedTuple):
         page; the first `num_gather` are real.
       store_slots: i32[n] host slots written from gathered pages ...
       store_rows: i32[n] ... row of `gather_ids` each takes.
-      staged_slots: i32[h] host slots whose original content is staged for the device
-        (h <= Hp, the staged buffer's padded row count).
+      staged_slots: i32[h] host slots whose original content is staged for the device,
+        one per device page written from host data, in scatter order (h <= Hp, the
+        staged buffer's padded row count; Hp == Sp when nothing is gathered).
       scatter_ids: i32[Sp] device pages written, padded with the padding page.
       scatter_src: i32[Sp] row of concat(gathered[Gp], staged[Hp]) each takes.
       host_dst, host_src: i32[m] host slot -> host slot copies (original content).
@@ -103,7 +105,10 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
         else:
             raise ValueError(f"host transfer {tuple(t)!r}: kind must be 'store' or 'load'")
     gather: dict[int, int] = {}   # device page -> row in the gathered buffer
-    staged: dict[int, int] = {}   # host slot -> row in the staged buffer
+    # NOTE: one staged row per device page written from host data, in scatter order
+    # (a slot read twice is staged twice): without gathered rows the staged buffer is
+    # then the scatter's source as is (`_copy_pages` skips the row gather).
+    staged: list[int] = []        # host slot of each staged row
     store_slots, store_rows, host_dst, host_src = [], [], [], []
     for s, (from_dev, src) in host.items():
         if from_dev:
@@ -118,7 +123,8 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
             if src != b:
                 scatter.append((b, True, gather.setdefault(src, len(gather))))
         else:
-            scatter.append((b, False, staged.setdefault(src, len(staged))))
+            scatter.append((b, False, len(staged)))
+            staged.append(src)
     g, gp, hp, sp = len(gather), _pow2(len(gather)), _pow2(len(staged)), _pow2(len(scatter))
     gather_ids = np.full(gp, num_blocks, _I32)
     gather_ids[:g] = list(gather)
@@ -129,11 +135,30 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
         scatter_src[i] = row if from_dev else gp + row
     return HostTransferPlan(
         gather_ids, np.asarray(store_slots, _I32), np.asarray(store_rows, _I32),
-        np.asarray(list(staged), _I32), scatter_ids, scatter_src,
+        np.asarray(staged, _I32), scatter_ids, scatter_src,
         np.asarray(host_dst, _I32), np.asarray(host_src, _I32), g, hp)
 
 
-def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged):
+def _as_bits(x):
+    """`x` viewed as unsigned ints of its width (exact)."""
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _needs_bits(kv) -> bool:
+    """Whether `_copy_pages` should move `kv`'s pages as unsigned ints.
+
+    NOTE: XLA's CPU backend widens a 16-bit float scatter to float32 over the WHOLE
+    operand (Llama-3.2-1B's 134 MB pool of 256 pages: ~420 ms to write 4 pages, vs
+    ~110 ms through uint16, the bitcast's own copy of the pool; an f32 pool: ~1 ms).
+    Accelerators scatter 16-bit floats natively, and there a bitcast of the pool could
+    cost a copy of it: the bits path is for CPU only.
+    """
+    dtype = jnp.dtype(kv.dtype)
+    platform = next(iter(kv.devices())).platform
+    return platform == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *, bits: bool):
     """gathered = pages `gather_ids` of every layer (original content); then page
     `scatter_ids[i]` of every layer <- row `scatter_src[i]` of concat(gathered, staged).
 
@@ -144,9 +169,21 @@ def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged):
     Returns:
       (new kv_caches, gathered [L, Gp, page, 2K, H]).
     """
+    dtype = kv_caches[0].dtype
+    if bits:
+        kv_caches, staged = [_as_bits(kv) for kv in kv_caches], _as_bits(staged)
     gathered = jnp.stack([kv[gather_ids] for kv in kv_caches])
-    src = jnp.concatenate([gathered, staged.astype(gathered.dtype)], axis=1)
-    new = [kv.at[scatter_ids].set(src[l][scatter_src]) for l, kv in enumerate(kv_caches)]
+    if gather_ids.shape[0] == 0:
+        # NOTE: loads only (the common case): the staged rows ARE the scatter's source
+        # rows, in order (`plan_host_transfers`); no row gather of the staged buffer.
+        assert staged.shape[1] == scatter_ids.shape[0], (staged.shape, scatter_ids.shape)
+        src = staged
+    else:
+        src = jnp.concatenate([gathered, staged], axis=1)[:, scatter_src]
+    new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(kv_caches)]
+    if bits:
+        return ([jax.lax.bitcast_convert_type(x, dtype) for x in new],
+                jax.lax.bitcast_convert_type(gathered, dtype))
     return new, gathered
 
 
@@ -197,7 +234,8 @@ class HostPages:
         else:
             self._staged_sharding = self._index_sharding = None
             out = None
-        self._copy = jax.jit(_copy_pages, donate_argnums=0, out_shardings=out)
+        self._copy = jax.jit(functools.partial(_copy_pages, bits=_needs_bits(first)),
+                             donate_argnums=0, out_shardings=out)
 
     @property
     def page_bytes(self) -> int:
@@ -224,12 +262,14 @@ class HostPages:
                                    num_host_blocks=self.num_host_blocks)
         pages = self.pages
         # Original host contents are read (staged) before any host slot is written.
-        staged = np.zeros((self.num_layers, plan.num_staged_padded, *self.page_shape),
+        staged = np.empty((self.num_layers, plan.num_staged_padded, *self.page_shape),
                           self.dtype)
         h = plan.staged_slots.size
+        staged[:, h:] = 0  # padding rows (they write the padding page)
         if h:
             for l, p in enumerate(pages):
-                staged[l, :h] = p[plan.staged_slots]
+                # NOTE: `take(..., out=)`: one pass over the bytes (no temporary).
+                np.take(p, plan.staged_slots, axis=0, out=staged[l, :h])
         if plan.host_dst.size:  # host -> host (fancy indexing reads all sources first)
             for p in pages:
                 p[plan.host_dst] = p[plan.host_src]
