@@ -82,7 +82,7 @@ def serve(engine, requests: Sequence, *, tag: str, batch_size: int, max_tokens: 
 # EngineMetrics fields of the host tier shown in the summary rows (None: no tier).
 HOST_TIER_KEYS = ("device_hit_tokens", "host_hit_tokens", "host_blocks_loaded",
                   "host_blocks_stored", "host_bytes_loaded", "host_bytes_stored",
-                  "host_pool_bytes")
+                  "host_pool_bytes", "host_copy_programs")
 
 
 def bench(requests: Sequence, warmup_requests: Sequence, config, *,
@@ -124,6 +124,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             engine.kv_cache_manager.reset_prefix_cache()
         engine.reset_metrics()
         programs_before = engine.metrics().num_compiled_programs
+        copies_before = engine.metrics().host_copy_programs
         fault = parse_fault(config.inject) if name == "on_cold" else None
         if fault is not None:
             fault.attach(engine)
@@ -152,6 +153,9 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
         })
         if config.num_host_blocks:  # absent when off: default rows unchanged
             summaries[-1].update({k: getattr(m, k) for k in HOST_TIER_KEYS})
+            if m.host_copy_programs is not None:  # the caching passes (off has no tier)
+                summaries[-1]["host_copy_programs_compiled_in_pass"] = (
+                    m.host_copy_programs - copies_before)
         all_rows += [{"record": "request", "pass": name, "cache_state": state, **r}
                      for r in rows]
     base = outputs["off"]

@@ -560,7 +560,8 @@ class Engine:
         return dict(device_hit_tokens=dev, host_hit_tokens=host, host_blocks_loaded=loaded,
                     host_blocks_stored=stored, host_bytes_loaded=loaded * pages.page_bytes,
                     host_bytes_stored=stored * pages.page_bytes,
-                    host_pool_bytes=pages.nbytes)
+                    host_pool_bytes=pages.nbytes,
+                    host_copy_programs=len(pages.compiled_shapes))
 
     def _num_evictions_total(self) -> int:
         return int(self.kv_cache_manager.num_evictions)

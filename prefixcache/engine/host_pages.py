@@ -19,8 +19,8 @@ How one batch runs (`plan_host_transfers` resolves it on the host, in numpy):
   4. the step is dispatched (the copies precede it on the device stream; nothing waits);
   5. ONE `jax.device_get` of the gathered pages, after the step's dispatch
      (`finish`), writes them into the host slots.
-Sizes are padded to powers of two (at least 1) so the number of compiled programs
-stays small: padded gather rows read the padding page (id `num_blocks`) and are
+Sizes are padded to powers of two (at least `MIN_ROWS`) so the number of compiled
+programs stays small: padded gather rows read the padding page (id `num_blocks`) and are
 dropped on the host; padded scatter rows write the padding page (read by no sequence:
 every kv_len masks it).
 
@@ -41,9 +41,14 @@ import numpy as np
 _I32 = np.int32
 
 
-def _pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1); 0 stays 0."""
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+# Smallest padded row count of a non-empty gather / scatter (fewer compiled programs;
+# 4 pages of Llama-3.2-1B are 2 MiB).
+MIN_ROWS = 4
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= max(n, MIN_ROWS); 0 stays 0."""
+    return 0 if n == 0 else max(MIN_ROWS, 1 << (n - 1).bit_length())
 
 
 class HostTransferPlan(NamedTuple):
@@ -125,7 +130,10 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
         else:
             scatter.append((b, False, len(staged)))
             staged.append(src)
-    g, gp, hp, sp = len(gather), _pow2(len(gather)), _pow2(len(staged)), _pow2(len(scatter))
+    # NOTE: the staged buffer has as many rows as the scatter (padded alike): programs
+    # are keyed by (Gp, Sp) only, at most (log2(max rows) + 1)^2 of them.
+    g, gp, sp = len(gather), _bucket(len(gather)), _bucket(len(scatter))
+    hp = sp
     gather_ids = np.full(gp, num_blocks, _I32)
     gather_ids[:g] = list(gather)
     scatter_ids = np.full(sp, num_blocks, _I32)

@@ -80,7 +80,9 @@ class EngineMetrics:
         preemption included); None when the engine has no host tier.
       host_blocks_loaded, host_blocks_stored: blocks promoted (host -> device) and
         demoted (device -> host); host_bytes_loaded, host_bytes_stored: their KV bytes
-        (all layers); host_pool_bytes: the host tier's pages. None without a host tier.
+        (all layers); host_pool_bytes: the host tier's pages; host_copy_programs:
+        distinct compiled copy programs (over the engine's life; bucketed sizes). None
+        without a host tier.
     """
 
     num_requests: int
@@ -107,6 +109,7 @@ class EngineMetrics:
     host_bytes_loaded: int | None = None
     host_bytes_stored: int | None = None
     host_pool_bytes: int | None = None
+    host_copy_programs: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -97,8 +97,10 @@ def test_load_of_a_slot_stored_in_the_same_batch_is_a_device_copy():
     t = [("store", 4, 1), ("load", 0, 1)]
     plan = plan_host_transfers(t, num_blocks=NB, num_host_blocks=NH)
     # one gathered page (block 4), written to slot 1 and to block 0; nothing staged.
-    assert plan.gather_ids.tolist() == [4] and plan.staged_slots.size == 0
-    assert plan.scatter_ids.tolist() == [0] and plan.scatter_src.tolist() == [0]
+    # Rows padded to MIN_ROWS = 4: gathers of the padding page NB, writes to it.
+    assert plan.gather_ids.tolist() == [4, NB, NB, NB] and plan.staged_slots.size == 0
+    assert plan.scatter_ids.tolist() == [0, NB, NB, NB]
+    assert plan.scatter_src.tolist() == [0, 0, 0, 0]
     kv = _run(pages, kv, t)
     for l in range(L):
         np.testing.assert_array_equal(pages.pages[l][1], before[l][4])
@@ -112,13 +114,16 @@ def test_padding_to_powers_of_two_bounds_programs():
     pages = HostPages(kv, num_blocks=NB, num_host_blocks=NH)
     plan = plan_host_transfers([("store", b, b) for b in range(3)]
                                + [("load", 5, 4)], num_blocks=NB, num_host_blocks=NH)
-    # 3 gathered rows -> 4 (padding page NB), 1 staged, 1 scattered.
+    # 3 gathered rows -> 4 (MIN_ROWS; padding page NB); 1 staged and scattered row -> 4.
     assert plan.gather_ids.tolist() == [0, 1, 2, NB]
-    assert plan.num_staged_padded == 1 and plan.scatter_ids.tolist() == [5]
-    assert plan.scatter_src.tolist() == [4]  # staged row 0 after 4 gathered rows
-    for n in (3, 4):
+    assert plan.num_staged_padded == 4 and plan.staged_slots.tolist() == [4]
+    assert plan.scatter_ids.tolist() == [5, NB, NB, NB]
+    assert plan.scatter_src.tolist() == [4, 0, 0, 0]  # staged row 0 after 4 gathered rows
+    for n in (1, 3, 4):
         kv = _run(pages, kv, [("store", b, b) for b in range(n)])
-    assert pages.compiled_shapes == {(4, 0, 0)}
+    for n in (5, 6):
+        kv = _run(pages, kv, [("load", b, b % NH) for b in range(n)])
+    assert pages.compiled_shapes == {(4, 0, 0), (0, 8, 8)}
 
 
 def test_bfloat16_pages_keep_their_bits():
