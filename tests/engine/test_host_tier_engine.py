@@ -384,3 +384,15 @@ def test_tier_on_a_mesh_matches_off(off):
     # The copies keep the KV laid out over the mesh (kv heads over "model").
     from prefixcache.model import kv_cache_sharding
     assert all(x.sharding == kv_cache_sharding(mesh) for x in eng.runner.kv_caches)
+
+
+def test_serve_bench_rejects_a_bad_host_size_before_running(monkeypatch):
+    from configs import serve_bench as serve_bench_config
+    from experiments import serve_bench
+
+    monkeypatch.setattr("prefixcache.engine.Engine.__init__", None)  # nothing may be built
+    cfg = serve_bench_config.get_config()
+    cfg.num_host_blocks = -4
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        serve_bench.bench([], [], cfg)
+    assert "device_hit_tokens" in serve_bench.HOST_TIER_KEYS
