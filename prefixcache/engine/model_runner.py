@@ -418,6 +418,12 @@ class ModelRunner:
         self.kv_caches = self.host_pages.apply(self.kv_caches, transfers)
 
     @property
+    def num_host_transfers(self) -> int:
+        """Host-tier device_put + device_get calls so far (0 without a host tier)."""
+        pages = self.host_pages
+        return 0 if pages is None else pages.num_h2d + pages.num_d2h
+
+    @property
     def num_compiled_programs(self) -> int:
         """Distinct step programs run so far (bounded by the bucket count x 4)."""
         return len(self.compiled_shapes)

@@ -293,6 +293,7 @@ def test_one_h2d_and_at_most_one_d2h_per_step_under_transfer_guard(off):
         d2h_total += int(plan.store_slots.size > 0)
     assert pages.num_d2h == d2h_total > 0  # each done once, after the step's dispatch
     assert pages.num_h2d == len(spy.batches)
+    assert eng.runner.num_host_transfers == pages.num_h2d + pages.num_d2h
     assert len(spy.batches) <= eng.metrics().num_steps - num_steps_before
     assert pages.num_pages_loaded == eng.metrics().host_blocks_loaded
     assert pages.num_pages_stored <= eng.metrics().host_blocks_stored
@@ -396,3 +397,12 @@ def test_serve_bench_rejects_a_bad_host_size_before_running(monkeypatch):
     with pytest.raises(ValueError, match="num_host_blocks"):
         serve_bench.bench([], [], cfg)
     assert "device_hit_tokens" in serve_bench.HOST_TIER_KEYS
+
+
+def test_bench_host_tier_promotion_runs_and_checks_the_pages():
+    from prefixcache.engine import bench
+
+    r = bench.host_tier_promotion(ModelConfig.tiny(), num_blocks_loaded=4,
+                                  num_device_blocks=8, block_size=BS, num_trials=1, seed=0)
+    assert r["host_tier_bytes"] == 4 * 2 * BS * 2 * 2 * 64 * 4  # blocks x layers x page
+    assert r["promotion_ms"] > 0 and r["promotion_vs_device_put"] > 0
