@@ -11,9 +11,10 @@ How one batch runs (`plan_host_transfers` resolves it on the host, in numpy):
      written (host slot or device page) is known as a copy of the ORIGINAL content
      (before the batch) of one device page or one host slot. So a store that reads a
      device page an earlier load of the batch wrote takes that load's host data, and a
-     load of a slot an earlier store of the batch wrote takes that store's device data;
-  2. ONE `jax.device_put` moves the index arrays and the staged host pages (the original
-     content of every host slot a device page ends up holding) to the device;
+     load of a slot an earlier store of the batch wrote takes that store's device data
+     (host -> host and device -> device copies are what such pairs reduce to);
+  2. ONE `jax.device_put` moves the index arrays and the staged host pages (one row per
+     device page written from host data, in scatter order) to the device;
   3. ONE jitted function, KV donated, gathers the device pages the stores read (original
      content), then scatters the staged pages / gathered pages into the KV arrays;
   4. the step is dispatched (the copies precede it on the device stream; nothing waits);
@@ -61,7 +62,8 @@ class HostTransferPlan(NamedTuple):
       store_rows: i32[n] ... row of `gather_ids` each takes.
       staged_slots: i32[h] host slots whose original content is staged for the device,
         one per device page written from host data, in scatter order (h <= Hp, the
-        staged buffer's padded row count; Hp == Sp when nothing is gathered).
+        staged buffer's padded row count, always Sp; h == number of real scatter rows
+        when nothing is gathered).
       scatter_ids: i32[Sp] device pages written, padded with the padding page.
       scatter_src: i32[Sp] row of concat(gathered[Gp], staged[Hp]) each takes.
       host_dst, host_src: i32[m] host slot -> host slot copies (original content).
