@@ -140,7 +140,7 @@ def test_failed_allocation_changes_nothing_host_entries_included():
 
     def state():
         return (m.free_block_ids(), dict(tier.hash_to_slot), list(tier.free_slots),
-                tier.policy.candidate_ids(), tier.transfers[:], m.num_cached_blocks)
+                tier.eviction_order(), tier.pending_transfers(), m.num_cached_blocks)
 
     before = state()
     c = Request("c", list(range(13)))
@@ -483,3 +483,34 @@ def test_device_recomputing_a_host_hash_drops_the_host_copy():
     ev = m.take_events()
     assert [e.medium for e in ev if type(e) is BlockRemoved][-1] == "CPU"
     m.check_invariants()
+
+
+def test_host_lru_fast_path_equals_the_keyed_policy_and_the_event_path():
+    # Three ways to run the host's lru: the inlined demotion loop (no events), the
+    # per-block path (events on), the keyed LRUPolicy (fast_path False): same hits,
+    # same transfers, same host contents.
+    reqs = workloads.generate("multi_turn", seed=5, num_conversations=12, num_turns=4)
+    runs = []
+    for kw in ({}, {"enable_events": True},
+               {"host_eviction_options": {"fast_path": False}}):
+        m = KVCacheManager(40, 16, num_host_blocks=25, hash_seed=0, **kw)
+        assert (m.host_tier.policy is None) == ("host_eviction_options" not in kw)
+        hits, transfers, running = [], [], []
+        for i, tr in enumerate(reqs):
+            req = Request(str(i), tr.prompt)
+            while True:
+                blocks, hit, new = _admit(m, req)
+                if new is not None or not running:
+                    break
+                m.free(running.pop(0))
+            hits.append(hit)
+            if new is not None:
+                running.append(req)
+            if len(running) > 3:
+                m.free(running.pop(0))
+            transfers += m.take_host_transfers()
+            m.check_invariants()
+        runs.append((hits, transfers, m.host_tier.eviction_order(),
+                     m.host_tier.num_evicted, m.host_blocks_loaded))
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0][3] > 0 and runs[0][4] > 0  # host evictions and promotions happened
