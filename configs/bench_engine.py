@@ -24,6 +24,12 @@ host_step_min_ms 0.37-0.39 (before 0.55-0.58), host_step_isolated_ms 0.20-0.41
 (before 0.37-0.44). The engine keeps int32 block tables (`BlockTables`) and builds with
 `MetadataBuilder.build_rows`.
 
+Host tier (issue 16, `--config.sections=host_tier`): the promotion path (host slots
+staged, one device_put, one jitted scatter into donated KV) against a plain device_put
+of the same 32 MiB; promotion_vs_device_put >= host_tier_ratio_target is the target on
+an accelerator (on CPU JAX both are memcpy-bound and the figure only says the path
+adds no large overhead).
+
 Issue 18 (session 6; base f1d567e on a quiet machine, load 0.25: cold 34.8 ms, warm 3.89
 ms, ttft_ratio 0.112): the warm step's device part was a device_put of 14 arrays (0.24
 ms) + the program (~2.0 ms: attention 2 x 0.75 ms, the rest 0.5 ms) + ~0.55 ms of cache
@@ -50,6 +56,11 @@ def get_config() -> ml_collections.ConfigDict:
     # NOTE: 9 trials (was 5): the median of 5 moved +-15% between runs on the shared CPU.
     c.ttft = ml_collections.ConfigDict(dict(prefix_len=1024, new_len=32, num_trials=9))
     c.host = ml_collections.ConfigDict(dict(num_running=64, prompt_len=64, num_steps=100))
+    # Not in the default sections: --config.sections=host_tier (issue 16; meant for an
+    # accelerator: 64 promoted blocks of Llama-3.2-1B's KV shapes, page 16, bf16 = 32 MiB).
+    c.host_tier_ratio_target = 0.7  # promotion vs plain device_put of the same bytes
+    c.host_tier = ml_collections.ConfigDict(dict(
+        model="llama_3_2_1b", num_blocks_loaded=64, num_device_blocks=256, num_trials=20))
     c.programs = ml_collections.ConfigDict(dict(
         num_requests=500, num_blocks=512, max_num_seqs=32, max_num_batched_tokens=512))
     return c

@@ -16,6 +16,12 @@ prompt is computed once) and ~0.98 (on, warm); wall time and TTFT p50 fall with
 caching (dev CPU: 6.3 s -> 2.6 s -> 1.35 s, TTFT p50 628 -> 213 -> 61 ms);
 no new programs compiled in the timed passes after the compile pass.
 
+Host tier: --config.num_host_blocks=N (e.g. with --config.num_blocks=64, far below the
+working set) gives the caching engines N host pages; the summary rows then show the
+hits by tier and the bytes moved (device_hit_tokens, host_hit_tokens,
+host_blocks_loaded/stored, host_bytes_loaded/stored, host_pool_bytes); the caching-off
+engine has no cache and no tier.
+
 Fault injection (reproducing a failed model step): --config.inject=step:N[:point][:kind]
 fails the N-th model step of the timed on_cold pass (see prefixcache.engine.faults),
 e.g. `--config.inject=step:5:before_device:kv_lost`. Expected then: the requests of
@@ -38,5 +44,9 @@ def get_config():
     c.max_num_batched_tokens = 1024
     c.batch_size = 8
     c.max_tokens = 8
+    # Host-memory tier (issue 16): blocks; 0 = off. On: the summary rows add the engine's
+    # device_hit_tokens, host_hit_tokens, host_blocks_loaded, host_bytes_loaded, ...
+    c.num_host_blocks = 0
+    c.host_eviction = "lru"
     c.inject = ""  # "" = no fault; else a prefixcache.engine.faults.parse_fault spec
     return c

@@ -2,6 +2,7 @@ r"""Engine benchmark: warm vs cold TTFT, host step cost, compiled-program count.
 
   python -m experiments.bench_engine --workdir=/tmp/bench_engine
   python -m experiments.bench_engine --workdir=/tmp/bench_engine --config.sections=host
+  python -m experiments.bench_engine --workdir=/tmp/bench_engine --config.sections=host_tier
 
 See configs/bench_engine.py. The last stdout line is the JSON result.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from experiments import _common
 
-SECTIONS = ("ttft", "host", "programs")
+SECTIONS = ("ttft", "host", "programs", "host_tier")
 
 
 def run(config, *, progress: bool = False) -> dict:
@@ -53,6 +54,16 @@ def run(config, *, progress: bool = False) -> dict:
         bar.update(1)
     if "programs" in sections:
         result.update(bench.compiled_programs(mc, **config.programs.to_dict(), **common))
+        bar.update(1)
+    if "host_tier" in sections:
+        # Shapes of the model named by config.host_tier.model (no weights are built).
+        ht = config.host_tier.to_dict()
+        big = getattr(ModelConfig, ht.pop("model"))()
+        result.update(bench.host_tier_promotion(big, **ht, block_size=config.block_size,
+                                                seed=config.seed))
+        result["host_tier_ratio_target"] = config.host_tier_ratio_target
+        result["host_tier_ok"] = (result["promotion_vs_device_put"]
+                                  >= config.host_tier_ratio_target)
         bar.update(1)
     bar.close()
     prov = _common.provenance(config, seed=config.seed, extra={"model": "tiny"})

@@ -79,9 +79,16 @@ def serve(engine, requests: Sequence, *, tag: str, batch_size: int, max_tokens: 
     return rows, outputs, time.perf_counter() - t0
 
 
+# EngineMetrics fields of the host tier shown in the summary rows (None: no tier).
+HOST_TIER_KEYS = ("device_hit_tokens", "host_hit_tokens", "host_blocks_loaded",
+                  "host_blocks_stored", "host_bytes_loaded", "host_bytes_stored",
+                  "host_pool_bytes", "host_copy_programs")
+
+
 def bench(requests: Sequence, warmup_requests: Sequence, config, *,
           progress: bool = False) -> tuple[list[dict], list[dict]]:
     """Runs the three passes; returns (summaries, per-request rows)."""
+    from prefixcache._validate import check_count  # noqa: PLC0415
     from prefixcache.engine import Engine  # noqa: PLC0415
     from prefixcache.engine.faults import parse_fault  # noqa: PLC0415
     from prefixcache.model import ModelConfig  # noqa: PLC0415
@@ -89,6 +96,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
 
     model_config = ModelConfig.tiny()
     parse_fault(config.inject)  # a malformed spec fails before anything runs
+    check_count("num_host_blocks", config.num_host_blocks)  # likewise
     bad = [tr.id for tr in requests if max(tr.prompt) >= model_config.vocab_size]
     if bad:
         raise ValueError(f"{len(bad)} requests (first {bad[0]!r}) hold token ids >= the tiny "
@@ -105,6 +113,8 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
                             seed=config.seed, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             hash_algo=config.hash_algo, eviction=config.eviction,
+                            num_host_blocks=config.num_host_blocks if caching else 0,
+                            host_eviction=config.host_eviction,
                             model=None if engine is None else engine.model)
             # NOTE: a caching engine serves the compile set twice (cold, then warm):
             # warm steps have other (smaller) bucketed shapes than cold ones.
@@ -114,6 +124,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             engine.kv_cache_manager.reset_prefix_cache()
         engine.reset_metrics()
         programs_before = engine.metrics().num_compiled_programs
+        copies_before = engine.metrics().host_copy_programs
         fault = parse_fault(config.inject) if name == "on_cold" else None
         if fault is not None:
             fault.attach(engine)
@@ -140,6 +151,11 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             "e2e_s": percentiles([r["e2e_s"] for r in ok if r["e2e_s"] is not None]),
             "injected_fault": (config.inject or None) if fault is not None else None,
         })
+        if config.num_host_blocks:  # absent when off: default rows unchanged
+            summaries[-1].update({k: getattr(m, k) for k in HOST_TIER_KEYS})
+            if m.host_copy_programs is not None:  # the caching passes (off has no tier)
+                summaries[-1]["host_copy_programs_compiled_in_pass"] = (
+                    m.host_copy_programs - copies_before)
         all_rows += [{"record": "request", "pass": name, "cache_state": state, **r}
                      for r in rows]
     base = outputs["off"]

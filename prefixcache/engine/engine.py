@@ -88,6 +88,12 @@ class Engine:
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
+      num_host_blocks: blocks of the host-memory tier (issue 16; 0, the default: off).
+        Cached blocks the device pool evicts are demoted to host pages (numpy, owned
+        by the runner: `runner.host_pages`) and promoted back on a hit; each step's
+        copies run batched before the step computes (`prefixcache.engine.host_pages`).
+      host_eviction: the host tier's eviction policy (a `prefixcache.core.eviction`
+        name; not belady).
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     one KV cache group per attention kind (`model_config.kv_groups`: full-attention
@@ -131,7 +137,9 @@ class Engine:
                  share_programs_with: "Engine | None" = None,
                  lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
                  eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
-                 max_loras: int = 4, max_lora_rank: int = 16):
+                 max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
+                 host_eviction: str = "lru"):
+        from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
         from prefixcache.core.indexes import get_index_class
@@ -141,13 +149,22 @@ class Engine:
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
                              "bound for the replay): an online engine has none")
         get_index_class(index)  # unknown name -> ValueError
-        if manager_kwargs and ({"eviction", "index"} & set(manager_kwargs)):
-            raise ValueError("pass eviction= and index= to Engine, not in manager_kwargs")
+        if manager_kwargs and ({"eviction", "index", "num_host_blocks", "host_eviction"}
+                               & set(manager_kwargs)):
+            raise ValueError("pass eviction=, index=, num_host_blocks= and host_eviction= "
+                             "to Engine, not in manager_kwargs")
         if manager_kwargs and "kv_cache_groups" in manager_kwargs:
             raise ValueError("kv_cache_groups come from the model config (its sliding-window "
                              "layers), not from manager_kwargs")
+        num_host_blocks = check_count("num_host_blocks", num_host_blocks)
+        if get_policy_class(host_eviction).needs_future:  # unknown name -> ValueError
+            raise ValueError(f"host_eviction={host_eviction!r} needs the trace's future: "
+                             "an online engine has none")
         kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index,
                                            manager_kwargs=manager_kwargs)
+        if kv_cache_groups is not None and num_host_blocks:
+            raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier is not "
+                             "supported for models with sliding-window layers")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -173,7 +190,7 @@ class Engine:
         # block pool, the model or the KV arrays are allocated (not at the first step).
         _check_runnable(model_config, num_blocks=num_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                        interpret=interpret, mesh=mesh)
+                        interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -188,6 +205,10 @@ class Engine:
         # life, as vLLM's CPU LoRA cache without a bound).
         self.lora_adapters: dict = {}
         self.vocab_size = int(model_config.vocab_size)
+        self.num_host_blocks = num_host_blocks
+        if num_host_blocks:
+            manager_kwargs = {**dict(manager_kwargs or {}), "num_host_blocks": num_host_blocks,
+                              "host_eviction": host_eviction}
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, max_model_len=max_model_len, eviction=eviction, index=index,
@@ -224,7 +245,8 @@ class Engine:
             max_model_len=max_model_len, attention_backend=attention_backend,
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
-            lora_slots=lora_slots, lora_adapters=self.lora_adapters)
+            lora_slots=lora_slots, lora_adapters=self.lora_adapters,
+            num_host_blocks=num_host_blocks)
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -422,6 +444,9 @@ class Engine:
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        # The host tier's copies of this schedule (demotions, promotions); None: off.
+        transfers = (self.kv_cache_manager.take_host_transfers() if self.num_host_blocks
+                     else None)
         t1 = time.perf_counter()
         for state in sched.finished:
             self._finish(state)
@@ -432,6 +457,8 @@ class Engine:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector("before_device", sched)
+                if transfers:
+                    self.runner.apply_host_transfers(transfers)
                 prepared = self.runner.prepare(
                     sched.scheduled, self.scheduler.kv_group_tables or self.scheduler.block_tables)
                 t2 = time.perf_counter()
@@ -461,6 +488,12 @@ class Engine:
             self._device_s += t3 - t2
             self._host_update_s += t4 - t3
             self.last_step_times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        elif transfers:
+            # NOTE: the manager copies only while it allocates for scheduled requests;
+            # should copies come without a step, they still run in order (no step to
+            # overlap with).
+            self.runner.apply_host_transfers(transfers)
+            self.runner.host_pages.finish()
         self._host_schedule_s += t1 - t0
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
@@ -494,6 +527,9 @@ class Engine:
                     self.scheduler.finish_request(state, FINISH_ERROR, error)
                     self._finish(state)
         self.scheduler.preempt_all_running()
+        if self.runner.host_pages is not None:
+            # Both tiers are reset below: no host slot is served before a store rewrites it.
+            self.runner.host_pages.discard_pending()
         if not self.kv_cache_manager.reset_prefix_cache():  # pragma: no cover - a bug
             raise AssertionError("blocks still held after a failed step was rolled back")
         self.runner.ensure_valid_kv_caches()
@@ -584,7 +620,28 @@ class Engine:
         self._host_schedule_s = self._host_prepare_s = 0.0
         self._device_s = self._host_update_s = 0.0
         self._evictions_base = self._num_evictions_total()
+        self._host_base = self._host_counters()
         self._preemptions_base = self.scheduler.num_preemptions
+
+    def _host_counters(self) -> tuple[int, int, int, int] | None:
+        """The manager's cumulative host-tier counters (None: no host tier)."""
+        if not self.num_host_blocks:
+            return None
+        m = self.kv_cache_manager
+        return (m.device_hit_tokens, m.host_hit_tokens, m.host_blocks_loaded,
+                m.host_blocks_stored)
+
+    def _host_metrics(self) -> dict:
+        now = self._host_counters()
+        if now is None:
+            return {}
+        dev, host, loaded, stored = (a - b for a, b in zip(now, self._host_base))
+        pages = self.runner.host_pages
+        return dict(device_hit_tokens=dev, host_hit_tokens=host, host_blocks_loaded=loaded,
+                    host_blocks_stored=stored, host_bytes_loaded=loaded * pages.page_bytes,
+                    host_bytes_stored=stored * pages.page_bytes,
+                    host_pool_bytes=pages.nbytes,
+                    host_copy_programs=len(pages.compiled_shapes))
 
     def _num_evictions_total(self) -> int:
         return int(self.kv_cache_manager.num_evictions)
@@ -608,14 +665,17 @@ class Engine:
             num_steps=self._num_steps,
             num_compiled_programs=self.runner.num_compiled_programs,
             host_schedule_s=self._host_schedule_s, host_prepare_s=self._host_prepare_s,
-            device_s=self._device_s, host_update_s=self._host_update_s)
+            device_s=self._device_s, host_update_s=self._host_update_s,
+            **self._host_metrics())
 
 
 def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                    attention_backend: str, interpret: bool, mesh) -> None:
-    """ValueError when the kernels cannot run this model and pool, or its KV arrays and
-    block tables cannot fit in memory (device memory when the device reports it, else
-    host memory)."""
+                    attention_backend: str, interpret: bool, mesh,
+                    num_host_blocks: int = 0) -> None:
+    """ValueError when the kernels cannot run this model and pool, or its KV arrays,
+    block tables and host-tier pages cannot fit in memory (device memory when the
+    device reports it, else host memory)."""
+    import jax.numpy as jnp
     import kernels
     from prefixcache._validate import check_host_memory
     from prefixcache.model import check_kv_cache_memory
@@ -627,6 +687,11 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
+    if num_host_blocks:
+        page_bytes = (config.num_layers * block_size * 2 * config.num_kv_heads
+                      * config.head_dim * jnp.dtype(config.dtype).itemsize)
+        check_host_memory(f"the host tier's {num_host_blocks} pages", num_host_blocks
+                          * page_bytes)
 
 
 def _replicated(mesh):

@@ -298,6 +298,7 @@ class ModelRunner:
         when LoRA is enabled, else None.
       lora_adapters: (name, path) -> `LoRAAdapter` of every adapter requests may name
         (the engine's loaded adapters; read at `prepare`), with `lora_slots`.
+      num_host_blocks: host-tier pages (`host_pages`, a `HostPages`; 0: none, None).
     """
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int,
@@ -305,7 +306,7 @@ class ModelRunner:
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  token_buckets=None, seq_buckets=None, page_buckets=None,
                  program: StepProgram | None = None, pack_transfers: bool = True,
-                 lora_slots=None, lora_adapters=None):
+                 lora_slots=None, lora_adapters=None, num_host_blocks: int = 0):
         from prefixcache.model import make_kv_caches
 
         if program is None:
@@ -338,6 +339,11 @@ class ModelRunner:
         kv_groups = getattr(config, "kv_groups", ((None, ()),))
         self._sliding_group0 = kv_groups[0][0] is not None
         self._num_kv_groups = len(kv_groups)
+        self.host_pages = None
+        if num_host_blocks:
+            from prefixcache.engine.host_pages import HostPages
+            self.host_pages = HostPages(self.kv_caches, num_blocks=num_blocks,
+                                        num_host_blocks=num_host_blocks, mesh=mesh)
 
     @property
     def d_model(self) -> int:
@@ -481,11 +487,25 @@ class ModelRunner:
             tokens, logits, self.kv_caches = self.program(
                 self.kv_caches, inputs, all_greedy=prepared.all_greedy,
                 lora_weights=self.lora_slots.weights)
+        if self.host_pages is not None:
+            self.host_pages.finish()  # the pending stores' one device_get, step dispatched
         if return_logits:
             tokens, logits = jax.device_get((tokens, logits))
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
         tokens = jax.device_get(tokens)
         return tokens[:prepared.num_seqs], None
+
+    def apply_host_transfers(self, transfers) -> None:
+        """Dispatches the manager's ordered host-tier copies (`HostTransfer`s) before
+        the step computes (see `prefixcache.engine.host_pages`); the stores' pages reach
+        the host in `execute` (or `host_pages.finish()`)."""
+        self.kv_caches = self.host_pages.apply(self.kv_caches, transfers)
+
+    @property
+    def num_host_transfers(self) -> int:
+        """Host-tier device_put + device_get calls so far (0 without a host tier)."""
+        pages = self.host_pages
+        return 0 if pages is None else pages.num_h2d + pages.num_d2h
 
     @property
     def num_compiled_programs(self) -> int:

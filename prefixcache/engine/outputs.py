@@ -75,6 +75,14 @@ class EngineMetrics:
       host_schedule_s, host_prepare_s, device_s, host_update_s: summed wall time of
         scheduling, metadata/input building, device step (transfer + run + fetch of
         the sampled ids), and output processing.
+      device_hit_tokens, host_hit_tokens: prompt tokens the manager's lookups found
+        cached on the device / in the host tier (every lookup, re-admissions after a
+        preemption included); None when the engine has no host tier.
+      host_blocks_loaded, host_blocks_stored: blocks promoted (host -> device) and
+        demoted (device -> host); host_bytes_loaded, host_bytes_stored: their KV bytes
+        (all layers); host_pool_bytes: the host tier's pages; host_copy_programs:
+        distinct compiled copy programs (over the engine's life; bucketed sizes). None
+        without a host tier.
     """
 
     num_requests: int
@@ -94,6 +102,14 @@ class EngineMetrics:
     host_prepare_s: float
     device_s: float
     host_update_s: float
+    device_hit_tokens: int | None = None
+    host_hit_tokens: int | None = None
+    host_blocks_loaded: int | None = None
+    host_blocks_stored: int | None = None
+    host_bytes_loaded: int | None = None
+    host_bytes_stored: int | None = None
+    host_pool_bytes: int | None = None
+    host_copy_programs: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -199,6 +199,7 @@ def test_plain_model_keeps_one_table_and_one_metadata():
         (dict(index="radix"), "need eviction='lru' and index='hash'"),
         (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
         (dict(manager_kwargs={"eviction_options": {"x": 1}}), "eviction_options"),
+        (dict(num_host_blocks=8), "host tier is not supported for models with sliding"),
     ],
 )
 def test_bad_hybrid_configurations_fail_before_anything_is_built(config, monkeypatch, kw,

@@ -1,0 +1,321 @@
+"""Host-memory KV pages of the host tier and the per-step copies to and from the device.
+
+The manager (`prefixcache.core`, host tier on: `num_host_blocks > 0`) decides which
+cached blocks move between tiers and records the copies as an ordered list of
+`HostTransfer(kind, block_id, host_slot)` ("store": device page `block_id` -> host slot;
+"load": host slot -> device page `block_id`); their meaning is that of sequential
+copies. The engine hands each step's list to `HostPages.apply` BEFORE the step computes.
+
+How one batch runs (`plan_host_transfers` resolves it on the host, in numpy):
+  1. the ops are walked in order over symbolic contents: after the walk every page
+     written (host slot or device page) is known as a copy of the ORIGINAL content
+     (before the batch) of one device page or one host slot. So a store that reads a
+     device page an earlier load of the batch wrote takes that load's host data, and a
+     load of a slot an earlier store of the batch wrote takes that store's device data
+     (host -> host and device -> device copies are what such pairs reduce to);
+  2. ONE `jax.device_put` moves the index arrays and the staged host pages (one row per
+     device page written from host data, in scatter order) to the device;
+  3. ONE jitted function, KV donated, gathers the device pages the stores read (original
+     content), then scatters the staged pages / gathered pages into the KV arrays;
+  4. the step is dispatched (the copies precede it on the device stream; nothing waits);
+  5. ONE `jax.device_get` of the gathered pages, after the step's dispatch
+     (`finish`), writes them into the host slots.
+Sizes are padded to powers of two (at least `MIN_ROWS`) so the number of compiled
+programs stays small: padded gather rows read the padding page (id `num_blocks`) and are
+dropped on the host; padded scatter rows write the padding page (read by no sequence:
+every kv_len masks it).
+
+Nothing else crosses the host/device boundary; the two transfers run inside a scoped
+`jax.transfer_guard("allow")`, so the engine step stays clean under
+`jax.transfer_guard("disallow")`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_I32 = np.int32
+
+
+# Smallest padded row count of a non-empty gather / scatter (fewer compiled programs;
+# 4 pages of Llama-3.2-1B are 2 MiB).
+MIN_ROWS = 4
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= max(n, MIN_ROWS); 0 stays 0."""
+    return 0 if n == 0 else max(MIN_ROWS, 1 << (n - 1).bit_length())
+
+
+class HostTransferPlan(NamedTuple):
+    """One batch of host-tier copies resolved to original contents (all numpy).
+
+    Attributes:
+      gather_ids: i32[Gp] device pages read (original content), padded with the padding
+        page; the first `num_gather` are real.
+      store_slots: i32[n] host slots written from gathered pages ...
+      store_rows: i32[n] ... row of `gather_ids` each takes.
+      staged_slots: i32[h] host slots whose original content is staged for the device,
+        one per device page written from host data, in scatter order (h <= Hp, the
+        staged buffer's padded row count, always Sp; h == number of real scatter rows
+        when nothing is gathered).
+      scatter_ids: i32[Sp] device pages written, padded with the padding page.
+      scatter_src: i32[Sp] row of concat(gathered[Gp], staged[Hp]) each takes.
+      host_dst, host_src: i32[m] host slot -> host slot copies (original content).
+      num_gather, num_staged_padded: G and Hp.
+    """
+
+    gather_ids: np.ndarray
+    store_slots: np.ndarray
+    store_rows: np.ndarray
+    staged_slots: np.ndarray
+    scatter_ids: np.ndarray
+    scatter_src: np.ndarray
+    host_dst: np.ndarray
+    host_src: np.ndarray
+    num_gather: int
+    num_staged_padded: int
+
+    @property
+    def touches_device(self) -> bool:
+        return self.gather_ids.size > 0 or self.scatter_ids.size > 0
+
+
+def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
+                        num_host_blocks: int) -> HostTransferPlan:
+    """Resolves an ordered list of `HostTransfer`s (sequential copy semantics).
+
+    Args:
+      transfers: (kind, block_id, host_slot) tuples, kind "store" or "load".
+      num_blocks: allocatable device pages (the padding page is `num_blocks`).
+      num_host_blocks: host slots.
+
+    Raises:
+      ValueError: an unknown kind or an id out of range (a manager bug: fail loudly).
+    """
+    dev: dict[int, tuple[bool, int]] = {}   # device page -> (from_device, id) original
+    host: dict[int, tuple[bool, int]] = {}  # host slot -> (from_device, id) original
+    for t in transfers:
+        kind, b, s = t
+        if not (0 <= b < num_blocks and 0 <= s < num_host_blocks):
+            raise ValueError(f"host transfer {tuple(t)!r} out of range (device blocks "
+                             f"[0, {num_blocks}), host slots [0, {num_host_blocks}))")
+        if kind == "store":
+            host[s] = dev.get(b, (True, b))
+        elif kind == "load":
+            dev[b] = host.get(s, (False, s))
+        else:
+            raise ValueError(f"host transfer {tuple(t)!r}: kind must be 'store' or 'load'")
+    gather: dict[int, int] = {}   # device page -> row in the gathered buffer
+    # NOTE: one staged row per device page written from host data, in scatter order
+    # (a slot read twice is staged twice): without gathered rows the staged buffer is
+    # then the scatter's source as is (`_copy_pages` skips the row gather).
+    staged: list[int] = []        # host slot of each staged row
+    store_slots, store_rows, host_dst, host_src = [], [], [], []
+    for s, (from_dev, src) in host.items():
+        if from_dev:
+            store_slots.append(s)
+            store_rows.append(gather.setdefault(src, len(gather)))
+        elif src != s:
+            host_dst.append(s)
+            host_src.append(src)
+    scatter = []  # (device page, from_device, row)
+    for b, (from_dev, src) in dev.items():
+        if from_dev:
+            if src != b:
+                scatter.append((b, True, gather.setdefault(src, len(gather))))
+        else:
+            scatter.append((b, False, len(staged)))
+            staged.append(src)
+    # NOTE: the staged buffer has as many rows as the scatter (padded alike): programs
+    # are keyed by (Gp, Sp) only, at most (log2(max rows) + 1)^2 of them.
+    g, gp, sp = len(gather), _bucket(len(gather)), _bucket(len(scatter))
+    hp = sp
+    gather_ids = np.full(gp, num_blocks, _I32)
+    gather_ids[:g] = list(gather)
+    scatter_ids = np.full(sp, num_blocks, _I32)
+    scatter_src = np.zeros(sp, _I32)
+    for i, (b, from_dev, row) in enumerate(scatter):
+        scatter_ids[i] = b
+        scatter_src[i] = row if from_dev else gp + row
+    return HostTransferPlan(
+        gather_ids, np.asarray(store_slots, _I32), np.asarray(store_rows, _I32),
+        np.asarray(staged, _I32), scatter_ids, scatter_src,
+        np.asarray(host_dst, _I32), np.asarray(host_src, _I32), g, hp)
+
+
+def _as_bits(x):
+    """`x` viewed as unsigned ints of its width (exact)."""
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _needs_bits(kv) -> bool:
+    """Whether `_copy_pages` should move `kv`'s pages as unsigned ints.
+
+    NOTE: XLA's CPU backend widens a 16-bit float scatter to float32 over the WHOLE
+    operand (Llama-3.2-1B's 134 MB pool of 256 pages: ~420 ms to write 4 pages, vs
+    ~110 ms through uint16, the bitcast's own copy of the pool; an f32 pool: ~1 ms).
+    Accelerators scatter 16-bit floats natively, and there a bitcast of the pool could
+    cost a copy of it: the bits path is for CPU only.
+    """
+    dtype = jnp.dtype(kv.dtype)
+    platform = next(iter(kv.devices())).platform
+    return platform == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *, bits: bool):
+    """gathered = pages `gather_ids` of every layer (original content); then page
+    `scatter_ids[i]` of every layer <- row `scatter_src[i]` of concat(gathered, staged).
+
+    Args:
+      kv_caches: L arrays [num_pages, page, 2K, H] (donated).
+      gather_ids: i32[Gp]; scatter_ids, scatter_src: i32[Sp]; staged: [L, Hp, page, 2K, H].
+
+    Returns:
+      (new kv_caches, gathered [L, Gp, page, 2K, H]).
+    """
+    dtype = kv_caches[0].dtype
+    if bits:
+        kv_caches, staged = [_as_bits(kv) for kv in kv_caches], _as_bits(staged)
+    gathered = jnp.stack([kv[gather_ids] for kv in kv_caches])
+    if gather_ids.shape[0] == 0:
+        # NOTE: loads only (the common case): the staged rows ARE the scatter's source
+        # rows, in order (`plan_host_transfers`); no row gather of the staged buffer.
+        assert staged.shape[1] == scatter_ids.shape[0], (staged.shape, scatter_ids.shape)
+        src = staged
+    else:
+        src = jnp.concatenate([gathered, staged], axis=1)[:, scatter_src]
+    new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(kv_caches)]
+    if bits:
+        return ([jax.lax.bitcast_convert_type(x, dtype) for x in new],
+                jax.lax.bitcast_convert_type(gathered, dtype))
+    return new, gathered
+
+
+class HostPages:
+    """The host tier's KV pages (numpy) and the batched copies of one step.
+
+    Invariants:
+      - `pages[l]` is layer l's host pages, [num_host_blocks, page, 2K, H], the device
+        KV arrays' page shape and dtype (bfloat16 as ml_dtypes' numpy dtype);
+      - at most one batch is pending (`apply` done, `finish` not yet): its gathered
+        pages are written into their host slots by `finish` (called after the step's
+        dispatch, and at the latest by the next `apply`).
+
+    Args:
+      kv_caches: the device KV arrays (shapes, dtype and sharding are taken from them).
+      num_blocks: allocatable device pages (padding page id = num_blocks).
+      num_host_blocks: host slots (> 0).
+      mesh: the runner's mesh (KV sharded over kv heads) or None.
+
+    Attributes:
+      num_h2d, num_d2h: `jax.device_put` / `jax.device_get` calls made (one each at
+        most per batch: tests assert it).
+      num_pages_loaded, num_pages_stored: device pages written from host data / host
+        slots written from device data (batch-resolved, padding excluded).
+      compiled_shapes: (Gp, Hp, Sp) of every copy program run.
+    """
+
+    def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None):
+        first = kv_caches[0]
+        self.num_layers = len(kv_caches)
+        self.page_shape = tuple(first.shape[1:])
+        self.dtype = np.dtype(first.dtype)
+        self.num_blocks = int(num_blocks)
+        self.num_host_blocks = int(num_host_blocks)
+        self.pages = [np.zeros((self.num_host_blocks, *self.page_shape), self.dtype)
+                      for _ in range(self.num_layers)]
+        self.num_h2d = self.num_d2h = 0
+        self.num_pages_loaded = self.num_pages_stored = 0
+        self.compiled_shapes: set[tuple[int, int, int]] = set()
+        self._pending: tuple | None = None  # (gathered device array, store slots, rows)
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            from prefixcache.model import kv_cache_sharding
+            # stacked pages [L, n, page, 2K, H]: kv heads over "model", as the KV.
+            self._staged_sharding = NamedSharding(mesh, P(None, None, None, "model", None))
+            self._index_sharding = NamedSharding(mesh, P())
+            out = ([kv_cache_sharding(mesh)] * self.num_layers, self._staged_sharding)
+        else:
+            self._staged_sharding = self._index_sharding = None
+            out = None
+        self._copy = jax.jit(functools.partial(_copy_pages, bits=_needs_bits(first)),
+                             donate_argnums=0, out_shardings=out)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block's pages over all layers."""
+        return self.num_layers * int(np.prod(self.page_shape)) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the host pages."""
+        return self.page_bytes * self.num_host_blocks
+
+    def apply(self, kv_caches, transfers: Sequence) -> list:
+        """Dispatches one batch of copies (sequential semantics, see the module doc).
+
+        Args:
+          kv_caches: the device KV arrays (donated when the batch touches the device).
+          transfers: the manager's ordered `HostTransfer`s (non-empty).
+
+        Returns:
+          The KV arrays to use from now on.
+        """
+        self.finish()
+        plan = plan_host_transfers(transfers, num_blocks=self.num_blocks,
+                                   num_host_blocks=self.num_host_blocks)
+        pages = self.pages
+        # Original host contents are read (staged) before any host slot is written.
+        staged = np.empty((self.num_layers, plan.num_staged_padded, *self.page_shape),
+                          self.dtype)
+        h = plan.staged_slots.size
+        staged[:, h:] = 0  # padding rows (they write the padding page)
+        if h:
+            for l, p in enumerate(pages):
+                # NOTE: `take(..., out=)`: one pass over the bytes (no temporary).
+                np.take(p, plan.staged_slots, axis=0, out=staged[l, :h])
+        if plan.host_dst.size:  # host -> host (fancy indexing reads all sources first)
+            for p in pages:
+                p[plan.host_dst] = p[plan.host_src]
+        if not plan.touches_device:
+            return kv_caches
+        host = (plan.gather_ids, plan.scatter_ids, plan.scatter_src, staged)
+        with jax.transfer_guard("allow"):
+            if self._staged_sharding is None:
+                dev = jax.device_put(host)
+            else:
+                i = self._index_sharding
+                dev = jax.device_put(host, (i, i, i, self._staged_sharding))
+        self.num_h2d += 1
+        self.compiled_shapes.add((plan.gather_ids.size, plan.num_staged_padded,
+                                  plan.scatter_ids.size))
+        kv_caches, gathered = self._copy(kv_caches, *dev)
+        self.num_pages_loaded += int(np.count_nonzero(plan.scatter_ids != self.num_blocks))
+        if plan.store_slots.size:
+            self._pending = (gathered, plan.store_slots, plan.store_rows)
+        return kv_caches
+
+    def finish(self) -> None:
+        """Writes the pending batch's gathered pages into their host slots (ONE
+        `jax.device_get`); nothing when none is pending."""
+        if self._pending is None:
+            return
+        gathered, slots, rows = self._pending
+        self._pending = None
+        with jax.transfer_guard("allow"):
+            data = jax.device_get(gathered)
+        self.num_d2h += 1
+        for l, p in enumerate(self.pages):
+            p[slots] = data[l][rows]
+        self.num_pages_stored += int(slots.size)
+
+    def discard_pending(self) -> None:
+        """Drops a pending batch (after a failed step: the prefix cache, both tiers, is
+        reset, so no host slot can be served before a new store writes it)."""
+        self._pending = None
