@@ -79,6 +79,12 @@ class Engine:
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
+      kv_dtype: the KV pages' dtype, one of `prefixcache.kv_dtypes.KV_DTYPES`
+        ("bfloat16", "float32", "float8_e4m3fn", "int8"); None (default): the model's
+        dtype, as before. float8_e4m3fn / int8 store per-(page, kv head) scales
+        (`kernels.quant`); `num_blocks` is still the block count, and the memory check
+        counts the dtype's bytes per block, scales included
+        (`prefixcache.kv_dtypes.kv_bytes_per_block`).
 
     Attributes:
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
@@ -111,11 +117,15 @@ class Engine:
                  manager_kwargs: Mapping[str, Any] | None = None,
                  share_programs_with: "Engine | None" = None,
                  lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
-                 eviction: str = "lru", index: str = "hash"):
+                 eviction: str = "lru", index: str = "hash", kv_dtype: str | None = None):
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
         from prefixcache.core.indexes import get_index_class
+        from prefixcache.kv_dtypes import check_kv_dtype
         from prefixcache.scheduling import make_scheduling_policy
+
+        # None: the model's dtype (today's behaviour); unknown names fail here, first.
+        kv_dtype = check_kv_dtype(model_config.dtype if kv_dtype is None else kv_dtype)
 
         if get_policy_class(eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
@@ -143,10 +153,11 @@ class Engine:
         # block pool, the model or the KV arrays are allocated (not at the first step).
         _check_runnable(model_config, num_blocks=num_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                        interpret=interpret, mesh=mesh)
+                        interpret=interpret, mesh=mesh, kv_dtype=kv_dtype)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.enable_caching = bool(enable_caching)
         self.seed = int(seed)
         self.max_model_len = max_model_len
@@ -166,6 +177,8 @@ class Engine:
                 raise ValueError("share_programs_with: the engines must run the same model")
             if share_programs_with.model_config != model_config:
                 raise ValueError("share_programs_with: different model configs")
+            if share_programs_with.kv_dtype != kv_dtype:
+                raise ValueError("share_programs_with: different kv_dtype")
             model = share_programs_with.model
             program = share_programs_with.runner.program
         if model is None:
@@ -179,7 +192,8 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, attention_backend=attention_backend,
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
-            seq_buckets=seq_buckets, page_buckets=page_buckets, program=program)
+            seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
+            kv_dtype=kv_dtype)
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -535,7 +549,7 @@ class Engine:
 
 
 def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                    attention_backend: str, interpret: bool, mesh) -> None:
+                    attention_backend: str, interpret: bool, mesh, kv_dtype=None) -> None:
     """ValueError when the kernels cannot run this model and pool, or its KV arrays and
     block tables cannot fit in memory (device memory when the device reports it, else
     host memory)."""
@@ -546,8 +560,9 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     kernels.check_backend_config(
         attention_backend, interpret=bool(interpret), page_size=block_size,
         head_dim=config.head_dim, num_q_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype, kv_dtype=config.dtype)
-    check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
+        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
+        kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
 
