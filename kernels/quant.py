@@ -10,7 +10,8 @@ element is `stored * scale` (symmetric; quantized as `round(x / scale)` saturate
 NOTE: why per-(page, kv head) scales rather than per-head static ones: a static scale
 needs a calibration pass per model and clips outliers of tokens it has not seen,
 whereas a page scale follows its own 16-ish tokens (the amax of a page is what it
-holds, so nothing saturates); the price is 2 * num_kv_heads * 4 bytes per page per
+holds, so nothing saturates; fp8 page scales are powers of two, see `page_scale`);
+the price is 2 * num_kv_heads * 4 bytes per page per
 layer (0.8% of an fp8 page of 16 tokens x head_dim 64) and a requantization when a
 write raises a page's amax (see `write_kv`). Pages are the unit the prefix cache shares:
 a full page is never written again, so its values and scale are bit-stable while it is
@@ -29,6 +30,26 @@ QUANTIZED_KV_DTYPES = tuple(QMAX)
 def is_quantized(dtype) -> bool:
   """Whether pages of this dtype need `kv_scales`."""
   return jnp.dtype(dtype) in QMAX
+
+
+def page_scale(amax, dtype):
+  """The scale of a page whose largest magnitude is `amax` (f32 array).
+
+  int8: amax / 127. float8_e4m3fn: amax / 448 rounded up to a power of two (exact,
+  via frexp). NOTE: a floating-point format has the same relative precision across
+  its normal range, so a power-of-two scale costs e4m3 nothing but the top half
+  binade it leaves unused, and it makes rescaling exact: requantizing a page to a
+  larger power-of-two scale only shifts exponents, so a page written token by token
+  (decode) holds the same bytes as the same page written at once (prefill), and
+  prefix caching on or off stores the same pages. int8 keeps amax / 127: a power of
+  two would cost up to one of its 8 bits and its rescale rounds anyway.
+  """
+  dtype = jnp.dtype(dtype)
+  s = amax.astype(jnp.float32) / QMAX[dtype]
+  if dtype == jnp.int8:
+    return s
+  mant, exp = jnp.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+  return jnp.where(s > 0, jnp.where(mant == 0.5, s, jnp.ldexp(jnp.float32(1), exp)), s)
 
 
 def quantize(x, scale, dtype):

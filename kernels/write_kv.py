@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.quant import QMAX, check_kv_scales, quantize
+from kernels.quant import check_kv_scales, page_scale, quantize
 
 
 def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
@@ -27,10 +27,14 @@ def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
     kv_scales: None for float32 / bfloat16 pages (the write casts). For float8_e4m3fn
       / int8 pages, their f32[num_pages, 2*num_kv_heads] scales (`kernels.quant`):
       the write quantizes, and a page's scales become max(old, amax of what this step
-      writes into it / QMAX) per K/V of a kv head. A page whose scale rises has its
+      writes into it / QMAX) per K/V of a kv head (float8_e4m3fn: rounded up to a
+      power of two, `kernels.quant.page_scale`). A page whose scale rises has its
       existing entries requantized to the new scale in the same call (only when some
-      page's scale rises: a `lax.cond`; each requantization rounds once more, so
-      incremental writes add at most half a step of the final scale per rise). A page
+      page's scale rises: a `lax.cond`). float8_e4m3fn: a power-of-two rescale is
+      exact, so a page written token by token holds the same bytes as one written at
+      once (outside e4m3's subnormal range, |x| < 2^-6 scale); int8: each
+      requantization rounds once more (at most half a step of the final scale per
+      rise). A page
       whose first slot (offset 0) is written starts over: its old scale is dropped,
       since the allocator only writes offset 0 of a page that holds a new block.
 
@@ -96,7 +100,7 @@ def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
   old = jnp.where(fresh[:, None], 0.0, kv_scales)
   tok_amax = jnp.max(jnp.abs(kv_new), axis=-1)  # [T, C]
   page_amax = jnp.zeros_like(kv_scales).at[page].max(tok_amax, mode="drop")
-  new = jnp.maximum(old, page_amax / QMAX[jnp.dtype(kv_pages.dtype)])
+  new = jnp.maximum(old, page_scale(page_amax, kv_pages.dtype))
   page_c = jnp.minimum(page, num_pages - 1)
 
   def requantize(pages):
