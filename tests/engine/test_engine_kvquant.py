@@ -127,3 +127,30 @@ def test_bad_kv_dtype_inputs(monkeypatch):
     with pytest.raises(ValueError, match="pallas_gpu cannot read float8_e4m3fn"):
         Engine(config, kv_dtype="float8_e4m3fn", attention_backend="auto", **COMMON)
     assert not built
+
+
+def test_two_device_int8_engine_matches_one_device():
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.fail(f"tests/conftest.py should provide 8 CPU devices, got {len(devices)}")
+    config = ModelConfig.tiny()  # 2 kv heads: one per device
+    mesh = Mesh(np.array(devices[:2]), ("model",))
+    one = Engine(config, kv_dtype="int8", **COMMON)
+    two = Engine(config, kv_dtype="int8", mesh=mesh, **COMMON)
+    pages, scales = two.runner.kv_caches[0]
+    assert len(pages.sharding.device_set) == 2 and len(scales.sharding.device_set) == 2
+    assert scales.addressable_shards[0].data.shape == (41, 2)  # K and V of one kv head
+    rng = np.random.default_rng(2)
+    system = rng.integers(1, config.vocab_size, 40).tolist()
+    prompts = [system + rng.integers(1, config.vocab_size, n).tolist() for n in (3, 20)]
+    greedy = [SamplingParams(max_tokens=6)] * 2
+    outs1, outs2 = one.generate(prompts, greedy), two.generate(prompts, greedy)
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
+    # The same pages up to the f32 rounding of the sharded matmuls (a scale's last
+    # bit; a value one int8 step at a rounding boundary).
+    for (p1, s1), (p2, s2) in zip(one.runner.kv_caches, two.runner.kv_caches):
+        diff = np.abs(np.asarray(p2, np.int32) - np.asarray(p1, np.int32))
+        assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+        np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-5)

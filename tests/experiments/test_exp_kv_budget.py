@@ -141,3 +141,26 @@ def test_parse_helpers():
     assert _kv_budget.parse_kv_dtypes("int8,int8, bfloat16") == ("int8", "bfloat16")
     with pytest.raises(ValueError, match="at least one"):
         _kv_budget.parse_kv_dtypes(" , ")
+
+
+def test_kv_quant_experiment_reduced(tmp_path):
+    from experiments import kv_quant
+
+    cfg = _load("kv_quant")
+    cfg.workdir, cfg.kv_dtypes, cfg.cases, cfg.models = (
+        str(tmp_path / "kq"), "bfloat16,int8,float8_e4m3fn", "chunk_over_prefix", "tiny")
+    out = kv_quant.run(cfg)
+    lines = [json.loads(l) for l in
+             (tmp_path / "kq" / "results.jsonl").read_text().splitlines()]
+    acc = {(l["kv_dtype"], l["write"]): l for l in lines if l["record"] == "accuracy"}
+    assert len(acc) == 6 and all("provenance" in l for l in lines)
+    assert acc[("bfloat16", "prefill")]["rel_error"] < acc[("int8", "prefill")]["rel_error"] \
+        < acc[("float8_e4m3fn", "prefill")]["rel_error"] < 8e-2
+    # fp8 pages written token by token are the pages written at once (pow2 scales).
+    assert acc[("float8_e4m3fn", "decode")]["rel_error"] == \
+        acc[("float8_e4m3fn", "prefill")]["rel_error"]
+    assert out["bytes_per_token"] == {"tiny/bfloat16": 1024, "tiny/int8": 514,
+                                      "tiny/float8_e4m3fn": 514}
+    cfg.cases = "nope"
+    with pytest.raises(ValueError, match="unknown cases"):
+        kv_quant.run(cfg)
