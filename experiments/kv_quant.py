@@ -140,7 +140,8 @@ def run(config, *, progress: bool = False) -> dict:
     cases = [c.strip() for c in config.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))
     if unknown or not cases:
-        raise ValueError(f"unknown cases {unknown or config.cases!r}; expected some of {sorted(CASES)}")
+        raise ValueError(f"unknown cases {unknown or config.cases!r}; expected some of "
+                         f"{sorted(CASES)}")
     models = [m.strip() for m in config.models.split(",") if m.strip()]
     byte_rows = bytes_rows(models, dtypes, config.block_size)  # unknown model: before
     workdir = _common.prepare_workdir(config.workdir)

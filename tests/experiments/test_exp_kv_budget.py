@@ -51,7 +51,8 @@ def test_sweep_capacity_budget_rows_per_dtype(trace, tmp_path):
     for (dt, budget, state), hr in rate.items():
         assert hr >= rate[("bfloat16", budget, state)]
     # The same block count gives the same replay whatever the dtype.
-    assert rate[("int8", 40 * BF16_BLOCK, "cold")] == rate[("float8_e4m3fn", 40 * BF16_BLOCK, "cold")]
+    small = 40 * BF16_BLOCK
+    assert rate[("int8", small, "cold")] == rate[("float8_e4m3fn", small, "cold")]
     work = pathlib.Path(cfg.workdir)
     assert (work / "sweep_capacity_kv.png").exists()
     lines = [json.loads(l) for l in (work / "results.jsonl").read_text().splitlines()]
