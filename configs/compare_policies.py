@@ -35,6 +35,8 @@ def get_config():
     c.hash_algo = "sha256"
     c.hash_seed = ""  # "" -> the algorithm's default root
     c.model = "llama_3_1_8b"  # a prefixcache.sim.cost_model preset, for bytes ("": none)
+    c.kv_bytes = ""  # KV byte budgets instead of capacities ("1GiB,4GiB"; capacities "")
+    c.kv_dtype = ""  # KV dtype of those bytes (prefixcache.kv_dtypes); "": the preset's
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""  # "": a local Ray instance

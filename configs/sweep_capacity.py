@@ -28,4 +28,7 @@ def get_config():
     c.free_order = "append"
     c.eviction = "lru"  # prefixcache.core.eviction.POLICIES
     c.concurrency = 8
+    c.kv_bytes = ""  # KV byte budgets instead of capacities ("2GiB,4GiB"; capacities=())
+    c.kv_dtype = "bfloat16"  # KV dtype(s) for bytes per block (prefixcache.kv_dtypes)
+    c.model = "llama_3_2_1b"  # prefixcache.sim.cost_model preset for bytes per block
     return c

@@ -16,7 +16,17 @@ aside). One more cell replays the trace at a capacity where nothing is ever evic
 the infinite-cache ideal (``record: "ideal"``; see ``compare.ideal_num_blocks``).
 
 ``--policies`` / ``--indexes`` take comma-separated names or ``all`` (every registered
-one); ``--capacities`` comma-separated block counts. ``belady`` (the offline bound) joins
+one); ``--capacities`` comma-separated block counts, or ``--kv_bytes`` byte budgets
+(``2GiB,4GiB``; with ``--capacities=`` empty: both -> error) converted to blocks with
+``--model``'s bytes per block for ``--kv_dtype`` (``prefixcache.kv_dtypes``; fp8 and
+int8 blocks include their scales); with ``--kv_dtype`` or ``--kv_bytes`` every row
+carries ``kv_dtype``, ``bytes_per_block``, ``kv_bytes`` and ``kv_bytes_budget`` and its
+cached bytes are of that dtype:
+
+  python -m experiments.compare_policies --config=configs/compare_policies.py \
+      --workdir=/tmp/cp_fp8 --capacities= --kv_bytes=1GiB,4GiB --kv_dtype=float8_e4m3fn
+
+``belady`` (the offline bound) joins
 the policies whenever it is registered, unless ``--config.belady_bound=false``.
 
 Outputs in ``--workdir``:
@@ -40,7 +50,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from experiments import _common, _parallel
+from experiments import _common, _kv_budget, _parallel
 
 ROWS_FILE = "compare_policies.jsonl"
 BELADY = "belady"  # the offline optimum: the bound drawn in the plot
@@ -76,8 +86,20 @@ def resolve_grid(config) -> dict:
         "policies": policies,
         "indexes": compare.parse_names(config.indexes, known=compare.index_names(),
                                        what="index"),
-        "capacities": compare.parse_capacities(config.capacities),
     }
+    # KV bytes: capacities (blocks) or kv_bytes (byte budgets, per kv_dtype), not both.
+    kv_bytes, kv_dtype = config.get("kv_bytes", ""), config.get("kv_dtype", "")
+    if kv_bytes or kv_dtype:
+        plan = _kv_budget.resolve(capacities=config.capacities, kv_bytes=kv_bytes,
+                                  kv_dtype=kv_dtype or "bfloat16", model=config.model,
+                                  block_size=config.block_size)
+        if len({dt for dt, *_ in plan}) > 1:
+            raise ValueError(f"compare_policies takes one kv_dtype, got {kv_dtype!r} "
+                             "(sweep_capacity compares several)")
+        grid["capacities"] = tuple(sorted({nb for _, nb, _, _ in plan}))
+        grid["kv"] = {nb: (dt, bpb, budget) for dt, nb, bpb, budget in plan}
+    else:
+        grid["capacities"] = compare.parse_capacities(config.capacities)
     for policy in grid["policies"]:
         for index in grid["indexes"]:
             compare.check_replay_supports(policy, index, model=config.model or None)
@@ -89,8 +111,14 @@ def make_cells(config, grid: dict) -> list[dict]:
     cfg = config.to_dict()
     cells = [{"config": cfg, "policy": p, "index": i, "num_blocks": n}
              for i in grid["indexes"] for p in grid["policies"] for n in grid["capacities"]]
+    for cell in cells:
+        if "kv" in grid:
+            cell["kv"] = grid["kv"][cell["num_blocks"]]
     # The ideal: lru on the hash chain with nothing ever evicted (the policy cannot matter).
     cells.append({"config": cfg, "policy": "lru", "index": "hash", "num_blocks": 0})
+    if "kv" in grid:  # the ideal's bytes in the same dtype (it has no budget)
+        dt, bpb, _ = next(iter(grid["kv"].values()))
+        cells[-1]["kv"] = (dt, bpb, None)
     return cells
 
 
@@ -126,6 +154,12 @@ def run_cell(cell: dict) -> dict:
     if record == compare.IDEAL and row["evictions"]:  # pragma: no cover - a bug
         raise AssertionError(f"the ideal cell evicted {row['evictions']} blocks "
                              f"at {num_blocks} blocks")
+    if "kv" in cell:  # bytes of this KV dtype (scales included), not the preset's dtype
+        dt, bpb, budget = cell["kv"]
+        row.update(_kv_budget.row_fields(dt, num_blocks, bpb, budget))
+        for which in ("peak", "mean"):
+            blocks = row.get(f"{which}_cached_blocks")
+            row[f"{which}_cached_bytes"] = None if blocks is None else blocks * bpb
     row["cell_s"] = time.perf_counter() - t0
     return row
 
@@ -191,7 +225,8 @@ def run(config, *, progress: bool = False) -> dict:
                                progress=progress, desc="compare_policies")
     source = config.trace or f"workload:{config.workload.name}"
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
-                              cache_state="cold", extra={"source": source, **grid})
+                              cache_state="cold", extra={"source": source, **{
+                                  k: v for k, v in grid.items() if k != "kv"}})
     rows_path, png_path = workdir / ROWS_FILE, workdir / PNG_FILE
     with _common.AtomicJsonlWriter(rows_path, provenance=prov) as w:
         for row in rows:
@@ -216,6 +251,10 @@ def main() -> None:
         "free_order": ("string", "unhashed_first (vLLM's) | append"),
         "hash_algo": ("string", "sha256 | sha256_cbor | xxhash | xxhash_cbor"),
         "model": ("string", "Model preset for cached bytes (prefixcache.sim.cost_model)"),
+        "kv_bytes": ("string", "KV byte budgets, comma-separated ('2GiB', ints), converted "
+                              "to blocks per kv_dtype; give --capacities= (empty) with it"),
+        "kv_dtype": ("string", "KV dtype for bytes per block (bfloat16, float32, "
+                              "float8_e4m3fn, int8); '': the model preset's bytes"),
         "executor": ("string", "local | ray"),
         "workers": ("integer", "Local worker processes / local Ray CPUs (0: one per CPU)"),
         "ray_address": ("string", "Ray cluster address ('': a local instance)"),

@@ -2,10 +2,14 @@
 
 Public API:
 - `paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-  sliding_window=None, soft_cap=None, backend="auto", interpret=False, block_sizes=None)`
+  sliding_window=None, soft_cap=None, backend="auto", interpret=False, block_sizes=None,
+  kv_scales=None)`: kv_pages float32 / bfloat16, or float8_e4m3fn / int8 with
+  `kv_scales f32[num_pages, 2*num_kv_heads]` (per-(page, kv head) K and V scales,
+  `kernels.quant`), dequantized in-kernel by every backend.
 - `ragged_paged_attention_reference(...)`: the same minus backend/interpret.
-- `write_kv(kv_pages, k, v, slot_mapping) -> kv_pages` (slots outside
-  `[0, num_pages * page_size)`, negative ones included, are dropped).
+- `write_kv(kv_pages, k, v, slot_mapping, kv_scales=None) -> kv_pages` (slots outside
+  `[0, num_pages * page_size)`, negative ones included, are dropped); quantized pages:
+  `-> (kv_pages, kv_scales)`, quantizing (and requantizing a page whose scale rises).
 - `check_backend_config(backend, *, interpret, page_size, head_dim, num_q_heads,
   num_kv_heads, q_dtype, kv_dtype)`: the static checks of a call, before any array.
 - `ragged_paged_attention_tpu(..., block_sizes=TPUBlockSizes(), interpret=False)`: Pallas

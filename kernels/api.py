@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from kernels.common import check_attention_config, validate_inputs
 from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
@@ -43,13 +44,20 @@ def resolve_backend(backend: str, interpret: bool = False, platform: str | None 
 
 def check_backend_config(backend: str = "auto", *, interpret: bool = False, page_size,
                          head_dim, num_q_heads, num_kv_heads, q_dtype, kv_dtype,
-                         platform: str | None = None) -> str:
+                         platform: str | None = None,
+                         compute_capability: str | None = None) -> str:
   """Checks, before any array exists, that `backend` can run this configuration.
 
   Everything `paged_attention` would reject at its first call for a static reason:
   an unknown or unavailable backend, an unsupported page size, head size, head
   grouping or dtype pair, and the backend's own limits (pallas_gpu: a power-of-two
-  page size).
+  page size; compiled pallas_gpu reads float8_e4m3fn pages only on sm_89 or newer,
+  where Triton has e4m3 conversions -- `compute_capability` ("8.0", ...) overrides
+  the first GPU's, for checks made off the machine).
+
+  Quantized caches (kv_dtype float8_e4m3fn / int8, with `kv_scales`) run on every
+  backend otherwise: the reference and both Pallas kernels dequantize in-kernel (the
+  interpret modes on any platform; compiled pallas_tpu is not yet run on hardware).
 
   Returns:
     The resolved backend name (as `resolve_backend`).
@@ -62,12 +70,22 @@ def check_backend_config(backend: str = "auto", *, interpret: bool = False, page
                          num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype)
   if name == "pallas_gpu" and page_size & (page_size - 1):
     raise ValueError(f"pallas_gpu needs a power-of-two page_size, got {page_size}")
+  if (name == "pallas_gpu" and not interpret
+      and jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)):
+    if compute_capability is None:
+      compute_capability = getattr(jax.devices("gpu")[0], "compute_capability", "0.0")
+    major, minor = (int(x) for x in str(compute_capability).split(".")[:2])
+    if (major, minor) < (8, 9):
+      raise ValueError(
+          f"pallas_gpu cannot read float8_e4m3fn KV pages on a GPU of compute capability "
+          f"{compute_capability} (Triton's e4m3 needs sm_89+, Ada/Hopper); use "
+          "kv_dtype='int8' or 'bfloat16' there")
   return name
 
 
 def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     sm_scale, sliding_window=None, soft_cap=None, backend="auto",
-                    interpret=False, block_sizes=None):
+                    interpret=False, block_sizes=None, kv_scales=None):
   """Ragged paged attention (see `ragged_paged_attention_reference` for semantics).
 
   Args:
@@ -83,6 +101,9 @@ def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     block_sizes: tiles of the Pallas backend that runs: a `TPUBlockSizes` for
       pallas_tpu, a `GPUBlockSizes` for pallas_gpu, None for its defaults. The reference
       takes none.
+    kv_scales: None for float32 / bfloat16 pages; the f32[num_pages, 2*num_kv_heads]
+      scales of float8_e4m3fn / int8 pages (`kernels.quant`), which every backend
+      dequantizes as it loads a page.
 
   Returns:
     [num_tokens, num_q_heads, head_dim] in q's dtype.
@@ -99,8 +120,11 @@ def paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
           f"block_sizes {block_sizes!r} do not fit backend {name!r} (resolved from "
           f"{backend!r}); expected " + (f"a {want.__name__} or None" if want else "None"))
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_scales=kv_scales)
   kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  if kv_scales is not None:
+    kw["kv_scales"] = kv_scales
   args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
   if block_sizes is not None:
     kw["block_sizes"] = block_sizes

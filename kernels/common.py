@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.quant import QUANTIZED_KV_DTYPES, check_kv_scales
+
 # NOTE: masked logits in the online-softmax kernels: a large finite negative number
 # rather than -inf keeps the running max finite (no inf - inf = NaN) while a row has
 # seen no visible key yet. The kernels also zero the weights of masked keys, so such a
@@ -29,6 +31,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_PAGE_SIZE = 8
 MAX_PAGE_SIZE = 128
 SUPPORTED_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Cache dtypes: the float ones above, or quantized pages with `kv_scales` (kernels.quant).
+SUPPORTED_CACHE_DTYPES = SUPPORTED_KV_DTYPES + QUANTIZED_KV_DTYPES
 
 
 def _is_int(value) -> bool:
@@ -59,8 +63,9 @@ def check_attention_config(*, page_size, head_dim, num_q_heads, num_kv_heads, q_
     raise ValueError(
         f"page_size {page_size} out of the supported range [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}]")
   q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
-  if kv_dtype not in SUPPORTED_KV_DTYPES:
-    raise ValueError(f"kv_pages dtype {kv_dtype} not supported; expected float32 or bfloat16")
+  if kv_dtype not in SUPPORTED_CACHE_DTYPES:
+    raise ValueError(f"kv_pages dtype {kv_dtype} not supported; expected float32, bfloat16, "
+                     "or float8_e4m3fn / int8 (quantized, with kv_scales)")
   if q_dtype not in SUPPORTED_KV_DTYPES:
     raise ValueError(f"q dtype {q_dtype} not supported; expected float32 or bfloat16")
   # NOTE: bf16 q with f32 KV would silently upcast the cache reads; the only mixed
@@ -71,7 +76,7 @@ def check_attention_config(*, page_size, head_dim, num_q_heads, num_kv_heads, q_
 
 
 def validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                    sm_scale, sliding_window=None, soft_cap=None) -> None:
+                    sm_scale, sliding_window=None, soft_cap=None, kv_scales=None) -> None:
   """Checks shapes, dtypes and static scalars of a paged-attention call.
 
   Args: as `ragged_paged_attention_reference`.
@@ -97,6 +102,7 @@ def validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
     raise ValueError(f"kv_pages has no pages (shape {kv_pages.shape})")
   check_attention_config(page_size=page_size, head_dim=head_dim, num_q_heads=num_q_heads,
                          num_kv_heads=num_kv_heads, q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
+  check_kv_scales(kv_pages, kv_scales)
   if page_indices.ndim != 2:
     raise ValueError(
         f"page_indices must be i32[max_num_seqs, pages_per_seq], got shape {page_indices.shape}")

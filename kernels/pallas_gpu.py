@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.common import MASK_VALUE, validate_inputs
+from kernels.quant import dequantize
 
 _INFO_COLS = 4  # per item: kv_len, position of row 0, valid rows, unused
 
@@ -83,9 +84,11 @@ def _kernel(
     q_ref,  # [rows, head_dim] block: item's rows of one kv head
     k_ref,  # [num_pages, page_size, head_dim] block: K of this kv head
     v_ref,  # [num_pages, page_size, head_dim] block: V of this kv head
-    o_ref,  # [rows, head_dim] block: partial output of this split (see _part_dtype)
-    lse_ref,  # f32[rows] block: log-sum-exp of this split (-inf when it saw nothing)
-    *,
+    *refs,  # quantized pages: ks_ref, vs_ref (f32[num_pages] K/V scales of this kv
+    # head); then o_ref [rows, head_dim] (partial output of this split, see
+    # _part_dtype) and lse_ref f32[rows] (log-sum-exp of this split, -inf when it saw
+    # nothing)
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -93,6 +96,10 @@ def _kernel(
     pages_per_blk: int,
     blks_per_split: int,
 ):
+  if quantized:
+    ks_ref, vs_ref, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref = refs
   item, split = pl.program_id(1), pl.program_id(2)
   rows, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
@@ -101,7 +108,10 @@ def _kernel(
   first_pos = info_ref[item, 1]
   num_rows = info_ref[item, 2]
   f32 = jnp.float32
-  precision = lax.Precision.HIGHEST if k_ref.dtype == f32 else None
+  # NOTE: quantized pages are dequantized to f32 (times the page's scale) as they are
+  # loaded and multiplied in f32.
+  cd = f32 if quantized else k_ref.dtype
+  precision = lax.Precision.HIGHEST if cd == f32 else None
 
   row_tok = lax.broadcasted_iota(jnp.int32, (rows, kv_per_blk), 0) // group_pad
   row_pos = first_pos + row_tok
@@ -117,7 +127,6 @@ def _kernel(
 
   # NOTE: bf16 caches multiply in bf16 with f32 accumulation (tensor cores); f32
   # caches ask for full f32 precision (no TF32).
-  cd = k_ref.dtype
   q_c = (q_ref[...].astype(f32) * sm_scale).astype(cd)
 
   def body(blk, carry):
@@ -127,8 +136,12 @@ def _kernel(
     key_ok = key < kv_len
     # NOTE: zero K/V of slots past kv_len: they may hold NaN (0 * NaN = NaN).
     zero = jnp.zeros((), cd)
-    k = jnp.where(key_ok, k_ref[pages].reshape(kv_per_blk, head_dim), zero)
-    v = jnp.where(key_ok, v_ref[pages].reshape(kv_per_blk, head_dim), zero)
+    k, v = k_ref[pages], v_ref[pages]  # [pages_per_blk, page_size, head_dim]
+    if quantized:
+      k = dequantize(k, ks_ref[pages][:, None, None])
+      v = dequantize(v, vs_ref[pages][:, None, None])
+    k = jnp.where(key_ok, k.reshape(kv_per_blk, head_dim), zero)
+    v = jnp.where(key_ok, v.reshape(kv_per_blk, head_dim), zero)
     logits = lax.dot_general(q_c, k, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=f32)  # [rows, kv_per_blk]
     if soft_cap is not None:
@@ -160,7 +173,7 @@ def _kernel(
 def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale, sliding_window=None, soft_cap=None,
                                block_sizes: GPUBlockSizes = GPUBlockSizes(),
-                               interpret: bool = False):
+                               interpret: bool = False, kv_scales=None):
   """Ragged paged attention, Pallas GPU (Triton) kernel with split-K.
 
   Args:
@@ -173,12 +186,16 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     sm_scale, sliding_window, soft_cap: static scalars (see the reference).
     block_sizes: static `GPUBlockSizes`.
     interpret: run the kernel with the Pallas interpreter (any platform).
+    kv_scales: None, or the f32[num_pages, 2*num_kv_heads] scales of float8_e4m3fn /
+      int8 pages (`kernels.quant`), read by index next to each page and applied as it
+      is loaded (compute in f32). Compiled fp8 needs sm_89+ (`check_backend_config`).
 
   Returns:
     [num_tokens, num_q_heads, head_dim] in q's dtype; padding rows are 0.
   """
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_scales=kv_scales)
   if not isinstance(block_sizes, GPUBlockSizes):
     raise ValueError(f"block_sizes must be a GPUBlockSizes, got {block_sizes!r}")
   num_tokens, num_q_heads, head_dim = q.shape
@@ -237,7 +254,7 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
   kernel = pl.pallas_call(
       functools.partial(_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
                         soft_cap=soft_cap, group_pad=group_pad, pages_per_blk=pages_per_blk,
-                        blks_per_split=blks_per_split),
+                        blks_per_split=blks_per_split, quantized=kv_scales is not None),
       grid=(num_kv_heads, num_items, k_splits),
       in_specs=[
           pl.BlockSpec((num_items, _INFO_COLS), lambda h, i, s: (0, 0)),
@@ -248,7 +265,11 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
           pl.BlockSpec((num_pages, page_size, None, head_dim), lambda h, i, s: (0, 0, 2 * h, 0)),
           pl.BlockSpec((num_pages, page_size, None, head_dim),
                        lambda h, i, s: (0, 0, 2 * h + 1, 0)),
-      ],
+      ] + ([
+          # Scales of K (column 2h) and V (2h+1) of kv-head h, squeezed the same way.
+          pl.BlockSpec((num_pages, None), lambda h, i, s: (0, 2 * h)),
+          pl.BlockSpec((num_pages, None), lambda h, i, s: (0, 2 * h + 1)),
+      ] if kv_scales is not None else []),
       out_specs=[
           pl.BlockSpec((None, None, None, rows, head_dim), lambda h, i, s: (s, h, i, 0, 0)),
           pl.BlockSpec((None, None, None, rows), lambda h, i, s: (s, h, i, 0)),
@@ -263,7 +284,8 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
       interpret=interpret,
       name="ragged_paged_attention_gpu",
   )
-  o_parts, lse_parts = kernel(info, pages, q_items, kv_pages, kv_pages)
+  scale_args = (kv_scales, kv_scales) if kv_scales is not None else ()
+  o_parts, lse_parts = kernel(info, pages, q_items, kv_pages, kv_pages, *scale_args)
 
   # Flash-decoding merge of the KV splits: weights exp(lse_s - lse_max).
   lse_max = jnp.max(lse_parts, axis=0)

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.common import MASK_VALUE, validate_inputs
+from kernels.quant import dequantize
 
 _LANES = 128  # m/l scratch is lane-replicated: Mosaic has no unaligned lane slicing
 
@@ -64,20 +65,26 @@ def _kernel(
     # Inputs.
     q_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim] (VMEM block)
     kv_pages_hbm_ref,  # [num_pages, page_size, 2*num_kv_heads, head_dim] (HBM)
-    # Output.
-    o_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
-    # Scratch.
-    kv_bufs,  # [2, pages_per_blk, page_size, 2*num_kv_heads_per_blk, head_dim]
-    sems,  # DMA semaphores [2], one per buffer half
-    m_ref,  # f32[num_kv_heads_per_blk, num_q_per_blk * group, _LANES]
-    l_ref,  # f32[num_kv_heads_per_blk, num_q_per_blk * group, _LANES]
-    acc_ref,  # f32[num_kv_heads_per_blk, num_q_per_blk * group, head_dim]
-    *,
+    *refs,
+    # Quantized pages only: scales_hbm_ref f32[num_pages, 2*num_kv_heads] (HBM), input.
+    # Output: o_ref [num_q_per_blk, num_q_heads_per_blk, head_dim].
+    # Scratch:
+    #   kv_bufs [2, pages_per_blk, page_size, 2*num_kv_heads_per_blk, head_dim]
+    #   sems: DMA semaphores [2], one per buffer half
+    #   m_ref, l_ref: f32[num_kv_heads_per_blk, num_q_per_blk * group, _LANES]
+    #   acc_ref: f32[num_kv_heads_per_blk, num_q_per_blk * group, head_dim]
+    #   quantized pages only: scale_bufs f32[2, pages_per_blk, 2*num_kv_heads_per_blk]
+    #     (SMEM), the scales of the pages in kv_bufs, copied with them.
+    quantized: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     group: int,
 ):
+  if quantized:
+    scales_hbm_ref, o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref, scale_bufs = refs
+  else:
+    o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref = refs
   num_q_per_blk, _, head_dim = q_ref.shape
   _, pages_per_blk, page_size, num_combined_blk, _ = kv_bufs.shape
   num_kv_heads_blk = num_combined_blk // 2
@@ -90,6 +97,8 @@ def _kernel(
   q_hi = q_lo + num_q_per_blk
   num_seqs = jnp.minimum(num_seqs_ref[0], max_num_seqs)
   kv_src = kv_pages_hbm_ref.at[:, :, pl.ds(heads_blk * num_combined_blk, num_combined_blk), :]
+  if quantized:
+    scales_src = scales_hbm_ref.at[:, pl.ds(heads_blk * num_combined_blk, num_combined_blk)]
 
   m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
   l_ref[...] = jnp.zeros_like(l_ref)
@@ -132,6 +141,9 @@ def _kernel(
       p = jnp.minimum(blk * pages_per_blk + i, last)
       page = jnp.clip(page_indices_ref[s, p], 0, num_pages - 1)
       out.append(pltpu.make_async_copy(kv_src.at[page], kv_bufs.at[slot, i], sems.at[slot]))
+      if quantized:
+        out.append(pltpu.make_async_copy(scales_src.at[page], scale_bufs.at[slot, i],
+                                         sems.at[slot]))
     return out
 
   def compute(s, blk, slot):
@@ -149,13 +161,23 @@ def _kernel(
     key_ok = key_ok < kv_len
     # NOTE: the MXU multiplies in the cache dtype (bf16 caches: bf16 x bf16 -> f32);
     # f32 caches ask for full f32 precision.
-    cd = kv_bufs.dtype
+    # Quantized pages are dequantized to f32 (times their page's scale) as they are
+    # read from the buffer and multiplied in f32.
+    cd = jnp.float32 if quantized else kv_bufs.dtype
     precision = lax.Precision.HIGHEST if cd == jnp.float32 else None
     zero = jnp.zeros((), cd)
     for j in range(num_kv_heads_blk):
       # NOTE: zero K/V of slots past kv_len: they may hold NaN (0 * NaN = NaN).
-      k = kv_bufs[slot, :, :, 2 * j, :].reshape(kv_per_blk, head_dim)
-      v = kv_bufs[slot, :, :, 2 * j + 1, :].reshape(kv_per_blk, head_dim)
+      if quantized:
+        # NOTE: one page at a time (its scale is an SMEM scalar), merged as values.
+        k = jnp.concatenate([dequantize(kv_bufs[slot, i, :, 2 * j, :], scale_bufs[slot, i, 2 * j])
+                             for i in range(pages_per_blk)], axis=0)
+        v = jnp.concatenate([dequantize(kv_bufs[slot, i, :, 2 * j + 1, :],
+                                        scale_bufs[slot, i, 2 * j + 1])
+                             for i in range(pages_per_blk)], axis=0)
+      else:
+        k = kv_bufs[slot, :, :, 2 * j, :].reshape(kv_per_blk, head_dim)
+        v = kv_bufs[slot, :, :, 2 * j + 1, :].reshape(kv_per_blk, head_dim)
       k = jnp.where(key_ok, k, zero)
       v = jnp.where(key_ok, v, zero)
       q = q_ref[:, j * group:(j + 1) * group, :].astype(jnp.float32)
@@ -220,7 +242,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale, sliding_window=None, soft_cap=None,
                                block_sizes: TPUBlockSizes = TPUBlockSizes(),
-                               interpret: bool = False):
+                               interpret: bool = False, kv_scales=None):
   """Ragged paged attention, Pallas TPU kernel (same contract as the reference).
 
   Args:
@@ -234,12 +256,16 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     block_sizes: static `TPUBlockSizes`.
     interpret: run in TPU interpret mode (any platform); also happens under
       `pltpu.force_tpu_interpret_mode()`.
+    kv_scales: None, or the f32[num_pages, 2*num_kv_heads] scales of float8_e4m3fn /
+      int8 pages (`kernels.quant`): each page's scales are copied into SMEM with the
+      page and applied as it is read (compute in f32).
 
   Returns:
     [num_tokens, num_q_heads, head_dim] in q's dtype; padding rows are 0.
   """
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_scales=kv_scales)
   if not isinstance(block_sizes, TPUBlockSizes):
     raise ValueError(f"block_sizes must be a TPUBlockSizes, got {block_sizes!r}")
   num_tokens, num_q_heads, head_dim = q.shape
@@ -266,12 +292,17 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
       pltpu.VMEM((heads_blk, rows, _LANES), jnp.float32),  # l
       pltpu.VMEM((heads_blk, rows, head_dim), jnp.float32),  # acc
   ]
+  quantized = kv_scales is not None
+  in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY)]
+  if quantized:
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    scratch.append(pltpu.SMEM((2, pages_per_blk, 2 * heads_blk), jnp.float32))
   kernel = pl.pallas_call(
       functools.partial(_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
-                        soft_cap=soft_cap, group=group),
+                        soft_cap=soft_cap, group=group, quantized=quantized),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,
-          in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+          in_specs=in_specs,
           out_specs=q_spec,
           grid=(num_kv_heads // heads_blk, num_q_blks),
           scratch_shapes=scratch),
@@ -280,5 +311,6 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
       interpret=pltpu.InterpretParams() if interpret else False,
       name="ragged_paged_attention_tpu",
   )
-  out = kernel(kv_lens, page_indices, cu_q_lens, num_seqs, q_in, kv_pages)
+  out = kernel(kv_lens, page_indices, cu_q_lens, num_seqs, q_in, kv_pages,
+               *((kv_scales,) if quantized else ()))
   return out[:num_tokens]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.common import validate_inputs
+from kernels.quant import dequantize
 
 # NOTE: query-block sizes the per-sequence loop chooses between, per sequence the one
 # with the least cost ceil(q_len / b) * b + _PASS_COST_ROWS * ceil(q_len / b): padded
@@ -62,7 +63,7 @@ def _attend_block(q_blk, k, v, key_ok, pos, *, sm_scale, sliding_window, soft_ca
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                                      num_seqs, *, sm_scale, sliding_window=None,
-                                     soft_cap=None):
+                                     soft_cap=None, kv_scales=None):
   """Ragged paged attention in plain jnp (jittable, traced `num_seqs`).
 
   Args:
@@ -78,12 +79,16 @@ def ragged_paged_attention_reference(q, kv_pages, kv_lens, page_indices, cu_q_le
     sliding_window: static int or None; a row at position p sees keys in
       (p - sliding_window, p].
     soft_cap: static float or None.
+    kv_scales: None, or for float8_e4m3fn / int8 pages their f32[num_pages,
+      2*num_kv_heads] scales (`kernels.quant`): each page is dequantized (times its
+      scale) to f32 as it is loaded.
 
   Returns:
     [num_tokens, num_q_heads, head_dim] in q's dtype; padding rows are 0.
   """
   validate_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_scales=kv_scales)
   num_tokens, num_q_heads, head_dim = q.shape
   _, page_size, num_combined, _ = kv_pages.shape
   num_kv_heads = num_combined // 2
@@ -104,6 +109,9 @@ def ragged_paged_attention_reference(q, kv_pages, kv_lens, page_indices, cu_q_le
     kv_len = kv_lens[s]
     # [pages_per_seq, page_size, 2*num_kv_heads, head_dim] -> per-head contiguous K, V.
     kv = jnp.take(kv_pages, page_indices[s], axis=0, mode="clip")
+    if kv_scales is not None:
+      scales = jnp.take(kv_scales, page_indices[s], axis=0, mode="clip")  # [P, 2K]
+      kv = dequantize(kv, scales[:, None, :, None])
     kv = kv.reshape(kv_cap, num_kv_heads, 2, head_dim)
     key_ok = jnp.arange(kv_cap, dtype=jnp.int32) < kv_len
     # NOTE: zero K/V past kv_len so NaN in unused slots cannot reach live rows

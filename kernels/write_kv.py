@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
+
+from kernels.quant import check_kv_scales, page_scale, quantize
 
 
-def write_kv(kv_pages, k, v, slot_mapping):
+def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
   """Writes each token's K/V into its slot `page * page_size + offset`.
 
   Pure functional update (`.at[].set`): jit the caller with `donate_argnums` on
@@ -21,8 +24,23 @@ def write_kv(kv_pages, k, v, slot_mapping):
       negative ones included -- writes nothing (values cannot raise inside jit; the
       host-side MetadataBuilder rejects block ids outside the pool before a step).
 
+    kv_scales: None for float32 / bfloat16 pages (the write casts). For float8_e4m3fn
+      / int8 pages, their f32[num_pages, 2*num_kv_heads] scales (`kernels.quant`):
+      the write quantizes, and a page's scales become max(old, amax of what this step
+      writes into it / QMAX) per K/V of a kv head (float8_e4m3fn: rounded up to a
+      power of two, `kernels.quant.page_scale`). A page whose scale rises has its
+      existing entries requantized to the new scale in the same call (only when some
+      page's scale rises: a `lax.cond`). float8_e4m3fn: a power-of-two rescale is
+      exact, so a page written token by token holds the same bytes as one written at
+      once (outside e4m3's subnormal range, |x| < 2^-6 scale); int8: each
+      requantization rounds once more (at most half a step of the final scale per
+      rise). A page
+      whose first slot (offset 0) is written starts over: its old scale is dropped,
+      since the allocator only writes offset 0 of a page that holds a new block.
+
   Returns:
-    The updated kv_pages, same shape and dtype.
+    The updated kv_pages, same shape and dtype; with kv_scales, the pair
+    (kv_pages, kv_scales).
 
   Raises:
     ValueError: on shape or dtype mismatch.
@@ -49,6 +67,9 @@ def write_kv(kv_pages, k, v, slot_mapping):
   for name, x in (("k", k), ("v", v)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} dtype must be floating, got {x.dtype}")
+  check_kv_scales(kv_pages, kv_scales)
+  if kv_scales is not None:
+    return _write_quantized(kv_pages, kv_scales, k, v, slot_mapping)
   # [T, num_kv_heads, 2, head_dim] -> [T, 2*num_kv_heads, head_dim]: K at 2h, V at 2h+1.
   kv_new = jnp.stack([k, v], axis=2).reshape(k.shape[0], num_combined, head_dim)
   flat = kv_pages.reshape(num_pages * page_size, num_combined, head_dim)
@@ -61,3 +82,40 @@ def write_kv(kv_pages, k, v, slot_mapping):
   slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
   flat = flat.at[slots].set(kv_new.astype(kv_pages.dtype), mode="drop")
   return flat.reshape(kv_pages.shape)
+
+
+def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
+  """`write_kv` into quantized pages; returns (kv_pages, kv_scales)."""
+  num_pages, page_size, num_combined, head_dim = kv_pages.shape
+  num_tokens = k.shape[0]
+  f32 = jnp.float32
+  kv_new = jnp.stack([k.astype(f32), v.astype(f32)], axis=2).reshape(
+      num_tokens, num_combined, head_dim)
+  num_slots = num_pages * page_size
+  valid = (slot_mapping >= 0) & (slot_mapping < num_slots)
+  page = jnp.where(valid, slot_mapping // page_size, num_pages)  # num_pages: dropped
+  first = valid & (slot_mapping % page_size == 0)
+  fresh = jnp.zeros((num_pages,), jnp.int32).at[page].max(first.astype(jnp.int32),
+                                                            mode="drop") > 0
+  old = jnp.where(fresh[:, None], 0.0, kv_scales)
+  tok_amax = jnp.max(jnp.abs(kv_new), axis=-1)  # [T, C]
+  page_amax = jnp.zeros_like(kv_scales).at[page].max(tok_amax, mode="drop")
+  new = jnp.maximum(old, page_scale(page_amax, kv_pages.dtype))
+  page_c = jnp.minimum(page, num_pages - 1)
+
+  def requantize(pages):
+    # NOTE: every page this step touches is rewritten (duplicates write identical
+    # values); a page whose scale did not change maps q -> q exactly (factor 1), a
+    # fresh page (old scale 0) to zeros.
+    factor = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)[page_c]  # [T, C]
+    vals = pages[page_c].astype(f32) * factor[:, None, :, None]
+    vals = quantize(vals, jnp.ones((), f32), pages.dtype)
+    return pages.at[page].set(vals, mode="drop")
+
+  rises = jnp.any((new > old) & (old > 0))
+  kv_pages = lax.cond(rises, requantize, lambda pages: pages, kv_pages)
+  q_new = quantize(kv_new, new[page_c][:, :, None], kv_pages.dtype)
+  flat = kv_pages.reshape(num_slots, num_combined, head_dim)
+  slots = jnp.where(valid, slot_mapping, num_slots)
+  flat = flat.at[slots].set(q_new, mode="drop")
+  return flat.reshape(kv_pages.shape), new

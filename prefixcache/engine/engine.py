@@ -93,7 +93,13 @@ class Engine:
         by the runner: `runner.host_pages`) and promoted back on a hit; each step's
         copies run batched before the step computes (`prefixcache.engine.host_pages`).
       host_eviction: the host tier's eviction policy (a `prefixcache.core.eviction`
-        name; not belady).
+        name; not belady). Not with a quantized `kv_dtype` (ValueError).
+      kv_dtype: the KV pages' dtype, one of `prefixcache.kv_dtypes.KV_DTYPES`
+        ("bfloat16", "float32", "float8_e4m3fn", "int8"); None (default): the model's
+        dtype, as before. float8_e4m3fn / int8 store per-(page, kv head) scales
+        (`kernels.quant`); `num_blocks` is still the block count, and the memory check
+        counts the dtype's bytes per block, scales included
+        (`prefixcache.kv_dtypes.kv_bytes_per_block`).
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     one KV cache group per attention kind (`model_config.kv_groups`: full-attention
@@ -138,12 +144,16 @@ class Engine:
                  lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
                  eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
-                 host_eviction: str = "lru"):
+                 host_eviction: str = "lru", kv_dtype: str | None = None):
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
         from prefixcache.core.indexes import get_index_class
+        from prefixcache.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_dtype
         from prefixcache.scheduling import make_scheduling_policy
+
+        # None: the model's dtype (today's behaviour); unknown names fail here, first.
+        kv_dtype = check_kv_dtype(model_config.dtype if kv_dtype is None else kv_dtype)
 
         if get_policy_class(eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
@@ -165,6 +175,11 @@ class Engine:
         if kv_cache_groups is not None and num_host_blocks:
             raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier is not "
                              "supported for models with sliding-window layers")
+        if num_host_blocks and kv_dtype in QUANTIZED_KV_DTYPES:
+            # NOTE: host pages hold one array per layer; quantized layers are (pages,
+            # scales) pairs whose scales would have to travel with them (a gap).
+            raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier does not "
+                             f"support quantized KV pages (kv_dtype={kv_dtype!r})")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -190,10 +205,12 @@ class Engine:
         # block pool, the model or the KV arrays are allocated (not at the first step).
         _check_runnable(model_config, num_blocks=num_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                        interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks)
+                        interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks,
+                        kv_dtype=kv_dtype)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.enable_caching = bool(enable_caching)
         self.seed = int(seed)
         self.max_model_len = max_model_len
@@ -225,6 +242,8 @@ class Engine:
                 raise ValueError("share_programs_with: the engines must run the same model")
             if share_programs_with.model_config != model_config:
                 raise ValueError("share_programs_with: different model configs")
+            if share_programs_with.kv_dtype != kv_dtype:
+                raise ValueError("share_programs_with: different kv_dtype")
             model = share_programs_with.model
             program = share_programs_with.runner.program
         if model is None:
@@ -246,7 +265,7 @@ class Engine:
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
             lora_slots=lora_slots, lora_adapters=self.lora_adapters,
-            num_host_blocks=num_host_blocks)
+            num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -671,7 +690,7 @@ class Engine:
 
 def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,
                     attention_backend: str, interpret: bool, mesh,
-                    num_host_blocks: int = 0) -> None:
+                    num_host_blocks: int = 0, kv_dtype=None) -> None:
     """ValueError when the kernels cannot run this model and pool, or its KV arrays,
     block tables and host-tier pages cannot fit in memory (device memory when the
     device reports it, else host memory)."""
@@ -683,13 +702,15 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     kernels.check_backend_config(
         attention_backend, interpret=bool(interpret), page_size=block_size,
         head_dim=config.head_dim, num_q_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype, kv_dtype=config.dtype)
-    check_kv_cache_memory(config, num_blocks + 1, block_size, mesh=mesh)
+        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
+        kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:
         page_bytes = (config.num_layers * block_size * 2 * config.num_kv_heads
-                      * config.head_dim * jnp.dtype(config.dtype).itemsize)
+                      * config.head_dim
+                      * jnp.dtype(config.dtype if kv_dtype is None else kv_dtype).itemsize)
         check_host_memory(f"the host tier's {num_host_blocks} pages", num_host_blocks
                           * page_bytes)
 

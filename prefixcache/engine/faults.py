@@ -69,7 +69,9 @@ class StepFault:
         if self.kind == "kv_lost":
             if self.engine is None:
                 raise ValueError("a kv_lost fault needs the engine (StepFault.attach)")
-            for x in self.engine.runner.kv_caches:
+            import jax  # noqa: PLC0415
+
+            for x in jax.tree.leaves(self.engine.runner.kv_caches):
                 x.delete()
         raise InjectedFault(f"injected fault at model step {self.step} ({point})")
 

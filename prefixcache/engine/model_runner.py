@@ -201,7 +201,7 @@ class StepProgram:
     """
 
     def __init__(self, model, *, attention_backend: str = "auto", interpret: bool = False,
-                 mesh=None):
+                 mesh=None, kv_dtype=None):
         from prefixcache.model import make_step_fn
 
         self.model = model
@@ -209,8 +209,9 @@ class StepProgram:
         self.mesh = mesh
         self.attention_backend = attention_backend
         self.interpret = interpret
+        self.kv_dtype = kv_dtype
         step = make_step_fn(model, attention_backend=attention_backend, interpret=interpret,
-                            mesh=mesh)
+                            mesh=mesh, kv_dtype=kv_dtype)
         # NOTE: one jitted function runs the model step and the sampler, with the weights
         # as an argument (`step.pure` + `step.params`, not constants folded into the
         # program) and the paged KV donated.
@@ -238,7 +239,7 @@ class StepProgram:
             from prefixcache.model import kv_cache_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             out_shardings = (replicated, replicated,
-                             [kv_cache_sharding(mesh)] * self.config.num_layers)
+                             [kv_cache_sharding(mesh, kv_dtype)] * self.config.num_layers)
             self.input_sharding = replicated
         else:
             out_shardings = None
@@ -306,17 +307,18 @@ class ModelRunner:
                  attention_backend: str = "auto", interpret: bool = False, mesh=None,
                  token_buckets=None, seq_buckets=None, page_buckets=None,
                  program: StepProgram | None = None, pack_transfers: bool = True,
-                 lora_slots=None, lora_adapters=None, num_host_blocks: int = 0):
+                 lora_slots=None, lora_adapters=None, num_host_blocks: int = 0,
+                 kv_dtype=None):
         from prefixcache.model import make_kv_caches
 
         if program is None:
             program = StepProgram(model, attention_backend=attention_backend,
-                                  interpret=interpret, mesh=mesh)
+                                  interpret=interpret, mesh=mesh, kv_dtype=kv_dtype)
         elif (program.model is not model or program.mesh is not mesh
               or program.attention_backend != attention_backend
-              or program.interpret != interpret):
+              or program.interpret != interpret or program.kv_dtype != kv_dtype):
             raise ValueError("a shared StepProgram needs the same model object, mesh, "
-                             "attention_backend and interpret flag")
+                             "attention_backend, interpret flag and kv_dtype")
         self.program = program
         self.model = model
         self.config = config
@@ -326,8 +328,9 @@ class ModelRunner:
             max_num_tokens=max_num_batched_tokens,
             max_pages_per_seq=-(-max_model_len // block_size),
             token_buckets=token_buckets, seq_buckets=seq_buckets, page_buckets=page_buckets)
+        self.kv_dtype = kv_dtype
         self.kv_caches = make_kv_caches(config, num_blocks=num_blocks, block_size=block_size,
-                                        mesh=mesh)
+                                        mesh=mesh, kv_dtype=kv_dtype)
         # numpy dtype of injected multimodal rows (bfloat16 via ml_dtypes, as jax does).
         self._embed_dtype = jnp.dtype(config.dtype)
         self.compiled_shapes: set[tuple] = set()
@@ -522,7 +525,7 @@ class ModelRunner:
         from prefixcache.model import make_kv_caches
 
         try:
-            ok = not any(x.is_deleted() for x in self.kv_caches)
+            ok = not any(x.is_deleted() for x in jax.tree.leaves(self.kv_caches))
             if ok:
                 jax.block_until_ready(self.kv_caches)
         except Exception:  # noqa: BLE001 - an array holding an async error
@@ -531,5 +534,6 @@ class ModelRunner:
             return False
         self.kv_caches = None  # drop the broken arrays before allocating new ones
         self.kv_caches = make_kv_caches(self.config, num_blocks=self.builder.num_blocks,
-                                        block_size=self.builder.block_size, mesh=self.mesh)
+                                        block_size=self.builder.block_size, mesh=self.mesh,
+                                        kv_dtype=self.kv_dtype)
         return True

@@ -22,13 +22,16 @@ Public API (the contract the engine codes against)::
   `metadata` may be a tuple of `AttentionMetadata`, one per KV group (each layer reads
   its group's `page_indices` / `slot_mapping`).
 - `make_kv_caches(config, num_pages=None, page_size=None, dtype=None, sharding=None, *,
-  num_blocks=None, block_size=None, mesh=None) -> list[jax.Array]`: one zeroed
-  `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer; `num_blocks` means
+  num_blocks=None, block_size=None, mesh=None, kv_dtype=None) -> list`: one zeroed
+  `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer (kv_dtype
+  float8_e4m3fn / int8: a pair (pages, scales f32[num_pages, 2*num_kv_heads]) per layer,
+  which the model passes to `kernels.write_kv` / `paged_attention` as is); `num_blocks` means
   `num_pages = num_blocks + 1` (the padding page, id num_blocks, of
   `prefixcache.metadata`); `mesh` shards axis 2 over "model". Caches larger than the
   free memory are refused first (`check_kv_cache_memory(config, num_pages, page_size,
   dtype=None, mesh=None)`: device memory where reported, else host memory).
-- `make_step_fn(model, *, attention_backend="auto", interpret=False, mesh=None)` ->
+- `make_step_fn(model, *, attention_backend="auto", interpret=False, mesh=None,
+  kv_dtype=None)` ->
   `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None, mm_mask=None)
   -> (logits f32[S, vocab], kv_caches)`; jitted, kv_caches donated, params captured once
   (`nnx.split`: graphdef static, params passed as arguments). `input_ids i32[T]`,

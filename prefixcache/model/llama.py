@@ -230,7 +230,19 @@ class Block(nnx.Module):
 
 def _local_attend(q, k, v, kv_cache, metadata: AttentionMetadata, *, sm_scale, backend,
                   interpret, sliding_window=None):
-    """write_kv then paged attention on one device (or one shard's heads)."""
+    """write_kv then paged attention on one device (or one shard's heads).
+
+    `kv_cache` is a layer's pages, or for a quantized cache (float8_e4m3fn / int8) the
+    pair (pages, scales f32[num_pages, 2K]) (`make_kv_caches(kv_dtype=...)`).
+    """
+    if isinstance(kv_cache, tuple):
+        pages, scales = kernels.write_kv(kv_cache[0], k, v, metadata.slot_mapping,
+                                         kv_scales=kv_cache[1])
+        out = kernels.paged_attention(
+            q, pages, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
+            metadata.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+            backend=backend, interpret=interpret, kv_scales=scales)
+        return out, (pages, scales)
     kv_cache = kernels.write_kv(kv_cache, k, v, metadata.slot_mapping)
     out = kernels.paged_attention(
         q, kv_cache, metadata.kv_lens, metadata.page_indices, metadata.cu_q_lens,
@@ -274,7 +286,8 @@ class Transformer(nnx.Module):
         """One step over ragged tokens.
 
         Args:
-          kv_caches: L arrays [num_pages, page_size, 2K, H].
+          kv_caches: L arrays [num_pages, page_size, 2K, H] (quantized caches: L pairs
+            (pages, scales), see `_local_attend`).
           input_ids: i32[T].
           metadata: `AttentionMetadata` of device arrays (positions i32[T] etc.), or a
             tuple of them, one per KV group (`config.kv_groups`; hybrid models): layer i

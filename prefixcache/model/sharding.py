@@ -15,6 +15,7 @@ under `jax.shard_map`; XLA inserts the all-reduces after o_proj and down_proj.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -88,10 +89,19 @@ def param_shardings(state, mesh: Mesh):
         lambda path, _: NamedSharding(mesh, param_partition_spec(_leaf_name(path))), state)
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of one layer's KV pages: axis 2 (2 * num_kv_heads) over "model"."""
+def kv_cache_sharding(mesh: Mesh, kv_dtype=None):
+    """Sharding of one layer's KV pages: axis 2 (2 * num_kv_heads) over "model".
+
+    For a quantized `kv_dtype` (float8_e4m3fn / int8) the layer's cache is the pair
+    (pages, scales [num_pages, 2K]) and so is its sharding (scales: axis 1 over "model").
+    """
+    from prefixcache.kv_dtypes import QUANTIZED_KV_DTYPES
+
     model_axis_size(mesh)
-    return NamedSharding(mesh, P(None, None, MODEL_AXIS, None))
+    pages = NamedSharding(mesh, P(None, None, MODEL_AXIS, None))
+    if kv_dtype is not None and jnp.dtype(kv_dtype).name in QUANTIZED_KV_DTYPES:
+        return pages, NamedSharding(mesh, P(None, MODEL_AXIS))
+    return pages
 
 
 def shard_model(model, mesh: Mesh):

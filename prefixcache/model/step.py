@@ -33,6 +33,9 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
     with the host's available memory (CPU: XLA's buffers live there; touching more
     than it has would end in the OOM killer, not an error).
 
+    `dtype` (default `config.dtype`) may be a quantized KV dtype (float8_e4m3fn, int8):
+    its per-(page, kv head) f32 scales count too (`prefixcache.kv_dtypes`).
+
     Returns:
       The bytes of all layers' caches (whole, not per device).
 
@@ -40,10 +43,16 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
       ValueError: naming the sizes when they do not fit.
     """
     from prefixcache._validate import check_host_memory
+    from prefixcache.kv_dtypes import KV_DTYPES, kv_bytes_per_block
 
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
-    nbytes = (config.num_layers * num_pages * page_size * 2 * config.num_kv_heads
-              * config.head_dim * dtype.itemsize)
+    if dtype.name in KV_DTYPES:
+        nbytes = num_pages * kv_bytes_per_block(
+            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, block_size=page_size, kv_dtype=dtype.name)
+    else:
+        nbytes = (config.num_layers * num_pages * page_size * 2 * config.num_kv_heads
+                  * config.head_dim * dtype.itemsize)
     what = (f"the KV cache ({config.num_layers} layers x {num_pages} pages x {page_size} "
             f"tokens x {2 * config.num_kv_heads} x {config.head_dim} {dtype.name})")
     shards = int(dict(mesh.shape).get(MODEL_AXIS, 1)) if mesh is not None else 1
@@ -66,7 +75,7 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
 def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
                    page_size: int | None = None, dtype=None, sharding=None, *,
                    num_blocks: int | None = None, block_size: int | None = None,
-                   mesh: Mesh | None = None) -> list[jax.Array]:
+                   mesh: Mesh | None = None, kv_dtype=None) -> list:
     """Zeroed paged KV caches, one per layer.
 
     Either `num_pages` (total, padding page included) or `num_blocks` (allocatable blocks;
@@ -79,16 +88,30 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
       page_size / block_size: tokens per page.
       dtype: cache dtype; default `config.dtype`.
       sharding: a `jax.sharding.Sharding` for each cache, or None.
-      mesh: shorthand for `sharding=kv_cache_sharding(mesh)` (kv heads over "model").
+      mesh: shorthand for `sharding=kv_cache_sharding(mesh, kv_dtype)` (kv heads over
+        "model").
+      kv_dtype: one of `prefixcache.kv_dtypes.KV_DTYPES` ("bfloat16", "float32",
+        "float8_e4m3fn", "int8"), or None: `dtype` (the same thing; give one).
 
     Returns:
-      L arrays [num_pages, page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1).
+      L arrays [num_pages, page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1);
+      for a quantized kv_dtype (float8_e4m3fn, int8) L pairs (pages, scales) with
+      zeroed scales f32[num_pages, 2K] (column 2h: K of kv head h, 2h+1: its V).
 
     Raises:
-      ValueError: conflicting or missing sizes, non-positive sizes, a mesh that does not
+      ValueError: an unknown kv_dtype or one that contradicts `dtype`, conflicting or
+        missing sizes, non-positive sizes, a mesh that does not
         divide the kv heads, or caches larger than the free memory
         (`check_kv_cache_memory`).
     """
+    from prefixcache.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_dtype
+
+    if kv_dtype is not None:
+        kv_dtype = check_kv_dtype(kv_dtype)
+        if dtype is not None and jnp.dtype(dtype) != jnp.dtype(kv_dtype):
+            raise ValueError(f"dtype {jnp.dtype(dtype).name} and kv_dtype {kv_dtype} differ; "
+                             "give one")
+        dtype = kv_dtype
     if (num_pages is None) == (num_blocks is None):
         raise ValueError("give exactly one of num_pages (padding page included) and "
                          "num_blocks (one padding page is added)")
@@ -103,10 +126,16 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         if sharding is not None:
             raise ValueError("give mesh or sharding, not both")
         validate_mesh(config, mesh)
-        sharding = kv_cache_sharding(mesh)
+        sharding = kv_cache_sharding(mesh, dtype)
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
     check_kv_cache_memory(config, pages, size, dtype, mesh)
     shape = (pages, size, 2 * config.num_kv_heads, config.head_dim)
+    if dtype.name in QUANTIZED_KV_DTYPES:
+        page_sh, scale_sh = sharding if isinstance(sharding, tuple) else (sharding, None)
+        scales = (pages, 2 * config.num_kv_heads)
+        return [(jnp.zeros(shape, dtype, device=page_sh),
+                 jnp.zeros(scales, jnp.float32, device=scale_sh))
+                for _ in range(config.num_layers)]
     return [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
 
 
@@ -131,6 +160,11 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
         raise ValueError(f"got {len(kv_caches)} kv caches for {config.num_layers} layers")
     want = (2 * config.num_kv_heads, config.head_dim)
     for i, c in enumerate(kv_caches):
+        if isinstance(c, tuple):  # quantized: (pages, scales)
+            if len(c) != 2 or c[1].shape != (c[0].shape[0], want[0]):
+                raise ValueError(f"kv_caches[{i}] must be (pages, scales [num_pages, "
+                                 f"{want[0]}]), got {[x.shape for x in c]}")
+            c = c[0]
         if c.ndim != 4 or tuple(c.shape[2:]) != want:
             raise ValueError(f"kv_caches[{i}] shape {c.shape} is not [num_pages, page_size, "
                              f"{want[0]}, {want[1]}]")
@@ -178,7 +212,7 @@ def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
 
 
 def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
-                 interpret: bool = False, mesh: Mesh | None = None):
+                 interpret: bool = False, mesh: Mesh | None = None, kv_dtype=None):
     """Builds the jitted step of `model` (params captured now; graphdef static).
 
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
@@ -205,9 +239,11 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
       attention_backend: `kernels.paged_attention` backend ("auto", "reference", ...).
       interpret: run a Pallas backend in interpret mode.
       mesh: a Mesh with a "model" axis for tensor parallelism over kv heads, or None.
+      kv_dtype: the caches' KV dtype (`make_kv_caches(kv_dtype=)`); read only with a
+        mesh, whose output shardings follow the cache structure (None: unquantized).
 
     Raises:
-      ValueError: unknown backend, or a mesh that does not divide the model.
+      ValueError: unknown backend or kv_dtype, or a mesh that does not divide the model.
     """
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a Transformer, got {type(model).__name__}")
@@ -229,10 +265,13 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         # each device writes and attends over its own kv heads only.
         def attend(q, k, v, kv_cache, metadata, sliding_window=None):
             fn = functools.partial(local, sliding_window=sliding_window)
-            return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, pages, P()),
-                                 out_specs=(heads, pages), check_vma=False)(
+            # Quantized caches are (pages, scales [num_pages, 2K]): scales split like pages.
+            spec = (pages, P(None, MODEL_AXIS)) if isinstance(kv_cache, tuple) else pages
+            return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, spec, P()),
+                                 out_specs=(heads, spec), check_vma=False)(
                                      q, k, v, kv_cache, metadata)
-        kv_sharding = kv_cache_sharding(mesh)
+
+        kv_sharding = kv_cache_sharding(mesh, kv_dtype)
         out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.num_layers)
     graphdef, params = nnx.split(model)
 
