@@ -161,8 +161,6 @@ class HostLink:
         return self.latency_s + num_bytes / (self.effective_bandwidth * num_chips)
 
 
-_US = 1e-6
-
 HOST_LINKS: dict[str, HostLink] = {
     # H200 SXM node: each GPU reaches host DRAM over PCIe Gen5 x16. Peak: 32 GT/s x 16
     # lanes with 128b/130b encoding = 63.0 GB/s per direction (PCI-SIG PCIe 5.0 base
@@ -172,15 +170,15 @@ HOST_LINKS: dict[str, HostLink] = {
     # (NVIDIA nvbandwidth host_to_device_memcpy_ce on H100/H200 systems). Latency
     # 10 us per transfer: one cudaMemcpyAsync issue + completion (an assumed order of
     # magnitude, not a measurement of ours).
-    "h200_pcie5": HostLink("h200_pcie5", 32e9 * 16 * 128 / 130 / 8, 0.85, 10 * _US),
+    "h200_pcie5": HostLink("h200_pcie5", 32e9 * 16 * 128 / 130 / 8, 0.85, 10e-6),
     # Cloud TPU v5e host: "PCIe bandwidth is typically around 1.5e10 bytes / second per
     # chip" (How to Scale Your Model, part 2 "All About TPUs",
     # jax-ml.github.io/scaling-book/tpus; Google publishes no separate v5e host-DMA
     # figure). Efficiency 0.9 -> 13.5 GB/s: large page copies, assumed. Latency 30 us
     # per transfer: a PjRt host->device buffer transfer's dispatch (assumed).
-    "tpu_v5e_host": HostLink("tpu_v5e_host", 15 * _G, 0.9, 30 * _US),
+    "tpu_v5e_host": HostLink("tpu_v5e_host", 15 * _G, 0.9, 30e-6),
     # Cloud TPU v6e (Trillium): "32GB/s, about 2x higher than v5" (same source).
-    "tpu_v6e_host": HostLink("tpu_v6e_host", 32 * _G, 0.9, 30 * _US),
+    "tpu_v6e_host": HostLink("tpu_v6e_host", 32 * _G, 0.9, 30e-6),
 }
 
 
