@@ -166,10 +166,11 @@ HOST_LINKS: dict[str, HostLink] = {
     # lanes with 128b/130b encoding = 63.0 GB/s per direction (PCI-SIG PCIe 5.0 base
     # spec; NVIDIA's H200 datasheet lists "PCIe Gen5: 128GB/s", both directions).
     # Efficiency 0.85 -> 53.6 GB/s: TLP headers at a 256 B max payload cost ~9%, and
-    # pinned-memory cudaMemcpy host->device on Gen5 x16 measures ~53-55 GB/s
-    # (NVIDIA nvbandwidth host_to_device_memcpy_ce on H100/H200 systems). Latency
-    # 10 us per transfer: one cudaMemcpyAsync issue + completion (an assumed order of
-    # magnitude, not a measurement of ours).
+    # copy-engine host->device copies from pinned memory on Gen5 x16 reach ~55 GB/s
+    # (a published NVbandwidth `host_to_device_memcpy_ce` run: 55.6 GB/s;
+    # github.com/NVIDIA/nvbandwidth). Not measured by us (no GPU in this project's CI).
+    # Latency 10 us per transfer: one cudaMemcpyAsync issue + completion (an assumed
+    # order of magnitude).
     "h200_pcie5": HostLink("h200_pcie5", 32e9 * 16 * 128 / 130 / 8, 0.85, 10e-6),
     # Cloud TPU v5e host: "PCIe bandwidth is typically around 1.5e10 bytes / second per
     # chip" (How to Scale Your Model, part 2 "All About TPUs",
