@@ -74,6 +74,8 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", da
     c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (belady: the offline bound)
     c.index = "hash"  # prefixcache.core.indexes.INDEXES
     c.model = ""  # a cost_model preset: report cache memory in bytes ("" -> blocks only)
+    c.num_host_blocks = 0  # host-memory tier slots under the device cache (0 -> none)
+    c.host_eviction = "lru"  # the host tier's policy (prefixcache.core.eviction, not belady)
     c.concurrency = concurrency
     c.max_model_len = 0  # 0 -> no limit
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given

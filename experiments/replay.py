@@ -44,6 +44,7 @@ def run(config, *, progress: bool = False) -> dict:
       config: a replay config (see ``configs/replay.py``): dataset / trace / workload,
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
         ``free_order``, ``eviction``, ``index``, ``model`` ("": none),
+        ``num_host_blocks`` (0: no host tier), ``host_eviction``,
         ``concurrency``, ``max_model_len`` (0: none), ``out``, ``workdir``,
         ``max_requests``, ``seed``.
       progress: tqdm progress bar.
@@ -83,7 +84,8 @@ def run(config, *, progress: bool = False) -> dict:
             free_order=config.free_order, concurrency=config.concurrency,
             max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
             total=total, eviction=config.eviction, index=config.index,
-            model=config.model or None)
+            model=config.model or None, num_host_blocks=config.num_host_blocks,
+            host_eviction=config.host_eviction)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
@@ -132,6 +134,9 @@ def main() -> None:
         "eviction": ("string", "Eviction policy: lru | fifo | lfu | slru | priority | length "
                                "| cost | belady"),
         "index": ("string", "Prefix index: hash | radix"),
+        "num_host_blocks": ("integer", "Host-memory tier slots under the device cache "
+                                       "(0: none)"),
+        "host_eviction": ("string", "The host tier's eviction policy (any but belady)"),
         "concurrency": ("integer", "Most requests holding blocks at once"),
         "max_requests": ("integer", "Only the first N requests (0: all)"),
         "out": ("string", "Per-request JSONL output"),

@@ -16,6 +16,7 @@ from prefixcache.core.events import (
     KVCacheEvent,
 )
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.host_tier import HostHit, HostTransfer
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.core.stats import PrefixCacheStats
@@ -27,6 +28,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "FreeKVCacheBlockQueue",
+    "HostHit",
+    "HostTransfer",
     "InvariantError",
     "KVCacheBlock",
     "KVCacheEvent",

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # the host tier (KVCacheManager(num_host_blocks=N)), as vLLM's offloading
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,7 +42,8 @@ class BlockStored(KVCacheEvent):
         lora_id: vLLM's integer adapter id (``LoRARequest.int_id``; ``None`` without
             LoRA or when the request's LoRARequest has none); deprecated in vLLM,
             consumers key on ``lora_name``.
-        medium: ``"GPU"``.
+        medium: ``"GPU"``; ``"CPU"`` for a block demoted to the host tier (then
+            ``token_ids`` is empty, as vLLM's offloading connector publishes).
         lora_name: the LoRA adapter name, or ``None``.
         extra_keys: one untagged entry per block (see the module docstring), or
             ``None`` when no block has extra keys.
@@ -72,7 +74,8 @@ class BlockRemoved(KVCacheEvent):
 
     Attributes:
         block_hashes: the evicted digest(s); one per event, as vLLM emits them.
-        medium: ``"GPU"``.
+        medium: ``"GPU"``, or ``"CPU"`` for an entry leaving the host tier (evicted
+            by the host policy, promoted to the device, or cached again on the device).
         group_idx: KV cache group (always 0).
     """
 

@@ -33,6 +33,14 @@ from prefixcache.core.block_pool import (
 from prefixcache.core.eviction import DEFAULT_POLICY, EvictionPolicy, get_policy_class, make_policy
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.host_tier import (
+    HostHit,
+    HostTier,
+    HostTransfer,
+    TieredBlockPool,
+    TieredPolicyBlockPool,
+    check_host_args,
+)
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.request import Request
@@ -214,6 +222,16 @@ class KVCacheManager:
         index: the prefix index (``prefixcache.core.indexes.INDEXES``): ``"hash"``
             (this class) or ``"radix"`` (``KVCacheManager(..., index="radix")``
             returns that class's manager, same API).
+        num_host_blocks: host-memory tier slots (``prefixcache/core/host_tier.py``);
+            0 (the default) = no tier: nothing changes. A non-negative int (bools,
+            floats, strings rejected). With a tier, cached blocks the device evicts
+            move to the host (exclusive tiers), lookups continue there block by
+            block, and host hits appear in ``get_computed_blocks``' list as
+            ``HostHit`` placeholders that ``allocate_slots`` loads into fresh device
+            blocks (setting their ``block_id``); ``take_host_transfers()`` returns
+            the page copies to make, in order. Needs ``enable_caching``.
+        host_eviction: the host tier's policy (a ``POLICIES`` name but ``belady``).
+        host_eviction_options: that policy's options.
 
     Attributes:
         eviction, index: the names chosen.
@@ -246,6 +264,9 @@ class KVCacheManager:
         eviction: str = DEFAULT_POLICY,
         eviction_options: Mapping[str, Any] | None = None,
         index: str = DEFAULT_INDEX,
+        num_host_blocks: int = 0,
+        host_eviction: str = DEFAULT_POLICY,
+        host_eviction_options: Mapping[str, Any] | None = None,
     ):
         if index != DEFAULT_INDEX and type(self) is KVCacheManager:
             get_index_class(index)  # unknown -> ValueError; else __new__ dispatched
@@ -261,6 +282,11 @@ class KVCacheManager:
         ):
             raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
+        num_host_blocks, host_options = check_host_args(
+            num_host_blocks, host_eviction, host_eviction_options)
+        if num_host_blocks and not enable_caching:
+            raise ValueError(
+                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
         if eviction_options is None:
             eviction_options = {}
         elif not isinstance(eviction_options, Mapping):
@@ -279,6 +305,13 @@ class KVCacheManager:
         policy: EvictionPolicy | None = None
         if eviction != DEFAULT_POLICY or options or not fast_path:
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size, **options)
+        host_tier = None
+        if num_host_blocks:
+            # Built before any state: a bad host policy option raises here.
+            host_tier = HostTier(
+                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
+                eviction=host_eviction, eviction_options=host_options,
+                enable_events=bool(enable_events))
         self.eviction = eviction
         self.index = DEFAULT_INDEX
         self.policy = policy
@@ -299,10 +332,28 @@ class KVCacheManager:
         # NOTE: LRU keeps vLLM's intrusive free queue (BlockPool, untouched: no work
         # added to the decode path, free or touch); any other policy runs through the
         # PolicyBlockPool subclass.
-        self.block_pool = (
-            BlockPool(num_blocks, **pool_kwargs) if policy is None
-            else PolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
-        )
+        if host_tier is None:
+            self.block_pool = (
+                BlockPool(num_blocks, **pool_kwargs) if policy is None
+                else PolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
+            )
+        else:
+            # NOTE: the tier's pools override only _evict (demotion), cache_full_blocks
+            # and reset; with no tier the plain pools above run, untouched.
+            self.block_pool = (
+                TieredBlockPool(num_blocks, **pool_kwargs) if policy is None
+                else TieredPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
+            )
+            self.block_pool.host_tier = host_tier
+            host_tier.pool = self.block_pool
+            host_tier._event_hash = self.block_pool._event_hash
+            # NOTE: instance attributes shadow the two methods that learn about host
+            # hits (lookup and admission); the decode fast path is shared.
+            self._hit_blocks = self._hit_blocks_tiered
+            self._allocate_slow = self._allocate_slow_tiered
+        self.host_tier = host_tier
+        self.num_host_blocks = num_host_blocks
+        self.host_eviction = host_eviction
         self._states: dict[str, _RequestState] = {}
         # The same states keyed by the Request object (identity hash, C speed): the
         # decode fast path finds its state without calling the request_id property.
@@ -315,6 +366,9 @@ class KVCacheManager:
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
         self.num_failed_allocations = 0
+        # Hit tokens adopted at admission, by tier (the host's stays 0 without a tier).
+        self.device_hit_tokens = 0
+        self.host_hit_tokens = 0
 
     # ------------------------------------------------------------------ helpers
     def _bind(self, request) -> None:
@@ -365,6 +419,28 @@ class KVCacheManager:
             b = get(h)
             if b is None:
                 break
+            if type(b) is dict:
+                b = next(iter(b.values()))
+            append(b)
+        return computed
+
+    def _hit_blocks_tiered(self, request) -> list[KVCacheBlock | HostHit]:
+        """``_hit_blocks`` with a host tier: block by block, a device hit, else a host
+        hit (a ``HostHit`` placeholder), else stop."""
+        request.bind_hasher(self.hasher, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get = self.block_pool.cached_block_hash_to_block.get
+        host_get = self.host_tier.hash_to_slot.get
+        computed: list = []
+        append = computed.append
+        for h in islice(request.block_hashes, max_blocks):
+            b = get(h)
+            if b is None:
+                slot = host_get(h)
+                if slot is None:
+                    break
+                append(HostHit(h, slot.block_id))
+                continue
             if type(b) is dict:
                 b = next(iter(b.values()))
             append(b)
@@ -547,6 +623,7 @@ class KVCacheManager:
                     request.num_tokens, num_new_computed_tokens,
                     request.num_preemptions > 0,
                 )
+            self.device_hit_tokens += num_new_computed_tokens
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         if self.enable_caching:
@@ -560,6 +637,124 @@ class KVCacheManager:
                 st.num_cached_blocks = num_full
         st.idle_until = self._idle_bound(st)
         return new_blocks
+
+    def _allocate_slow_tiered(
+        self, request, num_new_tokens, num_new_computed_tokens,
+        new_computed_blocks, num_lookahead_tokens,
+    ):
+        """``_allocate_slow`` with a host tier: host hits among the computed blocks
+        get fresh device blocks (loads recorded) before the new blocks are taken."""
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens)
+        bs = self.block_size
+        pool = self.block_pool
+        tier = self.host_tier
+        pool_blocks = pool.blocks
+        num_evictable = 0
+        loads: list[int] = []  # positions of host hits in ``computed``
+        device_hits: list[KVCacheBlock] = []
+        seen_slots: set[int] = set()
+        for i, b in enumerate(computed):
+            t = type(b)
+            if t is KVCacheBlock:
+                if b.block_hash is None or pool_blocks[b.block_id] is not b:
+                    raise ValueError(f"block {b.block_id} is not a cached block of this manager")
+                if b.ref_cnt == 0:
+                    num_evictable += 1
+                device_hits.append(b)
+            elif t is HostHit:
+                sid = b.host_slot
+                if (
+                    b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
+                    or tier.slots[sid].block_hash != b.block_hash or sid in seen_slots
+                ):
+                    raise ValueError(
+                        f"{b!r} is not a current host-tier hit of this manager (already "
+                        "promoted, or the host entry changed since get_computed_blocks)")
+                seen_slots.add(sid)
+                loads.append(i)
+            else:
+                raise ArgumentTypeError(
+                    "new_computed_blocks must hold KVCacheBlock / HostHit objects, got "
+                    f"{b!r}")
+        num_held = len(st.blocks) if st is not None else 0
+        num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
+        if num_new_blocks + len(loads) + num_evictable > pool.free_block_queue.num_free_blocks:
+            self.num_failed_allocations += 1
+            return None
+        # --- state changes from here on -------------------------------------
+        if st is None:
+            pool.touch(device_hits, request)
+            table = computed
+            if loads:
+                # NOTE: pin the entries to load first: the device blocks taken for them
+                # may evict cached blocks, whose demotions then never pick these slots.
+                for i in loads:
+                    tier.pin(computed[i].host_slot)
+                fresh = pool.get_new_blocks(len(loads))
+                table = list(computed)
+                for i, blk in zip(loads, fresh):
+                    hit = computed[i]
+                    tier.load(hit.host_slot, blk.block_id)
+                    hit.block_id = blk.block_id
+                    table[i] = blk
+                request.bind_hasher(self.hasher, bs)
+                hashes = request.block_hashes
+                # Cache each run of loaded blocks under its hashes (GPU BlockStored).
+                j = 0
+                while j < len(loads):
+                    k = j
+                    while k + 1 < len(loads) and loads[k + 1] == loads[k] + 1:
+                        k += 1
+                    pool.cache_full_blocks(request, table, hashes, loads[j], loads[k] + 1, bs)
+                    j = k + 1
+            st = _RequestState(request, table, len(table))
+            self._states[request.request_id] = st
+            self._states_by_request[request] = st
+            if self.log_stats:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens,
+                    request.num_preemptions > 0,
+                )
+            self.device_hit_tokens += len(device_hits) * bs
+            self.host_hit_tokens += len(loads) * bs
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        st.blocks.extend(new_blocks)
+        request.bind_hasher(self.hasher, bs)
+        hashes = request.block_hashes
+        num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+        if num_full > st.num_cached_blocks:
+            pool.cache_full_blocks(
+                request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
+            )
+            st.num_cached_blocks = num_full
+        st.idle_until = self._idle_bound(st)
+        return new_blocks
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        """Return and clear the page copies between the tiers recorded since the last
+        call, in order (``[]`` without a host tier). Apply them in list order before
+        the step computes: ``store`` copies device page ``block_id`` to host slot
+        ``host_slot``, ``load`` the other way."""
+        if self.host_tier is None:
+            return []
+        return self.host_tier.take_transfers()
+
+    @property
+    def num_host_cached_blocks(self) -> int:
+        """Hashes held in the host tier now (0 without one)."""
+        return len(self.host_tier) if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_loaded(self) -> int:
+        """Host entries promoted into device blocks (load transfers), cumulative."""
+        return self.host_tier.num_loaded if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_stored(self) -> int:
+        """Device blocks demoted into host slots (store transfers), cumulative."""
+        return self.host_tier.num_stored if self.host_tier is not None else 0
 
     def free(self, request) -> None:
         """Release a request's blocks (reverse order: its last block evicts first).
@@ -746,3 +941,5 @@ class KVCacheManager:
                     f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} "
                     "requests hold it"
                 )
+        if self.host_tier is not None:
+            self.host_tier.check_invariants(pool.cached_block_hash_to_block)

@@ -80,6 +80,7 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.host_tier import HostTransfer, check_host_args
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
@@ -240,11 +241,22 @@ class RadixKVCacheManager:
         eviction: str = "lru",
         eviction_options: Mapping[str, Any] | None = None,
         index: str = INDEX_NAME,
+        num_host_blocks: int = 0,
+        host_eviction: str = "lru",
+        host_eviction_options: Mapping[str, Any] | None = None,
     ):
         if index != INDEX_NAME:
             raise ValueError(
                 f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
             )
+        num_host_blocks, _ = check_host_args(num_host_blocks, host_eviction,
+                                             host_eviction_options)
+        if num_host_blocks:
+            # NOTE: the host tier hooks the hash-chain pool's eviction; the tree would
+            # need its own demotion of leaf nodes (a gap, not built).
+            raise ValueError(
+                f"index='radix' does not support a host tier (num_host_blocks="
+                f"{num_host_blocks}); use index='hash' with num_host_blocks")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -310,6 +322,7 @@ class RadixKVCacheManager:
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
         self.num_failed_allocations = 0
+        self.device_hit_tokens = 0  # hit tokens adopted at admission (all on the device)
         self.num_evictions = 0
         self.num_blocks_cached = 0
         self.num_blocks_allocated = 0
@@ -563,6 +576,7 @@ class RadixKVCacheManager:
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
                 )
+            self.device_hit_tokens += num_new_computed_tokens
         new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         if self.enable_caching:
@@ -908,6 +922,17 @@ class RadixKVCacheManager:
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        """Always ``[]``: the radix index has no host tier (``num_host_blocks=0``)."""
+        return []
+
+    # No host tier: the hash index's host counters, always 0 here.
+    num_host_blocks = 0
+    num_host_cached_blocks = 0
+    host_hit_tokens = 0
+    host_blocks_loaded = 0
+    host_blocks_stored = 0
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the queued KV cache events (``[]`` when disabled)."""

@@ -137,6 +137,8 @@ def replay(
     eviction_options: dict | None = None,
     index: str = DEFAULT_INDEX,
     model: str | None = None,
+    num_host_blocks: int = 0,
+    host_eviction: str = DEFAULT_POLICY,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -169,6 +171,10 @@ def replay(
         index: the prefix index (``prefixcache.core.indexes.INDEXES``).
         model: a ``prefixcache.sim.cost_model.MODEL_PRESETS`` name: report the cache
             memory in bytes too (``kv_bytes_per_token * block_size`` per block).
+        num_host_blocks: host-tier slots under the device cache (0: none; see
+            ``prefixcache/core/host_tier.py``). ``hit_tokens`` then counts device and
+            host hits (every prompt token not recomputed).
+        host_eviction: the host tier's policy (a ``POLICIES`` name but ``belady``).
 
     Returns:
         Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
@@ -186,7 +192,12 @@ def replay(
         over ``loop_s``. Cache memory: ``peak_cached_blocks``,
         ``mean_cached_blocks`` (after each admission), ``stranded_blocks`` (at the
         end), and with ``model`` ``bytes_per_block``, ``peak_cached_bytes``,
-        ``mean_cached_bytes``; ``eviction``, ``index``, ``model``.
+        ``mean_cached_bytes``; ``eviction``, ``index``, ``model``. With
+        ``num_host_blocks > 0`` only (so the default summary is unchanged):
+        ``num_host_blocks``, ``host_eviction``, ``device_hit_tokens``,
+        ``host_hit_tokens`` (their sum is ``hit_tokens``), ``host_blocks_loaded``,
+        ``host_blocks_stored``, ``peak_host_cached_blocks`` (after each admission),
+        and with ``model`` ``host_bytes_loaded`` / ``host_bytes_stored``.
 
     Raises:
         ValueError: bad configuration (before anything runs) or a request the
@@ -244,7 +255,12 @@ def replay(
         eviction=eviction,
         eviction_options=options or None,
         index=index,
+        num_host_blocks=num_host_blocks,
+        host_eviction=host_eviction,
     )
+    tiered = m.num_host_blocks > 0  # (validated by the manager)
+    take_transfers = m.take_host_transfers
+    peak_host = 0
     hasher = m.hasher
     arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
     on_arrival = m.on_arrival
@@ -351,6 +367,11 @@ def replay(
             sum_cached += c
             if c > peak_cached:
                 peak_cached = c
+            if tiered:
+                take_transfers()  # (no pages to copy here: keep the list short)
+                c = m.num_host_cached_blocks
+                if c > peak_host:
+                    peak_host = c
             admitted_prompt += num_prompt
             hit_tokens += num_hit
             if num_hit:
@@ -438,6 +459,25 @@ def replay(
         memory["bytes_per_block"] = bytes_per_block
         memory["peak_cached_bytes"] = peak_cached * bytes_per_block
         memory["mean_cached_bytes"] = mean_cached * bytes_per_block
+    if tiered:
+        take_transfers()
+        host = {
+            "num_host_blocks": m.num_host_blocks,
+            "host_eviction": host_eviction,
+            "device_hit_tokens": m.device_hit_tokens,
+            "host_hit_tokens": m.host_hit_tokens,
+            "host_blocks_loaded": m.host_blocks_loaded,
+            "host_blocks_stored": m.host_blocks_stored,
+            "peak_host_cached_blocks": peak_host,
+        }
+        if m.device_hit_tokens + m.host_hit_tokens != hit_tokens:  # pragma: no cover - a bug
+            raise AssertionError(
+                f"device {m.device_hit_tokens} + host {m.host_hit_tokens} hit tokens != "
+                f"{hit_tokens} admitted hit tokens")
+        if bytes_per_block is not None:
+            host["host_bytes_loaded"] = m.host_blocks_loaded * bytes_per_block
+            host["host_bytes_stored"] = m.host_blocks_stored * bytes_per_block
+        memory.update(host)
     timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
     if t_future is not None:
         timing["future_s"] = t_future
