@@ -152,6 +152,8 @@ def _replay_row(config, cell: dict, make_requests) -> dict:
     row["host_hit_tokens"] = s.get("host_hit_tokens", 0)
     row["host_blocks_loaded"] = s.get("host_blocks_loaded", 0)
     row["host_bytes_loaded"] = s.get("host_bytes_loaded", 0)
+    row["host_blocks_stored"] = s.get("host_blocks_stored", 0)
+    row["peak_host_cached_blocks"] = s.get("peak_host_cached_blocks", 0)  # host memory used
     row["loop_s"] = s["timing"]["loop_s"]
     return row
 
