@@ -11,9 +11,13 @@ Command:
   PREFIXCACHE_DATA=/tmp/lead/data python -m experiments.host_tier \
       --config=configs/host_tier_mooncake_conversation.py --workdir=/tmp/host_tier_conv
 
-Expected: see WORKSPACE_NOTES.md / experiments/results/host_tier_mooncake_conversation.jsonl
-(the replay's device-only hit rate at 10k blocks is 0.217, the ideal 0.3734, as
-configs/compare_policies_mooncake_conversation.py).
+Expected (experiments/results/host_tier_mooncake_conversation_76f4695.jsonl): token hit
+rate 0.2165 with no tier (as configs/compare_policies_mooncake_conversation.py at 10k
+blocks) -> 0.3332 / 0.3615 / 0.3714 with 2x / 4x / 10x (device hits stay 0.2165, the
+rest loaded from the host; ideal 0.3734). DES TTFT mean 173.5 -> 152.7 / 147.2 / 145.1 ms
+(-12% / -15% / -16%), p50 112.9 -> 94.8 / 93.3 / 91.5 ms, p90 402 -> 348 / 326 / 316 ms;
+5.2-6.9 s of load time charged over the hour (2.2-2.9 TB loaded). ~5 min CPU per des
+cell, ~1-2 min per replay cell (15 min wall on 2 busy cores).
 """
 
 from configs import host_tier
