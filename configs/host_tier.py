@@ -39,6 +39,7 @@ def get_config():
     c.accelerator = "h200"
     c.num_chips = 1
     c.host_link = "h200_pcie5"
+    c.host_load_overlap = False  # True: loads hidden behind compute (max, not sum)
     c.max_num_batched_tokens = 8192
     c.max_num_seqs = 256
     c.arrival_rate = 0.0  # 0: the trace's timestamps; > 0: Poisson arrivals (req/s)

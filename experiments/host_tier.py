@@ -17,7 +17,8 @@ run first: the baseline). Two measurements per tier size, on the same trace:
   chunked-prefill batching and ``config.model``'s roofline step times on
   ``config.num_chips`` x ``config.accelerator``; every step waits for the host blocks
   it promotes to be copied over ``config.host_link`` (``cost_model.HOST_LINKS``; loads
-  overlap nothing -- a pessimistic bound). TTFT mean / p50 / p90 / p99, the hit split,
+  overlap nothing -- a pessimistic bound -- unless ``host_load_overlap``: then a step
+  takes max(compute, load), the optimistic one). TTFT mean / p50 / p90 / p99, the hit split,
   load time charged; ``des_max_requests`` caps the requests it simulates (0: all).
 
 Cells are independent (each reads the trace itself) and run in parallel through
@@ -96,6 +97,8 @@ def resolve(config) -> dict:
                          f"{tuple(p for p in POLICIES if p != 'belady')}")
     cm.ModelShape.preset(config.model)
     make_cost_model(config)  # unknown accelerator / host link -> ValueError
+    if not isinstance(config.host_load_overlap, bool):
+        raise ValueError(f"host_load_overlap must be a bool, got {config.host_load_overlap!r}")
     if not config.arrival_rate >= 0:
         raise ValueError(f"arrival_rate must be >= 0 (0: the trace's timestamps), "
                          f"got {config.arrival_rate!r}")
@@ -174,11 +177,11 @@ def _des_row(config, cell: dict, make_requests) -> dict:
         hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
         free_order=config.free_order, arrival_rate=config.arrival_rate or None,
         seed=config.seed, num_host_blocks=cell["num_host_blocks"],
-        host_eviction=config.host_eviction)
+        host_eviction=config.host_eviction, host_load_overlap=config.host_load_overlap)
     row = {"record": "des", "multiple": cell["multiple"], "num_blocks": config.num_blocks,
            "num_host_blocks": cell["num_host_blocks"], "model": config.model,
            "accelerator": config.accelerator, "num_chips": config.num_chips,
-           "host_link": config.host_link}
+           "host_link": config.host_link, "host_load_overlap": config.host_load_overlap}
     for key in ("requests", "failed", "prompt_tokens", "hit_tokens", "hit_rate_tokens",
                 "steps", "preemptions", "evictions", "makespan_s", "ttft_s", "queue_s"):
         row[key] = s[key]
@@ -278,7 +281,9 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
         bx.legend(fontsize=7)
         d = dess[0]
         bx.set_title(f"des: {d['model']} on {d['num_chips']} x {d['accelerator']}, "
-                     f"{d['host_link']}", fontsize=8)
+                     f"{d['host_link']}, loads "
+                     f"{'overlapped' if d.get('host_load_overlap') else 'not overlapped'}",
+                     fontsize=8)
     fig.suptitle(title, fontsize=9)
     _common.save_plot(fig, path)
 

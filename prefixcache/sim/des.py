@@ -35,9 +35,11 @@ promotes host hits back when ``allocate_slots`` admits a request. The blocks a
 step promotes are copied host -> device before it computes: the step takes
 ``cost_model.step_time(chunks) + cost_model.load_time(loaded * block_bytes)``
 (one batched transfer per step; latency + bytes over the chips' effective host
-link bandwidth, ``cost_model.HostLink``). NOTE: loads overlap nothing (the step
-waits for them; a layer-by-layer overlap as in SGLang HiCache would hide part of
-it): simulated TTFT with the tier is a pessimistic bound on this count.
+link bandwidth, ``cost_model.HostLink``). NOTE: by default loads overlap nothing
+(the step waits for them): simulated TTFT with the tier is then a pessimistic
+bound. ``host_load_overlap=True`` gives the optimistic one: the step takes
+``max(compute, load)``, as if the copies were hidden behind the step's compute
+layer by layer (SGLang HiCache's load-back overlaps per layer).
 Demotions (device -> host stores) are not charged: they are off the critical
 path (written back asynchronously after the step). Summaries split hits into
 ``device_hit_tokens`` and ``host_hit_tokens``; with the tier off the manager,
@@ -172,6 +174,8 @@ class Server:
       on_fail: called with ``(sim_request, record)`` when a request fails.
       scheduling: the waiting queue's admission order (``prefixcache.scheduling``
         name or policy; default FCFS).
+      host_load_overlap: with a host tier, hide a step's loads behind its compute
+        (``max``) instead of adding them (the default; see the module docstring).
 
     Attributes:
       now: the server's clock (s): when its next step may start.
@@ -180,7 +184,8 @@ class Server:
         (prompt tokens computed, i.e. not hit), ``finished``, ``failed``; with a
         host tier also ``device_hit_tokens``, ``host_hit_tokens`` (of the hits at
         first admission), ``host_blocks_loaded``, ``host_load_steps`` (steps that
-        loaded any) and ``host_load_s`` (seconds of load time charged).
+        loaded any) and ``host_load_s`` (seconds the steps took beyond their compute
+        because of loads).
       host_block_bytes: KV bytes of one block when the manager has a host tier
         (the cost model then needs a ``host_link``), else ``None``.
       queued_blocks: blocks the waiting requests still need, counted when each was
@@ -191,7 +196,9 @@ class Server:
                  scheduler: SchedulerConfig, *,
                  on_finish: Callable[[_SimRequest, dict[str, Any]], None],
                  on_fail: Callable[[_SimRequest, dict[str, Any]], None],
-                 scheduling: "str | WaitingPolicy" = "fcfs"):
+                 scheduling: "str | WaitingPolicy" = "fcfs",
+                 host_load_overlap: bool = False):
+        self.host_load_overlap = bool(host_load_overlap)
         self.policy = (scheduling if isinstance(scheduling, WaitingPolicy)
                        else make_scheduling_policy(scheduling))
         self.manager = manager
@@ -359,7 +366,7 @@ class Server:
         counts["steps"] += 1
         step_s = self.cost_model.step_time([(n, c) for _, n, c in scheduled])
         if host:
-            step_s += self._load_time(loaded0)
+            step_s = self._with_loads(step_s, loaded0)
         self.now += step_s
         now = self.now
         finished = False
@@ -393,9 +400,10 @@ class Server:
             self.running = [s for s in self.running if not s.finished]
         return True
 
-    def _load_time(self, loaded0: int) -> float:
-        """Seconds this step waits for its host -> device copies (0 if none); drains
-        the manager's transfer list (checked against its counter: a mismatch is a bug)."""
+    def _with_loads(self, compute_s: float, loaded0: int) -> float:
+        """The step's time with its host -> device copies (``compute_s`` if none);
+        drains the manager's transfer list (checked against its counter: a mismatch is
+        a bug)."""
         manager = self.manager
         loads = sum(1 for t in manager.take_host_transfers() if t.kind == "load")
         if loads != manager.host_blocks_loaded - loaded0:  # pragma: no cover - a bug
@@ -403,13 +411,14 @@ class Server:
                                  f"host_blocks_loaded grew by "
                                  f"{manager.host_blocks_loaded - loaded0}")
         if not loads:
-            return 0.0
+            return compute_s
         load_s = self.cost_model.load_time(loads * self.host_block_bytes)
+        step_s = max(compute_s, load_s) if self.host_load_overlap else compute_s + load_s
         counts = self.counts
         counts["host_blocks_loaded"] += loads
         counts["host_load_steps"] += 1
-        counts["host_load_s"] += load_s
-        return load_s
+        counts["host_load_s"] += step_s - compute_s
+        return step_s
 
 
 def _core_of(s: _SimRequest) -> Request:
@@ -505,6 +514,7 @@ def simulate(
     num_host_blocks: int = 0,
     host_eviction: str = "lru",
     host_eviction_options: dict | None = None,
+    host_load_overlap: bool = False,
 ) -> dict[str, Any]:
     """Runs the discrete-event simulation.
 
@@ -535,6 +545,8 @@ def simulate(
         memory tier (0: none, the default; see the module docstring). A tier
         needs ``cost_model.host_link``; records then carry ``num_host_tokens``
         (of ``num_cached_tokens``, loaded from the host).
+      host_load_overlap: loads hidden behind the step's compute (``max``) instead
+        of added to it (default False: the pessimistic bound).
 
     Returns:
       A summary: ``cache_state`` (cold/warm at the start), request and token
@@ -543,7 +555,8 @@ def simulate(
       ``num_host_blocks``, ``host_eviction``, ``host_link``, ``device_hit_tokens``
       / ``host_hit_tokens`` (``hit_tokens`` is their sum), ``host_hit_share``,
       ``host_blocks_loaded``, ``host_bytes_loaded``, ``host_load_steps``,
-      ``host_load_s`` (load time charged), ``host_blocks_stored`` (demotions).
+      ``host_load_s`` (time the steps took beyond their compute because of loads),
+      ``host_load_overlap``, ``host_blocks_stored`` (demotions).
 
     Raises:
       ValueError: missing/unsorted timestamps, a bad arrival rate, a bad
@@ -551,6 +564,8 @@ def simulate(
     """
     make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     num_host_blocks = check_host_tier(num_host_blocks, cost_model)
+    if not isinstance(host_load_overlap, bool):
+        raise ValueError(f"host_load_overlap must be a bool, got {host_load_overlap!r}")
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
                              log_stats=False, eviction=eviction,
@@ -576,7 +591,7 @@ def simulate(
 
     totals = _Totals(emit)
     server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail,
-                    scheduling=scheduling)
+                    scheduling=scheduling, host_load_overlap=host_load_overlap)
     server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.
@@ -601,7 +616,7 @@ def simulate(
     if num_host_blocks:
         summary.update({
             "num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
-            "host_link": cost_model.host_link.name,
+            "host_link": cost_model.host_link.name, "host_load_overlap": host_load_overlap,
             **host_summary(server.counts, server.host_block_bytes),
             "host_blocks_stored": manager.host_blocks_stored - stored0,
         })

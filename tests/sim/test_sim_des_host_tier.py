@@ -131,3 +131,23 @@ def test_cluster_of_one_equals_des_with_a_host_tier():
         cluster.simulate_cluster(_sequential(), num_replicas=2, router="kv_events",
                                  cost_model=cost, num_blocks=8, block_size=BS,
                                  num_host_blocks=8)
+
+
+def test_overlapped_loads_cost_only_what_compute_does_not_hide():
+    block_bytes = _cost().block_bytes(BS)
+    for bw in (1e12, 1e6):
+        cost = _cost(_link(bw, latency_s=5e-6))
+        summary, recs = _run(_sequential(), cost, num_host_blocks=32, host_load_overlap=True)
+        load, compute = cost.load_time(4 * block_bytes), cost.prefill_time(9, 16)
+        assert summary["host_load_overlap"] is True
+        assert recs["a2"]["ttft_s"] == pytest.approx(max(compute, load), rel=1e-9)
+        assert summary["host_load_s"] == pytest.approx(max(compute, load) - compute, abs=1e-12)
+        serial, serial_recs = _run(_sequential(), cost, num_host_blocks=32)
+        assert serial["host_load_overlap"] is False
+        assert recs["a2"]["ttft_s"] < serial_recs["a2"]["ttft_s"]
+    # 1e12 B/s: 2 MiB load in ~7 us, hidden behind a ~3 ms step -> nothing charged.
+    fast, _ = _run(_sequential(), _cost(_link(1e12, 5e-6)), num_host_blocks=32,
+                   host_load_overlap=True)
+    assert fast["host_load_s"] == 0.0
+    with pytest.raises(ValueError, match="host_load_overlap must be a bool"):
+        _run(_sequential(), _cost(_link(1e9)), num_host_blocks=32, host_load_overlap="yes")
