@@ -18,6 +18,8 @@ rest loaded from the host; ideal 0.3734). DES TTFT mean 173.5 -> 152.7 / 147.2 /
 (-12% / -15% / -16%), p50 112.9 -> 94.8 / 93.3 / 91.5 ms, p90 402 -> 348 / 326 / 316 ms;
 5.2-6.9 s of load time charged over the hour (2.2-2.9 TB loaded). ~5 min CPU per des
 cell, ~1-2 min per replay cell (15 min wall on 2 busy cores).
+DES TTFT with loads hidden behind compute (--config.host_load_overlap=True, the optimistic
+bound; ..._overlap_ac32ce1.jsonl): mean 149.3 / 143.0 / 140.7 ms (-14% / -18% / -19%).
 """
 
 from configs import host_tier
