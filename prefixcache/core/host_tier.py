@@ -24,23 +24,39 @@ The transfers are sequential copies, to apply in list order before the step comp
 entry being promoted is pinned (out of the host policy's candidates) while the device
 blocks for it are taken, so the demotions those evictions cause never store into a
 slot that is about to be loaded; its slot is freed only after its load is recorded.
+Two rare cases keep the tiers exclusive: a demotion while the host is full of pinned
+entries is dropped (``num_dropped``: the block is gone, as without a tier), and a
+block the device computes and caches while the host holds its hash (a prompt that
+cannot hit its own last block, a chain whose parent was evicted) drops the host copy
+(``num_discarded``, ``BlockRemoved(medium="CPU")``).
 
-Host policy notifications (``prefixcache/core/eviction/base.py``): a demotion is
-``on_cached`` + ``on_release`` + ``add`` of the slot (so ``lru`` / ``fifo`` evict the
-least recently demoted entry first); ``length`` and ``cost`` see the block's chain
-position and ``priority`` the priority of the request that cached it on the device
-(recorded by the tiered pool when it caches a block); a host hit is not a policy
-hit (the entry leaves the host at once). ``belady`` is not offered for the host.
+Host policy: ``lru`` (the default) evicts the least recently demoted entry, kept as
+the insertion order of the hash -> slot ``OrderedDict`` (the fast path, no policy
+object; ``host_eviction_options={"fast_path": False}`` runs the keyed ``lru`` policy
+instead, and a test pins the two to the same results). Any other policy is built by
+``make_policy`` and notified as the protocol says
+(``prefixcache/core/eviction/base.py``): a demotion is ``on_cached`` + ``on_release``
++ ``add`` of the slot (``fifo`` then equals ``lru``: a host entry enters once);
+``length`` and ``cost`` see the block's chain position and ``priority`` the priority
+of the request that cached it on the device (recorded by the tiered pool when it
+caches a block, only for such policies); a host hit is not a policy hit (the entry
+leaves the host at once). ``belady`` is not offered for the host.
 """
 
 from __future__ import annotations
 
 import collections
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from prefixcache._validate import ArgumentTypeError, check_count
-from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
+from prefixcache._validate import ArgumentTypeError, check_count, check_host_memory
+from prefixcache.core.block_pool import (
+    HOST_BYTES_PER_BLOCK,
+    BlockPool,
+    InvariantError,
+    KVCacheBlock,
+)
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -72,16 +88,13 @@ class HostBlock:
     Attributes:
         block_id: the slot id, ``0 .. num_host_blocks - 1``.
         block_hash: the hash it holds, ``None`` while the slot is free.
-        parent_hash: the hash of the block before it in its chain (``None``: a first
-            block); stale while free.
     """
 
-    __slots__ = ("block_id", "block_hash", "parent_hash")
+    __slots__ = ("block_id", "block_hash")
 
     def __init__(self, slot: int):
         self.block_id = slot
         self.block_hash: bytes | None = None
-        self.parent_hash: bytes | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash is not None else None
@@ -130,6 +143,9 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
         ArgumentTypeError / ValueError naming the argument.
     """
     num_host_blocks = check_count("num_host_blocks", num_host_blocks)
+    # The slots' bookkeeping only (the KV pages are the engine's): refused up front.
+    check_host_memory(f"a host tier of num_host_blocks={num_host_blocks}",
+                      num_host_blocks * HOST_BYTES_PER_BLOCK)
     if not isinstance(host_eviction, str):
         raise ArgumentTypeError(
             f"host_eviction must be a policy name (str), got {host_eviction!r}")
@@ -181,14 +197,30 @@ class HostTier:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.eviction = eviction
-        self.policy: EvictionPolicy = make_policy(
-            eviction, num_blocks=num_host_blocks, block_size=block_size,
-            **dict(eviction_options or {}))
+        options = dict(eviction_options or {})
+        fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
+        # The host policy; None = the lru fast path (the map's insertion order).
+        self.policy: EvictionPolicy | None = None
+        if eviction != DEFAULT_POLICY or options or not fast_path:
+            self.policy = make_policy(eviction, num_blocks=num_host_blocks,
+                                      block_size=block_size, **options)
+        # NOTE: chain positions and priorities are recorded per device block (for the
+        # policy's on_cached / on_release) only when there is a policy object.
+        self.track_origin = self.policy is not None
         self.slots = [HostBlock(i) for i in range(num_host_blocks)]
-        self.hash_to_slot: dict[bytes, HostBlock] = {}
+        # hash -> slot of every host entry (pinned ones excepted); with the lru fast
+        # path its order is the eviction order (least recently demoted first).
+        # NOTE: measured against a plain dict + a queue of (slot, stamp) with lazy
+        # deletion: the same instruction count, more code.
+        self.hash_to_slot: OrderedDict[bytes, HostBlock] = OrderedDict()
+        self._pinned: dict[bytes, HostBlock] = {}  # entries a promotion is loading
         # NOTE: free slots are reused in FIFO order (deterministic; slot 0 first).
         self.free_slots: collections.deque[int] = collections.deque(range(num_host_blocks))
-        self.transfers: list[HostTransfer] = []
+        # NOTE: recorded flat, two ints per copy: a store as (block_id, host_slot), a
+        # load as (-1 - block_id, host_slot) -- no object per demotion (a NamedTuple's
+        # Python-level __new__ was ~10% of a tiered replay, a tuple is GC-tracked);
+        # take_transfers decodes them into HostTransfers.
+        self.transfers: list[int] = []
         self.enable_events = enable_events
         self._event_hash = event_hash
         self.pool: BlockPool | None = None  # set by the tiered pool that owns this tier
@@ -204,7 +236,7 @@ class HostTier:
         self.num_discarded = 0  # host entries dropped because the device cached the hash
 
     def __len__(self) -> int:
-        return len(self.hash_to_slot)
+        return len(self.hash_to_slot) + len(self._pinned)
 
     # ----------------------------------------------------------------- events
     def _removed(self, h: bytes) -> None:
@@ -215,33 +247,39 @@ class HostTier:
     def store(self, block_id: int, h: bytes, parent: bytes | None) -> None:
         """Demote: the device block ``block_id`` lost hash ``h`` (no device block
         holds it any more); keep it in a host slot (record the store)."""
-        if h in self.hash_to_slot:
-            raise InvariantError(f"hash {h.hex()} demoted from block {block_id} is already "
-                                 "on the host")
+        on_host = self.hash_to_slot
         policy = self.policy
         free = self.free_slots
         if free:
             slot = self.slots[free.popleft()]
+        elif policy is None:
+            if not on_host:  # every host entry is pinned by the promotion in progress
+                self.num_dropped += 1
+                return
+            old, slot = on_host.popitem(False)  # the least recently demoted
+            self.num_evicted += 1
+            if self.enable_events:
+                self._removed(old)
         elif len(policy):
             slot = policy.pop()
             old = slot.block_hash
-            del self.hash_to_slot[old]
+            del on_host[old]
             policy.on_evicted(slot)
             self.num_evicted += 1
             if self.enable_events:
                 self._removed(old)
-        else:  # every host entry is pinned by the promotion in progress
+        else:
             self.num_dropped += 1
             return
         slot.block_hash = h
-        slot.parent_hash = parent
-        self.hash_to_slot[h] = slot
-        origin = _Origin(self.device_priority[block_id])
-        pos = self.device_position[block_id]
-        policy.on_cached(slot, h, origin, pos)
-        policy.on_release(slot, origin, pos)
-        policy.add(slot)
-        self.transfers.append(HostTransfer(HOST_STORE, block_id, slot.block_id))
+        on_host[h] = slot
+        if policy is not None:
+            origin = _Origin(self.device_priority[block_id])
+            pos = self.device_position[block_id]
+            policy.on_cached(slot, h, origin, pos)
+            policy.on_release(slot, origin, pos)
+            policy.add(slot)
+        self.transfers += (block_id, slot.block_id)
         self.num_stored += 1
         if self.enable_events:
             eh = self._event_hash
@@ -253,19 +291,26 @@ class HostTier:
                 lora_name=None, group_idx=0))
 
     def pin(self, slot_id: int) -> None:
-        """Keep the entry in ``slot_id`` from being evicted (a promotion is under way)."""
-        self.policy.discard(self.slots[slot_id])
+        """Keep the entry in ``slot_id`` from being evicted (a promotion is under way):
+        out of the eviction order until ``load``."""
+        slot = self.slots[slot_id]
+        h = slot.block_hash
+        del self.hash_to_slot[h]
+        self._pinned[h] = slot
+        if self.policy is not None:
+            self.policy.discard(slot)
 
     def load(self, slot_id: int, block_id: int) -> None:
         """Promote the pinned entry in ``slot_id`` into device block ``block_id``
         (record the load; the slot becomes free)."""
         slot = self.slots[slot_id]
         h = slot.block_hash
-        del self.hash_to_slot[h]
+        del self._pinned[h]
         slot.block_hash = None
-        self.policy.on_evicted(slot)
+        if self.policy is not None:
+            self.policy.on_evicted(slot)
         self.free_slots.append(slot_id)
-        self.transfers.append(HostTransfer(HOST_LOAD, block_id, slot_id))
+        self.transfers += (-1 - block_id, slot_id)
         self.num_loaded += 1
         if self.enable_events:
             self._removed(h)
@@ -273,8 +318,9 @@ class HostTier:
     def discard(self, h: bytes) -> None:
         """The device cached ``h`` again (computed, not loaded): drop the host copy."""
         slot = self.hash_to_slot.pop(h)
-        self.policy.discard(slot)
-        self.policy.on_evicted(slot)
+        if self.policy is not None:
+            self.policy.discard(slot)
+            self.policy.on_evicted(slot)
         slot.block_hash = None
         self.free_slots.append(slot.block_id)
         self.num_discarded += 1
@@ -286,19 +332,33 @@ class HostTier:
         transfers stay: stores already recorded still describe copies to make."""
         for slot in self.hash_to_slot.values():
             slot.block_hash = None
-        self.hash_to_slot = {}
+        self.hash_to_slot = OrderedDict()
         self.free_slots = collections.deque(range(self.num_host_blocks))
-        self.policy.clear()
+        if self.policy is not None:
+            self.policy.clear()
 
     def take_transfers(self) -> list[HostTransfer]:
-        out = self.transfers
+        out = self.pending_transfers()
         self.transfers = []
         return out
+
+    def pending_transfers(self) -> list[HostTransfer]:
+        """The recorded transfers, decoded, without taking them."""
+        it = iter(self.transfers)
+        return [HostTransfer(HOST_STORE, b, s) if b >= 0 else HostTransfer(HOST_LOAD, -1 - b, s)
+                for b, s in zip(it, it)]
+
+    def drop_transfers(self) -> None:
+        """Forget the recorded transfers (a replay has no pages to copy)."""
+        self.transfers.clear()
 
     # --------------------------------------------------------------- checking
     def check_invariants(self, device_cached: Mapping[bytes, Any]) -> None:
         """Raise ``InvariantError`` naming the slot / hash on any inconsistency."""
         n = self.num_host_blocks
+        if self._pinned:
+            raise InvariantError(f"host slots {[s.block_id for s in self._pinned.values()]} "
+                                 "are still pinned outside allocate_slots")
         if len(self.hash_to_slot) > n:
             raise InvariantError(f"{len(self.hash_to_slot)} host entries > {n} host slots")
         occupied = []
@@ -327,7 +387,14 @@ class HostTier:
         if len(free) + len(occupied) != n:
             raise InvariantError(f"{len(occupied)} occupied + {len(free)} free host slots != "
                                  f"{n}")
-        self.policy.check_invariants(occupied)
+        if self.policy is not None:
+            self.policy.check_invariants(occupied)
+
+    def eviction_order(self) -> list[int]:
+        """The occupied host slots, the next one the host policy evicts first."""
+        if self.policy is None:
+            return [slot.block_id for slot in self.hash_to_slot.values()]
+        return self.policy.candidate_ids()
 
 
 class _TieredPool:
@@ -339,7 +406,7 @@ class _TieredPool:
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         parent = block.parent_hash
-        super()._evict(block)
+        BlockPool._evict(self, block)  # (no pool in between overrides it)
         # NOTE: a duplicate device block may still hold h: then it stays on the device.
         if h not in self.cached_block_hash_to_block:
             self.host_tier.store(block.block_id, h, parent)
@@ -349,17 +416,21 @@ class _TieredPool:
         super().cache_full_blocks(request, blocks, block_hashes, num_cached_blocks,
                                   num_full_blocks, block_size)
         tier = self.host_tier
+        if tier.track_origin:
+            pos_of = tier.device_position
+            prio_of = tier.device_priority
+            prio = request.priority
+            for pos in range(num_cached_blocks, num_full_blocks):
+                bid = blocks[pos].block_id
+                pos_of[bid] = pos
+                prio_of[bid] = prio
         on_host = tier.hash_to_slot
-        pos_of = tier.device_position
-        prio_of = tier.device_priority
-        prio = request.priority
-        for pos in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[pos]
-            bid = blk.block_id
-            pos_of[bid] = pos
-            prio_of[bid] = prio
-            if on_host and blk.block_hash in on_host:
-                tier.discard(blk.block_hash)
+        # NOTE: one C-level disjointness test; the per-hash loop only on an overlap.
+        if on_host and not on_host.keys().isdisjoint(
+                block_hashes[num_cached_blocks:num_full_blocks]):
+            for h in block_hashes[num_cached_blocks:num_full_blocks]:
+                if h in on_host:
+                    tier.discard(h)
 
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
@@ -370,6 +441,55 @@ class _TieredPool:
 
 class TieredBlockPool(_TieredPool, BlockPool):
     """``BlockPool`` (device lru) with a host tier under it."""
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """``BlockPool.get_new_blocks`` with the demotions of the host lru fast path
+        inlined (no events): one loop, no Python call per demoted block."""
+        tier = self.host_tier
+        if tier.policy is not None or self.enable_events:
+            return super().get_new_blocks(num_blocks)  # -> _TieredPool._evict per block
+        q = self.free_block_queue
+        if num_blocks > q.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks: only {q.num_free_blocks} free")
+        ret = q.popleft_n(num_blocks)
+        self.num_blocks_allocated += num_blocks
+        cached = self.cached_block_hash_to_block
+        on_host = tier.hash_to_slot
+        free = tier.free_slots
+        slots = tier.slots
+        record = tier.transfers.append
+        popitem = on_host.popitem
+        num_evicted = num_stored = num_host_evicted = 0
+        for block in ret:
+            h = block.block_hash
+            if h is not None:
+                cur = cached.pop(h)
+                if cur is not block:  # duplicates under h (or a bug): the general path
+                    cached[h] = cur
+                    self._evict(block)
+                else:
+                    block.block_hash = None
+                    num_evicted += 1
+                    if free:
+                        slot = slots[free.popleft()]
+                    elif on_host:
+                        # NOTE: positional: a keyword argument costs a keyword parse.
+                        slot = popitem(False)[1]  # the least recently demoted
+                        num_host_evicted += 1
+                    else:  # every host entry is pinned by the promotion in progress
+                        tier.num_dropped += 1
+                        block.ref_cnt = 1
+                        continue
+                    slot.block_hash = h
+                    on_host[h] = slot
+                    record(block.block_id)
+                    record(slot.block_id)
+                    num_stored += 1
+            block.ref_cnt = 1
+        self.num_evictions += num_evicted
+        tier.num_stored += num_stored
+        tier.num_evicted += num_host_evicted
+        return ret
 
 
 class TieredPolicyBlockPool(_TieredPool, PolicyBlockPool):

@@ -236,6 +236,12 @@ class KVCacheManager:
     Attributes:
         eviction, index: the names chosen.
         policy: the ``EvictionPolicy`` object, or ``None`` for the LRU fast path.
+        host_tier: the ``HostTier`` (``None`` without one); ``num_host_blocks``,
+            ``host_eviction``: as given.
+        device_hit_tokens, host_hit_tokens: prefix-hit tokens adopted at admission
+            (``allocate_slots``), by tier; cumulative. ``host_blocks_loaded``,
+            ``host_blocks_stored``, ``num_host_cached_blocks``: properties (0 without
+            a tier).
     """
 
     def __new__(cls, *args, index: str = DEFAULT_INDEX, **kwargs):
@@ -338,8 +344,9 @@ class KVCacheManager:
                 else PolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
             )
         else:
-            # NOTE: the tier's pools override only _evict (demotion), cache_full_blocks
-            # and reset; with no tier the plain pools above run, untouched.
+            # NOTE: the tier's pools override only eviction (demotion: _evict, and
+            # get_new_blocks with the demotions inlined for the lru/lru pair),
+            # cache_full_blocks and reset; with no tier the plain pools above run.
             self.block_pool = (
                 TieredBlockPool(num_blocks, **pool_kwargs) if policy is None
                 else TieredPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)

@@ -259,7 +259,7 @@ def replay(
         host_eviction=host_eviction,
     )
     tiered = m.num_host_blocks > 0  # (validated by the manager)
-    take_transfers = m.take_host_transfers
+    drop_transfers = m.host_tier.drop_transfers if tiered else None
     peak_host = 0
     hasher = m.hasher
     arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
@@ -368,7 +368,7 @@ def replay(
             if c > peak_cached:
                 peak_cached = c
             if tiered:
-                take_transfers()  # (no pages to copy here: keep the list short)
+                drop_transfers()  # (no pages to copy here: keep the list short)
                 c = m.num_host_cached_blocks
                 if c > peak_host:
                     peak_host = c
@@ -460,7 +460,7 @@ def replay(
         memory["peak_cached_bytes"] = peak_cached * bytes_per_block
         memory["mean_cached_bytes"] = mean_cached * bytes_per_block
     if tiered:
-        take_transfers()
+        drop_transfers()
         host = {
             "num_host_blocks": m.num_host_blocks,
             "host_eviction": host_eviction,

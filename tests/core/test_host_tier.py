@@ -140,7 +140,7 @@ def test_failed_allocation_changes_nothing_host_entries_included():
 
     def state():
         return (m.free_block_ids(), dict(tier.hash_to_slot), list(tier.free_slots),
-                tier.policy.candidate_ids(), tier.transfers[:], m.num_cached_blocks)
+                tier.eviction_order(), tier.pending_transfers(), m.num_cached_blocks)
 
     before = state()
     c = Request("c", list(range(13)))
@@ -204,6 +204,7 @@ def test_reset_clears_both_tiers_one_event():
     (True, TypeError, "num_host_blocks must be an int"),
     ("8", TypeError, "num_host_blocks must be an int"),
     (None, TypeError, "num_host_blocks must be an int"),
+    (10**15, ValueError, "host tier of num_host_blocks=1000000000000000"),
 ])
 def test_bad_host_size(bad, exc, match):
     with pytest.raises(exc, match=match):
@@ -274,11 +275,19 @@ class HostTierMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 10), num_host=st.integers(1, 6),
                 block_size=st.sampled_from([1, 2, 2, 4]),
                 free_order=st.sampled_from(["append", "unhashed_first"]),
-                eviction=st.sampled_from(ONLINE), host_eviction=st.sampled_from(ONLINE))
-    def setup(self, num_blocks, num_host, block_size, free_order, eviction, host_eviction):
+                eviction=st.sampled_from(ONLINE),
+                host_eviction=st.sampled_from(ONLINE + ["keyed lru"]),
+                events=st.booleans())
+    def setup(self, num_blocks, num_host, block_size, free_order, eviction, host_eviction,
+              events=True):
+        # (events off + both lru: the pool's inlined demotion loop; else per block)
+        options = None
+        if host_eviction == "keyed lru":
+            host_eviction, options = "lru", {"fast_path": False}
         self.m = KVCacheManager(num_blocks, block_size, free_order=free_order,
                                 eviction=eviction, num_host_blocks=num_host,
-                                host_eviction=host_eviction, enable_events=True)
+                                host_eviction=host_eviction, host_eviction_options=options,
+                                enable_events=events)
         self.nb, self.nh, self.bs = num_blocks, num_host, block_size
         self.dev = np.zeros((num_blocks, WIDTH), np.float32)
         self.host = np.zeros((num_host, WIDTH), np.float32)
@@ -454,9 +463,17 @@ def test_big_host_tier_gives_the_infinite_cache_hits_mooncake(local_datasets):
     assert ideal["evictions"] == 0
     longest = max(-(-(len(r.prompt) + r.output_len) // 512) for r in reqs)
     for nb in (longest, 2 * longest + 5):
-        s = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, num_host_blocks=100_000)
+        tiered, alone = [], []
+        s = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, num_host_blocks=100_000,
+                   on_record=tiered.append)
+        d = replay(reqs, num_blocks=nb, block_size=512, concurrency=1, on_record=alone.append)
         assert s["failed"] == 0 and s["hit_tokens"] == ideal["hit_tokens"]
         assert s["host_hit_tokens"] > 0
+        # The tier is invisible to the device here: a host hit takes the fresh block its
+        # recomputation would have taken, in the same order (no device hit behind a host
+        # hit in this slice), so block ids and device hits equal the device-only run's.
+        assert [r["block_ids"] for r in tiered] == [r["block_ids"] for r in alone]
+        assert s["device_hit_tokens"] == d["hit_tokens"] < s["hit_tokens"]
     small = replay(reqs, num_blocks=longest, block_size=512, concurrency=1,
                    num_host_blocks=longest, host_eviction="lru")
     assert small["hit_tokens"] < ideal["hit_tokens"]
@@ -483,3 +500,34 @@ def test_device_recomputing_a_host_hash_drops_the_host_copy():
     ev = m.take_events()
     assert [e.medium for e in ev if type(e) is BlockRemoved][-1] == "CPU"
     m.check_invariants()
+
+
+def test_host_lru_fast_path_equals_the_keyed_policy_and_the_event_path():
+    # Three ways to run the host's lru: the inlined demotion loop (no events), the
+    # per-block path (events on), the keyed LRUPolicy (fast_path False): same hits,
+    # same transfers, same host contents.
+    reqs = workloads.generate("multi_turn", seed=5, num_conversations=12, num_turns=4)
+    runs = []
+    for kw in ({}, {"enable_events": True},
+               {"host_eviction_options": {"fast_path": False}}):
+        m = KVCacheManager(40, 16, num_host_blocks=25, hash_seed=0, **kw)
+        assert (m.host_tier.policy is None) == ("host_eviction_options" not in kw)
+        hits, transfers, running = [], [], []
+        for i, tr in enumerate(reqs):
+            req = Request(str(i), tr.prompt)
+            while True:
+                blocks, hit, new = _admit(m, req)
+                if new is not None or not running:
+                    break
+                m.free(running.pop(0))
+            hits.append(hit)
+            if new is not None:
+                running.append(req)
+            if len(running) > 3:
+                m.free(running.pop(0))
+            transfers += m.take_host_transfers()
+            m.check_invariants()
+        runs.append((hits, transfers, m.host_tier.eviction_order(),
+                     m.host_tier.num_evicted, m.host_blocks_loaded))
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0][3] > 0 and runs[0][4] > 0  # host evictions and promotions happened
