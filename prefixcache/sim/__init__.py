@@ -5,7 +5,8 @@
 * ``workloads``: deterministic synthetic workloads (shared system prompt,
   multi-turn chat, few-shot, RAG with Zipf popularity, multimodal + salts +
   adapters) and a Mooncake-scale ``hash_ids`` trace generator.
-* ``cost_model``: roofline step times of a model shape on TPU v5e/v6e, H100, H200.
+* ``cost_model``: roofline step times of a model shape on TPU v5e/v6e, H100, H200;
+  host -> device links (``HostLink``, ``HOST_LINKS``) for a host memory tier's loads.
 * ``des``: a discrete-event simulation (arrivals, batching, the cache, the cost
   model) that yields simulated TTFT per request.
 * ``datasets``: public traces by name (the Mooncake FAST'25 traces: pinned URL +
@@ -20,7 +21,8 @@ NOTE: the replay function is imported from its module
 attribute ``replay`` would shadow the submodule of the same name.
 """
 
-from prefixcache.sim.cost_model import ACCELERATORS, Accelerator, CostModel, ModelShape
+from prefixcache.sim.cost_model import ACCELERATORS, HOST_LINKS, Accelerator, CostModel, HostLink, \
+    ModelShape
 from prefixcache.sim.des import SchedulerConfig, simulate
 from prefixcache.sim.trace import TraceError, TraceRequest, output_token, read_trace, write_trace
 from prefixcache.sim.workloads import WORKLOADS, generate, mooncake_scale
@@ -29,6 +31,8 @@ __all__ = [
     "ACCELERATORS",
     "Accelerator",
     "CostModel",
+    "HOST_LINKS",
+    "HostLink",
     "ModelShape",
     "SchedulerConfig",
     "TraceError",

@@ -25,8 +25,8 @@ import numpy as np
 
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.sim.cost_model import CostModel
-from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, make_sim_request, \
-    percentiles, summarize
+from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_host_tier, \
+    host_manager_kwargs, host_summary, make_sim_request, percentiles, summarize
 from prefixcache.sim.routing import ReplicaLoad, Router, make_router
 from prefixcache.sim.trace import TraceRequest
 
@@ -81,6 +81,8 @@ def simulate_cluster(
     check_every: int = 0,
     progress: bool = False,
     total: int | None = None,
+    num_host_blocks: int = 0,
+    host_eviction: str = "lru",
 ) -> dict[str, Any]:
     """Simulates ``num_replicas`` replicas behind ``router``.
 
@@ -103,6 +105,9 @@ def simulate_cluster(
         (e.g. the ``kv_events`` index against the replicas' cached blocks) after
         every ``check_every`` routed requests (tests).
       progress: tqdm bar of finished requests; ``total`` its length.
+      num_host_blocks, host_eviction: every replica's host memory tier, as in
+        ``des.simulate`` (0: none; needs ``cost_model.host_link``). Not with the
+        ``kv_events`` router: its index does not tell the tiers apart yet.
 
     Returns:
       ``des.simulate``'s summary fields over all replicas plus ``policy``,
@@ -113,7 +118,8 @@ def simulate_cluster(
       reading the loads and choosing), ``route_hash_us`` (hashing the prompt's
       blocks for a router that needs them, which the chosen replica's manager then
       reuses; empty otherwise) and
-      ``per_replica`` (requests, hit and prefill tokens, evictions).
+      ``per_replica`` (requests, hit and prefill tokens, evictions). With a host
+      tier also ``des.simulate``'s host fields (over all replicas).
 
     Raises:
       ValueError: bad counts, an unknown router, missing/unsorted timestamps.
@@ -122,11 +128,15 @@ def simulate_cluster(
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
     if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    num_host_blocks = check_host_tier(num_host_blocks, cost_model)
     if isinstance(router, str):
         router = make_router(router, num_replicas=num_replicas, block_size=block_size,
                              seed=seed, **(router_options or {}))
     elif router_options:
         raise ValueError("router_options are only for a router given by name")
+    if num_host_blocks and router.needs_events:
+        raise ValueError(f"router {router.name!r} reads KV events, which do not tell the host "
+                         "tier from the device yet: use num_host_blocks=0 or another router")
     if router.num_replicas != num_replicas:
         raise ValueError(f"router {router!r} was built for {router.num_replicas} replicas, "
                          f"not {num_replicas}")
@@ -152,7 +162,8 @@ def simulate_cluster(
         manager = KVCacheManager(num_blocks, block_size, hash_algo=hash_algo,
                                  hash_seed=hash_seed, free_order=free_order, log_stats=False,
                                  enable_events=router.needs_events, int_event_hashes=False,
-                                 eviction=eviction)
+                                 eviction=eviction,
+                                 **host_manager_kwargs(num_host_blocks, host_eviction, None))
 
         def finish(s, rec, i=i):
             totals.finish(s, {**rec, "replica": i})
@@ -222,6 +233,12 @@ def simulate_cluster(
     summary = summarize(totals, counts, makespan)
     prefill = [s.counts["prefill_tokens"] for s in servers]
     mean_prefill = sum(prefill) / num_replicas
+    if num_host_blocks:
+        summary.update({"num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
+                        "host_link": cost_model.host_link.name,
+                        **host_summary(counts, servers[0].host_block_bytes),
+                        "host_blocks_stored": sum(s.manager.host_blocks_stored
+                                                  for s in servers)})
     ttft = summary["ttft_s"]
     tokens = summary["prompt_tokens"] + summary["output_tokens"]
     return {

@@ -27,11 +27,21 @@ causal attention, but the new tokens still attend to all ``c`` cached keys and
 the cached KV must be read: TTFT never drops to zero, and for long prefixes
 the attention term dominates what remains. This is what the seeds warn about:
 saved compute does not translate one-to-one into lower TTFT.
+
+Host memory tier (issue 16): a block found in host memory must be copied to the
+device before the step that uses it. ``HostLink`` is that copy path (host DRAM ->
+device memory over PCIe / the host DMA engine): an *effective* bandwidth (a
+published peak times a stated efficiency) and a fixed latency per transfer;
+``CostModel.load_time(num_bytes)`` is the seconds one batched host->device copy of
+``num_bytes`` takes (``HOST_LINKS`` holds named presets). Every chip the model is
+sharded over has its own link and copies its own shard of each block, so the
+bandwidth scales with ``num_chips`` as the HBM bandwidth does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -88,6 +98,97 @@ def get_accelerator(name: str) -> Accelerator:
         return ACCELERATORS[name]
     except KeyError:
         raise ValueError(f"unknown accelerator {name!r}; known: {sorted(ACCELERATORS)}") from None
+
+
+# ----------------------------------------------------------------------------
+# Host -> device links (the host memory tier's copy path)
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLink:
+    """The host -> device copy path of one chip: how long loading KV from host takes.
+
+    A transfer of ``b`` bytes takes ``latency_s + b / (peak_bandwidth * efficiency)``
+    seconds; an empty transfer (``b == 0``) takes none.
+
+    Attributes:
+      name: short name (the key in ``HOST_LINKS``).
+      peak_bandwidth: the link's published one-direction peak, bytes/s per chip
+        (``math.inf``: copies cost only the latency).
+      efficiency: achievable fraction of the peak in (0, 1] (protocol overhead, DMA
+        engine); ``effective_bandwidth = peak_bandwidth * efficiency``.
+      latency_s: fixed cost of one transfer (issue + completion), >= 0.
+    """
+
+    name: str
+    peak_bandwidth: float
+    efficiency: float = 1.0
+    latency_s: float = 0.0
+
+    def __post_init__(self):
+        bw = self.peak_bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
+            raise ValueError(f"HostLink.peak_bandwidth must be a number > 0 (bytes/s; inf "
+                             f"allowed), got {bw!r}")
+        eff = self.efficiency
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ValueError(f"HostLink.efficiency must be in (0, 1], got {eff!r}")
+        lat = self.latency_s
+        if (isinstance(lat, bool) or not isinstance(lat, (int, float)) or not lat >= 0
+                or lat == math.inf):
+            raise ValueError(f"HostLink.latency_s must be a finite number >= 0 (seconds), "
+                             f"got {lat!r}")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Bytes/s one chip's copies actually reach: ``peak_bandwidth * efficiency``."""
+        return self.peak_bandwidth * self.efficiency
+
+    def load_time(self, num_bytes: float, num_chips: int = 1) -> float:
+        """Seconds for one transfer of ``num_bytes`` spread evenly over ``num_chips`` links.
+
+        Raises:
+          ValueError: ``num_bytes`` negative or not a number, ``num_chips`` < 1.
+        """
+        if (isinstance(num_bytes, bool) or not isinstance(num_bytes, (int, float))
+                or not num_bytes >= 0 or num_bytes == math.inf):
+            raise ValueError(f"num_bytes must be a finite number >= 0, got {num_bytes!r}")
+        if isinstance(num_chips, bool) or not isinstance(num_chips, int) or num_chips < 1:
+            raise ValueError(f"num_chips must be a positive int, got {num_chips!r}")
+        if num_bytes == 0:
+            return 0.0
+        return self.latency_s + num_bytes / (self.effective_bandwidth * num_chips)
+
+
+HOST_LINKS: dict[str, HostLink] = {
+    # H200 SXM node: each GPU reaches host DRAM over PCIe Gen5 x16. Peak: 32 GT/s x 16
+    # lanes with 128b/130b encoding = 63.0 GB/s per direction (PCI-SIG PCIe 5.0 base
+    # spec; NVIDIA's H200 datasheet lists "PCIe Gen5: 128GB/s", both directions).
+    # Efficiency 0.85 -> 53.6 GB/s: TLP headers at a 256 B max payload cost ~9%, and
+    # copy-engine host->device copies from pinned memory on Gen5 x16 reach ~55 GB/s
+    # (a published NVbandwidth `host_to_device_memcpy_ce` run: 55.6 GB/s;
+    # github.com/NVIDIA/nvbandwidth). Not measured by us (no GPU in this project's CI).
+    # Latency 10 us per transfer: one cudaMemcpyAsync issue + completion (an assumed
+    # order of magnitude).
+    "h200_pcie5": HostLink("h200_pcie5", 32e9 * 16 * 128 / 130 / 8, 0.85, 10e-6),
+    # Cloud TPU v5e host: "PCIe bandwidth is typically around 1.5e10 bytes / second per
+    # chip" (How to Scale Your Model, part 2 "All About TPUs",
+    # jax-ml.github.io/scaling-book/tpus; Google publishes no separate v5e host-DMA
+    # figure). Efficiency 0.9 -> 13.5 GB/s: large page copies, assumed. Latency 30 us
+    # per transfer: a PjRt host->device buffer transfer's dispatch (assumed).
+    "tpu_v5e_host": HostLink("tpu_v5e_host", 15 * _G, 0.9, 30e-6),
+    # Cloud TPU v6e (Trillium): "32GB/s, about 2x higher than v5" (same source).
+    "tpu_v6e_host": HostLink("tpu_v6e_host", 32 * _G, 0.9, 30e-6),
+}
+
+
+def get_host_link(name: str) -> HostLink:
+    """The preset named ``name`` (one of ``HOST_LINKS``)."""
+    try:
+        return HOST_LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown host link {name!r}; known: {sorted(HOST_LINKS)}") from None
 
 
 # ----------------------------------------------------------------------------
@@ -349,6 +450,9 @@ class CostModel:
       flops_efficiency: achievable fraction of peak FLOP/s (1.0 = roofline bound).
       bandwidth_efficiency: achievable fraction of peak HBM bandwidth.
       step_overhead_s: fixed host/launch overhead added to every step.
+      host_link: the host -> device copy path of each chip (``HostLink`` or a
+        ``HOST_LINKS`` name), for a host memory tier's loads (``load_time``);
+        ``None``: no host tier can be simulated with this model.
     """
 
     shape: ModelShape
@@ -357,6 +461,7 @@ class CostModel:
     flops_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
     step_overhead_s: float = 0.0
+    host_link: HostLink | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_chips, int) or self.num_chips < 1:
@@ -367,6 +472,11 @@ class CostModel:
                 raise ValueError(f"{f} must be in (0, 1], got {v!r}")
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s!r}")
+        if isinstance(self.host_link, str):
+            object.__setattr__(self, "host_link", get_host_link(self.host_link))
+        elif self.host_link is not None and not isinstance(self.host_link, HostLink):
+            raise ValueError(f"host_link must be a HostLink, a name from {sorted(HOST_LINKS)} "
+                             f"or None, got {self.host_link!r}")
 
     @classmethod
     def create(cls, model: Any = "llama_3_1_8b", accelerator: str | Accelerator = "h100",
@@ -383,6 +493,39 @@ class CostModel:
     @property
     def bytes_per_s(self) -> float:
         return self.accelerator.hbm_bandwidth * self.num_chips * self.bandwidth_efficiency
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        """Effective host -> device bytes/s over all chips' links.
+
+        Raises:
+          ValueError: the model has no ``host_link``.
+        """
+        return self._link().effective_bandwidth * self.num_chips
+
+    def _link(self) -> HostLink:
+        if self.host_link is None:
+            raise ValueError("this CostModel has no host_link: pass host_link= (a HostLink "
+                             f"or one of {sorted(HOST_LINKS)}) to simulate a host tier")
+        return self.host_link
+
+    def block_bytes(self, block_size: int) -> int:
+        """KV bytes of one block of ``block_size`` tokens (all layers, K and V)."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        return self.shape.kv_bytes_per_token * block_size
+
+    def load_time(self, num_bytes: float) -> float:
+        """Seconds to copy ``num_bytes`` of KV from host memory to the device(s).
+
+        One batched transfer: ``host_link.latency_s + num_bytes / host_bytes_per_s``
+        (each chip loads its ``1 / num_chips`` shard over its own link, in parallel);
+        0 for ``num_bytes == 0``.
+
+        Raises:
+          ValueError: no ``host_link``; ``num_bytes`` negative or not a number.
+        """
+        return self._link().load_time(num_bytes, self.num_chips)
 
     def kv_cache_blocks(self, block_size: int, hbm_fraction: float = 0.9) -> int:
         """How many KV blocks fit in the HBM left after the weights.

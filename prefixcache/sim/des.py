@@ -29,6 +29,22 @@ scheduler use; FCFS, chunked prefill, a per-step token budget):
 The decode tokens are ``output_token(id, k)``, as in the replay, so multi-turn
 workloads hit their earlier turns' outputs here too.
 
+Host memory tier (``num_host_blocks > 0``; the contract of issue 16): the
+manager demotes the cached blocks the device pool evicts into a host pool and
+promotes host hits back when ``allocate_slots`` admits a request. The blocks a
+step promotes are copied host -> device before it computes: the step takes
+``cost_model.step_time(chunks) + cost_model.load_time(loaded * block_bytes)``
+(one batched transfer per step; latency + bytes over the chips' effective host
+link bandwidth, ``cost_model.HostLink``). NOTE: by default loads overlap nothing
+(the step waits for them): simulated TTFT with the tier is then a pessimistic
+bound. ``host_load_overlap=True`` gives the optimistic one: the step takes
+``max(compute, load)``, as if the copies were hidden behind the step's compute
+layer by layer (SGLang HiCache's load-back overlaps per layer).
+Demotions (device -> host stores) are not charged: they are off the critical
+path (written back asynchronously after the step). Summaries split hits into
+``device_hit_tokens`` and ``host_hit_tokens``; with the tier off the manager,
+the records and the summaries are exactly those of a simulator without one.
+
 Not modelled: network/tokenizer time, speculative decoding, KV transfer
 between prefill and decode instances, communication between chips.
 
@@ -46,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache._validate import check_count
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
@@ -92,6 +109,7 @@ class _SimRequest:
     first_scheduled_s: float | None = None
     ttft_s: float | None = None
     num_cached_tokens: int | None = None  # hit at first admission
+    num_host_tokens: int | None = None  # of which loaded from the host tier
     num_preemptions: int = 0
     finished: bool = False
     queued_blocks: int = 0  # blocks it needed when it was last queued
@@ -156,12 +174,20 @@ class Server:
       on_fail: called with ``(sim_request, record)`` when a request fails.
       scheduling: the waiting queue's admission order (``prefixcache.scheduling``
         name or policy; default FCFS).
+      host_load_overlap: with a host tier, hide a step's loads behind its compute
+        (``max``) instead of adding them (the default; see the module docstring).
 
     Attributes:
       now: the server's clock (s): when its next step may start.
       waiting / running: queued and admitted requests.
       counts: ``steps``, ``preemptions``, ``hit_tokens``, ``prefill_tokens``
-        (prompt tokens computed, i.e. not hit), ``finished``, ``failed``.
+        (prompt tokens computed, i.e. not hit), ``finished``, ``failed``; with a
+        host tier also ``device_hit_tokens``, ``host_hit_tokens`` (of the hits at
+        first admission), ``host_blocks_loaded``, ``host_load_steps`` (steps that
+        loaded any) and ``host_load_s`` (seconds the steps took beyond their compute
+        because of loads).
+      host_block_bytes: KV bytes of one block when the manager has a host tier
+        (the cost model then needs a ``host_link``), else ``None``.
       queued_blocks: blocks the waiting requests still need, counted when each was
         queued (a router's load signal, kept in O(1) per queue change).
     """
@@ -170,7 +196,9 @@ class Server:
                  scheduler: SchedulerConfig, *,
                  on_finish: Callable[[_SimRequest, dict[str, Any]], None],
                  on_fail: Callable[[_SimRequest, dict[str, Any]], None],
-                 scheduling: "str | WaitingPolicy" = "fcfs"):
+                 scheduling: "str | WaitingPolicy" = "fcfs",
+                 host_load_overlap: bool = False):
+        self.host_load_overlap = bool(host_load_overlap)
         self.policy = (scheduling if isinstance(scheduling, WaitingPolicy)
                        else make_scheduling_policy(scheduling))
         self.manager = manager
@@ -183,6 +211,11 @@ class Server:
         self.running: list[_SimRequest] = []
         self.counts = collections.Counter()
         self.queued_blocks = 0  # blocks the queued requests still need (at enqueue time)
+        self.host_block_bytes: int | None = None
+        if host_tier_on(manager):
+            cost_model.load_time(0)  # no host_link -> ValueError before anything runs
+            self.host_block_bytes = cost_model.block_bytes(manager.block_size)
+            manager.take_host_transfers()  # copies before this server (a warm-up) are done
 
     def _enqueue(self, s: _SimRequest, *, front: bool = False) -> None:
         r = s.req
@@ -227,6 +260,9 @@ class Server:
         req = s.req
         blocks, hit = manager.get_computed_blocks(req)
         n = min(req.num_tokens - hit, budget)
+        host = self.host_block_bytes is not None
+        if host:
+            loaded0 = manager.host_blocks_loaded
         if manager.allocate_slots(req, n, hit, blocks) is None:
             if not self.running:  # the whole pool is free and it still does not fit
                 self._dequeue(s)
@@ -240,6 +276,12 @@ class Server:
             s.first_scheduled_s = self.now
             s.num_cached_tokens = hit
             self.counts["hit_tokens"] += hit
+            if host:
+                # Promoted host hits are whole blocks of the hit prefix.
+                h = (manager.host_blocks_loaded - loaded0) * manager.block_size
+                s.num_host_tokens = h
+                self.counts["host_hit_tokens"] += h
+                self.counts["device_hit_tokens"] += hit - h
         self.running.append(s)
         scheduled.append((s, n, hit))
         return budget - n
@@ -253,6 +295,9 @@ class Server:
         """
         manager = self.manager
         counts = self.counts
+        host = self.host_block_bytes is not None
+        if host:
+            loaded0 = manager.host_blocks_loaded
         while True:
             running = self.running
             waiting = self.waiting
@@ -319,7 +364,10 @@ class Server:
                 f"{len(waiting)} waiting")
 
         counts["steps"] += 1
-        self.now += self.cost_model.step_time([(n, c) for _, n, c in scheduled])
+        step_s = self.cost_model.step_time([(n, c) for _, n, c in scheduled])
+        if host:
+            step_s = self._with_loads(step_s, loaded0)
+        self.now += step_s
         now = self.now
         finished = False
         for s, n, _ in scheduled:
@@ -339,19 +387,80 @@ class Server:
                 queue = s.first_scheduled_s - s.arrival_s
                 counts["finished"] += 1
                 s.finished = True
-                self.on_finish(s, {
+                rec = {
                     "id": s.trace.id, "arrival_s": s.arrival_s, "queue_s": queue,
                     "ttft_s": s.ttft_s, "e2e_s": now - s.arrival_s,
                     "prompt_tokens": req.num_prompt_tokens,
                     "num_cached_tokens": s.num_cached_tokens,
-                    "output_tokens": k + 1, "num_preemptions": s.num_preemptions})
+                    "output_tokens": k + 1, "num_preemptions": s.num_preemptions}
+                if host:
+                    rec["num_host_tokens"] = s.num_host_tokens
+                self.on_finish(s, rec)
         if finished:
             self.running = [s for s in self.running if not s.finished]
         return True
 
+    def _with_loads(self, compute_s: float, loaded0: int) -> float:
+        """The step's time with its host -> device copies (``compute_s`` if none);
+        drains the manager's transfer list (checked against its counter: a mismatch is
+        a bug)."""
+        manager = self.manager
+        loads = sum(1 for t in manager.take_host_transfers() if t.kind == "load")
+        if loads != manager.host_blocks_loaded - loaded0:  # pragma: no cover - a bug
+            raise AssertionError(f"the step recorded {loads} host loads but the manager's "
+                                 f"host_blocks_loaded grew by "
+                                 f"{manager.host_blocks_loaded - loaded0}")
+        if not loads:
+            return compute_s
+        load_s = self.cost_model.load_time(loads * self.host_block_bytes)
+        step_s = max(compute_s, load_s) if self.host_load_overlap else compute_s + load_s
+        counts = self.counts
+        counts["host_blocks_loaded"] += loads
+        counts["host_load_steps"] += 1
+        counts["host_load_s"] += step_s - compute_s
+        return step_s
+
 
 def _core_of(s: _SimRequest) -> Request:
     return s.req
+
+
+def host_tier_on(manager: KVCacheManager) -> bool:
+    """Whether ``manager`` has a host memory tier (``num_host_blocks > 0``)."""
+    return getattr(manager, "num_host_blocks", 0) > 0
+
+
+def check_host_tier(num_host_blocks: Any, cost_model: CostModel) -> int:
+    """Validates a simulator's ``num_host_blocks`` (an int >= 0) before anything runs;
+    a host tier needs ``cost_model.host_link``. Returns it as an int."""
+    n = check_count("num_host_blocks", num_host_blocks)
+    if n:
+        cost_model.load_time(0)  # no host_link -> ValueError naming HOST_LINKS
+    return n
+
+
+def host_manager_kwargs(num_host_blocks: int, host_eviction: str,
+                        host_eviction_options: dict | None) -> dict[str, Any]:
+    """The ``KVCacheManager`` keyword arguments of a host tier; none when it is off (so
+    the manager is built exactly as without the feature)."""
+    if not num_host_blocks:
+        return {}
+    return {"num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
+            "host_eviction_options": host_eviction_options}
+
+
+def host_summary(counts: collections.Counter, block_bytes: int) -> dict[str, Any]:
+    """The host-tier fields of a summary (``counts``: one or several servers' counts)."""
+    prompt_hits = counts["device_hit_tokens"] + counts["host_hit_tokens"]
+    return {
+        "device_hit_tokens": counts["device_hit_tokens"],
+        "host_hit_tokens": counts["host_hit_tokens"],
+        "host_hit_share": counts["host_hit_tokens"] / prompt_hits if prompt_hits else 0.0,
+        "host_blocks_loaded": counts["host_blocks_loaded"],
+        "host_bytes_loaded": counts["host_blocks_loaded"] * block_bytes,
+        "host_load_steps": counts["host_load_steps"],
+        "host_load_s": float(counts["host_load_s"]),
+    }
 
 
 def make_sim_request(tr: TraceRequest, arrival_s: float) -> _SimRequest:
@@ -402,6 +511,10 @@ def simulate(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
     total: int | None = None,
+    num_host_blocks: int = 0,
+    host_eviction: str = "lru",
+    host_eviction_options: dict | None = None,
+    host_load_overlap: bool = False,
 ) -> dict[str, Any]:
     """Runs the discrete-event simulation.
 
@@ -428,22 +541,40 @@ def simulate(
         latencies.
       progress: show a tqdm bar of finished requests.
       total: the number of requests, for the progress bar.
+      num_host_blocks, host_eviction, host_eviction_options: the manager's host
+        memory tier (0: none, the default; see the module docstring). A tier
+        needs ``cost_model.host_link``; records then carry ``num_host_tokens``
+        (of ``num_cached_tokens``, loaded from the host).
+      host_load_overlap: loads hidden behind the step's compute (``max``) instead
+        of added to it (default False: the pessimistic bound).
 
     Returns:
       A summary: ``cache_state`` (cold/warm at the start), request and token
       counts, token hit rate, latency percentiles (s), simulated makespan and
-      throughput, steps, preemptions and evictions.
+      throughput, steps, preemptions and evictions. With a host tier also
+      ``num_host_blocks``, ``host_eviction``, ``host_link``, ``device_hit_tokens``
+      / ``host_hit_tokens`` (``hit_tokens`` is their sum), ``host_hit_share``,
+      ``host_blocks_loaded``, ``host_bytes_loaded``, ``host_load_steps``,
+      ``host_load_s`` (time the steps took beyond their compute because of loads),
+      ``host_load_overlap``, ``host_blocks_stored`` (demotions).
 
     Raises:
-      ValueError: missing/unsorted timestamps, or a bad arrival rate.
+      ValueError: missing/unsorted timestamps, a bad arrival rate, a bad
+        ``num_host_blocks`` or host policy, a host tier without a host link.
     """
     make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
+    num_host_blocks = check_host_tier(num_host_blocks, cost_model)
+    if not isinstance(host_load_overlap, bool):
+        raise ValueError(f"host_load_overlap must be a bool, got {host_load_overlap!r}")
     manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
                              hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
                              log_stats=False, eviction=eviction,
-                             eviction_options=eviction_options)
+                             eviction_options=eviction_options,
+                             **host_manager_kwargs(num_host_blocks, host_eviction,
+                                                   host_eviction_options))
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
+    stored0 = manager.host_blocks_stored if num_host_blocks else 0
     arrivals = _arrivals(requests, arrival_rate, seed)
     pending = next(arrivals, None)
     bar = None
@@ -460,7 +591,7 @@ def simulate(
 
     totals = _Totals(emit)
     server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail,
-                    scheduling=scheduling)
+                    scheduling=scheduling, host_load_overlap=host_load_overlap)
     server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.
@@ -476,12 +607,20 @@ def simulate(
 
     if bar is not None:
         bar.close()
-    return {
+    summary = {
         "cache_state": "cold" if warmup is None else "warm",
         "warmup_prompts": warmed,
         **summarize(totals, server.counts, server.now),
         "evictions": manager.num_evictions - evictions0,
     }
+    if num_host_blocks:
+        summary.update({
+            "num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
+            "host_link": cost_model.host_link.name, "host_load_overlap": host_load_overlap,
+            **host_summary(server.counts, server.host_block_bytes),
+            "host_blocks_stored": manager.host_blocks_stored - stored0,
+        })
+    return summary
 
 
 def summarize(totals: _Totals, counts: collections.Counter, makespan_s: float) -> dict[str, Any]:
