@@ -11,6 +11,15 @@ DESIGN.md):
 - `cu_q_lens: i32[max_num_seqs + 1]`: cumulative query lengths.
 - `num_seqs: i32[1]`: live rows of the tables.
 
+Masked slots: a kernel reads whole pages, so it also reads slots no query row of a
+sequence can see -- past kv_len in its last page, table entries past its pages, and
+with `sliding_window` the keys before the window of its first row (an engine points
+released out-of-window blocks at the padding page, or they hold another request's
+data) -- and, for quantized pages, their scales. These may hold anything, NaN and inf
+included: every backend zeroes their K and V before the products (a softmax weight of
+0 times NaN would still be NaN), so they never reach the output. Keys some row of the
+sequence sees must be finite (a kernel zeroes V per key, not per row).
+
 Validation here is static (shapes, dtypes, static scalars) so it runs at trace time and
 never forces a device->host transfer.
 """

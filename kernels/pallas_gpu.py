@@ -134,7 +134,10 @@ def _kernel(
     pages = pages_ref[item, pl.ds(blk * pages_per_blk, pages_per_blk)]
     key = blk * kv_per_blk + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)
     key_ok = key < kv_len
-    # NOTE: zero K/V of slots past kv_len: they may hold NaN (0 * NaN = NaN).
+    if sliding_window is not None:
+      key_ok &= key >= key_lo
+    # NOTE: zero K/V of slots past kv_len or before the window: they may hold NaN or
+    # inf (0 * NaN = NaN in p @ v), e.g. a released block's padding page.
     zero = jnp.zeros((), cd)
     k, v = k_ref[pages], v_ref[pages]  # [pages_per_blk, page_size, head_dim]
     if quantized:

@@ -158,7 +158,11 @@ def _kernel(
     if sliding_window is not None:
       mask &= key > pos - sliding_window
     key_ok = blk * kv_per_blk + lax.broadcasted_iota(jnp.int32, (kv_per_blk, head_dim), 0)
-    key_ok = key_ok < kv_len
+    if sliding_window is not None:  # keys before the window of s's first row here
+      r_lo = jnp.maximum(q_start, q_lo)
+      key_ok = (key_ok < kv_len) & (key_ok > first_pos + (r_lo - q_start) - sliding_window)
+    else:
+      key_ok = key_ok < kv_len
     # NOTE: the MXU multiplies in the cache dtype (bf16 caches: bf16 x bf16 -> f32);
     # f32 caches ask for full f32 precision.
     # Quantized pages are dequantized to f32 (times their page's scale) as they are
@@ -167,7 +171,8 @@ def _kernel(
     precision = lax.Precision.HIGHEST if cd == jnp.float32 else None
     zero = jnp.zeros((), cd)
     for j in range(num_kv_heads_blk):
-      # NOTE: zero K/V of slots past kv_len: they may hold NaN (0 * NaN = NaN).
+      # NOTE: zero K/V of slots past kv_len or before the window: they may hold NaN
+      # or inf (0 * NaN = NaN in p @ v), e.g. a released block's padding page.
       if quantized:
         # NOTE: one page at a time (its scale is an SMEM scalar), merged as values.
         k = jnp.concatenate([dequantize(kv_bufs[slot, i, :, 2 * j, :], scale_bufs[slot, i, 2 * j])

@@ -32,9 +32,10 @@ def _attend_block(q_blk, k, v, key_ok, pos, *, sm_scale, sliding_window, soft_ca
 
   Args:
     q_blk: f32[num_kv_heads, group, block, head_dim], group = q heads per kv head.
-    k: f32[num_kv_heads, kv_cap, head_dim], zeros past kv_len.
-    v: f32[num_kv_heads, kv_cap, head_dim], zeros past kv_len.
-    key_ok: bool[kv_cap], key index < kv_len.
+    k: f32[num_kv_heads, kv_cap, head_dim].
+    v: f32[num_kv_heads, kv_cap, head_dim].
+    key_ok: bool[kv_cap], key index < kv_len (and not before the sequence's window);
+      K and V are zero where it is False.
     pos: i32[block], absolute position of each query row.
 
   Returns:
@@ -113,9 +114,14 @@ def ragged_paged_attention_reference(q, kv_pages, kv_lens, page_indices, cu_q_le
       scales = jnp.take(kv_scales, page_indices[s], axis=0, mode="clip")  # [P, 2K]
       kv = dequantize(kv, scales[:, None, :, None])
     kv = kv.reshape(kv_cap, num_kv_heads, 2, head_dim)
-    key_ok = jnp.arange(kv_cap, dtype=jnp.int32) < kv_len
-    # NOTE: zero K/V past kv_len so NaN in unused slots cannot reach live rows
-    # (0 * NaN would survive the masked softmax weights).
+    key_pos = jnp.arange(kv_cap, dtype=jnp.int32)
+    key_ok = key_pos < kv_len
+    if sliding_window is not None:  # before the window of the sequence's first row
+      key_ok &= key_pos > kv_len - q_len - sliding_window
+    # NOTE: zero K/V of the keys no row of the sequence sees (past kv_len, before the
+    # window) so NaN / inf there cannot reach live rows: 0 * NaN would survive the
+    # masked softmax weights in `p @ v`. Released out-of-window blocks point at the
+    # padding page or at blocks other requests reuse; unused slots hold anything.
     kv = jnp.where(key_ok[:, None, None, None], kv.astype(jnp.float32), 0.0)
     k = kv[:, :, 0].transpose(1, 0, 2)  # [num_kv_heads, kv_cap, head_dim]
     v = kv[:, :, 1].transpose(1, 0, 2)
