@@ -111,6 +111,12 @@ def test_host_slots_hold_scales_and_count_their_bytes(kv_dtype):
                               block_size=PAGE[0], kv_dtype=kv_dtype)
     assert pages.page_bytes == want == L * (4 * 4 * 8 + 4 * 4)  # values + f32 scales
     assert pages.nbytes == NH * want
+    # One copy program, pages and scales donated (nothing here holds a host view of them).
+    new = pages.apply(kv, [("store", 1, 0), ("load", 2, 3)])
+    pages.finish()
+    assert all(x.is_deleted() for x in jax.tree.leaves(kv))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(new))
+    assert (pages.num_h2d, pages.num_d2h) == (1, 1) and len(pages.compiled_shapes) == 1
     # Unquantized pages: no scales, as before.
     plain = HostPages([jnp.zeros((NB + 1, *PAGE), jnp.bfloat16)] * L, num_blocks=NB,
                       num_host_blocks=NH)
