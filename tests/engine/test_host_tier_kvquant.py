@@ -220,11 +220,24 @@ class _Spy:
             self.num_checked += 1
 
 
+@pytest.fixture(scope="module")
+def offs():
+    """kv_dtype -> (engine without a host tier, its greedy tokens), built on first use."""
+    cache = {}
+
+    def get(kv_dtype):
+        if kv_dtype not in cache:
+            off = Engine(ModelConfig.tiny(), kv_dtype=kv_dtype, **COMMON)
+            cache[kv_dtype] = (off, _serve(off))
+        return cache[kv_dtype]
+
+    return get
+
+
 @pytest.mark.parametrize("kv_dtype", QUANT)
-def test_tier_on_matches_off_with_quantized_pages(kv_dtype):
+def test_tier_on_matches_off_with_quantized_pages(kv_dtype, offs):
     config = ModelConfig.tiny()
-    off = Engine(config, kv_dtype=kv_dtype, **COMMON)
-    want = _serve(off)
+    off, want = offs(kv_dtype)
     eng = Engine(config, kv_dtype=kv_dtype, share_programs_with=off, **COMMON,
                  num_host_blocks=NUM_HOST)
     spy = _Spy(eng)
@@ -250,6 +263,40 @@ def test_tier_on_matches_off_with_quantized_pages(kv_dtype):
     assert page_bytes == 2 * (BS * 2 * 2 * 64 * 1 + 2 * 2 * 4)  # int8/fp8 values + scales
     assert m.host_bytes_loaded == m.host_blocks_loaded * page_bytes
     assert m.host_pool_bytes == NUM_HOST * page_bytes
+    eng.kv_cache_manager.check_invariants()
+
+
+def test_failed_step_with_int8_pages_resets_both_tiers(offs):
+    """A lost KV (fresh (pages, scales) pairs) resets both tiers; afterwards the tier
+    serves again, promoted pages + scales byte-identical, tokens as without the fault."""
+    from prefixcache.engine.faults import StepFault
+
+    off, want = offs("int8")
+    eng = Engine(ModelConfig.tiny(), kv_dtype="int8", share_programs_with=off, **COMMON,
+                 num_host_blocks=NUM_HOST)
+    rounds = _rounds()
+    for batch in rounds[:4]:  # families 0, 1, 2, then 0 again: the host tier is used
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert eng.kv_cache_manager.num_host_cached_blocks > 0
+    fault = StepFault(1, kind="kv_lost").attach(eng)
+    for rid, prompt in rounds[4]:
+        eng.add_request(prompt, PARAMS, request_id=rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+        if fault.fired:
+            eng.fault_injector = None
+    assert fault.fired and eng.kv_cache_manager.num_host_cached_blocks == 0
+    spy = _Spy(eng)
+    for i, batch in enumerate([rounds[5], rounds[0], rounds[1], rounds[2], rounds[0]]):
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=f"{rid}:{i}")
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                assert o.error is None and o.token_ids == want[o.request_id.split(":")[0]]
+    assert spy.num_checked > 0
     eng.kv_cache_manager.check_invariants()
 
 
