@@ -92,8 +92,10 @@ class Engine:
         Cached blocks the device pool evicts are demoted to host pages (numpy, owned
         by the runner: `runner.host_pages`) and promoted back on a hit; each step's
         copies run batched before the step computes (`prefixcache.engine.host_pages`).
+        With a quantized `kv_dtype` a host page keeps the quantized values and the
+        page's scales, moved together.
       host_eviction: the host tier's eviction policy (a `prefixcache.core.eviction`
-        name; not belady). Not with a quantized `kv_dtype` (ValueError).
+        name; not belady).
       kv_dtype: the KV pages' dtype, one of `prefixcache.kv_dtypes.KV_DTYPES`
         ("bfloat16", "float32", "float8_e4m3fn", "int8"); None (default): the model's
         dtype, as before. float8_e4m3fn / int8 store per-(page, kv head) scales
@@ -149,7 +151,7 @@ class Engine:
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
         from prefixcache.core.indexes import get_index_class
-        from prefixcache.kv_dtypes import QUANTIZED_KV_DTYPES, check_kv_dtype
+        from prefixcache.kv_dtypes import check_kv_dtype
         from prefixcache.scheduling import make_scheduling_policy
 
         # None: the model's dtype (today's behaviour); unknown names fail here, first.
@@ -175,11 +177,6 @@ class Engine:
         if kv_cache_groups is not None and num_host_blocks:
             raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier is not "
                              "supported for models with sliding-window layers")
-        if num_host_blocks and kv_dtype in QUANTIZED_KV_DTYPES:
-            # NOTE: host pages hold one array per layer; quantized layers are (pages,
-            # scales) pairs whose scales would have to travel with them (a gap).
-            raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier does not "
-                             f"support quantized KV pages (kv_dtype={kv_dtype!r})")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -694,9 +691,9 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     """ValueError when the kernels cannot run this model and pool, or its KV arrays,
     block tables and host-tier pages cannot fit in memory (device memory when the
     device reports it, else host memory)."""
-    import jax.numpy as jnp
     import kernels
     from prefixcache._validate import check_host_memory
+    from prefixcache.kv_dtypes import kv_bytes_per_block
     from prefixcache.model import check_kv_cache_memory
 
     kernels.check_backend_config(
@@ -708,9 +705,11 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:
-        page_bytes = (config.num_layers * block_size * 2 * config.num_kv_heads
-                      * config.head_dim
-                      * jnp.dtype(config.dtype if kv_dtype is None else kv_dtype).itemsize)
+        # A host slot holds what a device block does: values and, quantized, scales.
+        page_bytes = kv_bytes_per_block(
+            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, block_size=block_size,
+            kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
         check_host_memory(f"the host tier's {num_host_blocks} pages", num_host_blocks
                           * page_bytes)
 

@@ -25,6 +25,12 @@ programs stays small: padded gather rows read the padding page (id `num_blocks`)
 dropped on the host; padded scatter rows write the padding page (read by no sequence:
 every kv_len masks it).
 
+Quantized KV (`kv_dtype` float8_e4m3fn / int8): a layer's cache is the pair (pages,
+scales f32[num_pages, 2K]) and a page's scales are part of it: every copy above moves
+a page's values AND its scales (host slots keep both), in the same two transfers and
+the same jitted program (each of the two arrays of a layer gathered and scattered
+with the same indices).
+
 Nothing else crosses the host/device boundary; the two transfers run inside a scoped
 `jax.transfer_guard("allow")`, so the engine step stays clean under
 `jax.transfer_guard("disallow")`.
@@ -159,8 +165,13 @@ def _needs_bits(kv) -> bool:
 
     NOTE: XLA's CPU backend widens a 16-bit float scatter to float32 over the WHOLE
     operand (Llama-3.2-1B's 134 MB pool of 256 pages: ~420 ms to write 4 pages, vs
-    ~110 ms through uint16, the bitcast's own copy of the pool; an f32 pool: ~1 ms).
-    Accelerators scatter 16-bit floats natively, and there a bitcast of the pool could
+    ~110 ms through uint16, the bitcast's own copy of the pool; an f32 pool: ~1 ms),
+    and a float8_e4m3fn scatter to float16 alike (convert, scatter, convert back: exact
+    but three passes over the pool; 4 loads into a 16-layer x 256-page fp8 pool of
+    Llama-3.2-1B pages: 5.7x the time of the uint8 path, in-process ratio), so both go
+    through uint16 / uint8. int8 pages and
+    f32 scales scatter natively (no convert in the compiled program). Accelerators
+    scatter 16-bit and 8-bit floats natively, and there a bitcast of the pool could
     cost a copy of it: the bits path is for CPU only.
     """
     dtype = jnp.dtype(kv.dtype)
@@ -168,33 +179,59 @@ def _needs_bits(kv) -> bool:
     return platform == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *, bits: bool):
+def _parts(kv_caches) -> tuple[list, ...]:
+    """Layer-major KV -> its parts, each a list over layers: (pages,) or, quantized
+    (layers are (pages, scales) pairs), (pages, scales)."""
+    if isinstance(kv_caches[0], tuple):
+        return tuple(list(part) for part in zip(*kv_caches))
+    return (list(kv_caches),)
+
+
+def _layers(parts) -> list:
+    """Inverse of `_parts`."""
+    if len(parts) == 1:
+        return list(parts[0])
+    return [tuple(layer) for layer in zip(*parts)]
+
+
+def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *,
+                bits: tuple[bool, ...]):
     """gathered = pages `gather_ids` of every layer (original content); then page
     `scatter_ids[i]` of every layer <- row `scatter_src[i]` of concat(gathered, staged).
+    Done for each part of the KV (`_parts`: the pages, and the scales of quantized KV)
+    with the same indices.
 
     Args:
-      kv_caches: L arrays [num_pages, page, 2K, H] (donated).
-      gather_ids: i32[Gp]; scatter_ids, scatter_src: i32[Sp]; staged: [L, Hp, page, 2K, H].
+      kv_caches: L arrays [num_pages, page, 2K, H], or L pairs (pages, scales
+        f32[num_pages, 2K]) (donated).
+      gather_ids: i32[Gp]; scatter_ids, scatter_src: i32[Sp].
+      staged: one array per part: [L, Hp, page, 2K, H] (and [L, Hp, 2K]).
+      bits: per part, move it as unsigned ints (`_needs_bits`).
 
     Returns:
-      (new kv_caches, gathered [L, Gp, page, 2K, H]).
+      (new kv_caches, gathered: one array per part, [L, Gp, page, 2K, H] (and
+      [L, Gp, 2K])).
     """
-    dtype = kv_caches[0].dtype
-    if bits:
-        kv_caches, staged = [_as_bits(kv) for kv in kv_caches], _as_bits(staged)
-    gathered = jnp.stack([kv[gather_ids] for kv in kv_caches])
-    if gather_ids.shape[0] == 0:
-        # NOTE: loads only (the common case): the staged rows ARE the scatter's source
-        # rows, in order (`plan_host_transfers`); no row gather of the staged buffer.
-        assert staged.shape[1] == scatter_ids.shape[0], (staged.shape, scatter_ids.shape)
-        src = staged
-    else:
-        src = jnp.concatenate([gathered, staged], axis=1)[:, scatter_src]
-    new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(kv_caches)]
-    if bits:
-        return ([jax.lax.bitcast_convert_type(x, dtype) for x in new],
-                jax.lax.bitcast_convert_type(gathered, dtype))
-    return new, gathered
+    new_parts, gathered_parts = [], []
+    for arrays, stage, as_bits in zip(_parts(kv_caches), staged, bits):
+        dtype = arrays[0].dtype
+        if as_bits:
+            arrays, stage = [_as_bits(kv) for kv in arrays], _as_bits(stage)
+        gathered = jnp.stack([kv[gather_ids] for kv in arrays])
+        if gather_ids.shape[0] == 0:
+            # NOTE: loads only (the common case): the staged rows ARE the scatter's
+            # source rows, in order (`plan_host_transfers`); no row gather of them.
+            assert stage.shape[1] == scatter_ids.shape[0], (stage.shape, scatter_ids.shape)
+            src = stage
+        else:
+            src = jnp.concatenate([gathered, stage], axis=1)[:, scatter_src]
+        new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(arrays)]
+        if as_bits:
+            new = [jax.lax.bitcast_convert_type(x, dtype) for x in new]
+            gathered = jax.lax.bitcast_convert_type(gathered, dtype)
+        new_parts.append(new)
+        gathered_parts.append(gathered)
+    return _layers(new_parts), tuple(gathered_parts)
 
 
 class HostPages:
@@ -202,13 +239,17 @@ class HostPages:
 
     Invariants:
       - `pages[l]` is layer l's host pages, [num_host_blocks, page, 2K, H], the device
-        KV arrays' page shape and dtype (bfloat16 as ml_dtypes' numpy dtype);
+        KV arrays' page shape and dtype (bfloat16 / float8_e4m3fn as ml_dtypes' numpy
+        dtypes); with quantized KV, `scales[l]` is layer l's host page scales,
+        f32[num_host_blocks, 2K] (else `scales` is None): slot s holds a page's values
+        in `pages[l][s]` and its scales in `scales[l][s]`, always written together;
       - at most one batch is pending (`apply` done, `finish` not yet): its gathered
         pages are written into their host slots by `finish` (called after the step's
         dispatch, and at the latest by the next `apply`).
 
     Args:
-      kv_caches: the device KV arrays (shapes, dtype and sharding are taken from them).
+      kv_caches: the device KV arrays: L arrays, or L (pages, scales) pairs for a
+        quantized KV (shapes, dtypes and sharding are taken from them).
       num_blocks: allocatable device pages (padding page id = num_blocks).
       num_host_blocks: host slots (> 0).
       mesh: the runner's mesh (KV sharded over kv heads) or None.
@@ -222,39 +263,50 @@ class HostPages:
     """
 
     def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None):
-        first = kv_caches[0]
+        parts = _parts(kv_caches)
+        first = parts[0][0]
         self.num_layers = len(kv_caches)
         self.page_shape = tuple(first.shape[1:])
         self.dtype = np.dtype(first.dtype)
         self.num_blocks = int(num_blocks)
         self.num_host_blocks = int(num_host_blocks)
-        self.pages = [np.zeros((self.num_host_blocks, *self.page_shape), self.dtype)
-                      for _ in range(self.num_layers)]
+        # One list of per-layer host arrays per part (pages, and scales if quantized).
+        self._host = tuple(
+            [np.zeros((self.num_host_blocks, *part[0].shape[1:]), np.dtype(part[0].dtype))
+             for _ in range(self.num_layers)] for part in parts)
+        self.pages = self._host[0]
+        self.scales = self._host[1] if len(parts) > 1 else None
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
         self.compiled_shapes: set[tuple[int, int, int]] = set()
-        self._pending: tuple | None = None  # (gathered device array, store slots, rows)
+        self._pending: tuple | None = None  # (gathered device arrays, store slots, rows)
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec as P
             from prefixcache.model import kv_cache_sharding
-            # stacked pages [L, n, page, 2K, H]: kv heads over "model", as the KV.
-            self._staged_sharding = NamedSharding(mesh, P(None, None, None, "model", None))
+            # stacked pages [L, n, page, 2K, H] (scales [L, n, 2K]): kv heads over
+            # "model", as the KV.
+            self._staged_sharding = (NamedSharding(mesh, P(None, None, None, "model", None)),
+                                     NamedSharding(mesh, P(None, None, "model")))[:len(parts)]
             self._index_sharding = NamedSharding(mesh, P())
-            out = ([kv_cache_sharding(mesh)] * self.num_layers, self._staged_sharding)
+            out = ([kv_cache_sharding(mesh, self.dtype)] * self.num_layers,
+                   self._staged_sharding)
         else:
             self._staged_sharding = self._index_sharding = None
             out = None
-        self._copy = jax.jit(functools.partial(_copy_pages, bits=_needs_bits(first)),
+        bits = tuple(_needs_bits(part[0]) for part in parts)
+        self._copy = jax.jit(functools.partial(_copy_pages, bits=bits),
                              donate_argnums=0, out_shardings=out)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block's pages over all layers."""
-        return self.num_layers * int(np.prod(self.page_shape)) * self.dtype.itemsize
+        """Bytes of one block's pages over all layers, scales included (quantized KV:
+        `prefixcache.kv_dtypes.kv_bytes_per_block`)."""
+        return self.num_layers * sum(int(np.prod(part[0].shape[1:])) * part[0].dtype.itemsize
+                                     for part in self._host)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the host pages."""
+        """Bytes of the host pages (scales included)."""
         return self.page_bytes * self.num_host_blocks
 
     def apply(self, kv_caches, transfers: Sequence) -> list:
@@ -270,22 +322,25 @@ class HostPages:
         self.finish()
         plan = plan_host_transfers(transfers, num_blocks=self.num_blocks,
                                    num_host_blocks=self.num_host_blocks)
-        pages = self.pages
-        # Original host contents are read (staged) before any host slot is written.
-        staged = np.empty((self.num_layers, plan.num_staged_padded, *self.page_shape),
-                          self.dtype)
         h = plan.staged_slots.size
-        staged[:, h:] = 0  # padding rows (they write the padding page)
-        if h:
-            for l, p in enumerate(pages):
-                # NOTE: `take(..., out=)`: one pass over the bytes (no temporary).
-                np.take(p, plan.staged_slots, axis=0, out=staged[l, :h])
+        staged = []
+        # Original host contents are read (staged) before any host slot is written.
+        for part in self._host:
+            stage = np.empty((self.num_layers, plan.num_staged_padded, *part[0].shape[1:]),
+                             part[0].dtype)
+            stage[:, h:] = 0  # padding rows (they write the padding page)
+            if h:
+                for l, p in enumerate(part):
+                    # NOTE: `take(..., out=)`: one pass over the bytes (no temporary).
+                    np.take(p, plan.staged_slots, axis=0, out=stage[l, :h])
+            staged.append(stage)
         if plan.host_dst.size:  # host -> host (fancy indexing reads all sources first)
-            for p in pages:
-                p[plan.host_dst] = p[plan.host_src]
+            for part in self._host:
+                for p in part:
+                    p[plan.host_dst] = p[plan.host_src]
         if not plan.touches_device:
             return kv_caches
-        host = (plan.gather_ids, plan.scatter_ids, plan.scatter_src, staged)
+        host = (plan.gather_ids, plan.scatter_ids, plan.scatter_src, tuple(staged))
         with jax.transfer_guard("allow"):
             if self._staged_sharding is None:
                 dev = jax.device_put(host)
@@ -302,8 +357,8 @@ class HostPages:
         return kv_caches
 
     def finish(self) -> None:
-        """Writes the pending batch's gathered pages into their host slots (ONE
-        `jax.device_get`); nothing when none is pending."""
+        """Writes the pending batch's gathered pages (and scales) into their host slots
+        (ONE `jax.device_get`); nothing when none is pending."""
         if self._pending is None:
             return
         gathered, slots, rows = self._pending
@@ -311,8 +366,9 @@ class HostPages:
         with jax.transfer_guard("allow"):
             data = jax.device_get(gathered)
         self.num_d2h += 1
-        for l, p in enumerate(self.pages):
-            p[slots] = data[l][rows]
+        for part, got in zip(self._host, data):
+            for l, p in enumerate(part):
+                p[slots] = got[l][rows]
         self.num_pages_stored += int(slots.size)
 
     def discard_pending(self) -> None:

@@ -155,12 +155,3 @@ def test_two_device_int8_engine_matches_one_device():
         assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
         np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-5)
 
-
-@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
-def test_host_tier_with_quantized_pages_refused_before_anything_is_built(monkeypatch,
-                                                                          kv_dtype):
-    built = []
-    monkeypatch.setattr("prefixcache.engine.engine._init_model", lambda *a: built.append(a))
-    with pytest.raises(ValueError, match="host tier does not support quantized KV pages"):
-        Engine(ModelConfig.tiny(), kv_dtype=kv_dtype, num_host_blocks=8, **COMMON)
-    assert not built
