@@ -388,3 +388,26 @@ def test_radix_host_hits_equal_hash_host_hits_where_they_evict_alike(workload):
                   num_host_blocks=longest)
         assert replay(reqs, index="hash", **kw)["hit_tokens"] != replay(
             reqs, index="radix", **kw)["hit_tokens"]
+
+
+def test_big_host_tier_gives_the_infinite_cache_hits_radix_mooncake(local_datasets):
+    import itertools
+
+    from prefixcache.sim import datasets
+    from prefixcache.sim.trace import read_trace
+
+    # NOTE: expanded token ids: the tree keys blocks by tokens, and the replay's
+    # hash-id path (mooncake_tokens="lazy") gives it zero tokens.
+    path = datasets.path_of("mooncake_conversation", download=False)
+    reqs = list(itertools.islice(read_trace(path), 300))
+    ideal = replay(reqs, num_blocks=100_000, block_size=512, concurrency=1)
+    assert ideal["evictions"] == 0
+    longest = max(-(-(len(r.prompt) + r.output_len) // 512) for r in reqs)
+    for nb in (longest, 2 * longest + 5):
+        kw = dict(num_blocks=nb, block_size=512, concurrency=1, num_host_blocks=100_000,
+                  free_order="unhashed_first")
+        s = replay(reqs, index="radix", **kw)
+        h = replay(reqs, index="hash", **kw)
+        assert s["failed"] == 0 and s["hit_tokens"] == ideal["hit_tokens"]
+        assert s["host_hit_tokens"] == h["host_hit_tokens"] > 0
+        assert s["device_hit_tokens"] == h["device_hit_tokens"]
