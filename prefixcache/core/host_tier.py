@@ -19,6 +19,11 @@ manager's docstring) adds a second, exclusive tier under the device's prefix cac
   (``BlockStored(medium="GPU")``) and frees the host slot (``BlockRemoved(medium=
   "CPU")``). On failure (``None``) nothing changes, host entries included.
 
+The radix index (``KVCacheManager(index="radix", num_host_blocks=N)``,
+``prefixcache/core/radix.py``) drives the same ``HostTier``: its evicted leaves are
+demoted, its lookups continue here by block hash after the tree walk, its admissions
+promote (the module docstring there, "Host tier").
+
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host
 entry being promoted is pinned (out of the host policy's candidates) while the device
@@ -223,7 +228,9 @@ class HostTier:
         self.transfers: list[int] = []
         self.enable_events = enable_events
         self._event_hash = event_hash
-        self.pool: BlockPool | None = None  # set by the tiered pool that owns this tier
+        # Set by the owner: the tiered pool, or the radix manager (CPU events go to its
+        # ``events`` list).
+        self.pool: BlockPool | None = None
         # Per device block: chain position and request priority when it was cached
         # (what the host policy is told at demotion).
         self.device_position = [0] * num_device_blocks

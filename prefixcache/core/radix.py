@@ -54,13 +54,46 @@ Invariants (``check_invariants`` verifies all of them):
     * Available blocks (what ``allocate_slots`` may take) = free unhashed blocks +
       unlocked nodes (evictable leaf by leaf); free but locked node blocks are not.
     * A call that raises or returns ``None`` changes no state.
+
+Host tier (``num_host_blocks > 0``; issue 16, SGLang's HiCache: device L1, host L2).
+The shared ``HostTier`` (``prefixcache/core/host_tier.py``: slots, host policy,
+transfers, CPU events, its invariants) sits under the tree exactly as under the hash
+chain:
+
+* **Demotion** -- when ``_take_blocks`` evicts an unlocked leaf, its block's hash goes
+  to a host slot (``HostTransfer("store", block_id, slot)``; a full host first evicts
+  one entry by the host policy). The node leaves the tree: the host tier is keyed by
+  the block hash (the request's chained digest, equal iff the tree keys are equal: see
+  Keys), not by a host-resident node.
+* **Lookup** -- the tree walk (device nodes), then block by block in the host by the
+  request's block hashes: ``HostHit`` placeholders (``block_id == -1``) after the device
+  blocks. A device hit never follows a host hit: the tree holds no node below a block
+  it does not hold.
+* **Promotion** -- ``allocate_slots`` locks the device hits, pins the host entries,
+  takes a fresh device block per host hit (``HostTransfer("load", block_id, slot)``,
+  the placeholder's ``block_id`` set), and enters those blocks into the tree below the
+  device hits (``BlockStored(medium="GPU")``), locked by the request. ``None`` (does
+  not fit) changes nothing, host entries included.
+* **Exclusive tiers** -- a hash the tree caches by computing it (a prompt that cannot
+  hit its own last block, a chain whose parent the host evicted) leaves the host.
+
+NOTE: the host-resident node alternative (HiCache keeps an evicted node in the tree,
+``value`` on host) was not taken: the host policy would then be restricted to host
+leaves (evicting an interior host node would strand its host subtree) and the tree
+would gain a second node state; moving the hash into the shared ``HostTier`` keeps the
+host policy, transfers, events and invariants exactly the hash index's, so radix+host
+and hash+host differ only in what the device evicts. The cost: a host entry whose
+host parent the host policy evicted is unreachable (as in the hash index's tier)
+until the device caches that parent again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import islice
 from typing import Any, Sequence
 
+from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     KV_CACHE_SPEC_KIND,
@@ -80,7 +113,7 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostTransfer, check_host_args
+from prefixcache.core.host_tier import HostHit, HostTier, HostTransfer, check_host_args
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
@@ -219,6 +252,8 @@ class RadixKVCacheManager:
         eviction: the eviction policy's registered name.
         eviction_options: keyword options for the policy (e.g. belady's ``future``).
         index: must be ``"radix"``.
+        num_host_blocks, host_eviction, host_eviction_options: the host tier (module
+            docstring, "Host tier"); as ``KVCacheManager``'s. 0: none, nothing changes.
 
     Attributes:
         policy: the ``EvictionPolicy`` object.
@@ -249,14 +284,11 @@ class RadixKVCacheManager:
             raise ValueError(
                 f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
             )
-        num_host_blocks, _ = check_host_args(num_host_blocks, host_eviction,
-                                             host_eviction_options)
-        if num_host_blocks:
-            # NOTE: the host tier hooks the hash-chain pool's eviction; the tree would
-            # need its own demotion of leaf nodes (a gap, not built).
+        num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
+                                                        host_eviction_options)
+        if num_host_blocks and not enable_caching:
             raise ValueError(
-                f"index='radix' does not support a host tier (num_host_blocks="
-                f"{num_host_blocks}); use index='hash' with num_host_blocks")
+                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -275,6 +307,13 @@ class RadixKVCacheManager:
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
                                   **dict(eviction_options or {}))
+        host_tier = None
+        if num_host_blocks:
+            # Built before any state: a bad host policy option raises here.
+            host_tier = HostTier(
+                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
+                eviction=host_eviction, eviction_options=host_options,
+                enable_events=bool(enable_events))
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
@@ -326,6 +365,23 @@ class RadixKVCacheManager:
         self.num_evictions = 0
         self.num_blocks_cached = 0
         self.num_blocks_allocated = 0
+        # The host tier (module docstring, "Host tier"); None without one.
+        self.host_tier = host_tier
+        self.num_host_blocks = num_host_blocks
+        self.host_eviction = host_eviction
+        self.host_hit_tokens = 0  # hit tokens adopted at admission from the host
+        # An evicted leaf needs more than unlinking (an event, a demotion): fixed here.
+        self._evict_extra = self.enable_events or host_tier is not None
+        if host_tier is not None:
+            host_tier.pool = self  # (the tier queues its CPU events on self.events)
+            host_tier._event_hash = self._event_hash
+            # NOTE: instance attributes shadow the methods that learn about host hits
+            # (lookup, admission) and the tree's caching (exclusive tiers); with no
+            # tier the class methods run, unchanged.
+            self.get_computed_blocks = self._get_computed_blocks_tiered
+            self.peek_computed_tokens = self._peek_computed_tokens_tiered
+            self._allocate_slow = self._allocate_slow_tiered
+            self._cache = self._cache_tiered
 
     @property
     def hash_algo(self) -> str:
@@ -647,7 +703,7 @@ class RadixKVCacheManager:
             pop = policy.pop
             on_evicted = self._on_evicted
             nodes = self._nodes
-            events = self.events if self.enable_events else None
+            extra = self._evict_extra  # events or a host tier
             for _ in range(n - k):
                 b = pop()
                 # Evict the unlocked leaf b (inlined: once per victim).
@@ -662,11 +718,16 @@ class RadixKVCacheManager:
                 del parent.children[node.key]
                 node.parent = None
                 nodes[bid] = None
-                if events is not None:
-                    events.append(BlockRemoved(
-                        block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
-                        group_idx=0,
-                    ))
+                if extra:
+                    if self.enable_events:
+                        self.events.append(BlockRemoved(
+                            block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
+                            group_idx=0,
+                        ))
+                    tier = self.host_tier
+                    if tier is not None:  # demote: the leaf's page goes to a host slot
+                        pb = parent.block
+                        tier.store(bid, b.block_hash, pb.block_hash if pb is not None else None)
                 b.block_hash = None
                 if on_evicted is not None:
                     on_evicted(b)
@@ -779,6 +840,177 @@ class RadixKVCacheManager:
                 kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
         )
+
+    # ------------------------------------------------------------- host tier
+    def _host_hits(self, request, start: int) -> list[HostHit]:
+        """The host tier's run of the request's blocks from ``start`` (the first block
+        the tree does not hold): block by block while the host holds its hash."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        out: list[HostHit] = []
+        if start >= max_blocks:
+            return out
+        get = self.host_tier.hash_to_slot.get
+        append = out.append
+        for h in islice(request.block_hashes, start, max_blocks):
+            slot = get(h)
+            if slot is None:
+                break
+            append(HostHit(h, slot.block_id))
+        return out
+
+    def _get_computed_blocks_tiered(self, request) -> tuple[list, int]:
+        """``get_computed_blocks`` with a host tier: the tree's nodes, then the host's
+        run (``HostHit`` placeholders, ``block_id == -1``); the tokens count both."""
+        nodes = self._lookup_nodes(request)
+        computed: list = [node.block for node in nodes]
+        self._lookup = (request, nodes, computed[:], self._epoch)
+        if self.host_tier.hash_to_slot:
+            computed += self._host_hits(request, len(nodes))
+        num_tokens = request.num_tokens
+        num_hit = len(computed) * self.block_size
+        self.num_lookups += 1
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += num_hit
+        return computed, num_hit
+
+    def _peek_computed_tokens_tiered(self, request) -> int:
+        """``peek_computed_tokens`` with a host tier (device + host hits)."""
+        n = len(self._lookup_nodes(request))
+        if self.host_tier.hash_to_slot:
+            n += len(self._host_hits(request, n))
+        return n * self.block_size
+
+    def _allocate_slow_tiered(
+        self, request, num_new_tokens, num_new_computed_tokens,
+        new_computed_blocks, num_lookahead_tokens,
+    ):
+        """``_allocate_slow`` with a host tier: the hit list is the tree's nodes then
+        host hits; each host hit gets a fresh device block (a load recorded) and becomes
+        a node, locked by the request, before its new blocks are taken."""
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens)
+        bs = self.block_size
+        ns = _namespace(request)
+        tier = self.host_tier
+        num_dev = len(computed)
+        for i, b in enumerate(computed):
+            if type(b) is HostHit:
+                num_dev = i
+                break
+        device = computed[:num_dev]
+        host = computed[num_dev:]
+        if host:
+            # NOTE: device hits first, then host hits: the tree holds no node below a
+            # block it does not hold, so a lookup never finds a device hit behind a
+            # host hit (unlike the hash chain's).
+            request.bind_hasher(self.hasher, bs)
+            hashes = request.block_hashes
+            seen: set[int] = set()
+            for i, b in enumerate(host, num_dev):
+                if type(b) is not HostHit:
+                    raise (ValueError if type(b) is KVCacheBlock else ArgumentTypeError)(
+                        f"new_computed_blocks #{i} ({b!r}) follows a host-tier hit: the radix "
+                        "index's hit list is its device blocks, then HostHit objects")
+                sid = b.host_slot
+                if (
+                    b.block_id != -1 or type(sid) is not int
+                    or not 0 <= sid < tier.num_host_blocks
+                    or tier.slots[sid].block_hash != b.block_hash or sid in seen
+                    or i >= len(hashes) or hashes[i] != b.block_hash
+                ):
+                    raise ValueError(
+                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
+                        f"of request {request.request_id!r} (already promoted, or the host "
+                        "entry changed since get_computed_blocks)")
+                seen.add(sid)
+        nodes = self._adopted_nodes(request, device, ns) if device else []
+        lo, hi = 0, len(nodes)  # the unlocked hits are a suffix (see _allocate_slow)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if nodes[mid].lock:
+                lo = mid + 1
+            else:
+                hi = mid
+        num_unlocked_hits = len(nodes) - lo
+        num_held = len(st.blocks) if st is not None else 0
+        num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
+        if (num_new_blocks + len(host) + num_unlocked_hits
+                > self._num_free_unhashed + self._num_unlocked_nodes):
+            self.num_failed_allocations += 1
+            return None
+        # --- state changes from here on -------------------------------------
+        if st is None:
+            if num_unlocked_hits and not nodes[-1].children:
+                self.policy.discard(nodes[-1].block)  # (only the last can be a leaf)
+            on_hit = self._on_hit
+            free = self._free
+            for node in nodes:
+                b = node.block
+                node.lock += 1
+                if b.ref_cnt == 0:
+                    free.remove(b)  # (counts itself out of num_free_blocks)
+                b.ref_cnt += 1
+                if on_hit is not None:
+                    on_hit(b, request)
+            self._num_unlocked_nodes -= num_unlocked_hits
+            self._lookup = None
+            st = _RadixState(request, list(device), nodes, ns, bs)  # (a table of its own)
+            self._states[request.request_id] = st
+            self._states_by_request[request] = st
+            if host:
+                # NOTE: pin the entries to load first: the device blocks taken for them
+                # may evict leaves, whose demotions then never pick these slots.
+                for b in host:
+                    tier.pin(b.host_slot)
+                fresh = self._take_blocks(len(host))
+                for b, blk in zip(host, fresh):
+                    tier.load(b.host_slot, blk.block_id)
+                    b.block_id = blk.block_id
+                st.blocks.extend(fresh)
+                # The loaded blocks become nodes below the device hits (GPU BlockStored).
+                self._cache(st, len(st.blocks), hashes)
+            if self.log_stats:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
+                )
+            self.device_hit_tokens += len(device) * bs
+            self.host_hit_tokens += len(host) * bs
+        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
+        st.blocks.extend(new_blocks)
+        request.bind_hasher(self.hasher, bs)
+        hashes = request.block_hashes
+        num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+        if num_full > len(st.path):
+            self._cache(st, num_full, hashes)
+        st.idle_until = self._idle_bound(st)
+        return new_blocks
+
+    def _cache_tiered(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
+        """``_cache`` with a host tier: a hash the tree now holds leaves the host
+        (exclusive tiers: the device computed it again, ``num_discarded``); the host
+        policy's chain position and priority are recorded per new node's block."""
+        first = len(st.path)
+        RadixKVCacheManager._cache(self, st, num_full, hashes)
+        tier = self.host_tier
+        if tier.track_origin:
+            pos_of = tier.device_position
+            prio_of = tier.device_priority
+            prio = st.request.priority
+            blocks = st.blocks
+            path = st.path
+            for pos in range(first, num_full):
+                b = blocks[pos]
+                if path[pos].block is b:  # a new node (not a duplicate's)
+                    pos_of[b.block_id] = pos
+                    prio_of[b.block_id] = prio
+        on_host = tier.hash_to_slot
+        # NOTE: one C-level disjointness test; the per-hash loop only on an overlap. (A
+        # duplicate's hash is a device node's: never on the host.)
+        if on_host and not on_host.keys().isdisjoint(hashes[first:num_full]):
+            for h in hashes[first:num_full]:
+                if h in on_host:
+                    tier.discard(h)
 
     def free(self, request) -> None:
         """Release a request's blocks and unlock its path (deepest node first, so with
@@ -917,6 +1149,8 @@ class RadixKVCacheManager:
         self._num_unlocked_nodes = 0
         self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
         self.policy.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         if self.log_stats:
@@ -924,15 +1158,26 @@ class RadixKVCacheManager:
         return True
 
     def take_host_transfers(self) -> list[HostTransfer]:
-        """Always ``[]``: the radix index has no host tier (``num_host_blocks=0``)."""
-        return []
+        """Return and clear the page copies between the tiers recorded since the last
+        call, in order (``[]`` without a host tier); as ``KVCacheManager``'s."""
+        if self.host_tier is None:
+            return []
+        return self.host_tier.take_transfers()
 
-    # No host tier: the hash index's host counters, always 0 here.
-    num_host_blocks = 0
-    num_host_cached_blocks = 0
-    host_hit_tokens = 0
-    host_blocks_loaded = 0
-    host_blocks_stored = 0
+    @property
+    def num_host_cached_blocks(self) -> int:
+        """Hashes held in the host tier now (0 without one)."""
+        return len(self.host_tier) if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_loaded(self) -> int:
+        """Host entries promoted into device blocks (load transfers), cumulative."""
+        return self.host_tier.num_loaded if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_stored(self) -> int:
+        """Device blocks demoted into host slots (store transfers), cumulative."""
+        return self.host_tier.num_stored if self.host_tier is not None else 0
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the queued KV cache events (``[]`` when disabled)."""
@@ -1147,3 +1392,7 @@ class RadixKVCacheManager:
         if not self.enable_caching and self._num_nodes:
             raise InvariantError("caching is off but the tree holds blocks")
         self.policy.check_invariants(candidates)
+        if self.host_tier is not None:
+            # Exclusive tiers, the host map <-> slots, the host policy's candidates.
+            self.host_tier.check_invariants(
+                {b.block_hash for b in blocks if b.block_hash is not None})

@@ -219,7 +219,8 @@ def test_bad_host_size(bad, exc, match):
     (dict(num_host_blocks=4, host_eviction_options=[1]), "host_eviction_options must be"),
     (dict(num_host_blocks=4, host_eviction_options={"bogus": 1}), "bogus"),
     (dict(num_host_blocks=4, enable_caching=False), "needs prefix caching"),
-    (dict(num_host_blocks=4, index="radix"), "radix.*does not support a host tier"),
+    (dict(num_host_blocks=4, index="radix", enable_caching=False), "needs prefix caching"),
+    (dict(num_host_blocks=4, index="radix", host_eviction="belady"), "not supported for the host"),
 ])
 def test_bad_host_config(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -406,3 +406,22 @@ def test_bench_host_tier_promotion_runs_and_checks_the_pages():
                                   num_device_blocks=8, block_size=BS, num_trials=1, seed=0)
     assert r["host_tier_bytes"] == 4 * 2 * BS * 2 * 2 * 64 * 4  # blocks x layers x page
     assert r["promotion_ms"] > 0 and r["promotion_vs_device_put"] > 0
+
+
+def test_radix_index_with_the_tier_matches_off(off):
+    # Engine(index="radix", num_host_blocks=N): the tree demotes its evicted leaves and
+    # promotes host hits through the same transfers; tokens equal the tier-off run's.
+    off_engine, (want_tokens, want_logits) = off
+    eng = _engine(off_engine, index="radix")
+    assert type(eng.kv_cache_manager).__name__ == "RadixKVCacheManager"
+    spy = _Spy(eng)
+    tokens, logits = _serve(eng)
+    assert tokens == want_tokens
+    for rid, rows in want_logits.items():
+        np.testing.assert_allclose(logits[rid], rows, atol=1e-4, rtol=0)
+    m = eng.metrics()
+    assert m.host_hit_tokens > 0 and m.host_blocks_loaded > 0 and m.host_blocks_stored > 0
+    assert m.num_cached_tokens > off_engine.metrics().num_cached_tokens
+    loads = sum(t[0] == "load" for batch, _, _ in spy.batches for t in batch)
+    assert spy.num_checked == loads == m.host_blocks_loaded
+    eng.kv_cache_manager.check_invariants()
