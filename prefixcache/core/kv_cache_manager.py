@@ -178,6 +178,10 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
 class KVCacheManager:
     """Allocates KV cache blocks to requests and reuses cached prefixes.
 
+    ``KEYS_BY_BLOCK_HASH``: the index finds blocks by ``request.block_hashes`` alone
+    (True here), so a replay may key blocks by adopted hashes (Mooncake hash ids,
+    ``Request.adopt_block_hashes``) without materialising their tokens.
+
     Invariants (``check_invariants`` verifies all of them):
         * Each block's ``ref_cnt`` equals the number of running requests' block
           tables that hold it; blocks with ``ref_cnt == 0`` are exactly the free
@@ -248,6 +252,8 @@ class KVCacheManager:
             ``host_blocks_stored``, ``num_host_cached_blocks``: properties (0 without
             a tier).
     """
+
+    KEYS_BY_BLOCK_HASH = True
 
     def __new__(cls, *args, index: str = DEFAULT_INDEX, kv_cache_groups=None, **kwargs):
         if kv_cache_groups is not None and cls is KVCacheManager:

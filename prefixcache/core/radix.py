@@ -260,6 +260,9 @@ class RadixKVCacheManager:
         blocks: all ``KVCacheBlock`` objects (``blocks[i].block_id == i``).
     """
 
+    # The tree's children are keyed by token bytes: adopted hashes alone do not work.
+    KEYS_BY_BLOCK_HASH = False
+
     def __init__(
         self,
         num_blocks: int,

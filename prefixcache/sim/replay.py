@@ -51,7 +51,8 @@ block's tokens are materialised (the blocks it starts, which decode fills, are h
 from tokens as usual; the other prompt tokens are zeros nobody reads). Equal hash ids
 at equal chain positions are equal token blocks, so hits, evictions and records equal
 the token path's (tests check both Mooncake traces); the digests themselves are not
-vLLM's. Any other prompt takes the token path.
+vLLM's. Any other prompt takes the token path, and so does every prompt under an
+index that keys blocks by their tokens (`KEYS_BY_BLOCK_HASH = False`: the radix tree).
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ from prefixcache.sim.cost_model import ModelShape
 from prefixcache.sim.trace import MOONCAKE_BLOCK_TOKENS, MooncakePrompt, TraceRequest
 
 
-def _hash_id_inputs(tr: TraceRequest, block_size: int) -> tuple[np.ndarray, list[bytes]] | None:
+def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = True
+                    ) -> tuple[np.ndarray, list[bytes]] | None:
     """For the hash-id path (module docstring): the Request's tokens (zeros, but the
     last partial block's real ids) and one key per full prompt block (8 bytes of the
-    hash id, 2 of the block's index within it); None when the token path applies."""
+    hash id, 2 of the block's index within it); None when the token path applies
+    (also for an index that keys blocks by their tokens: ``keyed_index=False``)."""
     prompt = tr.prompt
     if (
-        type(prompt) is not MooncakePrompt
+        not keyed_index
+        or type(prompt) is not MooncakePrompt
         or MOONCAKE_BLOCK_TOKENS % block_size
         or tr.lora is not None
         or tr.mm
@@ -101,16 +105,18 @@ def _hash_id_inputs(tr: TraceRequest, block_size: int) -> tuple[np.ndarray, list
 
 
 def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
-                 block_size: int) -> TraceFuture:
+                 block_size: int, *, keyed_index: bool = True) -> TraceFuture:
     """Pass 1 of a ``belady`` replay: next uses of every prompt block hash.
 
     Args:
         requests: the trace, in arrival order (consumed once, streamed).
         hasher: the replay's hasher (same algorithm and root).
         block_size: tokens per block.
+        keyed_index: the replay's index finds blocks by hash alone (hash-id prompts
+            then keyed by their hash ids, as the replay does).
     """
     def prompt_hashes(tr):
-        keyed = _hash_id_inputs(tr, block_size)  # the replay's keys for hash-id prompts
+        keyed = _hash_id_inputs(tr, block_size, keyed_index=keyed_index)  # the replay's keys for hash-id prompts
         if keyed is not None:
             return hasher.hash_keyed_blocks(keyed[1])
         return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
@@ -212,7 +218,7 @@ def replay(
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     policy_cls = get_policy_class(eviction)  # unknown -> ValueError naming the choices
-    get_index_class(index)  # likewise
+    keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH  # unknown -> ValueError
     bytes_per_block = None
     if model is not None:
         if not isinstance(model, str):
@@ -243,7 +249,8 @@ def replay(
         first = BlockHasher(hash_algo, hash_seed)
         hash_seed = first.seed
         t0 = time.perf_counter()
-        options["future"] = trace_future(fresh(), first, block_size)
+        options["future"] = trace_future(fresh(), first, block_size,
+                                         keyed_index=keyed_index)
         t_future = time.perf_counter() - t0
         del first
         requests = fresh()
@@ -319,7 +326,8 @@ def replay(
             n_out = tr.output_len if tr.output_len > 1 else 1
             pre = f"{rid}:"
             out_tokens = [1 + crc(f"{pre}{k}".encode()) % 1000 for k in range(n_out)]
-            keyed = _hash_id_inputs(tr, block_size) if type(prompt) is not list else None
+            keyed = (_hash_id_inputs(tr, block_size, keyed_index=keyed_index)
+                     if type(prompt) is not list else None)
 
             t_start = perf()
             if len(running) >= concurrency:

@@ -100,3 +100,29 @@ def test_mooncake_prompt_is_its_expanded_tokens(tmp_path):
         read_trace(path, mooncake_tokens="no")
     with pytest.raises(ValueError, match="cover"):
         MooncakePrompt([1, 2], 1100)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "belady"])
+def test_lazy_prompts_under_the_radix_index_take_the_token_path(tmp_path, eviction):
+    """The radix tree keys blocks by their tokens, so hash-id prompts (whose tokens are
+    zeros) must be materialised for it: records equal the expanded-token replay's, and
+    the hits are not inflated (zeros would match every block)."""
+    path = tmp_path / "mc.jsonl"
+    wl.write_mooncake_trace(path, wl.mooncake_scale(num_requests=120, seed=3))
+
+    def run(mode, index):
+        reqs = list(read_trace(path, mooncake_tokens=mode))
+        recs = []
+        s = replay(reqs, on_record=recs.append, record_evictions=True, hash_seed=0,
+                   free_order="unhashed_first", concurrency=8, num_blocks=300,
+                   block_size=512, index=index, eviction=eviction)
+        for k in ("timing", "requests_per_s", "prompt_tokens_per_s"):
+            s.pop(k)
+        return recs, s
+
+    tok, s_tok = run("expand", "radix")
+    ids, s_ids = run("lazy", "radix")
+    assert s_tok["evictions"] > 0 and s_tok["hit_tokens"] > 0
+    assert ids == tok and s_ids == s_tok
+    _, s_hash = run("lazy", "hash")
+    assert s_tok["hit_tokens"] <= s_hash["hit_tokens"] * 1.05  # same order as the chain's
