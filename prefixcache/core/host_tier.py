@@ -404,6 +404,36 @@ class HostTier:
         return self.policy.candidate_ids()
 
 
+class HostTierAPI:
+    """The managers' host-tier calls, read from ``self.host_tier`` (a ``HostTier`` or
+    ``None``): shared by the hash index, the radix index and the hybrid manager (which
+    has no tier: ``host_tier = None``)."""
+
+    def take_host_transfers(self) -> list[HostTransfer]:
+        """Return and clear the page copies between the tiers recorded since the last
+        call, in order (``[]`` without a host tier). Apply them in list order before
+        the step computes: ``store`` copies device page ``block_id`` to host slot
+        ``host_slot``, ``load`` the other way."""
+        if self.host_tier is None:
+            return []
+        return self.host_tier.take_transfers()
+
+    @property
+    def num_host_cached_blocks(self) -> int:
+        """Hashes held in the host tier now (0 without one)."""
+        return len(self.host_tier) if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_loaded(self) -> int:
+        """Host entries promoted into device blocks (load transfers), cumulative."""
+        return self.host_tier.num_loaded if self.host_tier is not None else 0
+
+    @property
+    def host_blocks_stored(self) -> int:
+        """Device blocks demoted into host slots (store transfers), cumulative."""
+        return self.host_tier.num_stored if self.host_tier is not None else 0
+
+
 class _TieredPool:
     """Mixin over a block pool: demotes evicted hashes to ``host_tier`` and keeps the
     tiers exclusive when the device caches a hash the host holds."""

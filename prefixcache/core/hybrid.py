@@ -47,9 +47,10 @@ from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 from prefixcache.core.eviction import DEFAULT_POLICY
 from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostTransfer, check_host_args
+from prefixcache.core.host_tier import HostTierAPI, check_host_args
 from prefixcache.core.indexes import DEFAULT_INDEX
 from prefixcache.core.kv_cache_manager import (
+    BlockPoolViews,
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
@@ -208,7 +209,7 @@ class _HybridState:
         self.idle_nc = -1
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     """Block tables per KV cache group over one shared pool (vLLM's hybrid manager).
 
     Invariants (``check_invariants``):
@@ -714,28 +715,6 @@ class HybridKVCacheManager:
         null = self.null_block
         return tuple(sum(b is not null for b in t) for t in self._state(request_id).tables)
 
-    @property
-    def running_request_ids(self) -> list[str]:
-        return list(self._states)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.free_block_queue.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.block_pool.free_block_queue.num_free_blocks / self.num_blocks
-
-    def free_block_ids(self) -> list[int]:
-        return self.block_pool.free_block_queue.block_ids()
-
-    def cached_block_ids(self) -> list[int]:
-        return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.block_pool.num_cached_blocks
-
     def num_stranded_blocks(self) -> int:
         """Cached blocks whose chain (in their group) has an evicted earlier block.
         NOTE: a sliding-window lookup does not need the chain, so for those groups this
@@ -745,22 +724,6 @@ class HybridKVCacheManager:
     def on_arrival(self, request, index: int) -> None:
         """A no-op (no offline policy runs with the hybrid manager)."""
 
-    @property
-    def num_evictions(self) -> int:
-        return self.block_pool.num_evictions
-
-    def counters(self) -> dict[str, int]:
-        pool = self.block_pool
-        return {
-            "lookups": self.num_lookups,
-            "lookup_tokens": self.num_lookup_tokens,
-            "hit_tokens": self.num_hit_tokens,
-            "evictions": pool.num_evictions,
-            "blocks_cached": pool.num_blocks_cached,
-            "blocks_allocated": pool.num_blocks_allocated,
-            "failed_allocations": self.num_failed_allocations,
-        }
-
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():
             return False
@@ -768,16 +731,9 @@ class HybridKVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
-    def take_host_transfers(self) -> list[HostTransfer]:
-        """Always ``[]``: sliding-window groups have no host tier (``num_host_blocks=0``)."""
-        return []
-
-    # No host tier: the hash index's host counters, always 0 here.
+    # No host tier (``HostTierAPI`` answers [] / 0): the hash index's counters.
     num_host_blocks = 0
-    num_host_cached_blocks = 0
     host_hit_tokens = 0
-    host_blocks_loaded = 0
-    host_blocks_stored = 0
     host_tier = None
 
     def take_events(self):

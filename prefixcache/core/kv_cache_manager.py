@@ -36,7 +36,7 @@ from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (
     HostHit,
     HostTier,
-    HostTransfer,
+    HostTierAPI,
     TieredBlockPool,
     TieredPolicyBlockPool,
     check_host_args,
@@ -175,7 +175,58 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     return st, computed, total, need, num_new_computed_tokens
 
 
-class KVCacheManager:
+class BlockPoolViews:
+    """Read-only views of a manager's ``self.block_pool`` (a ``BlockPool``) and
+    ``self._states`` (request id -> state, in allocation order), and the counters;
+    shared by the hash index and the hybrid manager."""
+
+    @property
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests holding blocks, in allocation order."""
+        return list(self._states)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 .. 1.0)."""
+        return 1.0 - self.block_pool.free_block_queue.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue as block ids, head (reused next) first."""
+        return self.block_pool.free_block_queue.block_ids()
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of all blocks currently in the hash map, ascending."""
+        return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the cache now (held or free), O(1)."""
+        return self.block_pool.num_cached_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted (hash dropped to reuse the block), cumulative."""
+        return self.block_pool.num_evictions
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since construction (never reset)."""
+        pool = self.block_pool
+        return {
+            "lookups": self.num_lookups,
+            "lookup_tokens": self.num_lookup_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "evictions": pool.num_evictions,
+            "blocks_cached": pool.num_blocks_cached,
+            "blocks_allocated": pool.num_blocks_allocated,
+            "failed_allocations": self.num_failed_allocations,
+        }
+
+
+class KVCacheManager(HostTierAPI, BlockPoolViews):
     """Allocates KV cache blocks to requests and reuses cached prefixes.
 
     ``KEYS_BY_BLOCK_HASH``: the index finds blocks by ``request.block_hashes`` alone
@@ -759,30 +810,6 @@ class KVCacheManager:
         st.idle_until = self._idle_bound(st)
         return new_blocks
 
-    def take_host_transfers(self) -> list[HostTransfer]:
-        """Return and clear the page copies between the tiers recorded since the last
-        call, in order (``[]`` without a host tier). Apply them in list order before
-        the step computes: ``store`` copies device page ``block_id`` to host slot
-        ``host_slot``, ``load`` the other way."""
-        if self.host_tier is None:
-            return []
-        return self.host_tier.take_transfers()
-
-    @property
-    def num_host_cached_blocks(self) -> int:
-        """Hashes held in the host tier now (0 without one)."""
-        return len(self.host_tier) if self.host_tier is not None else 0
-
-    @property
-    def host_blocks_loaded(self) -> int:
-        """Host entries promoted into device blocks (load transfers), cumulative."""
-        return self.host_tier.num_loaded if self.host_tier is not None else 0
-
-    @property
-    def host_blocks_stored(self) -> int:
-        """Device blocks demoted into host slots (store transfers), cumulative."""
-        return self.host_tier.num_stored if self.host_tier is not None else 0
-
     def free(self, request) -> None:
         """Release a request's blocks (reverse order: its last block evicts first).
 
@@ -819,33 +846,6 @@ class KVCacheManager:
             raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
         return list(st.blocks)
 
-    @property
-    def running_request_ids(self) -> list[str]:
-        """Ids of the requests holding blocks, in allocation order."""
-        return list(self._states)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.free_block_queue.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (0.0 .. 1.0)."""
-        return 1.0 - self.block_pool.free_block_queue.num_free_blocks / self.num_blocks
-
-    def free_block_ids(self) -> list[int]:
-        """The free queue as block ids, head (reused next) first."""
-        return self.block_pool.free_block_queue.block_ids()
-
-    def cached_block_ids(self) -> list[int]:
-        """Ids of all blocks currently in the hash map, ascending."""
-        return sorted(b.block_id for b in self.block_pool.blocks if b.block_hash is not None)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks in the cache now (held or free), O(1)."""
-        return self.block_pool.num_cached_blocks
-
     def num_stranded_blocks(self) -> int:
         """Cached blocks no lookup can reach (an earlier block of their chain is not
         cached). O(cached blocks): for summaries, not per step."""
@@ -857,24 +857,6 @@ class KVCacheManager:
         if self.policy is not None:
             self._bind(request)
             self.policy.on_arrival(request, index)
-
-    @property
-    def num_evictions(self) -> int:
-        """Cached blocks evicted (hash dropped to reuse the block), cumulative."""
-        return self.block_pool.num_evictions
-
-    def counters(self) -> dict[str, int]:
-        """Cumulative counters since construction (never reset)."""
-        pool = self.block_pool
-        return {
-            "lookups": self.num_lookups,
-            "lookup_tokens": self.num_lookup_tokens,
-            "hit_tokens": self.num_hit_tokens,
-            "evictions": pool.num_evictions,
-            "blocks_cached": pool.num_blocks_cached,
-            "blocks_allocated": pool.num_blocks_allocated,
-            "failed_allocations": self.num_failed_allocations,
-        }
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after a weight update).

@@ -113,7 +113,7 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostHit, HostTier, HostTransfer, check_host_args
+from prefixcache.core.host_tier import HostHit, HostTier, HostTierAPI, check_host_args
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
@@ -230,7 +230,7 @@ def block_keys(request, first: int, last: int, block_size: int, extras=None) -> 
     return keys
 
 
-class RadixKVCacheManager:
+class RadixKVCacheManager(HostTierAPI):
     """Allocates KV cache blocks and reuses cached prefixes found in a radix tree.
 
     Same constructor keywords, calls, return values and errors as ``KVCacheManager``
@@ -1159,28 +1159,6 @@ class RadixKVCacheManager:
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
-
-    def take_host_transfers(self) -> list[HostTransfer]:
-        """Return and clear the page copies between the tiers recorded since the last
-        call, in order (``[]`` without a host tier); as ``KVCacheManager``'s."""
-        if self.host_tier is None:
-            return []
-        return self.host_tier.take_transfers()
-
-    @property
-    def num_host_cached_blocks(self) -> int:
-        """Hashes held in the host tier now (0 without one)."""
-        return len(self.host_tier) if self.host_tier is not None else 0
-
-    @property
-    def host_blocks_loaded(self) -> int:
-        """Host entries promoted into device blocks (load transfers), cumulative."""
-        return self.host_tier.num_loaded if self.host_tier is not None else 0
-
-    @property
-    def host_blocks_stored(self) -> int:
-        """Device blocks demoted into host slots (store transfers), cumulative."""
-        return self.host_tier.num_stored if self.host_tier is not None else 0
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the queued KV cache events (``[]`` when disabled)."""
