@@ -268,3 +268,47 @@ def test_pallas_backends_read_per_group_tables_with_null_slots(engines, config, 
         outs = engine.generate(prompts, SamplingParams(max_tokens=4))
     assert [o.token_ids for o in outs] == want
     assert outs[1].metrics.num_cached_tokens == 40
+
+
+def test_long_request_fits_a_pool_too_small_for_per_layer_arrays(engines, config):
+    """vLLM's layout bounds the sliding groups' BYTES: the pool is num_blocks x one group's
+    layers (tiny_hybrid: 1 of 4), the sliding groups hold <= ceil(W/bs)+1 blocks while
+    decoding, so a 128-token request runs in a pool whose bytes, cut into per-layer
+    blocks (4 layer pages each), would not even hold its full-attention blocks."""
+    cached, _ = engines
+    num_blocks = 48
+    engine = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": num_blocks})
+    page = BS * 2 * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
+    kv = engine.runner.kv_caches
+    assert len(kv) == config.kv_group_size == 1
+    pool = sum(a.nbytes for a in kv)
+    assert pool == (num_blocks + 1) * config.kv_group_size * page
+    total = COMMON["max_model_len"]
+    full_blocks = math.ceil(total / BS)
+    per_layer_blocks = pool // (config.num_layers * page)  # the same bytes, per-layer blocks
+    assert per_layer_blocks < full_blocks, (per_layer_blocks, full_blocks)
+    bound = math.ceil(W / BS) + 1
+    seen = {"decode_steps": 0, "max_used": 0}
+
+    def check(engine):
+        for state in engine.scheduler.running:
+            _check_request(engine, state)
+
+    def _check_request(engine, state):
+        *locals_, full = engine.kv_cache_manager.get_block_ids(state.request_id)
+        real = [[b for b in t if b != engine.num_blocks] for t in (*locals_, full)]
+        flat = [b for t in real for b in t]
+        assert len(flat) == len(set(flat))  # a block id belongs to one group at a time
+        seen["max_used"] = max(seen["max_used"], len(flat))
+        if state.request.num_computed_tokens > state.request.num_prompt_tokens:
+            seen["decode_steps"] += 1
+            assert all(len(t) <= bound for t in real[:3]), real
+
+    prompt = np.random.default_rng(6).integers(1, config.vocab_size, 96).tolist()
+    out, = _run(engine, [prompt], total - len(prompt), check=check)
+    assert out.error is None and len(out.token_ids) == total - len(prompt)
+    assert engine.metrics().num_preemptions == 0 and seen["decode_steps"] > 20
+    assert seen["max_used"] <= num_blocks
+    # The same tokens as an ample pool (the module's 96 blocks).
+    want, = cached.generate([prompt], SamplingParams(max_tokens=total - len(prompt)))
+    assert out.token_ids == want.token_ids
