@@ -91,3 +91,32 @@ def test_shared_arrays_need_one_metadata_per_group():
     per_layer = make_kv_caches(cfg, num_blocks=8, block_size=8, per_layer=True)
     logits, _ = step(per_layer, inputs.input_ids, inputs.metadata, inputs.logits_indices)
     assert np.isfinite(np.asarray(logits)).all() and jnp.asarray(logits).shape[1] == 512
+
+
+@pytest.mark.parametrize("pattern", ["FFSSS", "SSFS"])
+def test_shared_layout_logits_equal_per_layer_layout(pattern):
+    """A padded pattern (F,F,S,S,S: groups (0,1), (2,4), (3,) over 2 arrays, the short
+    group leaving array 1 to the others) and a one-layer-group one: two steps (prefill,
+    then decode reading it back) on the shared arrays with per-group tables give the
+    per-layer layout's logits."""
+    from flax import nnx
+
+    from prefixcache.model import Transformer
+    cfg = _config(pattern)
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    builder = MetadataBuilder(block_size=8, num_blocks=32, max_num_seqs=4, max_num_tokens=32,
+                              max_pages_per_seq=4, token_buckets=[32], seq_buckets=[4],
+                              page_buckets=[4])
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, 21).tolist()
+    steps = [ScheduledSeq([0, 1, 2], 0, tokens[:20]), ScheduledSeq([0, 1, 2], 20, tokens[20:])]
+    step = make_step_fn(model)
+    shared = make_kv_caches(cfg, num_blocks=32, block_size=8)
+    per_layer = make_kv_caches(cfg, num_blocks=32, block_size=8, per_layer=True)
+    assert len(shared) == cfg.kv_group_size < len(per_layer)
+    for seq in steps:
+        one = builder.build([seq])
+        groups = tuple(builder.build([seq._replace(block_ids=[b + 4 * g for b in seq.block_ids])
+                                      ]).metadata for g in range(len(cfg.kv_groups)))
+        got, shared = step(shared, one.input_ids, groups, one.logits_indices)
+        want, per_layer = step(per_layer, one.input_ids, one.metadata, one.logits_indices)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
