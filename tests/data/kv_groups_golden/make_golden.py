@@ -32,7 +32,9 @@ def main():
              [int(n.split(".")[1]) for n in g.layer_names]]
             for g in _get_kv_cache_groups_uniform_page_size(spec)]
     path = pathlib.Path(__file__).with_name("vllm_groups.json")
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    lines = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in out["groups"].items())
+    path.write_text(f'{{"vllm_version": {json.dumps(out["vllm_version"])}, "groups": {{\n'
+                    f"{lines}\n}}}}\n")
 
 
 if __name__ == "__main__":
