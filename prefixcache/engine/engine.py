@@ -104,11 +104,13 @@ class Engine:
         (`prefixcache.kv_dtypes.kv_bytes_per_block`).
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
-    one KV cache group per attention kind (`model_config.kv_groups`: full-attention
-    layers first, then the sliding-window layers with their window) and keeps one block
-    table per group; a sliding group holds only the blocks overlapping the window (the
-    earlier ones go back to the cache, their slots read the padding page), and each
-    layer reads its group's table in the step. Such models need eviction "lru" and
+    vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
+    kind each, e.g. S,S,F,S -> three sliding groups and one full group of one layer) and
+    keeps one block table per group; the i-th layer of every group shares one KV array
+    (`model_config.layer_kv_slots`), so a block id costs one group's layers' bytes and
+    `num_blocks` blocks take num_blocks x `kv_group_size` layer pages. A sliding group
+    holds only the blocks overlapping the window (the earlier ones go back to the cache,
+    their slots read the padding page), and each layer reads its group's table. Such models need eviction "lru" and
     index "hash" (ValueError here otherwise).
 
     Attributes:
@@ -720,9 +722,9 @@ def _replicated(mesh):
 
 
 def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tuple | None:
-    """The KV cache groups of a model with sliding-window layers (None otherwise): full
-    attention layers -> group 0, sliding-window layers -> the next group, as
-    `config.kv_groups` (the step's per-group metadata has the same order).
+    """The KV cache groups of a model with sliding-window layers (None otherwise):
+    `config.kv_groups`, built by vLLM's rule (equal-size groups whose i-th layers share
+    one KV array; the step's per-group metadata has the same order).
 
     Raises:
       ValueError: a sliding-window model with an eviction policy, index or manager

@@ -239,7 +239,7 @@ class StepProgram:
             from prefixcache.model import kv_cache_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
             out_shardings = (replicated, replicated,
-                             [kv_cache_sharding(mesh, kv_dtype)] * self.config.num_layers)
+                             [kv_cache_sharding(mesh, kv_dtype)] * self.config.kv_group_size)
             self.input_sharding = replicated
         else:
             out_shardings = None

@@ -15,15 +15,20 @@ Public API (the contract the engine codes against)::
   Sliding-window / hybrid models (HF `sliding_window`, `layer_types`, Qwen2's
   `use_sliding_window` + `max_window_layers`, Mistral's window on every layer): a
   sliding layer's query at position p attends to keys (p - W, p], as HF. Derived:
-  `attention_types`, `layer_windows`, `kv_groups` ((window or None, layer ids), full
-  first), `layer_kv_groups`. Preset `ModelConfig.tiny_hybrid()` (4 layers S,S,F,S, W=16).
+  `attention_types`, `layer_windows`, `kv_groups` ((window or None, layer ids) by
+  vLLM 0.33's rule: equal-size groups of one attention kind, in first-seen order; S,S,F,S
+  -> three sliding groups and one full group of one layer), `kv_group_size` (layers per
+  group = KV arrays), `layer_kv_slots` (each layer's array), `layer_kv_groups`. Preset `ModelConfig.tiny_hybrid()` (4 layers S,S,F,S, W=16).
 - `Transformer(config, *, rngs)`: `model(kv_caches, input_ids, metadata, logits_indices,
   mm_embeds=None, mm_mask=None, *, attend=None) -> (logits f32[S, V], kv_caches)`;
   `metadata` may be a tuple of `AttentionMetadata`, one per KV group (each layer reads
   its group's `page_indices` / `slot_mapping`).
 - `make_kv_caches(config, num_pages=None, page_size=None, dtype=None, sharding=None, *,
-  num_blocks=None, block_size=None, mesh=None, kv_dtype=None) -> list`: one zeroed
-  `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer (kv_dtype
+  num_blocks=None, block_size=None, mesh=None, kv_dtype=None, per_layer=False) -> list`:
+  one zeroed `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer of a KV
+  group (`kv_group_size`; every layer for a model with one attention kind; vLLM's
+  layout: the i-th layers of all groups share array i, each group with its own block
+  ids; `per_layer=True`: one per layer, references only) (kv_dtype
   float8_e4m3fn / int8: a pair (pages, scales f32[num_pages, 2*num_kv_heads]) per layer,
   which the model passes to `kernels.write_kv` / `paged_attention` as is); `num_blocks` means
   `num_pages = num_blocks + 1` (the padding page, id num_blocks, of

@@ -180,16 +180,40 @@ class ModelConfig:
 
     @property
     def kv_groups(self) -> tuple[tuple[int | None, tuple[int, ...]], ...]:
-        """KV cache groups as (sliding_window or None, layer indices): the full-attention
-        layers first (when any), then the sliding-window layers (when any). Layers of one
-        group share block tables; a model with one attention kind has one group."""
-        windows = self.layer_windows
+        """KV cache groups as (sliding_window or None, layer indices), built by vLLM 0.33's
+        rule (`_get_kv_cache_groups_uniform_page_size`): layers bucketed by attention
+        kind in first-seen layer order; the group size is the smallest bucket's layer
+        count (the largest's when it is < 1.5x the smallest); a bucket of n layers makes
+        ceil(n / size) groups, group i holding its layers [i::num_groups] (the last may be
+        short: vLLM's padding layers). Every group has its own block table; the i-th layer
+        of every group shares KV array i (`layer_kv_slots`), so a block id holds
+        `kv_group_size` layers' KV. One attention kind -> one group of every layer.
+        tiny_hybrid (S, S, F, S): ((W, (0,)), (W, (1,)), (W, (3,)), (None, (2,)))."""
+        buckets: dict[int | None, list[int]] = {}
+        for i, w in enumerate(self.layer_windows):
+            buckets.setdefault(w, []).append(i)
+        sizes = [len(v) for v in buckets.values()]
+        size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
         groups = []
-        for w in (None, self.sliding_window) if self.sliding_window is not None else (None,):
-            layers = tuple(i for i, x in enumerate(windows) if x == w)
-            if layers:
-                groups.append((w, layers))
+        for w, layers in buckets.items():
+            n = -(-len(layers) // size)
+            groups += [(w, tuple(layers[i::n])) for i in range(n)]
         return tuple(groups)
+
+    @property
+    def kv_group_size(self) -> int:
+        """Layers per KV cache group (vLLM's group size, padding included): the number of
+        KV arrays (`make_kv_caches`); `num_layers` for a model with one attention kind."""
+        return max(len(layers) for _, layers in self.kv_groups)
+
+    @property
+    def layer_kv_slots(self) -> tuple[int, ...]:
+        """The KV array each layer reads and writes: its position in its group."""
+        out = [0] * self.num_layers
+        for _, layers in self.kv_groups:
+            for j, i in enumerate(layers):
+                out[i] = j
+        return tuple(out)
 
     @property
     def layer_kv_groups(self) -> tuple[int, ...]:

@@ -286,15 +286,18 @@ class Transformer(nnx.Module):
         """One step over ragged tokens.
 
         Args:
-          kv_caches: L arrays [num_pages, page_size, 2K, H] (quantized caches: L pairs
-            (pages, scales), see `_local_attend`).
+          kv_caches: `config.kv_group_size` arrays [num_pages, page_size, 2K, H], layer i
+            using array `config.layer_kv_slots[i]` (`make_kv_caches`; a model with one
+            attention kind: one per layer), or one per layer (`per_layer=True`);
+            quantized caches: pairs (pages, scales), see `_local_attend`.
           input_ids: i32[T].
           metadata: `AttentionMetadata` of device arrays (positions i32[T] etc.), or a
             tuple of them, one per KV group (`config.kv_groups`; hybrid models): layer i
             then reads the block table and slot mapping of its group's entry,
             `metadata[config.layer_kv_groups[i]]` (the entries differ only in
-            `page_indices` and `slot_mapping`). One AttentionMetadata serves every layer
-            (sliding-window layers mask the window over the full table).
+            `page_indices` and `slot_mapping`). With per-layer caches one AttentionMetadata
+            serves every layer (sliding-window layers mask the window over the full
+            table); shared arrays of several groups need the tuple.
           logits_indices: i32[S] token rows whose logits are returned.
           mm_embeds: [T, D] rows injected where `mm_mask` is set, or None.
           mm_mask: bool[T], or None (both or neither).
@@ -322,12 +325,16 @@ class Transformer(nnx.Module):
         positions = (metadata[0] if per_group else metadata).positions
         freqs = positions.astype(jnp.float32)[:, None] * inv_freq
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)  # f32[T, H // 2]
-        new_caches = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by the
+        # i-th layer of every KV group, each with its own block ids); per-layer caches
+        # (one array per layer) keep array i.
+        slot_of = (range(cfg.num_layers) if len(kv_caches) == cfg.num_layers
+                   else cfg.layer_kv_slots)
+        new_caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
             md = metadata[group_of[i]] if per_group else metadata
-            x, kv_cache = layer(x, kv_cache, md, cos, sin, attend,
-                                None if lora is None else lora.layer(i))
-            new_caches.append(kv_cache)
+            x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin, attend,
+                                              None if lora is None else lora.layer(i))
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]
         head = emb if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)

@@ -25,8 +25,11 @@ __all__ = ["check_kv_cache_memory", "make_kv_caches", "make_step_fn"]
 
 
 def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, dtype=None,
-                          mesh: Mesh | None = None) -> int:
+                          mesh: Mesh | None = None, *, per_layer: bool = False) -> int:
     """Refuses KV caches that cannot fit, before allocating them.
+
+    The caches are `config.kv_group_size` arrays (`num_layers` with `per_layer`; the
+    same for a model with one attention kind), as `make_kv_caches` makes them.
 
     Compares the caches' bytes (per device: kv heads are split over the mesh's "model"
     axis) with the free device memory where the device reports it (GPU, TPU), else
@@ -46,14 +49,15 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
     from prefixcache.kv_dtypes import KV_DTYPES, kv_bytes_per_block
 
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
+    arrays = config.num_layers if per_layer else config.kv_group_size
     if dtype.name in KV_DTYPES:
         nbytes = num_pages * kv_bytes_per_block(
-            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+            num_layers=arrays, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, block_size=page_size, kv_dtype=dtype.name)
     else:
-        nbytes = (config.num_layers * num_pages * page_size * 2 * config.num_kv_heads
+        nbytes = (arrays * num_pages * page_size * 2 * config.num_kv_heads
                   * config.head_dim * dtype.itemsize)
-    what = (f"the KV cache ({config.num_layers} layers x {num_pages} pages x {page_size} "
+    what = (f"the KV cache ({arrays} layers x {num_pages} pages x {page_size} "
             f"tokens x {2 * config.num_kv_heads} x {config.head_dim} {dtype.name})")
     shards = int(dict(mesh.shape).get(MODEL_AXIS, 1)) if mesh is not None else 1
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
@@ -75,8 +79,15 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
 def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
                    page_size: int | None = None, dtype=None, sharding=None, *,
                    num_blocks: int | None = None, block_size: int | None = None,
-                   mesh: Mesh | None = None, kv_dtype=None) -> list:
-    """Zeroed paged KV caches, one per layer.
+                   mesh: Mesh | None = None, kv_dtype=None, per_layer: bool = False) -> list:
+    """Zeroed paged KV caches, one per layer position of a KV cache group (vLLM's layout).
+
+    A model with one attention kind has one group of every layer: one array per layer.
+    A hybrid model (sliding-window and full layers) has `config.kv_groups` of
+    `config.kv_group_size` layers each; layer i reads and writes array
+    `config.layer_kv_slots[i]` (its position in its group) through its group's block
+    table, so a block id holds `kv_group_size` layers' KV and the pool's bytes are
+    num_pages x (one group's layers), as vLLM's `get_kv_cache_config_from_groups`.
 
     Either `num_pages` (total, padding page included) or `num_blocks` (allocatable blocks;
     one padding page is added: num_pages = num_blocks + 1); either `page_size` or
@@ -92,9 +103,14 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         "model").
       kv_dtype: one of `prefixcache.kv_dtypes.KV_DTYPES` ("bfloat16", "float32",
         "float8_e4m3fn", "int8"), or None: `dtype` (the same thing; give one).
+      per_layer: one array per layer whatever the groups (the layout before vLLM's
+        shared arrays; a hybrid model may then run with one AttentionMetadata for every
+        layer). Reference runs and tests only (not with a mesh: the step's output
+        shardings are the shared layout's).
 
     Returns:
-      L arrays [num_pages, page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1);
+      L = `config.kv_group_size` (per_layer: `config.num_layers`) arrays [num_pages,
+      page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1);
       for a quantized kv_dtype (float8_e4m3fn, int8) L pairs (pages, scales) with
       zeroed scales f32[num_pages, 2K] (column 2h: K of kv head h, 2h+1: its V).
 
@@ -128,20 +144,22 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         validate_mesh(config, mesh)
         sharding = kv_cache_sharding(mesh, dtype)
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
-    check_kv_cache_memory(config, pages, size, dtype, mesh)
+    check_kv_cache_memory(config, pages, size, dtype, mesh, per_layer=per_layer)
+    arrays = config.num_layers if per_layer else config.kv_group_size
     shape = (pages, size, 2 * config.num_kv_heads, config.head_dim)
     if dtype.name in QUANTIZED_KV_DTYPES:
         page_sh, scale_sh = sharding if isinstance(sharding, tuple) else (sharding, None)
         scales = (pages, 2 * config.num_kv_heads)
         return [(jnp.zeros(shape, dtype, device=page_sh),
                  jnp.zeros(scales, jnp.float32, device=scale_sh))
-                for _ in range(config.num_layers)]
-    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
+                for _ in range(arrays)]
+    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(arrays)]
 
 
 def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits_indices,
                      mm_embeds, mm_mask) -> None:
     """Static (shape/dtype) checks; runs at trace time, so no device transfer."""
+    metadata_arg = metadata
     if isinstance(metadata, (tuple, list)) and not isinstance(metadata, AttentionMetadata):
         # Hybrid models: one AttentionMetadata per KV group.
         if len(metadata) != len(config.kv_groups) or not all(
@@ -156,8 +174,15 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
         metadata = metadata[0]
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-    if len(kv_caches) != config.num_layers:
-        raise ValueError(f"got {len(kv_caches)} kv caches for {config.num_layers} layers")
+    if len(kv_caches) not in (config.num_layers, config.kv_group_size):
+        raise ValueError(f"got {len(kv_caches)} kv caches for {config.num_layers} layers "
+                         f"(expected {config.kv_group_size}, one per layer of a KV cache "
+                         f"group, or {config.num_layers}, one per layer)")
+    if (len(kv_caches) != config.num_layers and len(config.kv_groups) > 1
+            and isinstance(metadata_arg, AttentionMetadata)):
+        raise ValueError(f"the model's {len(config.kv_groups)} KV cache groups share "
+                         f"{len(kv_caches)} KV arrays: pass one AttentionMetadata per group "
+                         "(a tuple), or per-layer caches (make_kv_caches(per_layer=True))")
     want = (2 * config.num_kv_heads, config.head_dim)
     for i, c in enumerate(kv_caches):
         if isinstance(c, tuple):  # quantized: (pages, scales)
@@ -272,7 +297,7 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
                                      q, k, v, kv_cache, metadata)
 
         kv_sharding = kv_cache_sharding(mesh, kv_dtype)
-        out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.num_layers)
+        out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.kv_group_size)
     graphdef, params = nnx.split(model)
 
     def pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,

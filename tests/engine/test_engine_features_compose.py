@@ -52,7 +52,9 @@ def test_hybrid_model_with_lora_and_int8_pages(tmp_path, lora_helpers):
     a0, a1 = _adapters(tmp_path, config, lora_helpers)
     prompts = _prompts(config, np.random.default_rng(0))
     loras = [a0, a1, None, a0]
-    kw = dict(COMMON, num_blocks=64, kv_dtype="int8")
+    # 128 blocks of one layer page each: vLLM's layout (the 4 one-layer KV groups share
+    # one array) -- half the bytes of 64 blocks of 4 per-layer pages.
+    kw = dict(COMMON, num_blocks=128, kv_dtype="int8")
     on = Engine(config, enable_caching=True, **kw)
     off = Engine(config, enable_caching=False, share_programs_with=on, **kw)
     tok_on, cached_on = _run_twice(on, prompts, loras)

@@ -28,7 +28,8 @@ COMMON = dict(num_blocks=96, block_size=BS, seed=0, max_num_seqs=4,
 @pytest.fixture(scope="module")
 def config():
     cfg = ModelConfig.tiny_hybrid()
-    assert cfg.sliding_window == W and cfg.kv_groups == ((None, (2,)), (W, (0, 1, 3)))
+    assert cfg.sliding_window == W and cfg.kv_groups == ((W, (0,)), (W, (1,)), (W, (3,)), (None, (2,)))
+    assert cfg.kv_group_size == 1 and cfg.layer_kv_slots == (0, 0, 0, 0)
     return cfg
 
 
@@ -65,7 +66,8 @@ def _run(engine, prompts, max_tokens, *, check=None):
 
 def _greedy_reference(model, config, prompts, num_tokens):
     """Greedy tokens by recomputing the whole sequence each step: one sequence, one block
-    table for every layer (sliding layers mask their window over it)."""
+    table for every layer (sliding layers mask their window over it), on the per-layer
+    layout (one KV array per layer, as before vLLM's shared arrays)."""
     from prefixcache.metadata import MetadataBuilder, ScheduledSeq
     from prefixcache.model import make_kv_caches, make_step_fn
 
@@ -73,7 +75,8 @@ def _greedy_reference(model, config, prompts, num_tokens):
                               max_num_tokens=128, max_pages_per_seq=16,
                               token_buckets=[128], seq_buckets=[4], page_buckets=[16])
     step = make_step_fn(model)
-    kv = make_kv_caches(config, num_blocks=16, block_size=BS)
+    kv = make_kv_caches(config, num_blocks=16, block_size=BS, per_layer=True)
+    assert len(kv) == config.num_layers
     out = []
     for prompt in prompts:
         tokens = list(prompt)
@@ -106,19 +109,22 @@ def test_hybrid_tokens_identical_with_cache_on_and_off(engines, config):
     # the sliding group's W tokens before the hit point are cached).
     assert hits == [0, 40, 40, 40], hits
     assert all(o.metrics.num_cached_tokens == 0 for o in outs_u)
-    # The step really is per group: two AttentionMetadata whose page tables differ.
+    # The step really is per group: four AttentionMetadata (three sliding groups, one
+    # full) whose page tables differ (the groups share one KV array: disjoint block ids).
     cached.add_request(prompts[1], SamplingParams(max_tokens=1))
     sched = cached.scheduler.schedule()
     prepared = cached.runner.prepare(sched.scheduled, cached.scheduler.kv_group_tables)
     md = prepared.inputs.step.metadata
-    assert isinstance(md, tuple) and len(md) == 2
+    assert isinstance(md, tuple) and len(md) == 4
     assert all(isinstance(m, AttentionMetadata) for m in md)
-    assert not np.array_equal(md[0].page_indices, md[1].page_indices)
-    # the prefix hit of 40+ tokens: the sliding group's first slots are null (padding page)
-    assert md[1].page_indices[0, 0] == cached.num_blocks != md[0].page_indices[0, 0]
-    # One table for a two-group model would have the sliding layers read pages they
-    # never wrote: refused.
-    with pytest.raises(ValueError, match="2 KV cache groups: pass one BlockTables per"):
+    real = [set(np.asarray(m.page_indices[0]).tolist()) - {cached.num_blocks} for m in md]
+    assert all(real) and all(not (a & b) for i, a in enumerate(real) for b in real[i + 1:])
+    # the prefix hit of 40+ tokens: the sliding groups' first slots are null (padding page)
+    for g in range(3):
+        assert md[g].page_indices[0, 0] == cached.num_blocks != md[3].page_indices[0, 0]
+    # One table for a four-group model would have the layers read pages they never
+    # wrote: refused.
+    with pytest.raises(ValueError, match="4 KV cache groups: pass one BlockTables per"):
         cached.runner.prepare(sched.scheduled, cached.scheduler.block_tables)
     for s in sched.scheduled:
         cached.scheduler.finish_request(s.state, "abort")
@@ -135,16 +141,18 @@ def test_sliding_group_blocks_bounded_by_the_window(engines, config):
 
     def check(engine):
         for state in engine.scheduler.running:
-            full, local = engine.kv_cache_manager.get_block_ids(state.request_id)
-            n_local = sum(b != engine.num_blocks for b in local)
+            *locals_, full = engine.kv_cache_manager.get_block_ids(state.request_id)
             assert engine.num_blocks not in full
-            assert len(local) == len(full)  # same slots, the early ones null
             computed = state.request.num_computed_tokens
             if computed > state.request.num_prompt_tokens:  # decoding
                 seen["decode_steps"] += 1
-                assert n_local <= decode_bound, (computed, local)
-            assert n_local <= prefill_bound, (computed, local)
-            seen["max_local"] = max(seen["max_local"], n_local)
+            for local in locals_:  # each of the three sliding groups
+                n_local = sum(b != engine.num_blocks for b in local)
+                assert len(local) == len(full)  # same slots, the early ones null
+                if computed > state.request.num_prompt_tokens:
+                    assert n_local <= decode_bound, (computed, local)
+                assert n_local <= prefill_bound, (computed, local)
+                seen["max_local"] = max(seen["max_local"], n_local)
             seen["max_full"] = max(seen["max_full"], len(full))
 
     rng = np.random.default_rng(1)
@@ -223,7 +231,8 @@ def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
     rng = np.random.default_rng(4)
     system = rng.integers(1, config.vocab_size, 24).tolist()
     prompts = [system + rng.integers(1, config.vocab_size, n).tolist() for n in (8, 12, 16, 4)]
-    small = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": 20})
+    # 24 blocks of one layer page each (4 groups of 1 layer share one KV array).
+    small = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": 24})
     for p in prompts:
         small.add_request(p, SamplingParams(max_tokens=24))
     outs = {}
@@ -259,3 +268,47 @@ def test_pallas_backends_read_per_group_tables_with_null_slots(engines, config, 
         outs = engine.generate(prompts, SamplingParams(max_tokens=4))
     assert [o.token_ids for o in outs] == want
     assert outs[1].metrics.num_cached_tokens == 40
+
+
+def test_long_request_fits_a_pool_too_small_for_per_layer_arrays(engines, config):
+    """vLLM's layout bounds the sliding groups' BYTES: the pool is num_blocks x one group's
+    layers (tiny_hybrid: 1 of 4), the sliding groups hold <= ceil(W/bs)+1 blocks while
+    decoding, so a 128-token request runs in a pool whose bytes, cut into per-layer
+    blocks (4 layer pages each), would not even hold its full-attention blocks."""
+    cached, _ = engines
+    num_blocks = 48
+    engine = Engine(config, share_programs_with=cached, **{**COMMON, "num_blocks": num_blocks})
+    page = BS * 2 * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
+    kv = engine.runner.kv_caches
+    assert len(kv) == config.kv_group_size == 1
+    pool = sum(a.nbytes for a in kv)
+    assert pool == (num_blocks + 1) * config.kv_group_size * page
+    total = COMMON["max_model_len"]
+    full_blocks = math.ceil(total / BS)
+    per_layer_blocks = pool // (config.num_layers * page)  # the same bytes, per-layer blocks
+    assert per_layer_blocks < full_blocks, (per_layer_blocks, full_blocks)
+    bound = math.ceil(W / BS) + 1
+    seen = {"decode_steps": 0, "max_used": 0}
+
+    def check(engine):
+        for state in engine.scheduler.running:
+            _check_request(engine, state)
+
+    def _check_request(engine, state):
+        *locals_, full = engine.kv_cache_manager.get_block_ids(state.request_id)
+        real = [[b for b in t if b != engine.num_blocks] for t in (*locals_, full)]
+        flat = [b for t in real for b in t]
+        assert len(flat) == len(set(flat))  # a block id belongs to one group at a time
+        seen["max_used"] = max(seen["max_used"], len(flat))
+        if state.request.num_computed_tokens > state.request.num_prompt_tokens:
+            seen["decode_steps"] += 1
+            assert all(len(t) <= bound for t in real[:3]), real
+
+    prompt = np.random.default_rng(6).integers(1, config.vocab_size, 96).tolist()
+    out, = _run(engine, [prompt], total - len(prompt), check=check)
+    assert out.error is None and len(out.token_ids) == total - len(prompt)
+    assert engine.metrics().num_preemptions == 0 and seen["decode_steps"] > 20
+    assert seen["max_used"] <= num_blocks
+    # The same tokens as an ample pool (the module's 96 blocks).
+    want, = cached.generate([prompt], SamplingParams(max_tokens=total - len(prompt)))
+    assert out.token_ids == want.token_ids

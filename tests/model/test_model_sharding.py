@@ -28,7 +28,12 @@ def run_steps(config, mesh):
         [ScheduledSeq([0, 1, 2], 17, a[17:18]), ScheduledSeq([0, 3], 8, c[8:14])],
     ):
         si = b.build(batch)
-        logits, kv = step(kv, si.input_ids, si.metadata, si.logits_indices)
+        md = si.metadata
+        if len(config.kv_groups) > 1:  # the groups share KV arrays: disjoint block ids
+            md = tuple(b.build([s._replace(block_ids=[x + 4 * g for x in s.block_ids])
+                                for s in batch]).metadata
+                       for g in range(len(config.kv_groups)))
+        logits, kv = step(kv, si.input_ids, md, si.logits_indices)
         out.append(np.asarray(logits)[: len(batch)])
     return out, [np.asarray(k) for k in kv], kv
 

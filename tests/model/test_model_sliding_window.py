@@ -33,6 +33,17 @@ def _hybrid_cfg(hf_helpers, variant):
                                       rope_scaling=None)
 
 
+def _per_group(config, seqs, stride):
+    """`seqs` as one ScheduledSeq list per KV group (a tuple), group g's block ids moved
+    by g * stride (the groups share KV arrays: their blocks must differ); `seqs` itself
+    for a one-group model."""
+    if len(config.kv_groups) == 1:
+        return seqs
+    return tuple([ScheduledSeq([b + g * stride for b in s.block_ids], s.num_computed_tokens,
+                               s.token_ids) for s in seqs]
+                 for g in range(len(config.kv_groups)))
+
+
 def _run(config, model, steps, *, num_blocks=32, kv=None, step=None):
     """Runs `steps` (each: a list of per-group ScheduledSeq lists, or one list) in order on
     one KV; returns the last step's logits and the KV."""
@@ -68,7 +79,13 @@ def test_hybrid_checkpoint_logits_match_numpy_forward(tmp_path, hf_helpers, vari
     for n in lengths:
         seqs.append(ScheduledSeq(list(range(nxt, nxt + -(-n // BS))), 0, tokens[:n]))
         nxt += -(-n // BS)
-    got, _ = _run(config, model, [seqs])
+    # vLLM's layout (the groups' i-th layers share a KV array, per-group tables) and the
+    # per-layer layout (one array per layer, one table) give the same logits.
+    got, kv = _run(config, model, [_per_group(config, seqs, 8)], num_blocks=64)
+    assert len(kv) == config.kv_group_size
+    per_layer = make_kv_caches(config, num_blocks=64, block_size=BS, per_layer=True)
+    got_per_layer, _ = _run(config, model, [seqs], num_blocks=64, kv=per_layer)
+    np.testing.assert_allclose(got, got_per_layer, rtol=1e-5, atol=1e-5)
     want = hf_helpers.np_forward(hf_cfg, weights, tokens)
     for row, n in enumerate(lengths):
         np.testing.assert_allclose(got[row], want[n - 1], rtol=2e-4, atol=2e-4,
@@ -78,49 +95,57 @@ def test_hybrid_checkpoint_logits_match_numpy_forward(tmp_path, hf_helpers, vari
     full_cfg = {**hf_cfg, "use_sliding_window": False, "sliding_window": None}
     full_cfg.pop("layer_types", None)
     dense = hf_helpers.np_forward(full_cfg, weights, tokens)
-    assert np.abs(dense[39] - want[39]).max() > 0.1
+    assert np.abs(dense[39] - want[27]).max() > 0.1
     np.testing.assert_allclose(dense[W - 1], want[W - 1], rtol=1e-10, atol=1e-10)
 
 
 def test_per_group_tables_with_released_blocks(hf_helpers, tmp_path):
     """Layers read their own group's block table; sliding layers' blocks wholly before the
     window are released (the padding page, filled with junk) and the logits still equal
-    the float64 forward."""
+    the float64 forward. vLLM's groups for S,F,S,S: three sliding groups and one full
+    group of one layer each, all four sharing one KV array (disjoint block ids)."""
     hf_cfg = _hybrid_cfg(hf_helpers, "qwen2_layer_types")
     weights = hf_helpers.random_hf_weights(hf_cfg, seed=7)
     hf_helpers.write_hf_checkpoint(tmp_path, hf_cfg, weights)
     config, model = load_hf_checkpoint(str(tmp_path), dtype="float32")
-    assert [w for w, _ in config.kv_groups] == [None, W]
-    assert config.layer_kv_groups == (1, 0, 1, 1)
+    assert config.kv_groups == ((W, (0,)), (W, (2,)), (W, (3,)), (None, (1,)))
+    assert config.layer_kv_groups == (0, 3, 1, 2) and config.kv_group_size == 1
     tokens = np.random.default_rng(8).integers(0, hf_cfg["vocab_size"], 40).tolist()
-    num_blocks = 32
+    num_blocks = 64
     pad = num_blocks
-    full = [0, 1, 2, 3, 4]  # group 0: full attention
-    local = [20, 21, 22, 23, 24]  # group 1: sliding window, other block ids
-    step1 = ([ScheduledSeq(full[:3], 0, tokens[:24])], [ScheduledSeq(local[:3], 0, tokens[:24])])
+    local = [[10 + 10 * g + k for k in range(5)] for g in range(3)]  # sliding groups
+    full = [0, 1, 2, 3, 4]  # group 3: full attention
+    tables = [*local, full]
+    step1 = tuple([ScheduledSeq(t[:3], 0, tokens[:24])] for t in tables)
     step = make_step_fn(model)  # one program for both steps (same shapes)
     _, kv = _run(config, model, [step1], num_blocks=num_blocks, step=step)
+    assert len(kv) == 1
     # Junk in the padding page and in the released blocks' pages: never read.
-    kv = [c.at[pad].set(1e4).at[20].set(-1e4).at[21].set(3e3) for c in kv]
-    # Step 2: positions 24..39; the earliest key any of them sees is 24 - W + 1 = 17, so
-    # blocks 0-1 (positions 0..15) of the sliding group are released -> the padding page.
+    for t in local:
+        kv = [c.at[pad].set(1e4).at[t[0]].set(-1e4).at[t[1]].set(3e3) for c in kv]
+    # Step 2: positions 24..27; the earliest key any of them sees is 24 - W + 1 = 17, so
+    # blocks 0-1 (positions 0..15) of the sliding groups are released -> the padding page;
+    # the last query (27) reads keys 20..23 written in step 1.
     builder = MetadataBuilder(block_size=BS, num_blocks=num_blocks, max_num_seqs=4,
                               max_num_tokens=64, max_pages_per_seq=8,
                               token_buckets=[64], seq_buckets=[4], page_buckets=[8])
-    g0 = builder.build([ScheduledSeq(full, 24, tokens[24:40])])
-    g1 = builder.build([ScheduledSeq([0, 0] + local[2:], 24, tokens[24:40])])
-    pi = np.array(g1.metadata.page_indices)
-    pi[0, :2] = pad
-    md1 = g1.metadata._replace(page_indices=pi)
-    np.testing.assert_array_equal(g1.metadata.slot_mapping[:16] // BS, [23] * 8 + [24] * 8)
+    g_full = builder.build([ScheduledSeq(full, 24, tokens[24:28])])
+    mds = []
+    for t in local:
+        g = builder.build([ScheduledSeq([0, 0] + t[2:], 24, tokens[24:28])])
+        pi = np.array(g.metadata.page_indices)
+        pi[0, :2] = pad
+        mds.append(g.metadata._replace(page_indices=pi))
+        np.testing.assert_array_equal(g.metadata.slot_mapping[:4] // BS, [t[3]] * 4)
     kv_copy = [c.copy() for c in kv]
-    logits, _ = step(kv, g0.input_ids, (g0.metadata, md1), g0.logits_indices)
+    logits, _ = step(kv, g_full.input_ids, (*mds, g_full.metadata), g_full.logits_indices)
     want = hf_helpers.np_forward(hf_cfg, weights, tokens)
-    np.testing.assert_allclose(np.asarray(logits)[0], want[39], rtol=2e-4, atol=2e-4)
-    # Not vacuous: the sliding layers reading group 0's table (whose pages they never
-    # wrote) give other logits.
-    wrong, _ = step(kv_copy, g0.input_ids, (g0.metadata, g0.metadata), g0.logits_indices)
-    assert np.abs(np.asarray(wrong)[0] - want[39]).max() > 0.1
+    np.testing.assert_allclose(np.asarray(logits)[0], want[27], rtol=2e-4, atol=2e-4)
+    # Not vacuous: a sliding layer reading another sliding group's table (keys 20..23 of
+    # another layer, in the shared array) gives other logits.
+    wrong, _ = step(kv_copy, g_full.input_ids, (mds[0], mds[0], mds[2], g_full.metadata),
+                    g_full.logits_indices)
+    assert np.abs(np.asarray(wrong)[0] - want[27]).max() > 0.1
 
 
 def test_step_rejects_wrong_number_of_group_metadata():
@@ -133,7 +158,7 @@ def test_step_rejects_wrong_number_of_group_metadata():
                               max_pages_per_seq=2)
     inputs = builder.build([ScheduledSeq([0], 0, [1, 2, 3])])
     kv = make_kv_caches(config, num_blocks=8, block_size=BS)
-    with pytest.raises(ValueError, match="a tuple of 2 \\(one per KV group\\)"):
+    with pytest.raises(ValueError, match="a tuple of 4 \\(one per KV group\\)"):
         make_step_fn(model)(kv, inputs.input_ids, (inputs.metadata,), inputs.logits_indices)
 
 
@@ -162,7 +187,7 @@ def test_qwen2_sliding_window_follows_transformers():
     cfg = ModelConfig.from_hf_config(_qwen2(use_sliding_window=True, sliding_window=64,
                                             max_window_layers=1))
     assert cfg.layer_windows == (None, 64, 64, 64)
-    assert cfg.kv_groups == ((None, (0,)), (64, (1, 2, 3)))
+    assert cfg.kv_groups == ((None, (0,)), (64, (1,)), (64, (2,)), (64, (3,)))
     # Defaults: sliding_window 4096, max_window_layers 28 (> 4 layers: all full).
     hf = _qwen2(use_sliding_window=True)
     assert "sliding_window" not in hf  # the default applies
@@ -173,6 +198,7 @@ def test_qwen2_sliding_window_follows_transformers():
         use_sliding_window=True, sliding_window=8, max_window_layers=0,
         layer_types=["full_attention", "sliding_attention"] * 2))
     assert cfg.layer_windows == (None, 8, None, 8) and cfg.layer_kv_groups == (0, 1, 0, 1)
+    assert cfg.kv_groups == ((None, (0, 2)), (8, (1, 3))) and cfg.layer_kv_slots == (0, 0, 1, 1)
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
 
 
