@@ -187,3 +187,41 @@ def test_cluster_with_a_host_tier_routes_by_kv_events():
     assert on["hit_tokens"] > off["hit_tokens"]
     rr = simulate_cluster(reqs, router="round_robin", num_host_blocks=512, **kw)
     assert on["hit_rate_tokens"] > rr["hit_rate_tokens"]
+
+
+def test_route_experiment_with_a_host_tier(tmp_path):
+    import json
+
+    from configs import route as route_config
+    from experiments import route
+
+    c = route_config.get_config()
+    c.workload.kwargs.num_requests = 120
+    c.workload.kwargs.num_tenants = 8
+    c.workload.kwargs.prefix_len = 512
+    c.replicas = "2"
+    c.policies = "round_robin,kv_events"
+    c.num_blocks = 64
+    c.num_host_blocks = 256
+    c.workdir = str(tmp_path)
+    out = route.run(c)
+    rows = [json.loads(line) for line in open(out["rows_file"])]
+    assert [r["policy"] for r in rows] == ["round_robin", "kv_events"]
+    for r in rows:
+        assert r["num_host_blocks"] == 256 and r["host_link"] == "h200_pcie5"
+        assert r["hit_tokens"] == r["device_hit_tokens"] + r["host_hit_tokens"]
+    assert rows[1]["host_hit_tokens"] > 0
+    assert rows[1]["host_weight"] == pytest.approx(
+        host_hit_weight(route.make_cost_model(c), c.block_size))
+    assert "host_weight" not in rows[0]
+    c.host_weight = "0.5"
+    assert route.run(c)["rows"][1]["policy"] == "kv_events"
+    assert json.loads(open(out["rows_file"]).read().splitlines()[-1])["host_weight"] == 0.5
+    for bad in ("1.5", "x"):
+        c.host_weight = bad
+        with pytest.raises(ValueError, match="host_weight"):
+            route.run(c)
+    c.host_weight = "auto"
+    c.num_host_blocks = -1
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        route.run(c)
