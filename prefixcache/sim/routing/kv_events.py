@@ -133,28 +133,28 @@ class GlobalBlockIndex:
         self.host_holders: dict = {}  # the same for the host tier
         self.host_counts: list[dict] = [{} for _ in range(num_replicas)]
 
+    @staticmethod
+    def _bad_medium(replica: int, ev):
+        raise ValueError(f"replica {replica}: KV cache event on unknown medium {ev.medium!r} "
+                         f"(expected {MEDIUM_GPU!r} or {MEDIUM_CPU!r}): {ev!r}")
+
     def apply(self, replica: int, events: Sequence) -> None:
+        """Apply ``replica``'s events in order (its device and host maps)."""
         bit = 1 << replica
         device = (self.holders, self.counts[replica])
         host = (self.host_holders, self.host_counts[replica])
+        # NOTE: one dict lookup per event picks the medium's maps.
+        tier = {MEDIUM_GPU: device, None: device, MEDIUM_CPU: host}.get
         for ev in events:
-            if isinstance(ev, (BlockStored, BlockRemoved)):
-                medium = ev.medium
-                if medium == MEDIUM_GPU or medium is None:
-                    holders, cnt = device
-                elif medium == MEDIUM_CPU:
-                    holders, cnt = host
-                else:
-                    raise ValueError(
-                        f"replica {replica}: KV cache event on unknown medium {medium!r} "
-                        f"(expected {MEDIUM_GPU!r} or {MEDIUM_CPU!r}): {ev!r}")
             if isinstance(ev, BlockStored):
+                holders, cnt = tier(ev.medium) or self._bad_medium(replica, ev)
                 for h in ev.block_hashes:
                     c = cnt.get(h, 0)
                     cnt[h] = c + 1
                     if not c:
                         holders[h] = holders.get(h, 0) | bit
             elif isinstance(ev, BlockRemoved):
+                holders, cnt = tier(ev.medium) or self._bad_medium(replica, ev)
                 for h in ev.block_hashes:
                     c = cnt.get(h, 0)
                     if c <= 0:
