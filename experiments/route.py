@@ -153,7 +153,9 @@ def run(config, *, progress: bool = False) -> dict:
             "rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
-def print_table(rows, file=sys.stderr) -> None:
+def print_table(rows, file=None) -> None:
+    # NOTE: stderr looked up per call (a default bound at import outlives a replaced one).
+    file = sys.stderr if file is None else file
     host = any("host_hit_tokens" in r for r in rows)
     print(f"{'policy':>13} {'replicas':>8} {'hit rate':>8} {'TTFT p50':>9} {'p90':>9} "
           f"{'p99':>9} {'tok/s':>10} {'imbal.':>6} {'route us':>8}"
