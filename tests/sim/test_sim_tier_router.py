@@ -37,7 +37,7 @@ def _host_hashes(m) -> set[int]:
     return {event_hash(h) for h in m.host_tier.hash_to_slot}
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(st.sampled_from(["hash", "radix"]), st.sampled_from(["lru", "lfu"]),
        st.integers(1, 10),
        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(1, 70),
