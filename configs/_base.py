@@ -99,4 +99,10 @@ def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset:
     c.arrival_rate = 0.0  # 0 -> the trace's timestamps
     c.hash_algo = "sha256"
     c.eviction = "lru"  # every replica's eviction policy (prefixcache.core.eviction)
+    # Host-memory tier per replica (0: none); loads over host_link (cost_model.HOST_LINKS);
+    # kv_events scores host blocks at host_weight ("auto": 1 - load/prefill of a block).
+    c.num_host_blocks = 0
+    c.host_eviction = "lru"
+    c.host_link = "h200_pcie5"
+    c.host_weight = "auto"
     return c

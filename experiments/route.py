@@ -11,6 +11,12 @@ roofline step times of ``model`` on ``accelerator``) behind the router. Arrival
 times are the trace's timestamps times ``time_scale`` (or Poisson at
 ``arrival_rate`` when it is > 0).
 
+Host tier: ``num_host_blocks > 0`` gives every replica a host-memory tier of that many
+blocks (``host_eviction``), loads charged over ``host_link``; ``kv_events`` then scores
+host blocks at ``host_weight`` (a number in [0, 1], or ``"auto"``: ``kv_events.
+host_hit_weight`` of the cost model) and rows gain the host fields
+(``device_hit_tokens``, ``host_hit_tokens``, ``host_load_s``, ...) and ``host_weight``.
+
 Outputs in ``--workdir``: ``route.jsonl`` (one row per policy and replica count:
 ``policy``, ``replicas``, ``requests``, ``prompt_tokens``, ``hit_tokens``,
 ``hit_rate_tokens``, ``ttft_p50_s``/``ttft_p90_s``/``ttft_p99_s``,
@@ -44,7 +50,24 @@ def parse_list(name: str, value, convert=str) -> list:
 def make_cost_model(config):
     from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
 
-    return CostModel.create(config.model, config.accelerator, num_chips=config.num_chips)
+    kw = {"host_link": config.host_link} if config.get("num_host_blocks", 0) else {}
+    return CostModel.create(config.model, config.accelerator, num_chips=config.num_chips, **kw)
+
+
+def host_weight(config, cost) -> float:
+    """``config.host_weight`` as a number: ``"auto"`` -> ``host_hit_weight`` of ``cost``."""
+    from prefixcache.sim.routing import kv_events  # noqa: PLC0415
+
+    w = config.host_weight
+    if isinstance(w, str):
+        if w.strip() == "auto":
+            return kv_events.host_hit_weight(cost, config.block_size)
+        try:
+            w = float(w)
+        except ValueError:
+            raise ValueError(f"--host_weight must be 'auto' or a number in [0, 1], "
+                             f"got {config.host_weight!r}") from None
+    return kv_events.check_host_weight(w)
 
 
 def check_config(config) -> tuple[list[str], list[int]]:
@@ -61,6 +84,9 @@ def check_config(config) -> tuple[list[str], list[int]]:
     if config.num_blocks < 0 or config.block_size < 1:
         raise ValueError("num_blocks must be >= 0 (0: all HBM left after the weights) and "
                          "block_size >= 1")
+    from prefixcache._validate import check_count  # noqa: PLC0415
+
+    check_count("num_host_blocks", config.num_host_blocks)
     return policies, replicas
 
 
@@ -75,6 +101,11 @@ def run(config, *, progress: bool = False) -> dict:
     if num_blocks < 1:
         raise ValueError(f"{config.model} leaves no HBM for the KV cache on "
                          f"{config.accelerator}; set --num_blocks")
+    num_host = config.num_host_blocks
+    host_kw, weight = {}, None
+    if num_host:
+        weight = host_weight(config, cost)
+        host_kw = {"num_host_blocks": num_host, "host_eviction": config.host_eviction}
     sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs)
     workdir = _common.prepare_workdir(config.workdir)
@@ -94,9 +125,13 @@ def run(config, *, progress: bool = False) -> dict:
                 num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
                 hash_algo=config.hash_algo, eviction=config.eviction,
                 time_scale=float(config.time_scale),
-                arrival_rate=config.arrival_rate or None, seed=config.seed)
+                arrival_rate=config.arrival_rate or None, seed=config.seed,
+                router_options={"host_weight": weight} if num_host and policy == "kv_events"
+                else None, **host_kw)
+            extra = {"host_weight": weight} if num_host and policy == "kv_events" else {}
             rows.append({"num_blocks": num_blocks, "block_size": config.block_size,
-                         "model": config.model, "accelerator": config.accelerator, **s})
+                         "model": config.model, "accelerator": config.accelerator, **s,
+                         **extra})
             if bar is not None:
                 bar.update(1)
     finally:
@@ -112,20 +147,26 @@ def run(config, *, progress: bool = False) -> dict:
     plot(rows, png, title=f"{source}: {config.model} on {config.accelerator}, "
                           f"{num_blocks} blocks x {config.block_size} per replica")
     print_table(rows)
-    keep = ("policy", "replicas", "hit_rate_tokens", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-            "throughput_tok_s", "load_imbalance")
+    keep = ("policy", "replicas", "hit_rate_tokens", "host_hit_tokens", "ttft_p50_s",
+            "ttft_p90_s", "ttft_p99_s", "throughput_tok_s", "load_imbalance")
     return {"rows_file": str(rows_path), "png": str(png),
-            "rows": [{k: r[k] for k in keep} for r in rows]}
+            "rows": [{k: r[k] for k in keep if k in r} for r in rows]}
 
 
-def print_table(rows, file=sys.stderr) -> None:
+def print_table(rows, file=None) -> None:
+    # NOTE: stderr looked up per call (a default bound at import outlives a replaced one).
+    file = sys.stderr if file is None else file
+    host = any("host_hit_tokens" in r for r in rows)
     print(f"{'policy':>13} {'replicas':>8} {'hit rate':>8} {'TTFT p50':>9} {'p90':>9} "
-          f"{'p99':>9} {'tok/s':>10} {'imbal.':>6} {'route us':>8}", file=file)
+          f"{'p99':>9} {'tok/s':>10} {'imbal.':>6} {'route us':>8}"
+          + (f" {'host hits':>9}" if host else ""), file=file)
     for r in rows:
+        hh = (f" {r['host_hit_tokens'] / max(r['prompt_tokens'], 1):>9.3f}"
+              if "host_hit_tokens" in r else "")
         print(f"{r['policy']:>13} {r['replicas']:>8} {r['hit_rate_tokens']:>8.3f} "
               f"{r['ttft_p50_s']:>9.3f} {r['ttft_p90_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
               f"{r['throughput_tok_s']:>10.0f} {r['load_imbalance']:>6.2f} "
-              f"{r['route_us']['p50']:>8.1f}", file=file)
+              f"{r['route_us']['p50']:>8.1f}{hh}", file=file)
 
 
 def plot(rows, path, *, title: str = "") -> None:
@@ -157,6 +198,9 @@ def main() -> None:
         "block_size": ("integer", "Tokens per block"),
         "model": ("string", "Cost-model preset"),
         "time_scale": ("float", "Multiplies inter-arrival times"),
+        "num_host_blocks": ("integer", "Host-memory tier blocks per replica (0: none)"),
+        "host_weight": ("string", "kv_events: a host block's worth in device blocks, "
+                                  "[0, 1] or 'auto' (from the cost model)"),
     })
 
 

@@ -106,8 +106,9 @@ def simulate_cluster(
         every ``check_every`` routed requests (tests).
       progress: tqdm bar of finished requests; ``total`` its length.
       num_host_blocks, host_eviction: every replica's host memory tier, as in
-        ``des.simulate`` (0: none; needs ``cost_model.host_link``). Not with the
-        ``kv_events`` router: its index does not tell the tiers apart yet.
+        ``des.simulate`` (0: none; needs ``cost_model.host_link``). The replicas'
+        events then carry the tier (``medium`` GPU / CPU) and ``kv_events`` scores
+        host blocks at its ``host_weight`` (``prefixcache/sim/routing/kv_events.py``).
 
     Returns:
       ``des.simulate``'s summary fields over all replicas plus ``policy``,
@@ -134,9 +135,6 @@ def simulate_cluster(
                              seed=seed, **(router_options or {}))
     elif router_options:
         raise ValueError("router_options are only for a router given by name")
-    if num_host_blocks and router.needs_events:
-        raise ValueError(f"router {router.name!r} reads KV events, which do not tell the host "
-                         "tier from the device yet: use num_host_blocks=0 or another router")
     if router.num_replicas != num_replicas:
         raise ValueError(f"router {router!r} was built for {router.num_replicas} replicas, "
                          f"not {num_replicas}")
