@@ -150,7 +150,8 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
         if name != "on_warm":  # on_warm reuses the on_cold engine and its cache
             # NOTE: the second engine reuses the first one's model: the same weights
             # by construction, and one initialisation less.
-            engine = Engine(model_config, **pool, block_size=config.block_size, enable_caching=caching,
+            engine = Engine(model_config, **pool, block_size=config.block_size,
+                            enable_caching=caching,
                             seed=config.seed, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             hash_algo=config.hash_algo, eviction=config.eviction,
