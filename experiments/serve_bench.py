@@ -17,6 +17,14 @@ decoding: the generated tokens must be identical in all three passes (checked an
 reported). Output lengths are capped at ``max_tokens``. Multimodal items get
 deterministic random embeddings per identifier.
 
+KV pool: ``num_blocks`` blocks, or ``kv_cache_bytes`` (a byte budget such as
+``"1MiB"``; then ``num_blocks`` must be 0) turned into blocks by the engine for
+``kv_dtype`` ("" = the model's dtype; `prefixcache.kv_dtypes.KV_DTYPES`), the
+padding page counted (`Engine(kv_cache_bytes=...)`): so fp8 and bf16 can be compared
+at one budget. Summary rows carry ``kv_dtype``, ``kv_bytes_per_block``,
+``num_blocks``, ``kv_pool_bytes`` (the KV arrays' bytes) and ``kv_cache_bytes`` (the
+budget, or None).
+
 NOTE: the tiny model's outputs are not the trace's ``output_token`` tokens, so a
 multi-turn workload hits only its prompt blocks here, not earlier outputs.
 
@@ -79,6 +87,39 @@ def serve(engine, requests: Sequence, *, tag: str, batch_size: int, max_tokens: 
     return rows, outputs, time.perf_counter() - t0
 
 
+# EngineMetrics fields of the KV pool in every summary row.
+KV_POOL_KEYS = ("kv_dtype", "kv_bytes_per_block", "num_blocks", "kv_pool_bytes",
+                "kv_cache_bytes")
+
+
+def pool_kwargs(config, model_config) -> dict:
+    """The Engine's pool arguments (num_blocks or kv_cache_bytes, kv_dtype) of ``config``.
+
+    Raises:
+      ValueError: an unknown kv_dtype; a bad budget or one without room for a block
+        and the padding page; both a budget and num_blocks (set num_blocks=0) or
+        neither -- before anything runs.
+    """
+    from prefixcache.kv_dtypes import (check_kv_dtype, kv_bytes_per_block,  # noqa: PLC0415
+                                       num_pool_blocks_for_bytes, parse_bytes)
+
+    kv_dtype = check_kv_dtype(config.kv_dtype or model_config.dtype)
+    budget = str(config.kv_cache_bytes).strip()
+    if not budget:
+        if config.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 without kv_cache_bytes, got "
+                             f"{config.num_blocks}")
+        return {"num_blocks": config.num_blocks, "kv_dtype": kv_dtype}
+    if config.num_blocks:
+        raise ValueError(f"give the KV pool as num_blocks or kv_cache_bytes, not both "
+                         f"(num_blocks={config.num_blocks}, kv_cache_bytes={budget!r}): "
+                         "set --config.num_blocks=0 with a byte budget")
+    num_pool_blocks_for_bytes(parse_bytes(budget), kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim, block_size=config.block_size, kv_dtype=kv_dtype))
+    return {"kv_cache_bytes": budget, "kv_dtype": kv_dtype}
+
+
 # EngineMetrics fields of the host tier shown in the summary rows (None: no tier).
 HOST_TIER_KEYS = ("device_hit_tokens", "host_hit_tokens", "host_blocks_loaded",
                   "host_blocks_stored", "host_bytes_loaded", "host_bytes_stored",
@@ -97,6 +138,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
     model_config = ModelConfig.tiny()
     parse_fault(config.inject)  # a malformed spec fails before anything runs
     check_count("num_host_blocks", config.num_host_blocks)  # likewise
+    pool = pool_kwargs(config, model_config)  # likewise
     bad = [tr.id for tr in requests if max(tr.prompt) >= model_config.vocab_size]
     if bad:
         raise ValueError(f"{len(bad)} requests (first {bad[0]!r}) hold token ids >= the tiny "
@@ -108,8 +150,8 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
         if name != "on_warm":  # on_warm reuses the on_cold engine and its cache
             # NOTE: the second engine reuses the first one's model: the same weights
             # by construction, and one initialisation less.
-            engine = Engine(model_config, num_blocks=config.num_blocks,
-                            block_size=config.block_size, enable_caching=caching,
+            engine = Engine(model_config, **pool, block_size=config.block_size,
+                            enable_caching=caching,
                             seed=config.seed, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             hash_algo=config.hash_algo, eviction=config.eviction,
@@ -150,6 +192,7 @@ def bench(requests: Sequence, warmup_requests: Sequence, config, *,
             "ttft_s": percentiles([r["ttft_s"] for r in ok if r["ttft_s"] is not None]),
             "e2e_s": percentiles([r["e2e_s"] for r in ok if r["e2e_s"] is not None]),
             "injected_fault": (config.inject or None) if fault is not None else None,
+            **{k: getattr(m, k) for k in KV_POOL_KEYS},
         })
         if config.num_host_blocks:  # absent when off: default rows unchanged
             summaries[-1].update({k: getattr(m, k) for k in HOST_TIER_KEYS})
@@ -194,6 +237,9 @@ def run(config, *, progress: bool = False) -> dict:
         raise ValueError("a workdir is needed (--workdir or config.workdir)")
     if config.batch_size < 1 or config.max_tokens < 1:
         raise ValueError("batch_size and max_tokens must be >= 1")
+    from prefixcache.model import ModelConfig  # noqa: PLC0415
+
+    pool_kwargs(config, ModelConfig.tiny())  # a bad pool size fails before anything runs
     workdir = _common.prepare_workdir(config.workdir)
     requests = list(_common.requests_from_config(config, workdir))
     compile_config = config.copy_and_resolve_references()

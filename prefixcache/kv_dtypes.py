@@ -12,7 +12,9 @@ The paged KV cache stores K and V in one of `KV_DTYPES`:
 
 `kv_bytes_per_block` is the one formula every byte budget goes through (the engine's
 memory check, `experiments.sweep_capacity` / `experiments.compare_policies`
-``--kv_bytes``); `num_blocks_for_bytes` turns a budget into a block count.
+``--kv_bytes``, the engine's ``kv_cache_bytes``); `num_blocks_for_bytes` turns a
+budget into a block count, `num_pool_blocks_for_bytes` into the allocatable blocks of
+a device pool that also keeps padding pages (the engine's: one).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "kv_bytes_per_block",
     "kv_dtype_itemsize",
     "num_blocks_for_bytes",
+    "num_pool_blocks_for_bytes",
     "parse_bytes",
 ]
 
@@ -114,3 +117,28 @@ def num_blocks_for_bytes(kv_bytes, bytes_per_block: int) -> int:
         raise ValueError(f"a KV budget of {budget} bytes is smaller than one block "
                          f"({bytes_per_block} bytes); give at least {bytes_per_block}")
     return budget // bytes_per_block
+
+
+def num_pool_blocks_for_bytes(kv_bytes, bytes_per_block: int, *,
+                              num_padding_pages: int = 1) -> int:
+    """Allocatable blocks of a paged KV pool that fits in ``kv_bytes``.
+
+    The pool allocates its blocks plus ``num_padding_pages`` pages of the same size
+    (the engine's KV arrays have ``num_blocks + 1`` pages: page 0 pads the block
+    tables), so the result is the largest ``n`` with
+    ``(n + num_padding_pages) * bytes_per_block <= kv_bytes``.
+
+    Raises:
+      ValueError: a bad budget (`parse_bytes`), or one that does not hold one block and
+        the padding pages.
+    """
+    budget = parse_bytes(kv_bytes)
+    bytes_per_block = check_count("bytes_per_block", bytes_per_block, min=1)
+    num_padding_pages = check_count("num_padding_pages", num_padding_pages)
+    need = (1 + num_padding_pages) * bytes_per_block
+    if budget < need:
+        raise ValueError(
+            f"a KV budget of {budget} bytes holds no allocatable block: a block is "
+            f"{bytes_per_block} bytes and the pool also keeps {num_padding_pages} padding "
+            f"page(s) of that size; give at least {need} bytes")
+    return budget // bytes_per_block - num_padding_pages

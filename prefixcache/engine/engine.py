@@ -50,7 +50,7 @@ class Engine:
 
     Args:
       model_config: a `prefixcache.model.ModelConfig` (e.g. `ModelConfig.tiny()`).
-      num_blocks: allocatable KV blocks in the pool.
+      num_blocks: allocatable KV blocks in the pool (give this or `kv_cache_bytes`).
       block_size: tokens per block.
       enable_caching: automatic prefix caching on/off.
       seed: model init seed (when `model` is None) and base of per-request sampling seeds.
@@ -102,6 +102,15 @@ class Engine:
         (`kernels.quant`); `num_blocks` is still the block count, and the memory check
         counts the dtype's bytes per block, scales included
         (`prefixcache.kv_dtypes.kv_bytes_per_block`).
+      kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
+        or a string such as "2GiB", `prefixcache.kv_dtypes.parse_bytes`; as vLLM's
+        `kv_cache_memory_bytes`, but for the whole pool over all devices of a mesh, not
+        per device). Exactly one of `num_blocks` and `kv_cache_bytes` (ValueError
+        otherwise). The pool gets the most blocks whose KV arrays fit it, counting the
+        padding page: `num_blocks = kv_cache_bytes // kv_bytes_per_block - 1`, where
+        `kv_bytes_per_block` covers all layers in `kv_dtype`, scales included; so one
+        budget holds about twice the blocks in fp8/int8 as in bf16. A budget below two
+        blocks (one block and the padding page) is a ValueError.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -114,6 +123,11 @@ class Engine:
     index "hash" (ValueError here otherwise).
 
     Attributes:
+      num_blocks: allocatable blocks of the pool (given, or derived from the budget).
+      kv_cache_bytes: the byte budget given, or None (sized by `num_blocks`).
+      kv_bytes_per_block: device bytes of one block (all layers, scales included);
+        kv_pool_bytes: those of the KV arrays, `(num_blocks + 1) * kv_bytes_per_block`
+        (<= `kv_cache_bytes` when a budget was given).
       kv_cache_manager, scheduler, runner: the parts (host manager, scheduler, device
         runner with its MetadataBuilder `runner.builder` and KV arrays).
       record_logits: when True, each step also fetches the next-token logits of the
@@ -137,7 +151,7 @@ class Engine:
     every request and is re-raised.
     """
 
-    def __init__(self, model_config, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, model_config, *, num_blocks: int | None = None, block_size: int = 16,
                  enable_caching: bool = True, seed: int = 0, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  hash_algo: str = "sha256", hash_seed=None,
@@ -148,7 +162,8 @@ class Engine:
                  lora_cache_key_only: bool = False, scheduling_policy: str = "fcfs",
                  eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
-                 host_eviction: str = "lru", kv_dtype: str | None = None):
+                 host_eviction: str = "lru", kv_dtype: str | None = None,
+                 kv_cache_bytes: int | str | None = None):
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -158,6 +173,10 @@ class Engine:
 
         # None: the model's dtype (today's behaviour); unknown names fail here, first.
         kv_dtype = check_kv_dtype(model_config.dtype if kv_dtype is None else kv_dtype)
+        # The pool's size: num_blocks, or the blocks a byte budget holds (issue 17).
+        num_blocks, kv_cache_bytes, kv_block_bytes = _pool_size(
+            model_config, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size, kv_dtype=kv_dtype)
 
         if get_policy_class(eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
@@ -210,6 +229,9 @@ class Engine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_dtype = kv_dtype
+        self.kv_cache_bytes = kv_cache_bytes
+        self.kv_bytes_per_block = kv_block_bytes
+        self.kv_pool_bytes = (num_blocks + 1) * kv_block_bytes  # + the padding page
         self.enable_caching = bool(enable_caching)
         self.seed = int(seed)
         self.max_model_len = max_model_len
@@ -684,7 +706,41 @@ class Engine:
             num_compiled_programs=self.runner.num_compiled_programs,
             host_schedule_s=self._host_schedule_s, host_prepare_s=self._host_prepare_s,
             device_s=self._device_s, host_update_s=self._host_update_s,
+            num_blocks=self.num_blocks, kv_dtype=self.kv_dtype,
+            kv_bytes_per_block=self.kv_bytes_per_block, kv_pool_bytes=self.kv_pool_bytes,
+            kv_cache_bytes=self.kv_cache_bytes,
             **self._host_metrics())
+
+
+def _pool_size(config, *, num_blocks, kv_cache_bytes, block_size,
+               kv_dtype: str) -> tuple[int, int | None, int]:
+    """(num_blocks, budget or None, bytes per block) of the engine's KV pool.
+
+    Raises:
+      ValueError: neither or both of num_blocks and kv_cache_bytes, a bad value of
+        either, or a budget without room for one block and the padding page.
+    """
+    from prefixcache.kv_dtypes import (kv_bytes_per_block, num_pool_blocks_for_bytes,
+                                       parse_bytes)
+
+    if (num_blocks is None) == (kv_cache_bytes is None):
+        raise ValueError("give the KV pool's size as exactly one of num_blocks (blocks) and "
+                         f"kv_cache_bytes (bytes); got num_blocks={num_blocks!r}, "
+                         f"kv_cache_bytes={kv_cache_bytes!r}")
+    block_bytes = kv_bytes_per_block(
+        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, block_size=_positive_int("block_size", block_size),
+        kv_dtype=kv_dtype)
+    if kv_cache_bytes is None:
+        return _positive_int("num_blocks", num_blocks), None, block_bytes
+    # NOTE: the KV arrays hold num_blocks + 1 pages (page 0 pads the block tables), so
+    # the padding page is paid from the budget too: (num_blocks + 1) * bytes <= budget.
+    try:
+        budget = parse_bytes(kv_cache_bytes)
+        n = num_pool_blocks_for_bytes(budget, block_bytes, num_padding_pages=1)
+    except ValueError as e:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r} ({kv_dtype}): {e}") from None
+    return n, budget, block_bytes
 
 
 def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,

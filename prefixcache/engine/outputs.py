@@ -83,6 +83,12 @@ class EngineMetrics:
         (all layers); host_pool_bytes: the host tier's pages; host_copy_programs:
         distinct compiled copy programs (over the engine's life; bucketed sizes). None
         without a host tier.
+      num_blocks, kv_dtype, kv_bytes_per_block: the engine's KV pool (allocatable
+        blocks, page dtype, device bytes of one block over all layers, scales
+        included); kv_pool_bytes: its KV arrays' bytes, `(num_blocks + 1) *
+        kv_bytes_per_block` (the padding page counted); kv_cache_bytes: the byte budget
+        the pool was sized by (`Engine(kv_cache_bytes=...)`), None when sized by
+        num_blocks. Properties of the engine, not of the metrics window.
     """
 
     num_requests: int
@@ -110,6 +116,11 @@ class EngineMetrics:
     host_bytes_stored: int | None = None
     host_pool_bytes: int | None = None
     host_copy_programs: int | None = None
+    num_blocks: int | None = None
+    kv_dtype: str | None = None
+    kv_bytes_per_block: int | None = None
+    kv_pool_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
