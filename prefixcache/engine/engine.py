@@ -727,13 +727,15 @@ def _pool_size(config, *, num_blocks, kv_cache_bytes, block_size,
         raise ValueError("give the KV pool's size as exactly one of num_blocks (blocks) and "
                          f"kv_cache_bytes (bytes); got num_blocks={num_blocks!r}, "
                          f"kv_cache_bytes={kv_cache_bytes!r}")
+    # NOTE: a block id costs one KV array page per array: `kv_group_size` arrays (all
+    # layers for a plain model; one group's layers for a hybrid one, vLLM's layout).
     block_bytes = kv_bytes_per_block(
-        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+        num_layers=config.kv_group_size, num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, block_size=_positive_int("block_size", block_size),
         kv_dtype=kv_dtype)
     if kv_cache_bytes is None:
         return _positive_int("num_blocks", num_blocks), None, block_bytes
-    # NOTE: the KV arrays hold num_blocks + 1 pages (page 0 pads the block tables), so
+    # NOTE: the KV arrays hold num_blocks + 1 pages (page num_blocks pads the tables), so
     # the padding page is paid from the budget too: (num_blocks + 1) * bytes <= budget.
     try:
         budget = parse_bytes(kv_cache_bytes)

@@ -125,3 +125,21 @@ def test_bad_pool_size_refused_before_anything_is_built(kwargs, match, nothing_b
     if kwargs.get("kv_cache_bytes") == 2 * 8224 - 1:  # one byte more is enough
         with pytest.raises(AssertionError, match="built before"):
             Engine(ModelConfig.tiny(), **{**kwargs, "kv_cache_bytes": 2 * 8224}, **SMALL)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_hybrid_budget_counts_one_group_of_layers_per_block(kv_dtype):
+    """A hybrid model's block id costs one page in each of its `kv_group_size` shared
+    KV arrays (vLLM's layout), not one per layer: the budget buys that many blocks and
+    the arrays the runner allocated are exactly `kv_pool_bytes`, within the budget."""
+    config = ModelConfig.tiny_hybrid(dtype="float32")
+    assert config.kv_group_size < config.num_layers  # the arrays are shared
+    bpb = kv_bytes_per_block(num_layers=config.kv_group_size,
+                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             block_size=8, kv_dtype=kv_dtype)
+    budget = 49 * bpb + bpb - 1
+    engine = Engine(config, kv_cache_bytes=budget, kv_dtype=kv_dtype,
+                    **dict(SMALL, block_size=8, page_buckets=(32,)))
+    assert engine.num_blocks == 48 and engine.kv_bytes_per_block == bpb
+    nbytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(engine.runner.kv_caches))
+    assert nbytes == engine.kv_pool_bytes == 49 * bpb <= budget
