@@ -13,6 +13,7 @@ sampled tokens and finish requests (host).
 
 from __future__ import annotations
 
+import collections
 import operator
 import time
 import zlib
@@ -85,6 +86,14 @@ class Engine:
         `max_lora_rank` (the padded rank of the one compiled step). The adapter's name
         and path key the prefix cache as without it.
       max_loras, max_lora_rank: see `enable_lora` (positive ints; used only with it).
+        The stacked device weights of `max_loras + 1` slots at rank `max_lora_rank`
+        (`prefixcache.model.lora.lora_weights_nbytes`) are checked with the KV arrays
+        against the free memory here, before anything is built.
+      max_cpu_loras: the most adapters kept read on the host (`lora_adapters`, vLLM's
+        `max_cpu_loras`); None (default): `max_loras`; an int >= `max_loras`. Past it,
+        the least recently used adapters (last added or run) that no unfinished request
+        names and no device slot holds are dropped after each add; one requested again
+        is re-read from disk and re-validated. Used only with `enable_lora`.
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
@@ -133,8 +142,10 @@ class Engine:
       record_logits: when True, each step also fetches the next-token logits of the
         requests that sampled (one explicit device_get) into `step_logits`: a list per
         step of {request_id: f32[vocab]} (for numerics checks; grows without bound).
-      lora_adapters: (name, path) -> `prefixcache.model.lora.LoRAAdapter` read so far
-        (with enable_lora; the device slots are `runner.lora_slots`).
+      lora_adapters: (name, path) -> `prefixcache.model.lora.LoRAAdapter` kept read on
+        the host, least recently used first (with enable_lora; the device slots are
+        `runner.lora_slots`): at most `max_cpu_loras`, or more while unfinished
+        requests name more (see `max_cpu_loras`).
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
@@ -163,7 +174,7 @@ class Engine:
                  eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
-                 kv_cache_bytes: int | str | None = None):
+                 kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None):
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -208,6 +219,13 @@ class Engine:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         max_loras = _positive_int("max_loras", max_loras)
         max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
+        if max_cpu_loras is None:
+            max_cpu_loras = max_loras  # vLLM's default
+        max_cpu_loras = _positive_int("max_cpu_loras", max_cpu_loras)
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras "
+                             f"({max_loras}): every adapter in a device slot is kept read "
+                             "on the host")
         if enable_lora and lora_cache_key_only:
             raise ValueError("enable_lora applies adapters, lora_cache_key_only runs the "
                              "base model under an adapter's cache key: give one, not both")
@@ -224,7 +242,8 @@ class Engine:
         _check_runnable(model_config, num_blocks=num_blocks, block_size=block_size,
                         max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                         interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks,
-                        kv_dtype=kv_dtype)
+                        kv_dtype=kv_dtype,
+                        lora=(max_loras, max_lora_rank) if enable_lora else None)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -239,9 +258,10 @@ class Engine:
         self.enable_lora = bool(enable_lora)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        # (name, path) -> LoRAAdapter read from disk (host arrays; kept for the engine's
-        # life, as vLLM's CPU LoRA cache without a bound).
-        self.lora_adapters: dict = {}
+        self.max_cpu_loras = max_cpu_loras
+        # (name, path) -> LoRAAdapter read from disk (host arrays), least recently used
+        # first; at most max_cpu_loras beyond those pinned (see `_maybe_drop_loras`).
+        self.lora_adapters: collections.OrderedDict = collections.OrderedDict()
         self.vocab_size = int(model_config.vocab_size)
         self.num_host_blocks = num_host_blocks
         if num_host_blocks:
@@ -334,11 +354,15 @@ class Engine:
         """
         if lora is not None and lora_request is not None:
             raise ValueError("give lora or lora_request (the same thing), not both")
-        state = self._new_state(prompt, params, request_id=request_id,
-                                mm_features=mm_features, mm_embeddings=mm_embeddings,
-                                cache_salt=cache_salt,
-                                lora=lora if lora is not None else lora_request)
-        self._commit(state)
+        try:
+            state = self._new_state(prompt, params, request_id=request_id,
+                                    mm_features=mm_features, mm_embeddings=mm_embeddings,
+                                    cache_salt=cache_salt,
+                                    lora=lora if lora is not None else lora_request)
+            self._commit(state)
+        finally:
+            # After the commit: the new request's adapter is pinned by then.
+            self._maybe_drop_loras()
         return state.request_id
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
@@ -399,12 +423,30 @@ class Engine:
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora must be a LoRARequest, got {type(lora).__name__}")
         key = (lora.name, lora.path)
-        if key not in self.lora_adapters:
+        if key in self.lora_adapters:
+            self.lora_adapters.move_to_end(key)  # most recently used
+        else:
             # NOTE: a memo of the file's contents (host arrays), filled at validation
-            # time; adapters reach device slots only when a step runs them.
+            # time; adapters reach device slots only when a step runs them. A dropped
+            # adapter is read and validated again (the file may have changed).
             self.lora_adapters[key] = load_lora_adapter(
                 lora.path, self.model_config, max_lora_rank=self.max_lora_rank,
                 name=lora.name)
+
+    def _maybe_drop_loras(self) -> None:
+        """Drops least recently used adapters from `lora_adapters` past `max_cpu_loras`,
+        never one that an unfinished request names (a step reads it from here) or that
+        a device slot holds (its slot is reused without reading the file again)."""
+        memo = self.lora_adapters
+        excess = len(memo) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        pinned = set(self.runner.lora_slots.resident)
+        for state in self.scheduler.requests.values():
+            if (lo := state.request.lora) is not None:
+                pinned.add((lo.name, lo.path))
+        for key in [k for k in memo if k not in pinned][:excess]:
+            del memo[key]
 
     def _commit(self, state: EngineRequest) -> None:
         self._known_ids.add(state.request_id)
@@ -635,12 +677,16 @@ class Engine:
             raise ValueError("generate() needs an idle engine; drain step() first")
         # Validate everything first, so a bad prompt leaves the engine unchanged.
         states, taken = [], set()
-        for p, sp, mm, lo in zip(prompts, params, mms, loras):
-            st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken)
-            taken.add(st.request_id)
-            states.append(st)
-        for st in states:
-            self._commit(st)
+        try:
+            for p, sp, mm, lo in zip(prompts, params, mms, loras):
+                st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken)
+                taken.add(st.request_id)
+                states.append(st)
+            for st in states:
+                self._commit(st)
+        finally:
+            # After every commit: each prompt's adapter is pinned by then.
+            self._maybe_drop_loras()
         ids = [st.request_id for st in states]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
@@ -747,10 +793,12 @@ def _pool_size(config, *, num_blocks, kv_cache_bytes, block_size,
 
 def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: int,
                     attention_backend: str, interpret: bool, mesh,
-                    num_host_blocks: int = 0, kv_dtype=None) -> None:
-    """ValueError when the kernels cannot run this model and pool, or its KV arrays,
-    block tables and host-tier pages cannot fit in memory (device memory when the
-    device reports it, else host memory)."""
+                    num_host_blocks: int = 0, kv_dtype=None,
+                    lora: tuple[int, int] | None = None) -> None:
+    """ValueError when the kernels cannot run this model and pool, or its KV arrays
+    (with the stacked LoRA weights of `lora` = (max_loras, max_lora_rank)), block
+    tables and host-tier pages cannot fit in memory (device memory when the device
+    reports it, else host memory)."""
     import kernels
     from prefixcache._validate import check_host_memory
     from prefixcache.kv_dtypes import kv_bytes_per_block
@@ -761,7 +809,18 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
         head_dim=config.head_dim, num_q_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
         kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
-    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh)
+    extra = ()
+    if lora is not None:
+        from prefixcache.model.lora import TARGET_MODULES, lora_weights_nbytes
+
+        max_loras, max_lora_rank = lora
+        extra = ((f"the stacked LoRA weights (max_loras={max_loras} + 1 slots x "
+                  f"max_lora_rank={max_lora_rank}: A and B of {len(TARGET_MODULES)} "
+                  f"modules x {config.num_layers} layers, {config.dtype})",
+                  lora_weights_nbytes(config, max_loras=max_loras,
+                                      max_lora_rank=max_lora_rank)),)
+    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh,
+                          extra=extra)
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:

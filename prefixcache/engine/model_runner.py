@@ -17,6 +17,7 @@ Nothing else crosses the host/device boundary, so the step loop runs clean under
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import operator
@@ -297,8 +298,9 @@ class ModelRunner:
         against). Settable (`runner.pack_transfers`) between steps.
       lora_slots: a `prefixcache.model.lora.LoRASlots` (the stacked adapter weights)
         when LoRA is enabled, else None.
-      lora_adapters: (name, path) -> `LoRAAdapter` of every adapter requests may name
-        (the engine's loaded adapters; read at `prepare`), with `lora_slots`.
+      lora_adapters: an OrderedDict (name, path) -> `LoRAAdapter` of every adapter
+        requests may name (the engine's loaded adapters, least recently used first;
+        read at `prepare`, which moves the step's adapters to the end), with `lora_slots`.
       num_host_blocks: host-tier pages (`host_pages`, a `HostPages`; 0: none, None).
     """
 
@@ -311,6 +313,10 @@ class ModelRunner:
                  kv_dtype=None):
         from prefixcache.model import make_kv_caches
 
+        if lora_adapters is not None and not isinstance(lora_adapters,
+                                                        collections.OrderedDict):
+            raise ValueError("lora_adapters must be a collections.OrderedDict (its order "
+                             f"is the adapters' recency), got {type(lora_adapters).__name__}")
         if program is None:
             program = StepProgram(model, attention_backend=attention_backend,
                                   interpret=interpret, mesh=mesh, kv_dtype=kv_dtype)
@@ -337,7 +343,8 @@ class ModelRunner:
         self._greedy_sampling: dict[int, SamplingArrays] = {}
         self.pack_transfers = bool(pack_transfers)
         self.lora_slots = lora_slots
-        self.lora_adapters = lora_adapters if lora_adapters is not None else {}
+        self.lora_adapters = (lora_adapters if lora_adapters is not None
+                              else collections.OrderedDict())
         # The first KV group is sliding-window (e.g. Mistral): its table has null slots.
         kv_groups = getattr(config, "kv_groups", ((None, ()),))
         self._sliding_group0 = kv_groups[0][0] is not None
@@ -452,6 +459,9 @@ class ModelRunner:
                 for s in scheduled]
         slots = np.asarray(self.lora_slots.activate(
             [None if k is None else adapters[k] for k in keys]), np.int32)
+        for k in keys:  # used now: the most recently used (the engine drops from the front)
+            if k is not None:
+                adapters.move_to_end(k)
         out = np.zeros(step.input_ids.shape[0], np.int32)
         if slots.any():
             # Sequence i's token rows end at logits_indices[i] and are contiguous

@@ -52,6 +52,7 @@ __all__ = [
     "LoRASlots",
     "lora_delta",
     "load_lora_adapter",
+    "lora_weights_nbytes",
     "module_dims",
 ]
 
@@ -75,6 +76,15 @@ def module_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
             "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+def lora_weights_nbytes(config: ModelConfig, *, max_loras: int, max_lora_rank: int) -> int:
+    """Bytes of `LoRASlots.weights`: A [S, L, in, R] and B [S, L, R, out] of every
+    module of TARGET_MODULES, S = max_loras + 1 slots (slot 0: no adapter), in
+    `config.dtype`. The arrays are replicated: every device of a mesh holds them all."""
+    S, L, R = max_loras + 1, config.num_layers, max_lora_rank
+    per_slot = sum(L * R * (i + o) for i, o in module_dims(config).values())
+    return S * per_slot * jnp.dtype(config.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -359,7 +369,7 @@ class LoRASlots:
         self.sharding = sharding
         S, L, R = self.max_loras + 1, config.num_layers, self.max_lora_rank
         dims = module_dims(config)
-        nbytes = sum(S * L * R * (i + o) for i, o in dims.values()) * self.dtype.itemsize
+        nbytes = lora_weights_nbytes(config, max_loras=self.max_loras, max_lora_rank=R)
         check_host_memory(f"the stacked LoRA weights ({S} slots x rank {R})", nbytes)
         self.weights = {m: (jnp.zeros((S, L, dims[m][0], R), self.dtype, device=sharding),
                             jnp.zeros((S, L, R, dims[m][1]), self.dtype, device=sharding))

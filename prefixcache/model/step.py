@@ -25,7 +25,8 @@ __all__ = ["check_kv_cache_memory", "make_kv_caches", "make_step_fn"]
 
 
 def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, dtype=None,
-                          mesh: Mesh | None = None, *, per_layer: bool = False) -> int:
+                          mesh: Mesh | None = None, *, per_layer: bool = False,
+                          extra: Sequence[tuple[str, int]] = ()) -> int:
     """Refuses KV caches that cannot fit, before allocating them.
 
     The caches are `config.kv_group_size` arrays (`num_layers` with `per_layer`; the
@@ -38,6 +39,10 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
 
     `dtype` (default `config.dtype`) may be a quantized KV dtype (float8_e4m3fn, int8):
     its per-(page, kv head) f32 scales count too (`prefixcache.kv_dtypes`).
+
+    `extra`: other arrays allocated with the caches, as (what, bytes) pairs, replicated
+    on every device (e.g. the stacked LoRA weights): they must fit together with the
+    caches, and the message names each with its bytes.
 
     Returns:
       The bytes of all layers' caches (whole, not per device).
@@ -61,18 +66,28 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
             f"tokens x {2 * config.num_kv_heads} x {config.head_dim} {dtype.name})")
     shards = int(dict(mesh.shape).get(MODEL_AXIS, 1)) if mesh is not None else 1
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    extra_bytes = sum(int(b) for _, b in extra)
+    hint = "use fewer blocks"
+    if extra:
+        # NOTE: the caches and the extra arrays are refused together: each may fit
+        # alone while both do not (the extra arrays are allocated after the caches' check).
+        what = (f"{what}, {nbytes / 2**30:.3g} GiB, with "
+                + " and ".join(f"{w}, {int(b)} bytes ({int(b) / 2**30:.3g} GiB)"
+                               for w, b in extra) + ",")
+        hint = "use fewer blocks or make the other arrays smaller"
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without memory statistics
         stats = None
     if stats and "bytes_limit" in stats:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-        if nbytes // shards > free:
+        per_device = nbytes // shards + extra_bytes
+        if per_device > free:
             raise ValueError(
-                f"{what} needs about {nbytes // shards / 2**30:.3g} GiB per device but only "
-                f"{free / 2**30:.3g} GiB of device memory is free; use fewer blocks")
+                f"{what} needs about {per_device / 2**30:.3g} GiB per device but only "
+                f"{free / 2**30:.3g} GiB of device memory is free; {hint}")
     else:
-        check_host_memory(what, nbytes)
+        check_host_memory(what, nbytes + extra_bytes)
     return nbytes
 
 
