@@ -208,6 +208,16 @@ class Engine:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         max_loras = _positive_int("max_loras", max_loras)
         max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
+        if not isinstance(enable_lora, (bool, np.bool_)):  # ("no" would be truthy)
+            raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+        if enable_lora:  # LoRASlots' weights must fit: refused before anything is built
+            from prefixcache._validate import check_host_memory
+            from prefixcache.model.lora import module_dims
+            check_host_memory(
+                f"the stacked LoRA weights (max_loras={max_loras}, max_lora_rank="
+                f"{max_lora_rank})", (max_loras + 1) * model_config.num_layers * max_lora_rank
+                * sum(i + o for i, o in module_dims(model_config).values())
+                * (4 if model_config.dtype == "float32" else 2))
         if enable_lora and lora_cache_key_only:
             raise ValueError("enable_lora applies adapters, lora_cache_key_only runs the "
                              "base model under an adapter's cache key: give one, not both")
