@@ -104,6 +104,22 @@ def _check_hit_container(new_computed_blocks) -> None:
             f"got {type(new_computed_blocks).__name__}")
 
 
+def _check_hit_positions(manager, request, computed) -> None:
+    """Raise unless hit block #i is cached under the request's block hash #i (a list
+    reordered, cut in front, duplicated or from another prompt is refused before any
+    change: adopted, it would leave a table whose blocks hold other tokens)."""
+    request.bind_hasher(manager.hasher, manager.block_size)
+    hashes = request.block_hashes
+    n = len(computed)
+    if [b.block_hash for b in computed] != hashes[:n]:
+        i = next((i for i, b in enumerate(computed)
+                  if i >= len(hashes) or b.block_hash != hashes[i]), n)
+        raise ValueError(
+            f"new_computed_blocks #{i} ({computed[i]!r}) is not the cached block #{i} of "
+            f"request {request.request_id!r}'s prefix: pass the list get_computed_blocks "
+            "returned for this request, unchanged")
+
+
 def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
                       new_computed_blocks, num_lookahead_tokens):
     """The checks ``allocate_slots`` makes on a call before changing anything, shared by
@@ -690,6 +706,8 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         except IndexError:  # a block id past this pool's: another manager's block
             raise ValueError(
                 f"block {b.block_id} is not a cached block of this manager") from None
+        if computed:
+            _check_hit_positions(self, request, computed)
         pool = self.block_pool
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
@@ -770,6 +788,8 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                 raise ArgumentTypeError(
                     "new_computed_blocks must hold KVCacheBlock / HostHit objects, got "
                     f"{b!r}")
+        if computed:
+            _check_hit_positions(self, request, computed)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
         if num_new_blocks + len(loads) + num_evictable > pool.free_block_queue.num_free_blocks:

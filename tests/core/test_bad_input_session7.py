@@ -375,3 +375,129 @@ def test_cluster_host_flags_refused_before_any_record(name, bad):
         cluster.simulate_cluster(_trace(), num_replicas=2, router="kv_events", cost_model=cost,
                                  num_blocks=16, block_size=4, on_record=recs.append, **kw)
     assert recs == []
+
+
+# --------------------------------------------------------------- random call sequences
+@pytest.mark.parametrize("index", INDEXES)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free", "lookup", "stale", "reorder",
+                                               "drop", "dup", "mix"]),
+                              st.integers(0, 5), st.integers(0, 2**16)),
+                    min_size=4, max_size=30))
+def test_random_sequences_with_stale_and_mangled_hit_lists(index, ops):
+    """Good admissions and frees interleaved with hit lists that are stale (from an
+    earlier lookup), reordered, cut, duplicated or mixed with another prompt's: every
+    call either succeeds or is refused with nothing changed (snapshots, no transfers or
+    events), and the invariants hold throughout."""
+    m = KVCacheManager(8, 4, num_host_blocks=6, index=index, free_order="unhashed_first",
+                       enable_events=True)
+    prompts = [list(range(p * 8, p * 8 + 17)) for p in range(3)]  # share nothing
+    running: dict[str, Request] = {}
+    old_lists: list = []
+    serial = 0
+    for op, k, seed in ops:
+        p = prompts[k % 3]
+        if op == "free":
+            if running:
+                rid = sorted(running)[k % len(running)]
+                m.free(running.pop(rid))
+            continue
+        serial += 1
+        r = Request(f"r{serial}", p)
+        blocks, n = m.get_computed_blocks(r)
+        if op in ("admit", "lookup"):
+            old_lists.append((p, blocks))
+            if op == "admit" and len(running) < 2:
+                if m.allocate_slots(r, r.num_tokens - n, n, blocks) is not None:
+                    running[r.request_id] = r
+            continue
+        if op == "stale" and old_lists:
+            p0, bad = old_lists[seed % len(old_lists)]
+            r = Request(f"r{serial}s", p0)
+        elif op == "reorder" and len(blocks) >= 2:
+            bad = blocks[::-1]
+        elif op == "drop" and len(blocks) >= 2:
+            bad = blocks[1:]
+        elif op == "dup" and blocks:
+            bad = blocks + blocks[-1:]
+        elif op == "mix" and old_lists:
+            _, other = old_lists[seed % len(old_lists)]
+            bad = blocks[:1] + other[1:]
+        else:
+            continue
+        m.take_host_transfers()
+        m.take_events()
+        before = snap(m)
+        slot_hash = {s.block_id: s.block_hash for s in m.host_tier.slots}
+        nb = len(bad) * 4
+        try:
+            got = m.allocate_slots(r, max(r.num_tokens - nb, 1), nb, bad)
+        except (ValueError, TypeError):
+            assert snap(m) == before
+            assert m.take_host_transfers() == [] and m.take_events() == []
+        else:
+            # Accepted (e.g. a device-only list, which the hash index takes as vLLM
+            # does): every loaded block is cached under the hash its host slot held --
+            # a reordered HostHit list cached one block under another's hash before.
+            if got is not None:
+                running[r.request_id] = r
+                mine = {b.block_id: b for b in m._states[r.request_id].blocks}
+                for t in m.take_host_transfers():
+                    if t.kind == "load":
+                        assert mine[t.block_id].block_hash == slot_hash[t.host_slot], op
+        m.check_invariants()
+
+
+# --------------------------------------------------------------- mangled device hit lists
+def _device_hits(m):
+    for rid in ("a", "b"):
+        r = Request(rid, list(range(17)))
+        _admit(m, r)
+    m.free("b")
+    m.take_events()
+    r = Request("c", list(range(17)))
+    return r, *m.get_computed_blocks(r)
+
+
+MANGLE = {
+    "reorder": lambda bl: bl[::-1],
+    "dup": lambda bl: bl + bl[-1:],
+    "cut_front": lambda bl: bl[1:],
+}
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("how", sorted(MANGLE))
+def test_mangled_device_hit_lists_refused(index, how):
+    """Hash index (default path, regression): a reordered / duplicated / front-cut list
+    of device hits was adopted, leaving a table check_invariants rejects."""
+    m = KVCacheManager(20, 4, index=index, enable_events=True)
+    r, blocks, n = _device_hits(m)
+    assert len(blocks) == 4
+    bad = MANGLE[how](blocks)
+    before = (m.counters(), m.free_block_ids(), sorted(m._states))
+    with pytest.raises(ValueError, match="cached block|adopts"):
+        m.allocate_slots(r, max(r.num_tokens - 4 * len(bad), 1), 4 * len(bad), bad)
+    assert (m.counters(), m.free_block_ids(), sorted(m._states)) == before
+    assert m.take_events() == []
+    m.check_invariants()
+    assert m.allocate_slots(r, r.num_tokens - n, n, blocks) is not None
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("how", sorted(MANGLE))
+def test_mangled_hybrid_hit_lists_refused(how):
+    """HybridKVCacheManager (regression): the same, per group."""
+    m = KVCacheManager(20, 4, kv_cache_groups=kg.parse_kv_groups("full,sw8"),
+                       enable_events=True)
+    r, hits, n = _device_hits(m)
+    bad = tuple(MANGLE[how](list(g)) for g in hits)
+    before = (m.counters(), sorted(m._states))
+    nt = 4 * len(bad[0])
+    with pytest.raises(ValueError, match="cached block"):
+        m.allocate_slots(r, max(r.num_tokens - nt, 1), nt, bad)
+    assert (m.counters(), sorted(m._states)) == before
+    assert m.take_events() == []
+    m.check_invariants()
+    assert m.allocate_slots(r, r.num_tokens - n, n, hits) is not None
+    m.check_invariants()
