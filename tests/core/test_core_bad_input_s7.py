@@ -141,7 +141,8 @@ def test_host_hits_of_another_request_stale_or_reused_refused(index):
     # Copies of the entries are the same hits (block_id -1): accepted.
     copies = blocks[:1] + [copy.copy(b) for b in blocks[1:]]
     assert m.allocate_slots(r, 1, n, copies) is not None
-    assert [b.block_id for b in copies[1:]] != [-1] * 3 and [b.block_id for b in blocks[1:]] == [-1] * 3
+    assert [b.block_id for b in copies[1:]] != [-1] * 3
+    assert [b.block_id for b in blocks[1:]] == [-1] * 3
     m.free(r)
     m.take_host_transfers()
     m.take_events()
@@ -249,7 +250,8 @@ def test_parse_kv_groups_refused(text):
 
 def test_check_kv_cache_groups_refused():
     g = kg.KVCacheGroup(kg.FullAttentionSpec(), ("l0",))
-    for bad, match in (((g, g), "is in KV cache groups 0 and 1"), ((x for x in [g]), "list or tuple"),
+    for bad, match in (((g, g), "is in KV cache groups 0 and 1"),
+                       ((x for x in [g]), "list or tuple"),
                        ([g, "x"], r"kv_cache_groups\[1\]"), ([], "empty")):
         with pytest.raises((ValueError, TypeError), match=match):
             kg.check_kv_cache_groups(bad)
