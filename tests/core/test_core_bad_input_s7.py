@@ -383,12 +383,12 @@ def test_cluster_host_flags_refused_before_any_record(name, bad):
 @pytest.mark.parametrize("index", INDEXES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(["admit", "free", "lookup", "stale", "reorder",
-                                               "drop", "dup", "mix"]),
+                                               "drop", "dup", "mix", "reset"]),
                               st.integers(0, 5), st.integers(0, 2**16)),
                     min_size=4, max_size=30))
 def test_random_sequences_with_stale_and_mangled_hit_lists(index, ops):
-    """Good admissions and frees interleaved with hit lists that are stale (from an
-    earlier lookup), reordered, cut, duplicated or mixed with another prompt's: every
+    """Good admissions, frees and resets interleaved with hit lists that are stale (from
+    an earlier lookup), reordered, cut, duplicated or mixed with another prompt's: every
     call either succeeds or is refused with nothing changed (snapshots, no transfers or
     events), and the invariants hold throughout."""
     m = KVCacheManager(8, 4, num_host_blocks=6, index=index, free_order="unhashed_first",
@@ -403,6 +403,10 @@ def test_random_sequences_with_stale_and_mangled_hit_lists(index, ops):
             if running:
                 rid = sorted(running)[k % len(running)]
                 m.free(running.pop(rid))
+            continue
+        if op == "reset":  # (both tiers, when nothing runs): older lists go stale
+            m.reset_prefix_cache()
+            m.take_host_transfers()
             continue
         serial += 1
         r = Request(f"r{serial}", p)
