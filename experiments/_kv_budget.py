@@ -19,7 +19,7 @@ def parse_kv_dtypes(value) -> tuple[str, ...]:
     from prefixcache.kv_dtypes import check_kv_dtype  # noqa: PLC0415
 
     items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) \
-        else list(value)
+        else list(value) if isinstance(value, (list, tuple)) else [value]  # (one value)
     if not items:
         raise ValueError(f"kv_dtype must name at least one KV dtype, got {value!r}")
     return tuple(dict.fromkeys(check_kv_dtype(i) for i in items))
@@ -32,7 +32,7 @@ def parse_budgets(value) -> tuple[int, ...]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = [value]
     items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) \
-        else list(value)
+        else list(value) if isinstance(value, (list, tuple)) else [value]  # (one value)
     return tuple(sorted({parse_bytes(i) for i in items}))
 
 

@@ -57,7 +57,7 @@ def parse_multiples(value) -> tuple[float, ...]:
         ValueError: empty, not a number, not finite or <= 0.
     """
     items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) \
-        else list(value)
+        else list(value) if isinstance(value, (list, tuple)) else [value]  # (one value)
     out = []
     for item in items:
         try:

@@ -90,6 +90,9 @@ def check_kv_scales(kv_pages, kv_scales) -> None:
   if not quantized:
     raise ValueError(f"kv_scales given for kv_pages of dtype {jnp.dtype(kv_pages.dtype).name}; "
                      "only float8_e4m3fn and int8 pages carry scales")
+  if not (hasattr(kv_scales, "shape") and hasattr(kv_scales, "dtype")):
+    raise TypeError(f"kv_scales must be an f32[num_pages, 2*num_kv_heads] array, got "
+                    f"{type(kv_scales).__name__}")
   want = (kv_pages.shape[0], kv_pages.shape[2])
   if tuple(kv_scales.shape) != want:
     raise ValueError(f"kv_scales shape {tuple(kv_scales.shape)} must be {want} = "

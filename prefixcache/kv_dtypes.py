@@ -19,6 +19,7 @@ a device pool that also keeps padding pages (the engine's: one).
 
 from __future__ import annotations
 
+import fractions
 import re
 
 from prefixcache._validate import ArgumentTypeError, check_count
@@ -72,9 +73,11 @@ def kv_bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int,
     ``num_layers * (block_size * 2 * num_kv_heads * head_dim * itemsize
     + [quantized] 2 * num_kv_heads * SCALE_BYTES)``.
     """
-    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim), ("block_size", block_size)):
+    # (as Python ints: numpy ints would wrap around silently in the products)
+    num_layers, num_kv_heads, head_dim, block_size = (
         check_count(name, v, min=1)
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("block_size", block_size)))
     values = block_size * 2 * num_kv_heads * head_dim * kv_dtype_itemsize(kv_dtype)
     scales = 2 * num_kv_heads * SCALE_BYTES if is_quantized(kv_dtype) else 0
     return num_layers * (values + scales)
@@ -95,8 +98,13 @@ def parse_bytes(value) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"cannot read a byte count from {value!r}; expected e.g. "
                              "'2GiB', '512MiB', '1e9' or an int")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if n != int(n):
+        # NOTE: exact (Fraction, not float: "9007199254740993" stays that int), with
+        # the magnitude bounded first (a float's: "1e400" is inf, and 10**1e9 would hang).
+        approx = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not approx < 2.0**128:
+            raise ValueError(f"byte count {value!r} is too large (> 2**128 bytes)")
+        n = fractions.Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+        if n.denominator != 1:
             raise ValueError(f"byte count {value!r} is not a whole number of bytes")
         value = int(n)
     try:

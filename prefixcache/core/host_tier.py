@@ -124,8 +124,11 @@ class HostHit:
         self.block_id = -1
 
     def __repr__(self) -> str:
-        return (f"HostHit(host_slot={self.host_slot}, block_id={self.block_id}, "
-                f"block_hash={self.block_hash.hex()[:12]})")
+        # (any field may be a caller's garbage: the error messages print this)
+        h = getattr(self, "block_hash", None)
+        h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
+        return (f"HostHit(host_slot={getattr(self, 'host_slot', None)!r}, "
+                f"block_id={getattr(self, 'block_id', None)!r}, block_hash={h})")
 
 
 class _Origin:
@@ -154,7 +157,10 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
     if not isinstance(host_eviction, str):
         raise ArgumentTypeError(
             f"host_eviction must be a policy name (str), got {host_eviction!r}")
-    get_policy_class(host_eviction)  # unknown -> ValueError naming the choices
+    try:
+        get_policy_class(host_eviction)  # unknown -> ValueError naming the choices
+    except ValueError as e:
+        raise ValueError(f"host_eviction: {e}") from None
     if host_eviction in UNSUPPORTED_HOST_POLICIES:
         raise ValueError(
             f"host_eviction={host_eviction!r} is not supported for the host tier (it needs "
@@ -207,8 +213,12 @@ class HostTier:
         # The host policy; None = the lru fast path (the map's insertion order).
         self.policy: EvictionPolicy | None = None
         if eviction != DEFAULT_POLICY or options or not fast_path:
-            self.policy = make_policy(eviction, num_blocks=num_host_blocks,
-                                      block_size=block_size, **options)
+            try:
+                self.policy = make_policy(eviction, num_blocks=num_host_blocks,
+                                          block_size=block_size, **options)
+            except (TypeError, ValueError) as e:  # (an option of the wrong name or value)
+                raise type(e)(f"host_eviction={eviction!r}, host_eviction_options="
+                              f"{eviction_options!r}: {e}") from None
         # NOTE: chain positions and priorities are recorded per device block (for the
         # policy's on_cached / on_release) only when there is a policy object.
         self.track_origin = self.policy is not None

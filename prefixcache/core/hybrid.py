@@ -512,6 +512,25 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             out.append(blocks)
         return out
 
+    def _check_hit_positions(self, request, hits) -> None:
+        """Raise unless each group's hit slot #i holds the request's block #i (as
+        ``check_invariants`` requires): a list reordered, cut in front or duplicated
+        is refused before any change."""
+        request.bind_hasher(self.hasher, self.block_size)
+        hashes = request.block_hashes
+        null = self.null_block
+        for g, blocks in enumerate(hits):
+            w = self._windows[g]
+            if not (w is None or w > 1):
+                continue
+            suffix = self._suffix[g]
+            for i, b in enumerate(blocks):
+                if b is not null and (i >= len(hashes) or b.block_hash != hashes[i] + suffix):
+                    raise ValueError(
+                        f"new_computed_blocks[{g}] #{i} (block {b.block_id}) is not the cached "
+                        f"block #{i} of request {request.request_id!r}'s prefix: pass the "
+                        "tuple get_computed_blocks returned for this request, unchanged")
+
     def allocate_slots(
         self,
         request,
@@ -559,6 +578,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
             self, request, num_new_tokens, num_new_computed_tokens, flat,
             num_lookahead_tokens)
+        if flat:
+            self._check_hit_positions(request, hits)
         # --- validated: vLLM's allocate_slots from here on --------------------
         bs = self.block_size
         pool = self.block_pool

@@ -104,6 +104,22 @@ def _check_hit_container(new_computed_blocks) -> None:
             f"got {type(new_computed_blocks).__name__}")
 
 
+def _check_hit_positions(manager, request, computed) -> None:
+    """Raise unless hit block #i is cached under the request's block hash #i (a list
+    reordered, cut in front, duplicated or from another prompt is refused before any
+    change: adopted, it would leave a table whose blocks hold other tokens)."""
+    request.bind_hasher(manager.hasher, manager.block_size)
+    hashes = request.block_hashes
+    n = len(computed)
+    if [b.block_hash for b in computed] != hashes[:n]:
+        i = next((i for i, b in enumerate(computed)
+                  if i >= len(hashes) or b.block_hash != hashes[i]), n)
+        raise ValueError(
+            f"new_computed_blocks #{i} ({computed[i]!r}) is not the cached block #{i} of "
+            f"request {request.request_id!r}'s prefix: pass the list get_computed_blocks "
+            "returned for this request, unchanged")
+
+
 def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
                       new_computed_blocks, num_lookahead_tokens):
     """The checks ``allocate_slots`` makes on a call before changing anything, shared by
@@ -530,6 +546,8 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         Counts no lookup and changes nothing (a scheduler ordering its waiting queue
         by cached prefix calls it for every waiting request, every step).
         """
+        if type(request) is not Request:
+            _check_request(request)
         if not self.enable_caching:
             return 0
         return len(self._hit_blocks(request)) * self.block_size
@@ -676,14 +694,20 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         # against the free blocks too (vLLM's num_evictable_computed_blocks).
         num_evictable = 0
         pool_blocks = self.block_pool.blocks
-        for b in computed:
-            if type(b) is not KVCacheBlock:
-                raise ArgumentTypeError(
-                    f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-            if b.block_hash is None or pool_blocks[b.block_id] is not b:
-                raise ValueError(f"block {b.block_id} is not a cached block of this manager")
-            if b.ref_cnt == 0:
-                num_evictable += 1
+        try:
+            for b in computed:
+                if type(b) is not KVCacheBlock:
+                    raise ArgumentTypeError(
+                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
+                if b.block_hash is None or pool_blocks[b.block_id] is not b:
+                    raise ValueError(f"block {b.block_id} is not a cached block of this manager")
+                if b.ref_cnt == 0:
+                    num_evictable += 1
+        except IndexError:  # a block id past this pool's: another manager's block
+            raise ValueError(
+                f"block {b.block_id} is not a cached block of this manager") from None
+        if computed:
+            _check_hit_positions(self, request, computed)
         pool = self.block_pool
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
@@ -733,29 +757,39 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         loads: list[int] = []  # positions of host hits in ``computed``
         device_hits: list[KVCacheBlock] = []
         seen_slots: set[int] = set()
+        hashes = None
         for i, b in enumerate(computed):
             t = type(b)
             if t is KVCacheBlock:
-                if b.block_hash is None or pool_blocks[b.block_id] is not b:
+                if (b.block_hash is None or not 0 <= b.block_id < len(pool_blocks)
+                        or pool_blocks[b.block_id] is not b):
                     raise ValueError(f"block {b.block_id} is not a cached block of this manager")
                 if b.ref_cnt == 0:
                     num_evictable += 1
                 device_hits.append(b)
             elif t is HostHit:
+                if hashes is None:
+                    request.bind_hasher(self.hasher, bs)
+                    hashes = request.block_hashes
                 sid = b.host_slot
                 if (
                     b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
                     or tier.slots[sid].block_hash != b.block_hash or sid in seen_slots
+                    # (a hit at another position would be cached under this one's hash)
+                    or i >= len(hashes) or hashes[i] != b.block_hash
                 ):
                     raise ValueError(
-                        f"{b!r} is not a current host-tier hit of this manager (already "
-                        "promoted, or the host entry changed since get_computed_blocks)")
+                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
+                        f"of request {request.request_id!r} (already promoted, reordered, or "
+                        "the host entry changed since get_computed_blocks)")
                 seen_slots.add(sid)
                 loads.append(i)
             else:
                 raise ArgumentTypeError(
                     "new_computed_blocks must hold KVCacheBlock / HostHit objects, got "
                     f"{b!r}")
+        if computed:
+            _check_hit_positions(self, request, computed)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
         if num_new_blocks + len(loads) + num_evictable > pool.free_block_queue.num_free_blocks:

@@ -148,7 +148,7 @@ def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
     for i, part in enumerate(p.strip() for p in text.split(",")):
         if part == "full":
             spec = FullAttentionSpec()
-        elif part.startswith("sw") and part[2:].isdigit():
+        elif part.startswith("sw") and part[2:].isascii() and part[2:].isdigit():
             spec = SlidingWindowSpec(int(part[2:]))
         else:
             raise ValueError(f"bad kv group {part!r} in {text!r}: expected 'full' or 'sw<W>'")

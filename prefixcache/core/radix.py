@@ -118,6 +118,7 @@ from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
     _bad_num_computed_tokens,
+    _check_request,
 )
 from prefixcache.core.stats import PrefixCacheStats
 
@@ -416,6 +417,7 @@ class RadixKVCacheManager(HostTierAPI):
     def _lookup_nodes(self, request) -> list[_Node]:
         """The nodes of the longest cached path that starts the request (at most
         ``(num_tokens - 1) // block_size``); reads the tree only."""
+        _check_request(request)  # (every lookup entry point comes here)
         request.bind_hasher(self.hasher, self.block_size)
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

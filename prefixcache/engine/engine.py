@@ -219,6 +219,8 @@ class Engine:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         max_loras = _positive_int("max_loras", max_loras)
         max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
+        if not isinstance(enable_lora, (bool, np.bool_)):  # ("no" would be truthy)
+            raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
         if max_cpu_loras is None:
             max_cpu_loras = max_loras  # vLLM's default
         max_cpu_loras = _positive_int("max_cpu_loras", max_cpu_loras)

@@ -306,7 +306,12 @@ class ModelConfig:
         if not isinstance(hf, Mapping):
             raise ValueError(f"HF config must be a mapping, got {type(hf).__name__}")
         archs = hf.get("architectures") or []
-        arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type"))
+        if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"HF config: architectures must be a list of str, got {archs!r}")
+        model_type = hf.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ValueError(f"HF config: model_type must be a str, got {model_type!r}")
+        arch = archs[0] if archs else _MODEL_TYPES.get(model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unknown architecture {arch!r} (architectures={archs!r}, "
@@ -327,7 +332,17 @@ class ModelConfig:
             raise ValueError("mlp_bias=True not supported")
         sliding_window, layer_types = _hf_layer_types(hf, arch, flavour)
 
+        def number(key, v, kind=float):  # float()/int() as before, errors named
+            try:
+                return kind(v)
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"HF config for {arch}: {key} must be a number, got "
+                                 f"{v!r}") from None
+
         # Newer transformers nest RoPE settings under `rope_parameters`.
+        if not isinstance(hf.get("rope_scaling") or {}, Mapping):
+            raise ValueError(f"HF config for {arch}: rope_scaling must be a mapping or null, "
+                             f"got {hf.get('rope_scaling')!r}")
         rope = dict(hf.get("rope_scaling") or {})
         rope_params = hf.get("rope_parameters")
         rope_theta = hf.get("rope_theta")
@@ -337,12 +352,15 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
         if rope_type == "llama3":
             try:
+                omp = number("rope_scaling original_max_position_embeddings",
+                             rope["original_max_position_embeddings"], int)
                 scaling = RopeScaling(
-                    factor=float(rope["factor"]),
-                    low_freq_factor=float(rope["low_freq_factor"]),
-                    high_freq_factor=float(rope["high_freq_factor"]),
-                    original_max_position_embeddings=int(
-                        rope["original_max_position_embeddings"]),
+                    factor=number("rope_scaling factor", rope["factor"]),
+                    low_freq_factor=number("rope_scaling low_freq_factor",
+                                           rope["low_freq_factor"]),
+                    high_freq_factor=number("rope_scaling high_freq_factor",
+                                            rope["high_freq_factor"]),
+                    original_max_position_embeddings=omp,
                 )
             except KeyError as e:
                 raise ValueError(f"llama3 rope_scaling lacks {e.args[0]!r}") from None
@@ -354,7 +372,11 @@ class ModelConfig:
 
         num_heads = need("num_attention_heads")
         d_model = need("hidden_size")
-        head_dim = hf.get("head_dim") or (d_model // num_heads if num_heads else 0)
+        head_dim = hf.get("head_dim")
+        if not head_dim:  # (checked as ints first: the division needs them)
+            _positive_int("hidden_size", d_model)
+            _positive_int("num_attention_heads", num_heads)
+            head_dim = d_model // num_heads
         if dtype is None:
             torch_dtype = str(hf.get("torch_dtype", hf.get("dtype", "float32")))
             dtype = "bfloat16" if torch_dtype in ("bfloat16", "float16") else "float32"
@@ -367,8 +389,9 @@ class ModelConfig:
                           or num_heads),
             head_dim=head_dim,
             mlp_dim=need("intermediate_size"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if flavour == "llama" else 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rms_norm_eps=number("rms_norm_eps",
+                                hf.get("rms_norm_eps", 1e-5 if flavour == "llama" else 1e-6)),
+            rope_theta=number("rope_theta", rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -60,13 +60,24 @@ def read_safetensors(filename: str) -> dict[str, np.ndarray]:
         if len(head) != 8:
             raise ValueError(f"{filename}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", head)
+        if n > os.fstat(f.fileno()).st_size - 8:  # (read(n) would allocate n bytes)
+            raise ValueError(f"{filename}: bad safetensors header: its length {n} exceeds "
+                             "the file")
         try:
             header = json.loads(f.read(n))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"{filename}: bad safetensors header: {e}") from None
+    if not isinstance(header, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("dtype"), str)
+            for k, v in header.items() if k != "__metadata__"):
+        raise ValueError(f"{filename}: bad safetensors header: not an object of tensor "
+                         "entries with a 'dtype' string")
     dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
     if "BF16" not in dtypes:
-        return dict(safetensors.numpy.load_file(filename))
+        try:
+            return dict(safetensors.numpy.load_file(filename))
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"{filename}: bad safetensors file: {e}") from None
     unknown = dtypes - set(_ST_DTYPES)
     if unknown:
         raise ValueError(f"{filename}: unsupported safetensors dtypes {sorted(unknown)}")
@@ -75,9 +86,12 @@ def read_safetensors(filename: str) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        start, end = info["data_offsets"]
-        out[name] = np.array(data[start:end]).view(_ST_DTYPES[info["dtype"]]).reshape(
-            info["shape"])
+        try:
+            start, end = info["data_offsets"]
+            out[name] = np.array(data[start:end]).view(_ST_DTYPES[info["dtype"]]).reshape(
+                info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{filename}: bad safetensors entry {name!r}: {e!r}") from None
     return out
 
 

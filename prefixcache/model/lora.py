@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -131,7 +132,7 @@ def _read_config(path: str, config: ModelConfig, max_lora_rank: int
     try:
         with open(cfg_file) as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (Recursion: nesting too deep)
         _fail(path, f"unreadable {CONFIG_FILE}: {e}")
     if not isinstance(cfg, dict):
         _fail(path, f"{CONFIG_FILE} must hold a JSON object, got {type(cfg).__name__}")
@@ -145,8 +146,9 @@ def _read_config(path: str, config: ModelConfig, max_lora_rank: int
         _fail(path, f"rank r={r} exceeds max_lora_rank={max_lora_rank} (raise "
                     "max_lora_rank to load it)")
     alpha = cfg.get("lora_alpha")
+    # (a comparison, not math.isfinite: an int past a float's range would overflow)
     if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-            or not math.isfinite(alpha) or alpha <= 0):
+            or not 0 < alpha <= sys.float_info.max):
         _fail(path, f"'lora_alpha' must be a positive number, got {alpha!r}")
     # Unsupported options: each changes the adapter's function, so none is ignored.
     bias = cfg.get("bias", "none")
