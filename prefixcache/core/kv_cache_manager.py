@@ -726,6 +726,14 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                     request.num_preemptions > 0,
                 )
             self.device_hit_tokens += num_new_computed_tokens
+        return self._grow_and_cache(request, st, num_new_blocks, total)
+
+    def _grow_and_cache(self, request, st, num_new_blocks: int, total: int) -> list:
+        """The end of an admission (plain or tiered): append ``num_new_blocks`` fresh
+        blocks to the request's table, cache its full blocks up to ``total`` tokens, and
+        return the new blocks."""
+        pool = self.block_pool
+        bs = self.block_size
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         if self.enable_caching:
@@ -831,18 +839,7 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                 )
             self.device_hit_tokens += len(device_hits) * bs
             self.host_hit_tokens += len(loads) * bs
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        st.blocks.extend(new_blocks)
-        request.bind_hasher(self.hasher, bs)
-        hashes = request.block_hashes
-        num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
-        if num_full > st.num_cached_blocks:
-            pool.cache_full_blocks(
-                request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
-            )
-            st.num_cached_blocks = num_full
-        st.idle_until = self._idle_bound(st)
-        return new_blocks
+        return self._grow_and_cache(request, st, num_new_blocks, total)
 
     def free(self, request) -> None:
         """Release a request's blocks (reverse order: its last block evicts first).

@@ -231,6 +231,20 @@ def block_keys(request, first: int, last: int, block_size: int, extras=None) -> 
     return keys
 
 
+def _num_unlocked_suffix(nodes) -> int:
+    """How many of a path's hit ``nodes`` (root side first) are unlocked. Along a path
+    locks never grow with depth (a path holding a node holds its parent), so the
+    unlocked ones are a suffix: find where it starts by bisection."""
+    lo, hi = 0, len(nodes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if nodes[mid].lock:
+            lo = mid + 1
+        else:
+            hi = mid
+    return len(nodes) - lo
+
+
 class RadixKVCacheManager(HostTierAPI):
     """Allocates KV cache blocks and reuses cached prefixes found in a radix tree.
 
@@ -589,17 +603,8 @@ class RadixKVCacheManager(HostTierAPI):
         bs = self.block_size
         ns = _namespace(request)
         nodes = self._adopted_nodes(request, computed, ns) if computed else []
-        # Hit nodes not locked yet leave the available blocks when locked. Along a
-        # path locks never grow with depth (a path holding a node holds its parent),
-        # so the unlocked hits are a suffix: find where it starts by bisection.
-        lo, hi = 0, len(nodes)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if nodes[mid].lock:
-                lo = mid + 1
-            else:
-                hi = mid
-        num_unlocked_hits = len(nodes) - lo
+        # Hit nodes not locked yet leave the available blocks when locked.
+        num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
         if num_new_blocks + num_unlocked_hits > self._num_free_unhashed + self._num_unlocked_nodes:
@@ -930,14 +935,7 @@ class RadixKVCacheManager(HostTierAPI):
                         "entry changed since get_computed_blocks)")
                 seen.add(sid)
         nodes = self._adopted_nodes(request, device, ns) if device else []
-        lo, hi = 0, len(nodes)  # the unlocked hits are a suffix (see _allocate_slow)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if nodes[mid].lock:
-                lo = mid + 1
-            else:
-                hi = mid
-        num_unlocked_hits = len(nodes) - lo
+        num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
         if (num_new_blocks + len(host) + num_unlocked_hits

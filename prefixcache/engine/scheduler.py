@@ -434,28 +434,14 @@ class Scheduler:
         # policy's order (FCFS: the queue itself).
         if not preempted and self.waiting:
             policy = self.policy
-            if self.max_loras is not None:
-                self._admit_with_lora_limit(budget, scheduled, finished)
-            elif policy.is_fcfs:
+            if policy.is_fcfs and self.max_loras is None:
                 while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                     left = self._admit(self.waiting[0], budget, scheduled, finished)
                     if left is None:
                         break
                     budget = left
             else:
-                fcfs = list(self.waiting)
-                admitted = []
-                for state in policy.order(fcfs, _core_request, mgr):
-                    if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                        break
-                    n_running = len(self.running)
-                    left = self._admit(state, budget, scheduled, finished)
-                    if left is None:
-                        break
-                    if len(self.running) > n_running:
-                        admitted.append(state)
-                    budget = left
-                policy.after_admission(fcfs, admitted, _core_request)
+                budget = self._admit_in_order(budget, scheduled, finished)
 
         # 3. Advance num_computed_tokens (the manager never does).
         for s in scheduled:
@@ -465,12 +451,16 @@ class Scheduler:
         self.num_steps += 1
         return SchedulerOutput(scheduled, preempted, finished)
 
-    def _admit_with_lora_limit(self, budget: int, scheduled: list, finished: list) -> None:
-        """Admission (policy order) that skips requests whose LoRA adapter would make
-        more than `max_loras` distinct adapters run at once (vLLM's scheduler skips them
-        the same way); the first request that does not fit stops admission."""
-        active = {(r.request.lora.name, r.request.lora.path) for r in self.running
-                  if r.request.lora is not None}
+    def _admit_in_order(self, budget: int, scheduled: list, finished: list) -> int:
+        """Admission in the waiting policy's order (the plain FCFS queue without LoRA
+        limits takes the loop in `schedule`). With `max_loras`, a request whose adapter
+        would make more than `max_loras` distinct adapters run at once is skipped (vLLM's
+        scheduler skips them the same way); the first request that does not fit stops
+        admission. Returns the budget left."""
+        limit = self.max_loras
+        active = None if limit is None else {
+            (r.request.lora.name, r.request.lora.path) for r in self.running
+            if r.request.lora is not None}
         policy = self.policy
         fcfs = list(self.waiting)
         order = fcfs if policy.is_fcfs else policy.order(fcfs, _core_request,
@@ -479,10 +469,12 @@ class Scheduler:
         for state in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            lora = state.request.lora
-            key = None if lora is None else (lora.name, lora.path)
-            if key is not None and key not in active and len(active) >= self.max_loras:
-                continue  # no adapter slot this step: it waits
+            key = None
+            if limit is not None and state.request.lora is not None:
+                lora = state.request.lora
+                key = (lora.name, lora.path)
+                if key not in active and len(active) >= limit:
+                    continue  # no adapter slot this step: it waits
             n_running = len(self.running)
             left = self._admit(state, budget, scheduled, finished)
             if left is None:
@@ -494,6 +486,7 @@ class Scheduler:
             budget = left
         if not policy.is_fcfs:
             policy.after_admission(fcfs, admitted, _core_request)
+        return budget
 
     def _admit(self, state: EngineRequest, budget: int, scheduled: list,
                finished: list) -> int | None:
