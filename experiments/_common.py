@@ -131,8 +131,11 @@ def provenance(
 
     Returns:
       A JSON-able dict with keys ``config``, ``seed``, ``versions``, ``git``,
-      ``hostname``, ``timestamp`` (UTC ISO 8601), ``hash_algo``, ``cache_state``
-      and the ``extra`` keys.
+      ``hostname``, ``timestamp`` (UTC ISO 8601), ``hash_algo``, ``cache_state``,
+      ``jax`` (``{"backend", "device_kind", "device_count"}`` when this process
+      imported jax, else None: host-only runs stay host-only), ``trace``
+      (``trace_checksum``: the dataset or trace file and its sha256; None for a
+      generated workload) and the ``extra`` keys.
 
     Raises:
       ValueError: ``cache_state`` is not cold/warm/None, or ``extra`` shadows a
@@ -149,12 +152,32 @@ def provenance(
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "hash_algo": hash_algo,
         "cache_state": cache_state,
+        "jax": jax_devices(),
+        "trace": trace_checksum(config) if config is not None else None,
     }
     for key, value in (extra or {}).items():
         if key in record:
             raise ValueError(f"extra provenance key {key!r} shadows a standard key")
         record[key] = to_jsonable(value)
     return record
+
+
+def jax_devices() -> dict[str, Any] | None:
+    """The JAX backend and device kind, when this process uses jax (else None).
+
+    NOTE: never imports jax: a host-only experiment that did not import it records None.
+    """
+    import sys  # noqa: PLC0415
+
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    try:
+        devices = jax.devices()
+        return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+                "device_count": len(devices)}
+    except Exception as e:  # noqa: BLE001 - provenance never fails a run
+        return {"backend": None, "device_kind": None, "error": repr(e)}
 
 
 def prepare_workdir(path: str | os.PathLike) -> pathlib.Path:
@@ -212,9 +235,17 @@ class AtomicJsonlWriter:
       provenance: if given, every line is ``{**record, "provenance": provenance}``
         so each line can be traced back on its own. Leave it None for outputs
         that must be byte-identical across runs (e.g. replay's per-request file).
+      provenance_once: write ``provenance`` once, as the first line ``{"record":
+        "provenance", "provenance_id": ID, "provenance": {...}}``, and give every
+        other line ``"provenance_id": ID`` instead of the full record (for files of
+        many small rows, e.g. audit_timing's probes). ``write``'s per-line
+        ``provenance`` then gets its own header line the first time it is used.
     """
 
-    def __init__(self, path: str | os.PathLike, provenance: Mapping[str, Any] | None = None):
+    def __init__(self, path: str | os.PathLike, provenance: Mapping[str, Any] | None = None,
+                 *, provenance_once: bool = False):
+        self._once = bool(provenance_once)
+        self._ids: dict[str, str] = {}
         self.path = pathlib.Path(path)
         if not str(path) or self.path.is_dir():
             raise ValueError(f"output path {str(path)!r} is empty or a directory")
@@ -247,11 +278,26 @@ class AtomicJsonlWriter:
             raise ValueError("AtomicJsonlWriter.write called outside its `with` block")
         prov = self._provenance if provenance is None else to_jsonable(provenance)
         if prov is not None:
-            if "provenance" in record:
+            if "provenance" in record or "provenance_id" in record:
                 raise ValueError("record already has a 'provenance' key")
-            record = {**record, "provenance": prov}
+            if self._once:
+                record = {**record, "provenance_id": self._header(prov)}
+            else:
+                record = {**record, "provenance": prov}
         self._file.write(dumps_line(record))
         self.num_lines += 1
+
+    def _header(self, prov: Any) -> str:
+        """The id of ``prov``, writing its header line the first time it is seen."""
+        import hashlib  # noqa: PLC0415
+
+        blob = json.dumps(prov, sort_keys=True, separators=(",", ":"))
+        pid = self._ids.get(blob)
+        if pid is None:
+            pid = self._ids[blob] = hashlib.sha256(blob.encode()).hexdigest()[:16]
+            self._file.write(dumps_line({"record": "provenance", "provenance_id": pid,
+                                         "provenance": prov}))
+        return pid
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         f, tmp = self._file, self._tmp_path
@@ -692,3 +738,196 @@ def new_figure(*args, **kwargs):
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     return plt.subplots(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Resumable runs: finished cells survive an interruption
+# ----------------------------------------------------------------------------
+
+# Config fields that say how a run is executed, not what it computes: a rerun may change
+# them and still resume the same cells.
+RUN_ONLY_FIELDS = ("workdir", "executor", "workers", "ray_address")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (streamed)."""
+    import hashlib  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def trace_checksum(config) -> dict[str, Any] | None:
+    """What the run's requests were read from, with its checksum; None for generated ones.
+
+    A ``dataset`` copy is verified against the registry's sha256 when it is read, so
+    that value is recorded; a ``trace`` file is hashed here.
+
+    Returns:
+      ``{"dataset": name | None, "trace": path | None, "sha256": hex}`` or None.
+    """
+    trace = config.get("trace", "") if hasattr(config, "get") else ""
+    dataset = config.get("dataset", "") if hasattr(config, "get") else ""
+    if trace:
+        if not os.path.isfile(trace):
+            return None
+        return {"dataset": None, "trace": str(trace), "sha256": file_sha256(trace)}
+    if dataset:
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        return {"dataset": dataset, "trace": None, "sha256": datasets.get(dataset).sha256}
+    return None
+
+
+def run_fingerprint(config, *, seed: int | None = None) -> dict[str, Any]:
+    """What identifies a run's results: its config (hash), seed and trace checksum.
+
+    Fields in ``RUN_ONLY_FIELDS`` are left out of the config hash (where a run writes,
+    how many workers it uses do not change a row).
+    """
+    import hashlib  # noqa: PLC0415
+
+    cfg = to_jsonable(config)
+    if isinstance(cfg, dict):
+        cfg = {k: v for k, v in cfg.items() if k not in RUN_ONLY_FIELDS}
+    blob = json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()
+    trace = trace_checksum(config) if config is not None else None
+    return {"config_sha256": hashlib.sha256(blob).hexdigest(),
+            "seed": None if seed is None else int(seed),
+            "trace_sha256": None if trace is None else trace["sha256"]}
+
+
+def cell_key(cell: Mapping[str, Any]) -> str:
+    """A cell's identity as one canonical JSON string: its fields but ``config`` (the
+    config is the ``CellLog``'s fingerprint, checked once per run)."""
+    return json.dumps(to_jsonable({k: v for k, v in cell.items() if k != "config"}),
+                      sort_keys=True, separators=(",", ":"))
+
+
+class CellLog:
+    """An append-only, fsynced log of finished cells that a rerun resumes from.
+
+    ``<workdir>/<name>.cells.jsonl``: a header line ``{"record": "run", "fingerprint":
+    {...}}`` (``run_fingerprint``), then one line ``{"record": "cell", "key": ...,
+    "row": ...}`` per finished cell, each written with one ``write`` + flush + fsync
+    as the cell finishes, so an interruption (Ctrl-C, a time limit, a crash) loses at
+    most the cells still running. A rerun with the same workdir skips the cells the
+    log holds (``get``); a torn last line (the process killed mid-write) is ignored and
+    its cell run again.
+
+    Invariant: every cell line in the log belongs to the fingerprint in its header.
+
+    Raises (constructor):
+      ValueError: the log exists and was written by a run of another config, seed or
+        trace (the message names both fingerprints' differing fields and the file).
+    """
+
+    SUFFIX = ".cells.jsonl"
+
+    def __init__(self, workdir: str | os.PathLike, name: str, fingerprint: Mapping[str, Any]):
+        self.path = pathlib.Path(workdir) / f"{name}{self.SUFFIX}"
+        self.fingerprint = dict(fingerprint)
+        self._rows: dict[str, Any] = {}
+        if self.path.exists():
+            self._load()
+        else:
+            self._append({"record": "run", "fingerprint": self.fingerprint})
+        self.resumed = len(self._rows)
+
+    def _load(self) -> None:
+        text = self.path.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            # A torn last line (killed mid-write): cut it off; that cell runs again.
+            keep = text.rfind("\n") + 1
+            with open(self.path, "r+b") as f:
+                f.truncate(len(text[:keep].encode("utf-8")))
+            text = text[:keep]
+        lines = text.split("\n")
+        try:
+            header = json.loads(lines[0]) if lines[0] else None
+        except json.JSONDecodeError:
+            header = None
+        if header is None and not text.strip():  # killed before its header was written
+            self._append({"record": "run", "fingerprint": self.fingerprint})
+            return
+        if not isinstance(header, dict) or header.get("record") != "run":
+            raise ValueError(f"{str(self.path)!r} is not a cell log of this project "
+                             "(no header line); move it away or use another --workdir")
+        theirs = header.get("fingerprint", {})
+        if theirs != self.fingerprint:
+            diff = ", ".join(f"{k} {theirs.get(k)!r} there, {v!r} now"
+                             for k, v in self.fingerprint.items() if theirs.get(k) != v)
+            raise ValueError(
+                f"workdir {str(self.path.parent)!r} holds cells of another run ({diff}); "
+                f"refusing to mix them: use another --workdir, or delete "
+                f"{str(self.path)!r} to start over")
+        body = lines[1:]
+        for i, line in enumerate(body):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                self._rows[rec["key"]] = rec["row"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{str(self.path)!r} line {i + 2} is not a cell record; "
+                                 "move the file away or use another --workdir") from None
+
+    def _append(self, record: Mapping[str, Any]) -> None:
+        # NOTE: one write of a whole line, then fsync: a line is either all there or
+        # torn at the end of the file (which _load ignores).
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(dumps_line(record))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, key: str) -> Any:
+        """The finished cell's row (KeyError when not finished)."""
+        return self._rows[key]
+
+    def add(self, key: str, row: Any) -> None:
+        """Records a finished cell (durably, before returning)."""
+        row = to_jsonable(row)
+        self._append({"record": "cell", "key": key, "row": row})
+        self._rows[key] = row
+
+
+def map_cells_resumable(fn, cells, *, log: CellLog, key=cell_key, progress: bool = False,
+                        desc: str = "cells", **map_kwargs) -> list:
+    """``_parallel.map_cells`` that skips the cells ``log`` holds and logs each new one.
+
+    Args:
+      fn, cells, map_kwargs: as ``_parallel.map_cells``.
+      log: the run's ``CellLog``.
+      key: a cell's key in the log (default ``cell_key`` of the whole cell).
+
+    Returns:
+      Every cell's row, in the order of ``cells`` (resumed ones from the log). The
+      rows are the log's JSON form (what a resumed run would read back), so an
+      interrupted-and-resumed run gives the same rows as an uninterrupted one.
+    """
+    from experiments import _parallel  # noqa: PLC0415
+
+    cells = list(cells)
+    keys = [key(c) for c in cells]
+    todo = [i for i, k in enumerate(keys) if k not in log]
+    if progress and len(todo) < len(cells):
+        import sys  # noqa: PLC0415
+
+        print(f"{desc}: resuming {str(log.path)!r}: {len(cells) - len(todo)} of "
+              f"{len(cells)} cells already done", file=sys.stderr, flush=True)
+
+    def done(j: int, row) -> None:
+        log.add(keys[todo[j]], row)
+
+    _parallel.map_cells(fn, [cells[i] for i in todo], progress=progress, desc=desc,
+                        on_result=done, **map_kwargs)
+    return [log.get(k) for k in keys]

@@ -51,7 +51,8 @@ def check_executor(executor: str, workers: int = 0) -> None:
 
 def map_cells(fn: Callable[[Any], Any], cells: Sequence[Any], *, executor: str = "local",
               workers: int = 0, ray_address: str = "", progress: bool = False,
-              desc: str = "cells") -> list[Any]:
+              desc: str = "cells",
+              on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
     """``[fn(c) for c in cells]``, computed in parallel; see the module docstring.
 
     Args:
@@ -61,6 +62,8 @@ def map_cells(fn: Callable[[Any], Any], cells: Sequence[Any], *, executor: str =
         workers: local processes / CPUs of a local Ray instance (0: one per CPU).
         ray_address: the Ray cluster ("": start a local instance).
         progress: a tqdm bar of finished cells.
+        on_result: called in this process as ``on_result(i, result)`` as soon as cell
+            ``i`` finishes (in completion order), e.g. to save it before the rest end.
 
     Returns:
         The results, in the order of ``cells``. The first exception a cell raised is
@@ -78,21 +81,24 @@ def map_cells(fn: Callable[[Any], Any], cells: Sequence[Any], *, executor: str =
         bar = tqdm(total=len(cells), desc=desc, unit="cell")
     try:
         if executor == "local":
-            return _map_local(fn, cells, workers, bar)
-        return _map_ray(fn, cells, workers, ray_address, bar)
+            return _map_local(fn, cells, workers, bar, on_result)
+        return _map_ray(fn, cells, workers, ray_address, bar, on_result)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _map_local(fn, cells, workers, bar) -> list:
+def _map_local(fn, cells, workers, bar, on_result=None) -> list:
     results: list = [None] * len(cells)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(fn, cell): i for i, cell in enumerate(cells)}
         try:
             for fut in concurrent.futures.as_completed(futures):
-                results[futures[fut]] = fut.result()
+                i = futures[fut]
+                results[i] = fut.result()
+                if on_result is not None:
+                    on_result(i, results[i])
                 if bar is not None:
                     bar.update(1)
         except BaseException:
@@ -102,7 +108,7 @@ def _map_local(fn, cells, workers, bar) -> list:
     return results
 
 
-def _map_ray(fn, cells, workers, ray_address, bar) -> list:
+def _map_ray(fn, cells, workers, ray_address, bar, on_result=None) -> list:
     import ray  # noqa: PLC0415
 
     started = not ray.is_initialized()
@@ -121,7 +127,10 @@ def _map_ray(fn, cells, workers, ray_address, bar) -> list:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 for ref in done:
-                    results[index[ref]] = ray.get(ref)  # re-raises the cell's exception
+                    i = index[ref]
+                    results[i] = ray.get(ref)  # re-raises the cell's exception
+                    if on_result is not None:
+                        on_result(i, results[i])
                     if bar is not None:
                         bar.update(1)
         except BaseException:

@@ -220,10 +220,13 @@ def run(config, *, progress: bool = False) -> dict:
     workdir = _common.prepare_workdir(config.workdir)
     if next(iter(_common.requests_from_config(config, workdir)), None) is None:
         raise ValueError(f"the trace {config.trace or config.workload.name!r} has no requests")
-    rows = _parallel.map_cells(run_cell, make_cells(config, grid), executor=config.executor,
-                               workers=config.workers, ray_address=config.ray_address,
-                               progress=progress, desc="compare_policies")
-    source = config.trace or f"workload:{config.workload.name}"
+    log = _common.CellLog(workdir, "compare_policies",
+                          _common.run_fingerprint(config, seed=config.seed))
+    rows = _common.map_cells_resumable(
+        run_cell, make_cells(config, grid), log=log, executor=config.executor,
+        workers=config.workers, ray_address=config.ray_address, progress=progress,
+        desc="compare_policies")
+    source = _common.source_name(config)
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                               cache_state="cold", extra={"source": source, **{
                                   k: v for k, v in grid.items() if k != "kv"}})

@@ -293,9 +293,11 @@ def run(config, *, progress: bool = False) -> dict:
     grid = resolve(config)
     workdir = _common.prepare_workdir(config.workdir)
     _common.trace_path(config)  # a missing trace / unknown dataset fails before any cell
-    rows = _parallel.map_cells(run_cell, make_cells(config, grid), executor=config.executor,
-                               workers=config.workers, ray_address=config.ray_address,
-                               progress=progress, desc="host_tier")
+    log = _common.CellLog(workdir, "host_tier", _common.run_fingerprint(config, seed=config.seed))
+    rows = _common.map_cells_resumable(
+        run_cell, make_cells(config, grid), log=log, executor=config.executor,
+        workers=config.workers, ray_address=config.ray_address, progress=progress,
+        desc="host_tier")
     source = _common.source_name(config)
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                               cache_state="cold", extra={"source": source, **grid})
