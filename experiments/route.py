@@ -109,16 +109,20 @@ def run(config, *, progress: bool = False) -> dict:
     sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs)
     workdir = _common.prepare_workdir(config.workdir)
-    source = config.trace or f"workload:{config.workload.name}"
+    source = _common.source_name(config)
     cells = [(p, n) for n in replicas for p in policies]
-    rows = []
+    log = _common.CellLog(workdir, "route", _common.run_fingerprint(config, seed=config.seed))
+    keys = [_common.cell_key({"policy": p, "replicas": n}) for p, n in cells]
     bar = None
     if progress:
         from tqdm.auto import tqdm  # noqa: PLC0415
 
-        bar = tqdm(total=len(cells), desc="route", unit="cell")
+        bar = tqdm(total=len(cells), desc="route", unit="cell", initial=sum(
+            k in log for k in keys))
     try:
-        for policy, n in cells:
+        for (policy, n), key in zip(cells, keys):
+            if key in log:  # finished by an earlier, interrupted run
+                continue
             requests = _common.requests_from_config(config, workdir)
             s = simulate_cluster(
                 requests, num_replicas=n, router=policy, cost_model=cost,
@@ -129,14 +133,15 @@ def run(config, *, progress: bool = False) -> dict:
                 router_options={"host_weight": weight} if num_host and policy == "kv_events"
                 else None, **host_kw)
             extra = {"host_weight": weight} if num_host and policy == "kv_events" else {}
-            rows.append({"num_blocks": num_blocks, "block_size": config.block_size,
-                         "model": config.model, "accelerator": config.accelerator, **s,
-                         **extra})
+            log.add(key, {"num_blocks": num_blocks, "block_size": config.block_size,
+                          "model": config.model, "accelerator": config.accelerator, **s,
+                          **extra})
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    rows = [log.get(k) for k in keys]
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                               cache_state="cold", extra={"source": source})
     rows_path = workdir / "route.jsonl"

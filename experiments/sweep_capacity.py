@@ -80,8 +80,13 @@ def measure(requests: Sequence, warmup: Sequence, *, num_blocks: int, block_size
 
 
 def sweep(requests: Sequence, *, capacities: Sequence[int], block_size: int,
-          warmup_requests: int = 0, progress: bool = False, **replay_kwargs) -> list[dict]:
-    """``measure`` cold and warm at each capacity; rows in (capacity, cold/warm) order."""
+          warmup_requests: int = 0, progress: bool = False, log=None,
+          **replay_kwargs) -> list[dict]:
+    """``measure`` cold and warm at each capacity; rows in (capacity, cold/warm) order.
+
+    ``log``: a ``_common.CellLog``: each (capacity, cache state) is saved as it
+    finishes, and those it already holds are not measured again.
+    """
     requests = list(requests)
     if warmup_requests < 0 or warmup_requests >= len(requests) and warmup_requests:
         raise ValueError(f"warmup_requests={warmup_requests} must be in [0, {len(requests)})")
@@ -96,8 +101,15 @@ def sweep(requests: Sequence, *, capacities: Sequence[int], block_size: int,
 
         items = tqdm(items, desc="sweep", unit="run")
     for cap, state in items:
-        rows.append(measure(measured, warm, num_blocks=cap, block_size=block_size,
-                            cache_state=state, **replay_kwargs))
+        key = _common.cell_key({"num_blocks": cap, "cache_state": state})
+        if log is not None and key in log:
+            rows.append(log.get(key))
+            continue
+        row = measure(measured, warm, num_blocks=cap, block_size=block_size,
+                      cache_state=state, **replay_kwargs)
+        if log is not None:
+            log.add(key, row)
+        rows.append(row)
     return rows
 
 
@@ -143,8 +155,8 @@ def plot_per_gib(rows: Sequence[dict], path, *, title: str = "") -> None:
     _common.save_plot(fig, path)
 
 
-def kv_sweep(requests: Sequence, *, config, progress: bool = False, **replay_kwargs
-             ) -> list[dict]:
+def kv_sweep(requests: Sequence, *, config, progress: bool = False, log=None,
+             **replay_kwargs) -> list[dict]:
     """``sweep`` over the (KV dtype, num_blocks) of ``config``'s capacities or byte
     budgets (`_kv_budget.resolve`); rows carry the KV fields. A block count shared by
     several dtypes is replayed once (the hit rate depends on blocks only)."""
@@ -154,7 +166,7 @@ def kv_sweep(requests: Sequence, *, config, progress: bool = False, **replay_kwa
                               block_size=config.block_size)
     caps = sorted({nb for _, nb, _, _ in plan})
     rows = sweep(requests, capacities=caps, block_size=config.block_size,
-                 progress=progress, **replay_kwargs)
+                 progress=progress, log=log, **replay_kwargs)
     by_cap = {(r["num_blocks"], r["cache_state"]): r for r in rows}
     return [{**by_cap[(nb, state)], **_kv_budget.row_fields(dt, nb, bpb, budget)}
             for dt, nb, bpb, budget in plan for state in _common.CACHE_STATES]
@@ -171,7 +183,9 @@ def run(config, *, progress: bool = False) -> dict:
     rows = kv_sweep(requests, config=config, warmup_requests=config.warmup_requests,
                     hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
                     free_order=config.free_order, concurrency=config.concurrency,
-                    eviction=config.eviction, progress=progress)
+                    eviction=config.eviction, progress=progress,
+                    log=_common.CellLog(workdir, "sweep_capacity",
+                                        _common.run_fingerprint(config, seed=config.seed)))
     source = _common.source_name(config)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl") as w:
         for state in _common.CACHE_STATES:

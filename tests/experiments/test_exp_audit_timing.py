@@ -68,7 +68,15 @@ def test_engine_no_salt_leaks_tenant_salt_does_not(tmp_path):
     work = pathlib.Path(c.workdir)
     lines = [json.loads(l) for l in (work / "results.jsonl").read_text().splitlines()]
     probes = [l for l in lines if l["record"] == "probe"]
-    assert len(probes) == 4 * n and all("provenance" in l for l in lines)
+    assert len(probes) == 4 * n
+    # Provenance once per file: a header line, every other line names its id.
+    head, *rest = lines
+    assert head["record"] == "provenance" and all(
+        l["provenance_id"] == head["provenance_id"] and "provenance" not in l for l in rest)
+    prov = head["provenance"]
+    assert prov["cache_state"] == "warm" and prov["jax"]["backend"] == "cpu"
+    assert prov["jax"]["device_kind"]
+    assert json.loads((work / "provenance.json").read_text()) == prov
     assert (work / "audit_timing.png").stat().st_size > 0
 
 
