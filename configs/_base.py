@@ -32,6 +32,22 @@ WORKLOAD_KWARGS = {
 }
 
 
+QUICK = "quick"
+
+
+def variant(arg) -> bool:
+    """Whether ``get_config(arg)`` asks for the quick variant (``--config=<file>:quick``).
+
+    Raises:
+      ValueError: ``arg`` is neither empty nor ``"quick"``.
+    """
+    if arg in (None, ""):
+        return False
+    if arg != QUICK:
+        raise ValueError(f"unknown config variant {arg!r}: expected ':{QUICK}' or nothing")
+    return True
+
+
 def requests_config(workload: str = "shared_system_prompt", *, trace: str = "", dataset: str = "",
                     seed: int = 0, max_requests: int = 0, **kwargs) -> ml_collections.ConfigDict:
     """The request-source fields shared by all experiments.

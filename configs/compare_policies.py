@@ -23,7 +23,8 @@ compare_policies.jsonl: 8 rows per policy and index + the ideal row; 1-4 s per c
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.requests_config("rag")
     c.block_size = 16
     c.capacities = "256,512,1024,2048,4096,8192,16384,32768"  # blocks, comma-separated
@@ -40,16 +41,22 @@ def get_config():
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""  # "": a local Ray instance
+    if quick:  # 150 requests, 3 policies (+ belady), 3 capacities, hash and radix
+        c.workload.kwargs.num_requests = 150
+        c.capacities = "256,1024,4096"
+        c.policies = "lru,lfu,length"
+        c.indexes = "hash,radix"
     return c
 
 
-def mooncake_config(dataset: str):
+def mooncake_config(dataset: str, arg=None):
     """Mooncake's Table 1 grid on one Mooncake trace (``configs/compare_policies_mooncake_*``).
 
     512-token blocks, one request at a time, 1k-200k blocks, every registered policy on
     the hash index; xxhash with a fixed root (hit rates do not depend on the algorithm,
     and it is the fastest); Llama-3.1-70B's KV for bytes (160 MiB per block).
     """
+    quick = _base.variant(arg)
     c = get_config()
     src = _base.requests_config("shared_system_prompt", dataset=dataset)
     for key in ("trace", "dataset", "workload"):
@@ -63,4 +70,8 @@ def mooncake_config(dataset: str):
     c.hash_algo = "xxhash"
     c.hash_seed = "0"
     c.model = "llama_3_1_70b"
+    if quick:  # the first 200 requests, 3 policies (+ belady), 3 capacities
+        c.max_requests = 200
+        c.capacities = "300,1000,3000"
+        c.policies = "lru,lfu,length"
     return c

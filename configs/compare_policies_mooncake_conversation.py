@@ -27,5 +27,5 @@ cell; the other policies: WORKSPACE_NOTES.md ("Eviction policies on the Mooncake
 from configs import compare_policies
 
 
-def get_config():
-    return compare_policies.mooncake_config("mooncake_conversation")
+def get_config(arg=None):
+    return compare_policies.mooncake_config("mooncake_conversation", arg)

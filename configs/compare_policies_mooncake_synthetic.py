@@ -18,5 +18,5 @@ WORKSPACE_NOTES.md ("Eviction policies on the Mooncake traces").
 from configs import compare_policies
 
 
-def get_config():
-    return compare_policies.mooncake_config("mooncake_synthetic")
+def get_config(arg=None):
+    return compare_policies.mooncake_config("mooncake_synthetic", arg)

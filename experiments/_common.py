@@ -485,6 +485,18 @@ def source_name(config) -> str:
     return config.trace or f"workload:{config.workload.name}"
 
 
+def source_label(config) -> str:
+    """``source_name`` for a plot title: a trace file by its name, not its whole path."""
+    if config.trace:
+        label = os.path.basename(config.trace)
+    elif config.get("dataset"):
+        label = f"dataset {config.dataset}"
+    else:
+        label = f"workload {config.workload.name}"
+    n = config.get("max_requests", 0)
+    return f"{label} (first {n:,} requests)" if n else label
+
+
 def count_lines(path: str | os.PathLike) -> int:
     """Non-empty lines of a text file (gzip when named ``*.gz``): a trace's requests."""
     import gzip  # noqa: PLC0415

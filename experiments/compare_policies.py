@@ -183,34 +183,48 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
-    """Hit rate vs capacity: a line per (policy, index), the ideal and belady bounds."""
-    fig, ax = _common.new_figure(figsize=(8.5, 4.2))
+    """Hit rate vs capacity: one panel per index (so identical hash and radix lines
+    cannot hide each other), a line per policy (its own color and marker), the ideal
+    and belady bounds."""
+    from matplotlib.ticker import NullFormatter  # noqa: PLC0415
+
     cells = [r for r in rows if r["record"] == "cell"]
-    # One color per policy, one line style per index (so 8 policies x 2 indexes stay legible).
-    colors = {p: f"C{i % 10}" for i, p in enumerate(
-        dict.fromkeys(r["policy"] for r in cells if r["policy"] != "belady"))}
-    styles = dict(zip(dict.fromkeys(r["index"] for r in cells), ("-", ":", "-.", (0, (5, 1)))))
-    for policy, index in dict.fromkeys((r["policy"], r["index"]) for r in cells):
-        pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
-                     key=lambda r: r["num_blocks"])
-        style = dict(color="black" if policy == "belady" else colors[policy],
-                     linestyle=styles.get(index, "-"))
-        style.update(dict(linewidth=2.5, alpha=0.6) if policy == "belady" else
-                     dict(marker="o", markersize=4))
-        label = f"{policy} / {index}" + (" (offline bound)" if policy == "belady" else "")
-        ax.plot([r["num_blocks"] for r in pts], [r["hit_rate_tokens"] for r in pts],
-                label=label, **style)
-    for r in rows:
-        if r["record"] == "ideal":
+    indexes = list(dict.fromkeys(r["index"] for r in cells))
+    fig, axes = _common.new_figure(1, len(indexes), figsize=(4.6 * len(indexes) + 1.8, 4.2),
+                                   sharey=True, squeeze=False)
+    policies = [p for p in dict.fromkeys(r["policy"] for r in cells) if p != BELADY]
+    colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    markers = dict(zip(policies, "osD^v<>ph*"))
+    ideal = [r for r in rows if r["record"] == "ideal"]
+    for ax, index in zip(axes[0], indexes):
+        for policy in dict.fromkeys(r["policy"] for r in cells if r["index"] == index):
+            pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
+                         key=lambda r: r["num_blocks"])
+            if policy == BELADY:
+                style = dict(color="black", linewidth=2.5, alpha=0.45)
+                label = f"{policy} (offline bound)"
+            else:
+                style = dict(color=colors[policy], marker=markers.get(policy, "o"),
+                             markersize=5, markerfacecolor="none", linewidth=1.2)
+                label = policy
+            ax.plot([r["num_blocks"] for r in pts], [r["hit_rate_tokens"] for r in pts],
+                    label=label, **style)
+        for r in ideal:
             ax.axhline(r["hit_rate_tokens"], color="gray", linestyle="-.",
                        label=f"infinite cache ({r['hit_rate_tokens']:.3f})")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (blocks)")
-    ax.set_ylabel("token hit rate")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(title, fontsize=9)
+        ax.set_xscale("log")
+        # Ticks at the capacities run, as plain numbers (no minor labels to collide).
+        caps = sorted({r["num_blocks"] for r in cells})
+        ax.set_xticks(caps, [f"{c:,}" for c in caps], fontsize=7,
+                      rotation=45 if len(caps) > 5 else 0)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("cache capacity (blocks)")
+        ax.set_title(f"{index} index", fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("token hit rate")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title, fontsize=9)
     _common.save_plot(fig, path)
 
 
@@ -234,7 +248,7 @@ def run(config, *, progress: bool = False) -> dict:
     with _common.AtomicJsonlWriter(rows_path, provenance=prov) as w:
         for row in rows:
             w.write({"source": source, **row})
-    plot(rows, png_path, title=f"{source}: block size {config.block_size}, "
+    plot(rows, png_path, title=f"{_common.source_label(config)}: block size {config.block_size}, "
                                f"concurrency {config.concurrency}, {config.free_order}")
     print(format_table(rows), flush=True)
     ideal = next(r for r in rows if r["record"] == "ideal")
