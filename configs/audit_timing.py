@@ -31,8 +31,11 @@ tenant recomputes the public prompt once).
 
 import ml_collections
 
+from configs import _base
 
-def get_config():
+
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.workdir = ""
@@ -81,4 +84,7 @@ def get_config():
     c.sim.jitter_sigma = 0.1  # lognormal factor on the step time
     c.sim.host_jitter_median_s = 0.005  # lognormal host / network delay
     c.sim.host_jitter_sigma = 0.5
+    if quick:  # 20 probes per class, 4 warm-up trials, every scenario
+        c.num_probes = 20
+        c.warmup_trials = 4
     return c

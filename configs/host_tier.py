@@ -22,7 +22,8 @@ p90 6.8 -> 5.5 ms at 10x. ~4 s.
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.requests_config("multi_turn", num_conversations=40, num_turns=4,
                               new_tokens=(40, 160), output_len=(4, 24), start_window_s=20.0,
                               turn_gap_s=(1.0, 20.0))
@@ -47,16 +48,20 @@ def get_config():
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""
+    if quick:  # 20 conversations, tiers of 2x and 10x
+        c.workload.kwargs.num_conversations = 20
+        c.host_multiples = "2,10"
     return c
 
 
-def mooncake_config(dataset: str):
+def mooncake_config(dataset: str, arg=None):
     """A Mooncake trace (``configs/host_tier_mooncake_*``): 512-token blocks (the
     trace's own hash-id granularity, as configs/compare_policies_mooncake_*), a device
     pool of 10k blocks (5.1M tokens), host tiers of 2x, 4x, 10x; the replay one request
     at a time (Mooncake's Table 1 setting); the DES at the trace's timestamps with
     Llama-3.1-8B on 8 x H200 (the 10k blocks are 687 GB of KV: they fit the ~1 TB the
     8 chips leave after the weights), host loads over each GPU's PCIe Gen5 x16 link."""
+    quick = _base.variant(arg)
     c = get_config()
     src = _base.requests_config("shared_system_prompt", dataset=dataset)
     for key in ("trace", "dataset", "workload"):
@@ -68,4 +73,8 @@ def mooncake_config(dataset: str):
     c.hash_algo = "xxhash"
     c.hash_seed = "0"
     c.num_chips = 8
+    if quick:  # the first 300 requests, a 1k-block pool, tiers of 2x and 10x
+        c.max_requests = 300
+        c.num_blocks = 1000
+        c.host_multiples = "2,10"
     return c

@@ -25,5 +25,5 @@ bound; ..._overlap_ac32ce1.jsonl): mean 149.3 / 143.0 / 140.7 ms (-14% / -18% / 
 from configs import host_tier
 
 
-def get_config():
-    return host_tier.mooncake_config("mooncake_conversation")
+def get_config(arg=None):
+    return host_tier.mooncake_config("mooncake_conversation", arg)

@@ -22,5 +22,5 @@ With loads hidden behind compute (--config.host_load_overlap=True, the optimisti
 from configs import host_tier
 
 
-def get_config():
-    return host_tier.mooncake_config("mooncake_synthetic")
+def get_config(arg=None):
+    return host_tier.mooncake_config("mooncake_synthetic", arg)

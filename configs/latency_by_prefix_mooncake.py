@@ -31,7 +31,8 @@ from configs import _base
 from configs import latency_by_prefix
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = latency_by_prefix.get_config()
     src = _base.requests_config("shared_system_prompt", dataset="mooncake_conversation")
     for key in ("trace", "dataset", "workload"):
@@ -44,4 +45,7 @@ def get_config():
     c.prefix_edges = (0, 1, 2048, 4096, 8192, 16384, 32768, 131072)
     c.curve_prompt_len = 16384
     c.measured.enable = False
+    if quick:  # the first 200 requests, one accelerator
+        c.max_requests = 200
+        c.accelerators = ("h100",)
     return c

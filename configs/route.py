@@ -18,10 +18,15 @@ the one cache thrashes over 24 prefixes); at 4 replicas the prefix-aware policie
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.route_config("tenant_prefixes", num_requests=600, num_tenants=24,
                            prefix_len=2048, question_len=(128, 512), output_len=(32, 128),
                            arrival_rate=6.0)
     c.replicas = "1,4"
     c.num_blocks = 2048
+    if quick:  # 200 requests of 8 tenants, 1 and 4 replicas, 683 blocks (a third again)
+        c.workload.kwargs.num_requests = 200
+        c.workload.kwargs.num_tenants = 8
+        c.num_blocks = 683
     return c

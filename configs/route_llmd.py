@@ -24,8 +24,13 @@ P90 0.10-0.17 s for all, hit rates as above.
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.route_config("tenant_prefixes", arrival_rate=80.0)
     c.replicas = "8"
     c.num_blocks = 8192
+    if quick:  # 300 requests of 30 tenants (the same load per tenant), 3 policies
+        c.workload.kwargs.num_requests = 300
+        c.workload.kwargs.num_tenants = 30
+        c.policies = "random,cache_aware,kv_events"
     return c

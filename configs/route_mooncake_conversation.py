@@ -15,9 +15,13 @@ Expected: see WORKSPACE_NOTES.md ("Routing").
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.route_config(dataset="mooncake_conversation")
     c.trace_format = "mooncake"
     c.replicas = "4,8,16"
     c.block_size = 512
+    if quick:  # the first 300 requests on 2 and 4 replicas
+        c.max_requests = 300
+        c.replicas = "2,4"
     return c

@@ -20,9 +20,9 @@ with --host_weight=1 routes alike; with --host_weight=0 (host blocks worth nothi
 from configs import route_mooncake_synthetic
 
 
-def get_config():
-    c = route_mooncake_synthetic.get_config()
-    c.replicas = "4"
+def get_config(arg=None):
+    c = route_mooncake_synthetic.get_config(arg)
+    c.replicas = "4" if not c.max_requests else "2"
     c.policies = "kv_events,cache_aware,round_robin"
     c.num_host_blocks = 3332  # 4 x the 833 device blocks left on an H100 after the weights
     c.host_eviction = "lru"

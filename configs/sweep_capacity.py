@@ -18,7 +18,8 @@ at 32,768 blocks. results.jsonl: 18 lines (9 capacities x cold/warm).
 from configs import _base
 
 
-def get_config():
+def get_config(arg=None):
+    quick = _base.variant(arg)
     c = _base.requests_config("rag")
     c.capacities = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
     c.warmup_requests = 500
@@ -31,4 +32,8 @@ def get_config():
     c.kv_bytes = ""  # KV byte budgets instead of capacities ("2GiB,4GiB"; capacities=())
     c.kv_dtype = "bfloat16"  # KV dtype(s) for bytes per block (prefixcache.kv_dtypes)
     c.model = "llama_3_2_1b"  # prefixcache.sim.cost_model preset for bytes per block
+    if quick:  # 200 requests (100 warm-up), 4 capacities
+        c.workload.kwargs.num_requests = 200
+        c.warmup_requests = 100
+        c.capacities = (128, 512, 2048, 8192)
     return c

@@ -125,6 +125,35 @@ def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
     return TraceFuture.from_hashes(prompt_hashes(tr) for tr in requests)
 
 
+def _reuse(requests: int, prompt: int, hits: int) -> dict:
+    return {"requests": requests, "prompt_tokens": prompt, "hit_tokens": hits,
+            "hit_rate_tokens": hits / prompt if prompt else 0.0}
+
+
+def _breakdown(tagged: dict, requests: int, prompt: int, hits: int) -> dict:
+    """``per_tenant`` (by cache salt) and ``per_adapter`` (by LoRA name) reuse.
+
+    Keys are the salt / adapter name; ``""`` holds the requests without one. Each
+    value: ``requests``, ``prompt_tokens`` (failed requests included, as the totals),
+    ``hit_tokens``, ``hit_rate_tokens``. The values of either breakdown sum to the
+    totals.
+    """
+    out = {}
+    for name, pos in (("per_tenant", 0), ("per_adapter", 1)):
+        groups: dict[str, list[int]] = {}
+        for key, counts in tagged.items():
+            if key[pos]:
+                g = groups.setdefault(key[pos], [0, 0, 0])
+                for i in range(3):
+                    g[i] += counts[i]
+        rest = [requests, prompt, hits]  # "": the requests without a salt / adapter
+        for g in groups.values():
+            rest = [r - x for r, x in zip(rest, g)]
+        groups[""] = rest
+        out[name] = {k: _reuse(*groups[k]) for k in sorted(groups) if groups[k][0]}
+    return out
+
+
 def replay(
     requests: Iterable[TraceRequest] | Callable[[], Iterable[TraceRequest]],
     *,
@@ -192,7 +221,10 @@ def replay(
         Summary dict: ``requests``, ``admitted``, ``failed``, ``decode_truncated``,
         ``early_finishes``, ``prompt_tokens``, ``output_tokens`` (tokens appended),
         ``hit_tokens``, ``hit_rate_tokens`` (over all prompt tokens),
-        ``hit_rate_tokens_admitted``, ``requests_with_hit``, ``evictions``,
+        ``hit_rate_tokens_admitted``, ``requests_with_hit``, ``per_tenant`` /
+        ``per_adapter`` (reuse by ``cache_salt`` / by LoRA name: ``{name:
+        {requests, prompt_tokens, hit_tokens, hit_rate_tokens}}``, ``""`` for the
+        requests without one; each sums to the totals), ``evictions``,
         ``blocks_cached``, the configuration, and ``timing``: ``loop_s`` (the replay
         loop incl. building requests and hashing; not reading the trace or computing
         the deterministic output tokens), ``hashing_s`` (request construction +
@@ -293,6 +325,10 @@ def replay(
     crc = zlib.crc32
     loras: dict[tuple[str, str], LoRARequest] = {}
 
+    # Reuse per (cache_salt, LoRA name): [requests, prompt tokens, hit tokens], kept for
+    # tagged requests only (an untagged trace pays one truth test per request); the
+    # untagged remainder is the totals minus these (``_breakdown``).
+    tagged: dict[tuple[str | None, str | None], list[int]] = {}
     n_req = n_admitted = n_failed = n_trunc = n_early = n_with_hit = 0
     prompt_tokens = admitted_prompt = hit_tokens = output_appended = 0
     t_loop = t_hash = t_mgr = 0.0
@@ -317,11 +353,18 @@ def replay(
             prompt_tokens += num_prompt
             # Untimed: request-side inputs (frontend work in a real deployment) and
             # the deterministic sampled tokens.
-            lora = None
+            lora = tag = None
             if tr.lora is not None:
                 lora = loras.get(tr.lora)
                 if lora is None:
                     lora = loras[tr.lora] = LoRARequest(tr.lora[0], tr.lora[1])
+            if tr.cache_salt or lora is not None:
+                key = (tr.cache_salt or None, None if lora is None else tr.lora[0])
+                tag = tagged.get(key)
+                if tag is None:
+                    tag = tagged[key] = [0, 0, 0]
+                tag[0] += 1
+                tag[1] += num_prompt
             mm = [MultiModalFeature(i, o, n) for i, o, n in tr.mm] if tr.mm else ()
             n_out = tr.output_len if tr.output_len > 1 else 1
             pre = f"{rid}:"
@@ -392,6 +435,8 @@ def replay(
                     peak_host = c
             admitted_prompt += num_prompt
             hit_tokens += num_hit
+            if tag is not None:
+                tag[2] += num_hit
             if num_hit:
                 n_with_hit += 1
             rec = None
@@ -521,6 +566,7 @@ def replay(
         "hit_rate_tokens": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
         "hit_rate_tokens_admitted": hit_tokens / admitted_prompt if admitted_prompt else 0.0,
         "requests_with_hit": n_with_hit,
+        **_breakdown(tagged, n_req, prompt_tokens, hit_tokens),
         "evictions": counters["evictions"],
         "blocks_cached": counters["blocks_cached"],
         **memory,
