@@ -643,6 +643,13 @@ class Engine:
             self._num_prompt_tokens += req.num_prompt_tokens
             self._num_cached_tokens += state.num_cached_tokens
             self._num_hit_requests += state.num_cached_tokens > 0
+            # Reuse per tenant (cache salt) and per adapter (LoRA name); "": none.
+            for groups, key in ((self._per_tenant, req.cache_salt or ""),
+                                (self._per_adapter, "" if req.lora is None else req.lora.name)):
+                g = groups.setdefault(key, [0, 0, 0])
+                g[0] += 1
+                g[1] += req.num_prompt_tokens
+                g[2] += state.num_cached_tokens
 
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, mm_embeddings: Sequence | None = None,
@@ -702,6 +709,8 @@ class Engine:
         """Starts a new metrics window (the cache contents are kept)."""
         self._num_requests = self._num_rejected = self._num_admitted = 0
         self._num_prompt_tokens = self._num_cached_tokens = self._num_hit_requests = 0
+        self._per_tenant: dict[str, list[int]] = {}
+        self._per_adapter: dict[str, list[int]] = {}
         self._num_computed_tokens = self._num_steps = 0
         self._usage_sum = self._usage_peak = 0.0
         self._num_usage_samples = 0
@@ -757,6 +766,8 @@ class Engine:
             num_blocks=self.num_blocks, kv_dtype=self.kv_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block, kv_pool_bytes=self.kv_pool_bytes,
             kv_cache_bytes=self.kv_cache_bytes,
+            per_tenant=_reuse_groups(self._per_tenant),
+            per_adapter=_reuse_groups(self._per_adapter),
             **self._host_metrics())
 
 
@@ -908,3 +919,11 @@ def _init_model(config, seed: int):
 
     # NOTE: with a mesh, make_step_fn lays the params out over it (in place).
     return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def _reuse_groups(groups: dict[str, list[int]]) -> dict[str, dict]:
+    """``{name: {requests, prompt_tokens, cached_tokens, token_hit_rate}}`` of admitted
+    requests (``EngineMetrics.per_tenant`` / ``per_adapter``)."""
+    return {k: {"requests": n, "prompt_tokens": p, "cached_tokens": c,
+                "token_hit_rate": c / p if p else 0.0}
+            for k, (n, p, c) in sorted(groups.items())}

@@ -89,6 +89,10 @@ class EngineMetrics:
         kv_bytes_per_block` (the padding page counted); kv_cache_bytes: the byte budget
         the pool was sized by (`Engine(kv_cache_bytes=...)`), None when sized by
         num_blocks. Properties of the engine, not of the metrics window.
+      per_tenant, per_adapter: reuse of admitted requests by cache salt and by LoRA
+        adapter name (``""``: requests without one): ``{name: {"requests",
+        "prompt_tokens", "cached_tokens", "token_hit_rate"}}``; each sums to
+        num_prompt_tokens / num_cached_tokens.
     """
 
     num_requests: int
@@ -121,6 +125,8 @@ class EngineMetrics:
     kv_bytes_per_block: int | None = None
     kv_pool_bytes: int | None = None
     kv_cache_bytes: int | None = None
+    per_tenant: dict | None = None
+    per_adapter: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
