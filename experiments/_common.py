@@ -468,7 +468,7 @@ def trace_path(config, *, progress: bool = False) -> str:
     dataset = config.get("dataset", "")
     if dataset and config.trace:
         raise ValueError(f"set either trace ({config.trace!r}) or dataset ({dataset!r}), "
-                         "not both")
+                         "not both (--trace=FILE alone replaces the config's dataset)")
     if dataset:
         from prefixcache.sim import datasets  # noqa: PLC0415
 
@@ -529,6 +529,12 @@ def apply_flag_overrides(config, fields: Mapping[str, Any]) -> None:
     for name, holder in fields.items():
         if holder.present:
             setattr(config, name, holder.value)
+    # A trace file on the command line replaces the config's dataset (e.g. a local copy
+    # of it): --trace=FILE alone is enough. Both flags given -> trace_path's error.
+    trace, dataset = fields.get("trace"), fields.get("dataset")
+    if (trace is not None and trace.present and trace.value and "dataset" in config
+            and not (dataset is not None and dataset.present)):
+        config.dataset = ""
 
 
 def progress_bar(iterable=None, *, enabled: bool, total: int | None = None,
@@ -786,7 +792,12 @@ def trace_checksum(config) -> dict[str, Any] | None:
     if trace:
         if not os.path.isfile(trace):
             return None
-        return {"dataset": None, "trace": str(trace), "sha256": file_sha256(trace)}
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        digest = file_sha256(trace)
+        # A local copy of a public trace is named as that dataset.
+        same = [d.name for d in datasets.DATASETS.values() if d.sha256 == digest]
+        return {"dataset": same[0] if same else None, "trace": str(trace), "sha256": digest}
     if dataset:
         from prefixcache.sim import datasets  # noqa: PLC0415
 

@@ -31,10 +31,14 @@ NOTE: the release's third trace (``toolagent_trace.jsonl``, tool and agent traff
 not registered: a dataset needs its checksum recorded here, and no copy of that file
 was available when this registry was written. Add it with its SHA-256 once one is.
 
-Command line (prefetch, e.g. before going offline; or check a local copy)::
+Command line (prefetch, e.g. before going offline; or install a local copy)::
 
     python -m prefixcache.sim.datasets list
     python -m prefixcache.sim.datasets fetch mooncake_conversation [--path FILE]
+
+``fetch NAME --path FILE`` verifies FILE and installs it (``install``: copied to
+``<data_dir>/<name>/<file name>``), so every experiment that names the dataset then
+finds it without a download.
 
 Host only: nothing here imports jax.
 """
@@ -228,6 +232,50 @@ def path_of(name: str, *, local_path: str | os.PathLike | None = None,
     return dest
 
 
+def install(name: str, path: str | os.PathLike, *, root: str | os.PathLike | None = None,
+            registry: Mapping[str, Dataset] | None = None) -> pathlib.Path:
+    """Verifies a local copy of dataset ``name`` and installs it into the data directory.
+
+    The file is copied (through a temporary file and a rename: never a half-written
+    copy) to ``<root>/<name>/<file name>``, where ``path_of`` looks first. Nothing is
+    copied when that file already is ``path`` or already holds the verified bytes.
+
+    Args:
+      name: a dataset name (``DATASETS``).
+      path: the local copy.
+      root: the data directory (default ``data_dir()``).
+      registry: default ``DATASETS``.
+
+    Returns:
+      The installed file's path.
+
+    Raises:
+      DatasetError: unknown name or a checksum mismatch (nothing is installed).
+      FileNotFoundError: ``path`` does not exist.
+    """
+    import shutil  # noqa: PLC0415
+
+    dataset = get(name, registry)
+    src = verify(path, dataset)
+    dest = pathlib.Path(root if root is not None else data_dir()) / dataset.name / dataset.filename
+    if dest.is_file() and (dest.samefile(src) or sha256_of(dest) == dataset.sha256):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
+            shutil.copyfileobj(f, out, _CHUNK)
+        if sha256_of(tmp) != dataset.sha256:  # pragma: no cover - changed while copied
+            raise DatasetError(f"dataset {name!r}: {str(src)!r} changed while it was copied")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+        tmp = None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
 def _download(dataset: Dataset, dest: pathlib.Path, *, progress: bool,
               urlopen: Callable) -> None:
     """Downloads ``dataset`` to ``dest`` via a verified temporary file."""
@@ -265,7 +313,8 @@ def _download(dataset: Dataset, dest: pathlib.Path, *, progress: bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``list`` the datasets, or ``fetch NAME [--path FILE]`` (prints the local path).
+    """``list`` the datasets, or ``fetch NAME [--path FILE]`` (prints the local path;
+    ``--path``: verify FILE and install it into the data directory).
 
     Returns:
       The exit status (errors: ``error: ...`` on stderr, status 1).
@@ -279,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="the known datasets and where they are cached")
     fetch = sub.add_parser("fetch", help="download (once) and verify; print the local path")
     fetch.add_argument("name", help="dataset name (see `list`)")
-    fetch.add_argument("--path", default=None, help="verify this local copy instead")
+    fetch.add_argument("--path", default=None, help=f"verify this local copy instead and "
+                       f"install it into the data directory (${ENV_VAR})")
     fetch.add_argument("--noprogress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.command == "list":
@@ -288,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{d.name}: {d.description}\n  {d.url}\n  sha256 {d.sha256}")
         return 0
     try:
-        print(path_of(args.name, local_path=args.path, progress=not args.noprogress))
+        if args.path is not None:
+            print(install(args.name, args.path))
+        else:
+            print(path_of(args.name, progress=not args.noprogress))
     except (DatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

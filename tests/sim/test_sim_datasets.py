@@ -139,3 +139,21 @@ def test_no_jax_import():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+
+
+def test_cli_fetch_path_installs_the_verified_copy(local_datasets, tmp_path, monkeypatch,
+                                                   capsys):
+    src = (local_datasets / "mooncake_synthetic" / "synthetic_trace.jsonl").resolve()
+    empty = tmp_path / "data"
+    monkeypatch.setenv(datasets.ENV_VAR, str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(src.read_bytes()[:-10])
+    assert datasets.main(["fetch", "mooncake_synthetic", "--path", str(bad)]) == 1
+    assert not empty.exists()  # a bad copy installs nothing
+    capsys.readouterr()
+    assert datasets.main(["fetch", "mooncake_synthetic", "--path", str(src)]) == 0
+    dest = empty / "mooncake_synthetic" / "synthetic_trace.jsonl"
+    assert capsys.readouterr().out.strip() == str(dest)
+    assert dest.is_file() and not dest.is_symlink() and dest.read_bytes() == src.read_bytes()
+    assert datasets.path_of("mooncake_synthetic", download=False) == dest
+    assert not [p for p in dest.parent.iterdir() if p.name.endswith(".partial")]
