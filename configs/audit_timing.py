@@ -17,7 +17,12 @@ simulator version (see configs/audit_timing_sim.py for Llama-3.1-70B).
 Command:
   python -m experiments.audit_timing --config=configs/audit_timing.py --workdir=/tmp/audit
 
-Expected (2-core dev CPU: ~2 min of CPU time; 7 min wall under a load average of ~15):
+Run time: a full run did not finish within 10 minutes on the shared 2-core dev machine
+(rerun with the same --workdir to resume: finished scenarios
+are kept in audit_timing.cells.jsonl). Quick variant (`:quick`: 20 probes per class, 4
+warm-up trials, every scenario): 50 s wall on that machine under a load average of ~5.
+
+Expected (the numbers of one full run, under a load average of ~15):
 no_salt leaks: one-sided KS p ~1e-33 (< 1e-6), AUC ~0.8 (the noise traffic overlaps the
 classes), median TTFT 31.5 ms (hit) vs 76.8 ms (miss) under that load (~10 vs ~25 ms
 on an idle machine), cross_tenant_hit_tokens = 250 * 256 = 64000 (every hit guess reuses

@@ -8,7 +8,8 @@ at 50% of peak FLOP/s and 70% of HBM bandwidth + 2 ms per step, plus the noise m
 the trial's noise prefills and Poisson(16) decoding sequences (contexts 256-4096) share
 the probe's step, the step time is multiplied by lognormal(0, 0.1), and a lognormal host
 / network delay (median 5 ms, sigma 0.5) is added. Secret and public prompt: 1024
-tokens each. Host only, seconds.
+tokens each. Host only. Quick variant (`:quick`: 60 probes per class): 5.0 s wall on the
+shared 2-core dev machine (load average ~6).
 
 Command:
   python -m experiments.audit_timing --config=configs/audit_timing_sim.py \

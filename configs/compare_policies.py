@@ -17,7 +17,12 @@ Command:
 Expected (lru, hash): token hit rate 0.380, 0.443, 0.503, 0.558, 0.622, 0.666, 0.710,
 0.728 from 256 to 32,768 blocks; the infinite-cache ideal 0.7278 (1,154,640 of
 1,586,539 prompt tokens; 104,067 blocks, 0 evictions), reached at 32,768 blocks.
-compare_policies.jsonl: 8 rows per policy and index + the ideal row; 1-4 s per cell.
+compare_policies.jsonl: 8 rows per policy and index + the ideal row, and
+compare_policies.cells.jsonl (each cell as it finishes: a rerun resumes from it).
+
+Quick variant (`--config=configs/compare_policies.py:quick`: 150 requests, lru, lfu,
+length + belady, 256/1024/4096 blocks, hash and radix; 25 rows): 21 s wall on the shared
+2-core dev machine under a load average of ~10 (8.8 s at ~8 with fewer jobs).
 """
 
 from configs import _base
@@ -50,9 +55,11 @@ def get_config(arg=None):
 
 
 def mooncake_config(dataset: str, arg=None):
-    """Mooncake's Table 1 grid on one Mooncake trace (``configs/compare_policies_mooncake_*``).
+    """Mooncake's Table 1 capacities on one Mooncake trace (``configs/compare_policies_mooncake_*``).
 
-    512-token blocks, one request at a time, 1k-200k blocks, every registered policy on
+    512-token blocks, one request at a time, 1k-200k blocks (Table 1's 1k, 10k, 30k,
+    50k, 100k plus 3k and 200k; Table 1 itself is measured on another trace, see
+    configs/compare_policies_mooncake_conversation.py), every registered policy on
     the hash index; xxhash with a fixed root (hit rates do not depend on the algorithm,
     and it is the fastest); Llama-3.1-70B's KV for bytes (160 MiB per block).
     """

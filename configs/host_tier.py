@@ -16,7 +16,8 @@ Expected: token hit rate 0.0106 with no tier (the pool holds about one conversat
 -> 0.0825 / 0.1609 / 0.4422 with 2x / 4x / 10x, all of the growth host hits (device hits
 stay 0.0106); the never-evicting ideal 0.6038. DES TTFT mean 4.8 -> 4.7 / 4.6 / 4.2 ms
 (-2% / -4% / -12%; short prompts on one H200 are mostly bound by reading the weights),
-p90 6.8 -> 5.5 ms at 10x. ~4 s.
+p90 6.8 -> 5.5 ms at 10x. Quick variant (`:quick`: 20 conversations, tiers 2x and 10x):
+13 s wall on the shared 2-core dev machine under a load average of ~12.
 """
 
 from configs import _base
@@ -58,7 +59,7 @@ def mooncake_config(dataset: str, arg=None):
     """A Mooncake trace (``configs/host_tier_mooncake_*``): 512-token blocks (the
     trace's own hash-id granularity, as configs/compare_policies_mooncake_*), a device
     pool of 10k blocks (5.1M tokens), host tiers of 2x, 4x, 10x; the replay one request
-    at a time (Mooncake's Table 1 setting); the DES at the trace's timestamps with
+    at a time (as configs/compare_policies_mooncake_*); the DES at the trace's timestamps with
     Llama-3.1-8B on 8 x H200 (the 10k blocks are 687 GB of KV: they fit the ~1 TB the
     8 chips leave after the weights), host loads over each GPU's PCIe Gen5 x16 link."""
     quick = _base.variant(arg)

@@ -24,7 +24,8 @@ tokens of KV), 0.183 on H100 (267k blocks), 0.251 on H200 (476k blocks), against
 --max_requests=3000). TTFT p50 / p99: v6e 153 / 1169 ms, H100 122 / 1004 ms, H200
 109 / 976 ms; requests whose cached prefix exceeds 4k tokens see p50 ~90-100 ms on
 H100/H200 against ~112-124 ms for < 2k (queueing behind 12k-token prefills
-dominates both). No preemptions, no failures. ~10 min on the dev machine.
+dominates both). No preemptions, no failures. Quick variant (`:quick`: the first 200 requests, H100
+only): 3.0 s wall on the shared 2-core dev machine (load average ~6).
 """
 
 from configs import _base

@@ -9,7 +9,8 @@ Command:
   python -m experiments.route --config=configs/route_mooncake_conversation.py \
       --workdir=/tmp/route_mc
 
-Expected: see WORKSPACE_NOTES.md ("Routing").
+Expected: see WORKSPACE_NOTES.md ("Routing"). Quick variant (`:quick`: the first 300
+requests on 2 and 4 replicas): 71 s wall on the shared 2-core dev machine (load average ~9).
 """
 
 from configs import _base

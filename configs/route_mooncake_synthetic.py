@@ -8,7 +8,8 @@ Command:
   python -m experiments.route --config=configs/route_mooncake_synthetic.py \
       --workdir=/tmp/route_ms
 
-Expected: see WORKSPACE_NOTES.md ("Routing").
+Expected: see WORKSPACE_NOTES.md ("Routing"). Quick variant (`:quick`: the first 300
+requests on 2 and 4 replicas): 21 s wall on the shared 2-core dev machine (load average ~8).
 """
 
 from configs import _base

@@ -7,14 +7,15 @@ a host tier of 4x the device pool per replica (3,332 blocks, lru), loads over PC
 a block = 0.83 here), against cache_aware and round_robin.
 
 Command:
-  PREFIXCACHE_DATA=/tmp/lead/data python -m experiments.route \
+  python -m experiments.route \
       --config=configs/route_mooncake_synthetic_host.py --workdir=/tmp/route_ms_host
 
-Expected (~1 min on 2 cores): token hit rate / P90 TTFT -- kv_events 0.547 (0.214 device
+Expected: token hit rate / P90 TTFT -- kv_events 0.547 (0.214 device
 + 0.333 host) / 0.60 s, cache_aware 0.547 / 0.62 s, round_robin 0.207 / 1.13 s; without
 the tier (--num_host_blocks=0) 0.209 / 0.96 s, 0.205 / 1.32 s, 0.065 / 1.43 s. kv_events
 with --host_weight=1 routes alike; with --host_weight=0 (host blocks worth nothing) 0.321
-/ 0.87 s.
+/ 0.87 s. Quick variant (`:quick`: the first 300 requests, 2 replicas): 7.4 s wall on
+the shared 2-core dev machine (load average ~7).
 """
 
 from configs import route_mooncake_synthetic
