@@ -149,7 +149,7 @@ def run(config, *, progress: bool = False) -> dict:
         for row in rows:
             w.write({"record": "route", **row})
     png = workdir / "route_ttft.png"
-    plot(rows, png, title=f"{source}: {config.model} on {config.accelerator}, "
+    plot(rows, png, title=f"{_common.source_label(config)}: {config.model} on {config.accelerator}, "
                           f"{num_blocks} blocks x {config.block_size} per replica")
     print_table(rows)
     keep = ("policy", "replicas", "hit_rate_tokens", "host_hit_tokens", "ttft_p50_s",
@@ -175,19 +175,40 @@ def print_table(rows, file=None) -> None:
 
 
 def plot(rows, path, *, title: str = "") -> None:
-    """P90 TTFT and token hit rate against replicas, one line per policy."""
+    """P90 TTFT and token hit rate against replicas, one line per policy.
+
+    Policies that give the same numbers (every policy at 1 replica) would hide each
+    other: each policy has its own marker and dash pattern and is drawn slightly
+    offset along x (a fraction of a tick, in log space), so all stay visible; ticks are
+    the replica counts run.
+    """
     fig, (ax1, ax2) = _common.new_figure(1, 2, figsize=(10, 3.8))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    markers = "osD^v<>ph*"
+    dashes = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
+    for k, policy in enumerate(policies):
         pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["replicas"])
-        x = [r["replicas"] for r in pts]
-        ax1.plot(x, [r["ttft_p90_s"] for r in pts], "o-", label=policy)
-        ax2.plot(x, [r["hit_rate_tokens"] for r in pts], "o-", label=policy)
+        # Offsets of +-4% of x, symmetric around the true replica count.
+        shift = 1.0 + 0.08 * ((k - (len(policies) - 1) / 2) / max(len(policies) - 1, 1))
+        x = [r["replicas"] * shift for r in pts]
+        style = dict(marker=markers[k % len(markers)], linestyle=dashes[k % len(dashes)],
+                     markerfacecolor="none", markersize=6, label=policy)
+        ax1.plot(x, [r["ttft_p90_s"] for r in pts], **style)
+        ax2.plot(x, [r["hit_rate_tokens"] for r in pts], **style)
+    counts = sorted({r["replicas"] for r in rows})
     ax1.set_yscale("log")
     ax1.set_ylabel("P90 TTFT (s)")
     ax2.set_ylabel("token hit rate")
     ax2.set_ylim(0, 1)
+    from matplotlib.ticker import NullFormatter, NullLocator  # noqa: PLC0415
+
     for ax in (ax1, ax2):
-        ax.set_xlabel("replicas")
+        ax.set_xscale("log")
+        ax.set_xticks(counts, [str(c) for c in counts])  # integer ticks only
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(counts[0] / 1.3, counts[-1] * 1.3)
+        ax.set_xlabel("replicas (points offset slightly per policy)")
         ax.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
