@@ -580,13 +580,20 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
 
 def plot(by_scenario: dict[str, list[dict]], summaries: dict[str, dict], path, *,
          title: str) -> None:
-    """One panel per scenario: TTFT histograms of hit and miss probes (log x)."""
+    """One panel per scenario in a grid of up to 3 columns: TTFT histograms of hit and
+    miss probes (log x)."""
     from matplotlib.ticker import (FormatStrFormatter, LogLocator,  # noqa: PLC0415
                                    NullFormatter)
 
     n = len(by_scenario)
-    fig, axes = _common.new_figure(1, n, figsize=(4.2 * n, 3.4), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], by_scenario.items()):
+    ncols = min(n, 3)
+    nrows = -(-n // ncols)
+    fig, axes = _common.new_figure(nrows, ncols, figsize=(4.4 * ncols, 3.3 * nrows),
+                                   squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    for ax, (name, rows) in zip(flat, by_scenario.items()):
         ms = np.asarray([r["ttft_s"] for r in rows]) * 1e3
         lo, hi = max(ms.min(), 1e-6), ms.max()
         bins = np.geomspace(lo, hi * 1.0001 if hi > lo else lo * 2, 40)
@@ -604,8 +611,10 @@ def plot(by_scenario: dict[str, list[dict]], summaries: dict[str, dict], path, *
                      f"x-tenant hit tok={s['cross_tenant_hit_tokens']}", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("probes")
-    fig.suptitle(title, fontsize=9, y=1.06)
+    for row in axes:
+        row[0].set_ylabel("probes")
+    fig.tight_layout()
+    fig.suptitle(title, fontsize=9, y=1.02)
     _common.save_plot(fig, path)
 
 
