@@ -133,7 +133,7 @@ def provenance(
       A JSON-able dict with keys ``config``, ``seed``, ``versions``, ``git``,
       ``hostname``, ``timestamp`` (UTC ISO 8601), ``hash_algo``, ``cache_state``,
       ``jax`` (``{"backend", "device_kind", "device_count"}`` when this process
-      imported jax, else None: host-only runs stay host-only), ``trace``
+      imported jax, else None: host-only runs stay host-only), ``trace_checksum``
       (``trace_checksum``: the dataset or trace file and its sha256; None for a
       generated workload) and the ``extra`` keys.
 
@@ -153,7 +153,7 @@ def provenance(
         "hash_algo": hash_algo,
         "cache_state": cache_state,
         "jax": jax_devices(),
-        "trace": trace_checksum(config) if config is not None else None,
+        "trace_checksum": trace_checksum(config) if config is not None else None,
     }
     for key, value in (extra or {}).items():
         if key in record:

@@ -62,8 +62,9 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
     Rows: ``{"record": "bin", "accelerator", "cache_state", "lo", "hi", "count",
     "mean", "p50", "p90", "p99"}`` (TTFT seconds per cached-prefix bin),
     ``{"record": "sim_summary", ...}`` (``prefixcache.sim.des.simulate``'s
-    summary) and ``{"record": "roofline", "accelerator", "prompt_tokens",
-    "cached_tokens", "ttft_s"}``.
+    summary) and ``{"record": "roofline", "accelerator", "cache_state", "prompt_tokens",
+    "cached_tokens", "ttft_s"}`` (cache_state "warm": ``cached_tokens`` of the prompt
+    are cached; "cold" at 0).
     """
     from prefixcache.sim import des  # noqa: PLC0415
 
@@ -99,7 +100,9 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
                          **summary})
         p = int(config.curve_prompt_len)
         for c in range(0, p, max(1, p // 16)):
-            rows.append({"record": "roofline", "accelerator": acc, "cache_state": None,
+            # The curve point of c cached tokens: warm (that prefix cached), cold at 0.
+            rows.append({"record": "roofline", "accelerator": acc,
+                         "cache_state": "warm" if c else "cold",
                          "prompt_tokens": p, "cached_tokens": c,
                          "ttft_s": cost.prefill_time(p - c, c)})
     return rows

@@ -37,6 +37,9 @@ def test_quickstart_runs_and_writes_results(tmp_path, capsys):
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 5 + 1
     assert all("provenance" in x for x in lines)
+    # Every row names its pass's cache state and the JAX device it ran on.
+    assert all(x["provenance"]["cache_state"] == x.get("cache_state", "warm") for x in lines)
+    assert all(x["provenance"]["jax"]["backend"] == "cpu" for x in lines)
     assert lines[-1]["record"] == "summary"
     warm = [x for x in lines if x.get("cache_state") == "warm"]
     # Follow-up turns hit their conversation so far.

@@ -60,8 +60,8 @@ def test_quick_compare_policies_mooncake(local_datasets, tmp_path):
     from prefixcache.sim import datasets  # noqa: PLC0415
 
     sha = datasets.get("mooncake_conversation").sha256
-    assert {r["provenance"]["trace"]["sha256"] for r in rows} == {sha}
-    assert rows[0]["provenance"]["trace"]["dataset"] == "mooncake_conversation"
+    assert {r["provenance"]["trace_checksum"]["sha256"] for r in rows} == {sha}
+    assert rows[0]["provenance"]["trace_checksum"]["dataset"] == "mooncake_conversation"
     assert rows[0]["requests"] == 200 and (work / "compare_policies.png").stat().st_size
     assert (work / "compare_policies.cells.jsonl").is_file()
 
