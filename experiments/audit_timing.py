@@ -59,10 +59,18 @@ probe's step, times a lognormal factor (``jitter_sigma``), plus a lognormal host
 network delay (``host_jitter_median_s``, ``host_jitter_sigma``).
 
 Writes ``results.jsonl`` (one ``probe`` row per attacker request, one ``scenario`` row
-per scenario; provenance on every line) and ``audit_timing.png`` (TTFT histograms of
+per scenario; the provenance once, as the first line ``{"record": "provenance",
+"provenance_id", "provenance"}``, every other line carrying its ``provenance_id``; the
+same record in ``provenance.json``) and ``audit_timing.png`` (TTFT histograms of
 hits and misses per scenario) into ``--workdir``; the last stdout line is
 ``{"backend", "scenarios": {name: {ks_stat, p_value, auc, ttft_gap_s,
 cross_tenant_hit_tokens, ...}}, "skipped_scenarios": {...}}``.
+
+Resume: each finished cell is appended to ``<workdir>/audit_timing.cells.jsonl``
+(``_common.CellLog``); a rerun with the same workdir runs only the missing cells and
+refuses a workdir of another config, seed or trace. (On the engine backend a resumed
+scenario starts from a freshly built engine, not from the cache the earlier scenarios
+left: every scenario plants fresh secrets, so its statistics do not depend on them.)
 """
 
 from __future__ import annotations

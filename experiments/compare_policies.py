@@ -36,8 +36,14 @@ Outputs in ``--workdir``:
     ``stranded_blocks``, ``peak_cached_blocks``, ``peak_cached_bytes``, ``loop_s``,
     ``cell_s``, ...) and the ideal row, each with provenance (cache state cold).
     Fields the replay does not report are null.
-  * ``compare_policies.png``: token hit rate against capacity, one line per (policy,
-    index), the ideal as a horizontal line and ``belady`` (when run) as the bound.
+  * ``compare_policies.cells.jsonl``: each cell's row appended (and fsynced) as the
+    cell finishes, after a header with the run's fingerprint (config hash, seed, trace
+    checksum). ``compare_policies.jsonl`` and the plot are written once every cell is
+    done; a rerun with the same ``--workdir`` skips the cells already there (an
+    interrupted run resumes), and refuses a workdir of another config, seed or trace.
+  * ``compare_policies.png``: token hit rate against capacity, one panel per index, one
+    line per policy (own color and marker), the ideal as a horizontal line and
+    ``belady`` (when run) as the bound; titled with the trace's file name.
   * stdout: a table of hit rates; the last line a JSON object with the paths.
 
 Bad input (unknown policy, index, hash algorithm, free order, model preset or

@@ -34,6 +34,10 @@ Bad input (a host multiple that is not a positive number, a bad ``num_blocks``, 
 unknown model, accelerator, host link, host eviction policy or executor, a missing
 trace) -> ``ValueError`` naming it before any cell runs (``error: ...``, one line, exit
 status 1 on the command line).
+
+Resume: each finished cell is appended to ``<workdir>/host_tier.cells.jsonl``
+(``_common.CellLog``); a rerun with the same workdir runs only the missing cells and
+refuses a workdir of another config, seed or trace.
 """
 
 from __future__ import annotations

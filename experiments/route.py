@@ -24,6 +24,10 @@ Outputs in ``--workdir``: ``route.jsonl`` (one row per policy and replica count:
 provenance), ``route_ttft.png`` (P90 TTFT and token hit rate against replicas, one
 line per policy); a printed table on stderr; the last stdout line is a JSON object
 with the paths and the rows.
+
+Resume: each finished cell is appended to ``<workdir>/route.cells.jsonl``
+(``_common.CellLog``); a rerun with the same workdir runs only the missing cells and
+refuses a workdir of another config, seed or trace.
 """
 
 from __future__ import annotations

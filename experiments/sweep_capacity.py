@@ -31,6 +31,10 @@ Writes ``results.jsonl`` (one line per capacity, KV dtype and cache state, with
 provenance), ``sweep_capacity.png`` and ``sweep_capacity_kv.png`` (token hit rate
 against GiB of KV, a line per KV dtype and cache state) into ``--workdir``; prints
 one summary JSON line.
+
+Resume: each finished cell is appended to ``<workdir>/sweep_capacity.cells.jsonl``
+(``_common.CellLog``); a rerun with the same workdir runs only the missing cells and
+refuses a workdir of another config, seed or trace.
 """
 
 from __future__ import annotations
