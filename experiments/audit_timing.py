@@ -68,9 +68,9 @@ cross_tenant_hit_tokens, ...}}, "skipped_scenarios": {...}}``.
 
 Resume: each finished cell is appended to ``<workdir>/audit_timing.cells.jsonl``
 (``_common.CellLog``); a rerun with the same workdir runs only the missing cells and
-refuses a workdir of another config, seed or trace. (On the engine backend a resumed
-scenario starts from a freshly built engine, not from the cache the earlier scenarios
-left: every scenario plants fresh secrets, so its statistics do not depend on them.)
+refuses a workdir of another config, seed or trace. (Every scenario starts from an
+empty prefix cache either way; on the engine backend a resumed run builds the engine
+again, and the warm-up trials compile its step programs before anything is measured.)
 """
 
 from __future__ import annotations
