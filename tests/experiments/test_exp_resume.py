@@ -4,6 +4,7 @@ An interrupted-and-resumed run gives the same rows as an uninterrupted one; a wo
 holding another config's cells is refused; a torn last line is run again.
 """
 
+import importlib
 import importlib.util
 import json
 import pathlib
@@ -112,3 +113,39 @@ def test_a_torn_last_line_is_run_again(tmp_path):
     again.add("b", {"v": 2})
     third = _common.CellLog(tmp_path, "t", fp)
     assert third.get("b") == {"v": 2} and len(third) == 2
+
+
+@pytest.mark.parametrize("module, name, rows_file", [
+    ("route", "route", "route.jsonl"),
+    ("sweep_capacity", "sweep_capacity", "results.jsonl"),
+])
+def test_in_process_grids_resume_with_the_same_rows(module, name, rows_file, tmp_path,
+                                                    monkeypatch):
+    exp = importlib.import_module(f"experiments.{module}")
+
+    def config(work):
+        c = _load(name, "quick")
+        c.workdir = str(tmp_path / work)
+        if module == "route":
+            c.workload.kwargs.num_requests, c.policies = 60, "round_robin,kv_events"
+        else:
+            c.workload.kwargs.num_requests, c.warmup_requests = 60, 30
+        return c
+
+    def rows(work):
+        drop = {"provenance", "route_us", "route_hash_us", "sim_s", "wall_s"}
+        return [{k: v for k, v in r.items() if k not in drop}
+                for r in _read(tmp_path / work / rows_file)]
+
+    exp.run(config("whole"))
+    with monkeypatch.context() as m:
+        _Interrupt(m, after=2)
+        with pytest.raises(KeyboardInterrupt):
+            exp.run(config("cut"))
+    assert not (tmp_path / "cut" / rows_file).exists()
+    assert len(_read(tmp_path / "cut" / f"{name}.cells.jsonl")) == 1 + 2
+    exp.run(config("cut"))
+    a, b = rows("cut"), rows("whole")
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if v != y.get(k)} == {}, x["policy"]
