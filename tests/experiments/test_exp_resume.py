@@ -130,6 +130,7 @@ def test_in_process_grids_resume_with_the_same_rows(module, name, rows_file, tmp
             c.workload.kwargs.num_requests, c.policies = 60, "round_robin,kv_events"
         else:
             c.workload.kwargs.num_requests, c.warmup_requests = 60, 30
+            c.capacities = (128, 512)
         return c
 
     def rows(work):
