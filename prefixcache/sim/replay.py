@@ -175,6 +175,7 @@ def replay(
     kv_cache_groups=None,
     num_host_blocks: int = 0,
     host_eviction: str = DEFAULT_POLICY,
+    miss_reasons: bool = False,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -201,6 +202,9 @@ def replay(
         progress: show a tqdm progress bar.
         total: the number of requests, when known in advance (the bar's total and
             ETA); ``None``: a bar without a total.
+        miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``):
+            records get ``miss_reasons`` (reason -> blocks), the summary
+            ``miss_reasons`` (totals, per tenant, per adapter). Off: no cost.
         eviction: the eviction policy (``prefixcache.core.eviction.POLICIES``).
         eviction_options: the policy's options (``belady``'s ``future`` is built
             here; passing one is an error).
@@ -297,7 +301,8 @@ def replay(
         hash_seed=hash_seed,
         free_order=free_order,
         log_stats=False,
-        enable_events=False,
+        enable_events=bool(miss_reasons),
+        **({"int_event_hashes": False} if miss_reasons else {}),
         max_model_len=max_model_len,
         eviction=eviction,
         eviction_options=options or None,
@@ -306,6 +311,15 @@ def replay(
         host_eviction=host_eviction,
     )
     tiered = m.num_host_blocks > 0  # (validated by the manager)
+    acct = None
+    if miss_reasons:
+        if kv_cache_groups is not None and getattr(m, "num_groups", 1) != 1:
+            raise ValueError("miss_reasons=True serves one full-attention KV cache group "
+                             "(sliding-window 'window' misses are not classified yet)")
+        from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
+
+        acct = MissAccountant(block_size, m.hasher)
+        take_events = m.take_events
     drop_transfers = m.host_tier.drop_transfers if tiered else None
     peak_host = 0
     hasher = m.hasher
@@ -396,6 +410,8 @@ def replay(
                 on_arrival(req, n_req - 1)
             # ---- admission --------------------------------------------------
             while True:
+                if acct is not None:
+                    acct.observe(take_events())  # the cache as this lookup sees it
                 computed, num_hit = get_computed_blocks(req)
                 new_blocks = allocate_slots(req, num_prompt - num_hit, num_hit, computed)
                 if new_blocks is not None or not running:
@@ -421,6 +437,7 @@ def replay(
                     bar.update(1)
                 continue
             n_admitted += 1
+            reasons = acct.admit(req, num_hit) if acct is not None else None
             if pool is not None:
                 c = pool.num_blocks_cached - pool.num_evictions
             else:
@@ -450,6 +467,8 @@ def replay(
                 }
                 if record_evictions:
                     rec["evictions_so_far"] = m.num_evictions
+                if reasons is not None:
+                    rec["miss_reasons"] = reasons
             running.append(req)
             req.num_computed_tokens = num_prompt  # scheduler bookkeeping: on no clock
             t3 = perf()
@@ -542,6 +561,8 @@ def replay(
             host["host_bytes_loaded"] = m.host_blocks_loaded * bytes_per_block
             host["host_bytes_stored"] = m.host_blocks_stored * bytes_per_block
         memory.update(host)
+    if acct is not None:
+        memory["miss_reasons"] = acct.summary()
     timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
     if t_future is not None:
         timing["future_s"] = t_future

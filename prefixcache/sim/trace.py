@@ -41,7 +41,7 @@ from prefixcache._validate import check_int_sequence
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 32000
-TRACE_FORMATS = ("auto", "jsonl", "mooncake")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "bailian", "claude_code")
 
 
 class TraceError(ValueError):
@@ -382,7 +382,9 @@ def read_trace(
     Args:
         path: the trace file (gzip-compressed when its name ends in ``.gz``).
         format: ``"jsonl"`` (ours), ``"mooncake"``, or ``"auto"`` (per line: a line
-            with ``hash_ids`` is Mooncake).
+            with ``hash_ids`` is Mooncake); ``"bailian"`` / ``"claude_code"``: the
+            Qwen-Bailian and Claude Code formats of ``prefixcache.sim.trace_formats``
+            (never guessed by ``"auto"``).
         vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
         mooncake_tokens: ``"expand"`` (a Mooncake prompt is the list of its token ids)
             or ``"lazy"`` (a `MooncakePrompt`: the same ids, expanded only where read,
@@ -404,6 +406,10 @@ def read_trace(
     if mooncake_tokens not in ("expand", "lazy"):
         raise ValueError(f"mooncake_tokens must be 'expand' or 'lazy', got {mooncake_tokens!r}")
     path = os.fspath(path)
+    if format in ("bailian", "claude_code"):  # hash-id formats of their own
+        from prefixcache.sim.trace_formats import READERS  # noqa: PLC0415 (imports us)
+
+        return READERS[format](path, vocab_size=vocab_size)
     return _read(path, format, vocab_size, mooncake_tokens == "lazy")
 
 

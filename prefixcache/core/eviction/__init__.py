@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from prefixcache.core.eviction.arc import ARCPolicy
 from prefixcache.core.eviction.base import EvictionPolicy, KeyedPolicy, PolicyError
 from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
 from prefixcache.core.eviction.cost import CostPolicy
@@ -17,7 +18,9 @@ from prefixcache.core.eviction.fifo import FIFOPolicy
 from prefixcache.core.eviction.length import LengthPolicy
 from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
+from prefixcache.core.eviction.pgdsf import PGDSFPolicy
 from prefixcache.core.eviction.priority import PriorityPolicy
+from prefixcache.core.eviction.s3fifo import S3FIFOPolicy
 from prefixcache.core.eviction.slru import SLRUPolicy
 
 # NOTE: the registry is read-only (no module-level mutable state): add a policy here.
@@ -30,6 +33,9 @@ POLICIES = MappingProxyType({
     "length": LengthPolicy,
     "cost": CostPolicy,
     "belady": BeladyPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "pgdsf": PGDSFPolicy,
 })
 
 DEFAULT_POLICY = "lru"
