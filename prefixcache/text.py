@@ -252,7 +252,7 @@ class Tokenizer:
                    chat_template=template, special_tokens=special, name_or_path=d)
 
     @classmethod
-    def from_gguf(cls, path) -> "Tokenizer":
+    def from_gguf(cls, path, *, reader=None) -> "Tokenizer":
         """From a GGUF file's tokenizer metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
 
         Supports `tokenizer.ggml.model` "gpt2" (byte-level BPE; pre-tokenizer by
@@ -260,6 +260,11 @@ class Tokenizer:
         their aliases) as transformers' GGUF converter builds it: BPE over the vocabulary
         and merges, ByteLevel pre-tokenizer and decoder, CONTROL tokens added as special
         tokens and USER_DEFINED ones as plain added tokens.
+
+        Args:
+          path: the .gguf file.
+          reader: a `gguf.GGUFReader` of `path` already open (e.g. the weights loader's):
+            parsing the metadata of a 49k-token vocabulary takes seconds, so share it.
 
         Raises:
           FileNotFoundError: no such file.
@@ -271,8 +276,10 @@ class Tokenizer:
         p = os.fspath(path)
         if not os.path.isfile(p):
             raise FileNotFoundError(f"no such GGUF file: {p}")
+        if reader is not None and not isinstance(reader, gguf.GGUFReader):
+            raise ValueError(f"reader must be a gguf.GGUFReader, got {type(reader).__name__}")
         try:
-            reader = gguf.GGUFReader(p, "r")
+            reader = gguf.GGUFReader(p, "r") if reader is None else reader
         except Exception as e:  # the reader raises ValueError/struct errors on bad files
             raise ValueError(f"cannot read GGUF file {p}: {type(e).__name__}: {e}") from None
         fields = reader.fields

@@ -107,7 +107,14 @@ def _write_gguf(path, *, model="gpt2", pre="smollm", tokens=None, merges=("a b",
 
 
 def test_gguf_tiny_written_file(tmp_path):
-    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf"))
+    import gguf
+
+    path = _write_gguf(tmp_path / "t.gguf")
+    tok = Tokenizer.from_gguf(path)
+    shared = Tokenizer.from_gguf(path, reader=gguf.GGUFReader(str(path)))
+    assert shared.encode("ab ab") == tok.encode("ab ab") and shared.stop_token_ids == (2, 0)
+    with pytest.raises(ValueError, match="reader must be a gguf.GGUFReader"):
+        Tokenizer.from_gguf(path, reader=object())
     assert tok.vocab_size == 7 and tok.stop_token_ids == (2, 0)  # eos, <|endoftext|> (EOG)
     assert tok.encode("ab ab<|im_end|>") == [5, 6, 5, 2]
     assert tok.decode([5, 6, 5, 2]) == "ab ab"
