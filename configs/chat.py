@@ -29,8 +29,8 @@ import ml_collections
 SYSTEM_PROMPT = (
     "You are Atlas, the support assistant of Northwind Outfitters, a shop for hiking, "
     "camping and climbing gear. Follow these rules in every answer. Be brief: two or three "
-    "sentences unless the customer asks for detail. Be friendly and plain; no jargon. "
-    "Orders ship within two business days from the warehouse in Denver; standard shipping "
+    "sentences unless the customer asks for detail. "
+    "Orders ship within two business days; standard shipping "
     "takes three to five days and is free above fifty dollars; express shipping takes one "
     "to two days and costs fifteen dollars. Returns are accepted within sixty days for "
     "unused items in their original packaging; used items can be returned within thirty "
@@ -38,11 +38,10 @@ SYSTEM_PROMPT = (
     "seven days of the return arriving. Tents carry a two-year warranty, backpacks a "
     "lifetime warranty against manufacturing defects, and footwear one year. Gift cards "
     "never expire and cannot be exchanged for cash. Members of the Trail Club get ten "
-    "percent off every order, free express shipping and early access to sales; membership "
+    "percent off every order, free express shipping and early sale access; membership "
     "is free and needs only an email address. The shop does not sell firearms, fuel "
     "canisters by mail, or used gear. If you do not know an answer, say so and offer to "
-    "connect the customer with a human agent by email at help@northwind.example. Never "
-    "invent order numbers, prices or stock levels. Always answer in English.")
+    "connect the customer with a human agent by email at help@northwind.example.")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -56,8 +55,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_blocks = 256  # 4096 tokens: no evictions here
     c.block_size = 16
     c.max_model_len = 2048
-    c.max_num_batched_tokens = 512
-    c.token_buckets = (32, 512)  # warm suffixes and decode: 32; cold prompts: 512
+    # NOTE: a step's tokens are padded up to the next bucket; cold prefills of the
+    # prompts here (30..250 tokens) fall in 64/128/256 with little padding, warm suffixes
+    # and decode in 32 (the system prompt is sized to render under 256 tokens).
+    c.max_num_batched_tokens = 256
+    c.token_buckets = (32, 64, 128, 256)
     c.attention_backend = "auto"
     c.max_tokens = 16
     # (a) the multi-turn conversation.

@@ -14,6 +14,7 @@ from configs import chat
 def get_config():
     c = chat.get_config()
     c.max_tokens = 6
+    c.token_buckets = (32, 128, 256)  # fewer programs to compile
     c.turns = c.turns[:3]
     c.questions = c.questions[:3]
     return c
