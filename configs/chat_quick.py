@@ -1,4 +1,4 @@
-"""Chat demo, quick (< 2 min on 2 CPU cores): configs/chat.py with 3 turns, 3 questions and
+"""Chat demo, quick (< 2 min on 2 idle CPU cores): configs/chat.py with 3 turns, 3 questions and
 6 output tokens each.
 
 Command:

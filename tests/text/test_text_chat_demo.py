@@ -83,6 +83,7 @@ def test_chat_demo_quick_smollm2(tmp_path):
     cfg.workdir = str(tmp_path)
     # Under the test's time budget: two turns and two questions of four tokens.
     cfg.turns, cfg.questions, cfg.max_tokens = cfg.turns[:2], cfg.questions[:2], 4
+    cfg.token_buckets = (32, 256)  # two programs to compile: warm suffix/decode, cold
     chat.run(cfg)
     rows, summary = _read(tmp_path)
     _check(rows, summary, cfg)
