@@ -14,6 +14,7 @@ sampled tokens and finish requests (host).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
 import time
 import zlib
@@ -25,8 +26,9 @@ import numpy as np
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.outputs import EngineMetrics, RequestMetrics, RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
-from prefixcache.engine.scheduler import (FINISH_ERROR, EngineRequest, RequestStatus,
-                                          Scheduler, SchedulerOutput)
+from prefixcache.engine.scheduler import (FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                                          EngineRequest, RequestStatus, Scheduler,
+                                          SchedulerOutput)
 
 
 _REQUEST_ID = operator.attrgetter("state.request.request_id")
@@ -94,6 +96,11 @@ class Engine:
         the least recently used adapters (last added or run) that no unfinished request
         names and no device slot holds are dropped after each add; one requested again
         is re-read from disk and re-validated. Used only with `enable_lora`.
+      tokenizer: a `prefixcache.text.Tokenizer` of the model (None: token ids only).
+        With one, prompts may be strs, `chat()` renders conversations through its chat
+        template, `RequestOutput.text` is the decoded output, requests also stop on the
+        tokenizer's `stop_token_ids` (eos, end of turn) and `SamplingParams.stop`
+        strings work. Its vocabulary must not exceed the model's.
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
@@ -174,7 +181,8 @@ class Engine:
                  eviction: str = "lru", index: str = "hash", enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
-                 kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None):
+                 kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
+                 tokenizer=None):
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -232,6 +240,7 @@ class Engine:
             raise ValueError("enable_lora applies adapters, lora_cache_key_only runs the "
                              "base model under an adapter's cache key: give one, not both")
         policy = make_scheduling_policy(scheduling_policy)  # unknown name: ValueError
+        _check_tokenizer(tokenizer, model_config)
         model_max = _model_max_len(model_config)
         if max_model_len is None:
             max_model_len = model_max if model_max is not None else num_blocks * block_size
@@ -247,6 +256,7 @@ class Engine:
                         kv_dtype=kv_dtype,
                         lora=(max_loras, max_lora_rank) if enable_lora else None)
         self.model_config = model_config
+        self.tokenizer = tokenizer
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -335,8 +345,10 @@ class Engine:
         at once with finish_reason "error" and a message in `.error`; the others go on.
 
         Args:
-          prompt: list of token ids, or a `prefixcache.Request` (then mm_features,
-            cache_salt, lora and request_id come from it and must not be given here).
+          prompt: list of token ids, a `prefixcache.Request` (then mm_features,
+            cache_salt, lora and request_id come from it and must not be given here), or
+            a str (encoded with the engine's tokenizer, special tokens added as the
+            tokenizer does; an engine without a tokenizer rejects it).
           params: SamplingParams (default: SamplingParams()).
           request_id: unique id (default: a fresh "req-<n>").
           mm_features: `MultiModalFeature(identifier, offset, length)` items.
@@ -352,7 +364,8 @@ class Engine:
 
         Raises:
           ValueError: malformed input (not a token list, empty prompt, duplicate id,
-            params not a SamplingParams, missing or mis-shaped multimodal embeddings).
+            params not a SamplingParams, missing or mis-shaped multimodal embeddings; a
+            text prompt or stop strings without a tokenizer).
         """
         if lora is not None and lora_request is not None:
             raise ValueError("give lora or lora_request (the same thing), not both")
@@ -377,6 +390,9 @@ class Engine:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = self._with_tokenizer_stops(params)
+        if isinstance(prompt, str):
+            prompt = self._encode_prompt(prompt)
         if isinstance(prompt, Request):
             if request_id is not None or mm_features or cache_salt is not None or lora:
                 raise ValueError("pass request_id / mm_features / cache_salt / lora on the "
@@ -415,7 +431,97 @@ class Engine:
             raise ValueError(f"duplicate request id {rid!r}")
         embeds = self._check_mm(req, mm_embeddings or {})
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, rid)
-        return EngineRequest(req, params, seed, embeds)
+        state = EngineRequest(req, params, seed, embeds)
+        if params.stop:
+            state.text = _RequestText(self.tokenizer, req.prompt_token_ids, params)
+        return state
+
+    # -- text -----------------------------------------------------------------------
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("the engine has no tokenizer, so prompts must be token ids: "
+                             "give Engine(..., tokenizer=Tokenizer.from_pretrained(path)) "
+                             "or use Engine.from_pretrained(path)")
+        return self.tokenizer.encode(text)
+
+    def _with_tokenizer_stops(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the tokenizer's stop ids added (eos, end of turn)."""
+        if self.tokenizer is None:
+            if params.stop:
+                raise ValueError(f"stop strings {params.stop!r} need an engine with a "
+                                 "tokenizer (Engine(..., tokenizer=...)); stop_token_ids "
+                                 "work without one")
+            return params
+        extra = tuple(t for t in self.tokenizer.stop_token_ids
+                      if t not in params.stop_token_ids)
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+    def _output_text(self, state: EngineRequest) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if state.text is not None:
+            return state.text.finish()
+        return self.tokenizer.decode(_in_vocab(state.request.output_token_ids,
+                                               self.tokenizer.vocab_size),
+                                     skip_special_tokens=state.params.skip_special_tokens)
+
+    def _apply_stop_strings(self, sched: SchedulerOutput,
+                            finished: list[EngineRequest]) -> None:
+        """Feeds this step's tokens to the requests with stop strings; finishes those
+        whose text now holds one (finish reason "stop", also over "length")."""
+        for s in sched.scheduled:
+            state = s.state
+            text = state.text
+            if text is None or not text.update(state.request.output_token_ids):
+                continue
+            if state.status is RequestStatus.RUNNING:
+                self.scheduler.finish_request(state, FINISH_STOP)
+                finished.append(state)
+            elif state.finish_reason == FINISH_LENGTH:
+                state.finish_reason = FINISH_STOP  # as vLLM: the stop string wins
+
+    def chat(self, conversations, params: SamplingParams | Sequence[SamplingParams]
+             | None = None, *, add_generation_prompt: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """Runs chat conversations to completion through the tokenizer's chat template.
+
+        Args:
+          conversations: one conversation (a list of {"role", "content"} messages) or a
+            list of them.
+          params: one SamplingParams for all, or one per conversation.
+          add_generation_prompt: end each prompt with the assistant turn's header.
+          template_kwargs: passed to `Tokenizer.apply_chat_template` (e.g. `tools`).
+
+        Returns:
+          RequestOutputs in the order of the conversations (`.text` is the reply).
+
+        Raises:
+          ValueError: no tokenizer, no chat template, malformed messages (the
+            conversation and message index named); nothing is queued then.
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat() needs an engine with a tokenizer: give "
+                             "Engine(..., tokenizer=Tokenizer.from_pretrained(path)) or use "
+                             "Engine.from_pretrained(path)")
+        if (isinstance(conversations, Sequence) and not isinstance(conversations, str)
+                and conversations and isinstance(conversations[0], Mapping)):
+            conversations = [conversations]  # one conversation
+        if isinstance(conversations, (str, Mapping)) or not isinstance(conversations,
+                                                                       Sequence):
+            raise ValueError("conversations must be a list of messages or a list of such "
+                             f"lists, got {type(conversations).__name__}")
+        prompts = []
+        for k, conv in enumerate(conversations):
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                    **template_kwargs))
+            except ValueError as e:
+                raise ValueError(f"conversation {k}: {e}") from None
+        return self.generate(prompts, params)
 
     def _load_lora(self, lora) -> None:
         """Reads and checks `lora`'s adapter once (ValueError naming the problem)."""
@@ -563,7 +669,9 @@ class Engine:
                 self.step_logits.append({
                     s.request_id: logits[i] for i, s in enumerate(sched.scheduled)
                     if s.completes_sequence})
-            for state in self.scheduler.update_from_output(sched, sampled):
+            finished = self.scheduler.update_from_output(sched, sampled)
+            self._apply_stop_strings(sched, finished)
+            for state in finished:
                 self._finish(state)
             t4 = time.perf_counter()
             self._num_steps += 1
@@ -633,7 +741,7 @@ class Engine:
         out = RequestOutput(
             request_id=state.request_id, prompt_token_ids=list(req.prompt_token_ids),
             token_ids=list(req.output_token_ids), finish_reason=state.finish_reason,
-            error=state.error, metrics=metrics)
+            error=state.error, metrics=metrics, text=self._output_text(state))
         self._pending_outputs.append(out)
         self._num_requests += 1
         if state.error is not None:
@@ -657,7 +765,8 @@ class Engine:
         """Runs requests to completion.
 
         Args:
-          prompts: token-id lists or `prefixcache.Request`s.
+          prompts: token-id lists, `prefixcache.Request`s or strs (with a tokenizer; one
+            str alone is one prompt).
           params: one SamplingParams for all, or one per prompt.
           mm_embeddings: optional, one {identifier: rows} mapping (or None) per prompt
             (for `Request`s carrying multimodal features).
@@ -667,7 +776,7 @@ class Engine:
         Returns:
           RequestOutputs in the order of `prompts`.
         """
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         params = list(params)
@@ -897,6 +1006,55 @@ def _as_token_list(prompt) -> list[int]:
             raise ValueError(f"prompt token ids must be ints, got {t!r}")
         out.append(int(t))
     return out
+
+
+def _check_tokenizer(tokenizer, model_config) -> None:
+    if tokenizer is None:
+        return
+    from prefixcache.text import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError("tokenizer must be a prefixcache.text.Tokenizer (e.g. "
+                         f"Tokenizer.from_pretrained(path)), got {type(tokenizer).__name__}")
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                         f"vocabulary only {model_config.vocab_size}: a different model's "
+                         "tokenizer?")
+
+
+def _in_vocab(token_ids, vocab_size: int) -> list[int]:
+    # NOTE: a model's embedding may have more rows than its tokenizer has tokens (padded
+    # vocabularies); a sampled padding id has no text.
+    return [t for t in token_ids if t < vocab_size]
+
+
+class _RequestText:
+    """A request's streaming detokenizer (for its stop strings) and how many of its
+    output ids it has read."""
+
+    __slots__ = ("detok", "num_read", "vocab_size")
+
+    def __init__(self, tokenizer, prompt_token_ids, params: SamplingParams):
+        self.detok = tokenizer.detokenizer(
+            _in_vocab(prompt_token_ids, tokenizer.vocab_size),
+            skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.num_read = 0
+        self.vocab_size = tokenizer.vocab_size
+
+    def update(self, output_token_ids) -> bool:
+        """Reads the new output ids; True when a stop string just matched."""
+        if self.detok.stopped or self.num_read == len(output_token_ids):
+            return False
+        new = output_token_ids[self.num_read:]
+        self.num_read = len(output_token_ids)
+        self.detok.push(_in_vocab(new, self.vocab_size))
+        return self.detok.stopped
+
+    def finish(self) -> str:
+        if not self.detok.stopped:
+            self.detok.flush()
+        return self.detok.text
 
 
 def _derive_seed(engine_seed: int, request_id: str) -> int:

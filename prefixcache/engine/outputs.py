@@ -39,6 +39,9 @@ class RequestOutput:
       finish_reason: "length", "stop", "abort" or "error".
       error: why the request was rejected (finish_reason "error"), else None.
       metrics: RequestMetrics.
+      text: the output decoded by the engine's tokenizer (special tokens skipped unless
+        the SamplingParams say otherwise; cut before a matched stop string); None when the
+        engine has no tokenizer.
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class RequestOutput:
     finish_reason: str
     error: str | None
     metrics: RequestMetrics
+    text: str | None = None
 
     @property
     def finished(self) -> bool:

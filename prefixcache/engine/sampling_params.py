@@ -26,7 +26,12 @@ class SamplingParams:
             its prefix came from the cache. None: the engine derives one from its own seed
             and the request id.
         stop_token_ids: generation stops after emitting one of these (finish reason
-            "stop"; the stop token is included in the output).
+            "stop"; the stop token is included in the output). An engine with a tokenizer
+            adds the tokenizer's `stop_token_ids` (eos, end of turn).
+        stop: stop strings (needs an engine with a tokenizer): generation stops once the
+            output text contains one (finish reason "stop"); the text ends before it.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        skip_special_tokens: leave special tokens (eos, `<|im_end|>`, ...) out of the text.
     """
 
     max_tokens: int = 16
@@ -35,6 +40,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -69,6 +77,15 @@ class SamplingParams:
                 raise ValueError(
                         f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        # NOTE: one stop string may be given bare, as vLLM accepts it.
+        stop_strs = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop_strs:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop_strs)
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -84,6 +84,8 @@ class EngineRequest:
       admitted: whether it was ever scheduled.
       block_row: its row in the scheduler's `BlockTables` while it is running (None
         otherwise).
+      text: the engine's text state of a request with stop strings (None otherwise; the
+        scheduler never reads it).
     """
 
     request: "Request"
@@ -101,6 +103,7 @@ class EngineRequest:
     num_preemptions: int = 0
     admitted: bool = False
     block_row: int | None = None
+    text: Any = None
 
     @property
     def request_id(self) -> str:
