@@ -356,11 +356,16 @@ class Engine:
         """
         if lora is not None and lora_request is not None:
             raise ValueError("give lora or lora_request (the same thing), not both")
+        # NOTE: adapters read while validating go to `read`, and reach the memo only
+        # once the request is valid: a refused call leaves `lora_adapters` unchanged.
+        read: dict = {}
+        state = self._new_state(prompt, params, request_id=request_id,
+                                mm_features=mm_features, mm_embeddings=mm_embeddings,
+                                cache_salt=cache_salt,
+                                lora=lora if lora is not None else lora_request,
+                                read_loras=read)
         try:
-            state = self._new_state(prompt, params, request_id=request_id,
-                                    mm_features=mm_features, mm_embeddings=mm_embeddings,
-                                    cache_salt=cache_salt,
-                                    lora=lora if lora is not None else lora_request)
+            self._adopt_loras([state], read)
             self._commit(state)
         finally:
             # After the commit: the new request's adapter is pinned by then.
@@ -369,8 +374,11 @@ class Engine:
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
                    mm_embeddings=None, cache_salt=None, lora=None,
-                   taken_ids=frozenset()) -> EngineRequest:
-        """Validates one request and builds its state; changes nothing in the engine."""
+                   taken_ids=frozenset(), read_loras=None) -> EngineRequest:
+        """Validates one request and builds its state; changes nothing in the engine.
+
+        Adapters not in `lora_adapters` yet are read into `read_loras` ((name, path) ->
+        adapter), for `_adopt_loras` to add once every request of the call is valid."""
         from prefixcache.core import Request
 
         if params is None:
@@ -401,7 +409,7 @@ class Engine:
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
         if req.lora is not None and self.enable_lora:
-            self._load_lora(req.lora)
+            self._load_lora(req.lora, {} if read_loras is None else read_loras)
         elif req.lora is not None and not self.lora_cache_key_only:
             # NOTE: the model has no adapter weights; running a LoRA request on the base
             # model would silently produce base-model tokens under an adapter's cache key.
@@ -417,23 +425,36 @@ class Engine:
         seed = params.seed if params.seed is not None else _derive_seed(self.seed, rid)
         return EngineRequest(req, params, seed, embeds)
 
-    def _load_lora(self, lora) -> None:
-        """Reads and checks `lora`'s adapter once (ValueError naming the problem)."""
+    def _load_lora(self, lora, read: dict) -> None:
+        """Reads and checks `lora`'s adapter once into `read` unless the memo or `read`
+        holds it already (ValueError naming the problem); changes nothing in the engine."""
         from prefixcache.core import LoRARequest
         from prefixcache.model.lora import load_lora_adapter
 
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora must be a LoRARequest, got {type(lora).__name__}")
         key = (lora.name, lora.path)
-        if key in self.lora_adapters:
-            self.lora_adapters.move_to_end(key)  # most recently used
-        else:
+        if key not in self.lora_adapters and key not in read:
             # NOTE: a memo of the file's contents (host arrays), filled at validation
             # time; adapters reach device slots only when a step runs them. A dropped
             # adapter is read and validated again (the file may have changed).
-            self.lora_adapters[key] = load_lora_adapter(
+            read[key] = load_lora_adapter(
                 lora.path, self.model_config, max_lora_rank=self.max_lora_rank,
                 name=lora.name)
+
+    def _adopt_loras(self, states, read: dict) -> None:
+        """Commits the adapters of validated `states`: newly read ones enter the memo,
+        known ones become the most recently used (in the order of `states`)."""
+        if not self.enable_lora:
+            return
+        for st in states:
+            lo = st.request.lora
+            if lo is None:
+                continue
+            key = (lo.name, lo.path)
+            if key in read:
+                self.lora_adapters[key] = read.pop(key)
+            self.lora_adapters.move_to_end(key)  # most recently used
 
     def _maybe_drop_loras(self) -> None:
         """Drops least recently used adapters from `lora_adapters` past `max_cpu_loras`,
@@ -678,12 +699,15 @@ class Engine:
         if self.scheduler.has_unfinished_requests():
             raise ValueError("generate() needs an idle engine; drain step() first")
         # Validate everything first, so a bad prompt leaves the engine unchanged.
-        states, taken = [], set()
+        # Adapters read on the way reach `lora_adapters` only once all are valid.
+        states, taken, read = [], set(), {}
+        for p, sp, mm, lo in zip(prompts, params, mms, loras):
+            st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken,
+                                 read_loras=read)
+            taken.add(st.request_id)
+            states.append(st)
         try:
-            for p, sp, mm, lo in zip(prompts, params, mms, loras):
-                st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken)
-                taken.add(st.request_id)
-                states.append(st)
+            self._adopt_loras(states, read)
             for st in states:
                 self._commit(st)
         finally:
