@@ -246,6 +246,16 @@ class Engine:
                         interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks,
                         kv_dtype=kv_dtype,
                         lora=(max_loras, max_lora_rank) if enable_lora else None)
+        # Shape buckets (they must end at the maxima: max_num_batched_tokens, max_num_seqs
+        # and the pages of max_model_len) and the hash seed, before anything is built.
+        from prefixcache.metadata import MetadataBuilder
+        MetadataBuilder(block_size=block_size, num_blocks=num_blocks,
+                        max_num_seqs=max_num_seqs, max_num_tokens=max_num_batched_tokens,
+                        max_pages_per_seq=-(-max_model_len // block_size),
+                        token_buckets=token_buckets, seq_buckets=seq_buckets,
+                        page_buckets=page_buckets)
+        from prefixcache._validate import check_hash_seed
+        check_hash_seed(hash_seed)
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -895,6 +905,11 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
 def _as_token_list(prompt) -> list[int]:
     from prefixcache._validate import check_int_sequence
 
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        # NOTE: iterating bytes gives ints 0..255: text passed as bytes would run as
+        # token ids silently (a tokenizer's job).
+        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__} "
+                         "(encode text with a tokenizer first)")
     # Strings, sets, dicts: their order or element type is not a prompt's.
     check_int_sequence("prompt", prompt)
     try:
