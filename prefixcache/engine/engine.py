@@ -221,6 +221,8 @@ class Engine:
         max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
         if not isinstance(enable_lora, (bool, np.bool_)):  # ("no" would be truthy)
             raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+        if not isinstance(interpret, (bool, np.bool_)):  # ("no" would run interpreted)
+            raise ValueError(f"interpret must be a bool, got {interpret!r}")
         if max_cpu_loras is None:
             max_cpu_loras = max_loras  # vLLM's default
         max_cpu_loras = _positive_int("max_cpu_loras", max_cpu_loras)
