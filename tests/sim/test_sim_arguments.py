@@ -80,8 +80,8 @@ def test_negative_timestamps_refused(tmp_path):
     path = tmp_path / "mc.jsonl"
     line = {"timestamp": -5, "input_length": 10, "output_length": 2, "hash_ids": [1]}
     path.write_text(json.dumps(line) + "\n")
-    with pytest.raises(TraceError, match=r"mc.jsonl:1: field 'timestamp' must be a finite number >= 0 "
-                                         r"\(ms\), got -5"):
+    with pytest.raises(TraceError, match=r"mc.jsonl:1: field 'timestamp' must be a finite "
+                                         r"number >= 0 \(ms\), got -5"):
         list(read_trace(path, format="mooncake"))
     path.write_text(json.dumps({**line, "timestamp": 5}) + "\n")
     assert [r.timestamp for r in read_trace(path, format="mooncake")] == [0.005]
