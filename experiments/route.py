@@ -38,17 +38,23 @@ from experiments import _common
 
 
 def parse_list(name: str, value, convert=str) -> list:
-    """A comma-separated flag/config value (or a sequence) as a non-empty list."""
+    """A comma-separated flag/config value (or a sequence) as a non-empty list of
+    distinct values (ValueError naming the flag and the repeated value otherwise)."""
     items = value.split(",") if isinstance(value, str) else list(value)
     items = [x.strip() if isinstance(x, str) else x for x in items]
     items = [x for x in items if x != ""]
     if not items:
         raise ValueError(f"--{name} is empty")
     try:
-        return [convert(x) for x in items]
+        out = [convert(x) for x in items]
     except ValueError:
         raise ValueError(f"--{name}: cannot read {value!r} as a comma-separated list of "
                          f"{convert.__name__}") from None
+    dup = sorted({x for x in out if out.count(x) > 1}, key=out.index)
+    if dup:  # "--replicas=2,2" would run (and write) the same cell twice
+        raise ValueError(f"--{name}={value!r} repeats {', '.join(map(repr, dup))}: give each "
+                         "value once")
+    return out
 
 
 def make_cost_model(config):

@@ -26,15 +26,16 @@ def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
 
     kv_scales: None for float32 / bfloat16 pages (the write casts). For float8_e4m3fn
       / int8 pages, their f32[num_pages, 2*num_kv_heads] scales (`kernels.quant`):
-      the write quantizes, and a page's scales become max(old, amax of what this step
-      writes into it / QMAX) per K/V of a kv head (float8_e4m3fn: rounded up to a
-      power of two, `kernels.quant.page_scale`). A page whose scale rises has its
-      existing entries requantized to the new scale in the same call (only when some
-      page's scale rises: a `lax.cond`). float8_e4m3fn: a power-of-two rescale is
-      exact, so a page written token by token holds the same bytes as one written at
-      once (outside e4m3's subnormal range, |x| < 2^-6 scale); int8: each
-      requantization rounds once more (at most half a step of the final scale per
-      rise). A page
+      the write quantizes, and a page's scales become max(old, page_scale(amax of the
+      finite values this step writes into it)) per K/V of a kv head (powers of two,
+      `kernels.quant.page_scale`). A page whose scale rises has its existing entries
+      requantized to the new scale in the same call (only when some page's scale
+      rises: a `lax.cond`). The rescale is exact for both dtypes (`kernels.quant`'s
+      notes), so a page's bytes and scales depend only on its final contents, not on
+      how its tokens were split over calls: a page written token by token holds the
+      same bytes as one written at once, and prefix caching on or off stores the same
+      pages. A non-finite element does not reach the scale: +-inf saturates, NaN is
+      stored as NaN (fp8) or 0 (int8), and the page's other slots are unchanged. A page
       whose first slot (offset 0) is written starts over: its old scale is dropped,
       since the allocator only writes offset 0 of a page that holds a new block.
 
@@ -98,7 +99,9 @@ def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
   fresh = jnp.zeros((num_pages,), jnp.int32).at[page].max(first.astype(jnp.int32),
                                                             mode="drop") > 0
   old = jnp.where(fresh[:, None], 0.0, kv_scales)
-  tok_amax = jnp.max(jnp.abs(kv_new), axis=-1)  # [T, C]
+  # NOTE: the amax of the finite values only: one inf/NaN element must not make the
+  # page's scale non-finite (that would turn every other slot of the page into NaN).
+  tok_amax = jnp.max(jnp.where(jnp.isfinite(kv_new), jnp.abs(kv_new), 0.0), axis=-1)  # [T, C]
   page_amax = jnp.zeros_like(kv_scales).at[page].max(tok_amax, mode="drop")
   new = jnp.maximum(old, page_scale(page_amax, kv_pages.dtype))
   page_c = jnp.minimum(page, num_pages - 1)
@@ -106,7 +109,8 @@ def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
   def requantize(pages):
     # NOTE: every page this step touches is rewritten (duplicates write identical
     # values); a page whose scale did not change maps q -> q exactly (factor 1), a
-    # fresh page (old scale 0) to zeros.
+    # fresh page (old scale 0) to zeros. factor is a power of two (both scales are),
+    # and `quantize` at scale 1 re-rounds exactly as a one-shot write would.
     factor = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)[page_c]  # [T, C]
     vals = pages[page_c].astype(f32) * factor[:, None, :, None]
     vals = quantize(vals, jnp.ones((), f32), pages.dtype)

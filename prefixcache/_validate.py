@@ -128,3 +128,24 @@ def check_host_memory(what: str, nbytes: int, *, available: int | None = None) -
         raise ValueError(
             f"{what} needs about {_gib(nbytes)} of host memory but only {_gib(available)} "
             "is available; use a smaller size")
+
+
+def check_hash_seed(hash_seed: Any) -> None:
+    """Raise unless ``hash_seed`` is None, a str, an int or bytes.
+
+    The seed enters the root of every block hash as ``str(seed)``; the str of an
+    arbitrary object (``object()``, a function, ...) carries its memory address, so
+    its hashes -- and every cache hit against another process -- change from run to
+    run. Floats are refused too (``str`` of a float is exact, but a seed read back
+    from a config as 1.0 vs 1 would hash differently).
+
+    Raises:
+      ArgumentTypeError: (a TypeError) naming the seed's type and value.
+    """
+    if hash_seed is None or isinstance(hash_seed, (str, bytes)):
+        return
+    if isinstance(hash_seed, (int, np.integer)) and not isinstance(hash_seed, (bool, np.bool_)):
+        return
+    raise ArgumentTypeError(
+        f"hash_seed must be None, a str, an int or bytes (reproducible across processes), "
+        f"got {type(hash_seed).__name__} {hash_seed!r}")

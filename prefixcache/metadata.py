@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import collections.abc
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -481,7 +482,14 @@ class MetadataBuilder:
             scheduled tokens, a negative `num_computed_tokens`, too few block ids for its KV
             length, more pages than `max_pages_per_seq`, or a block id outside
             `0..num_blocks-1` (the message names `seqs[i]`).
+          TypeError: `seqs` is not an ordered sequence (a mapping, a set, a str; its
+            order is not the step's) -- an `ArgumentTypeError`, also a ValueError.
         """
+        if isinstance(seqs, (collections.abc.Mapping, collections.abc.Set, str, bytes)) or (
+                not isinstance(seqs, collections.abc.Sequence)):
+            raise ArgumentTypeError(
+                "seqs must be a sequence (list or tuple) of ScheduledSeq, got "
+                f"{type(seqs).__name__}")
         n = len(seqs)
         if n == 0:
             raise ValueError("build() needs at least one scheduled sequence")

@@ -229,6 +229,8 @@ class Engine:
         max_lora_rank = _positive_int("max_lora_rank", max_lora_rank)
         if not isinstance(enable_lora, (bool, np.bool_)):  # ("no" would be truthy)
             raise ValueError(f"enable_lora must be a bool, got {enable_lora!r}")
+        if not isinstance(interpret, (bool, np.bool_)):  # ("no" would run interpreted)
+            raise ValueError(f"interpret must be a bool, got {interpret!r}")
         if max_cpu_loras is None:
             max_cpu_loras = max_loras  # vLLM's default
         max_cpu_loras = _positive_int("max_cpu_loras", max_cpu_loras)
@@ -255,6 +257,16 @@ class Engine:
                         interpret=interpret, mesh=mesh, num_host_blocks=num_host_blocks,
                         kv_dtype=kv_dtype,
                         lora=(max_loras, max_lora_rank) if enable_lora else None)
+        # Shape buckets (they must end at the maxima: max_num_batched_tokens, max_num_seqs
+        # and the pages of max_model_len) and the hash seed, before anything is built.
+        from prefixcache.metadata import MetadataBuilder
+        MetadataBuilder(block_size=block_size, num_blocks=num_blocks,
+                        max_num_seqs=max_num_seqs, max_num_tokens=max_num_batched_tokens,
+                        max_pages_per_seq=-(-max_model_len // block_size),
+                        token_buckets=token_buckets, seq_buckets=seq_buckets,
+                        page_buckets=page_buckets)
+        from prefixcache._validate import check_hash_seed
+        check_hash_seed(hash_seed)
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
@@ -369,11 +381,16 @@ class Engine:
         """
         if lora is not None and lora_request is not None:
             raise ValueError("give lora or lora_request (the same thing), not both")
+        # NOTE: adapters read while validating go to `read`, and reach the memo only
+        # once the request is valid: a refused call leaves `lora_adapters` unchanged.
+        read: dict = {}
+        state = self._new_state(prompt, params, request_id=request_id,
+                                mm_features=mm_features, mm_embeddings=mm_embeddings,
+                                cache_salt=cache_salt,
+                                lora=lora if lora is not None else lora_request,
+                                read_loras=read)
         try:
-            state = self._new_state(prompt, params, request_id=request_id,
-                                    mm_features=mm_features, mm_embeddings=mm_embeddings,
-                                    cache_salt=cache_salt,
-                                    lora=lora if lora is not None else lora_request)
+            self._adopt_loras([state], read)
             self._commit(state)
         finally:
             # After the commit: the new request's adapter is pinned by then.
@@ -382,8 +399,11 @@ class Engine:
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
                    mm_embeddings=None, cache_salt=None, lora=None,
-                   taken_ids=frozenset()) -> EngineRequest:
-        """Validates one request and builds its state; changes nothing in the engine."""
+                   taken_ids=frozenset(), read_loras=None) -> EngineRequest:
+        """Validates one request and builds its state; changes nothing in the engine.
+
+        Adapters not in `lora_adapters` yet are read into `read_loras` ((name, path) ->
+        adapter), for `_adopt_loras` to add once every request of the call is valid."""
         from prefixcache.core import Request
 
         if params is None:
@@ -417,7 +437,7 @@ class Engine:
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
                           cache_salt=cache_salt)
         if req.lora is not None and self.enable_lora:
-            self._load_lora(req.lora)
+            self._load_lora(req.lora, {} if read_loras is None else read_loras)
         elif req.lora is not None and not self.lora_cache_key_only:
             # NOTE: the model has no adapter weights; running a LoRA request on the base
             # model would silently produce base-model tokens under an adapter's cache key.
@@ -523,23 +543,36 @@ class Engine:
                 raise ValueError(f"conversation {k}: {e}") from None
         return self.generate(prompts, params)
 
-    def _load_lora(self, lora) -> None:
-        """Reads and checks `lora`'s adapter once (ValueError naming the problem)."""
+    def _load_lora(self, lora, read: dict) -> None:
+        """Reads and checks `lora`'s adapter once into `read` unless the memo or `read`
+        holds it already (ValueError naming the problem); changes nothing in the engine."""
         from prefixcache.core import LoRARequest
         from prefixcache.model.lora import load_lora_adapter
 
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora must be a LoRARequest, got {type(lora).__name__}")
         key = (lora.name, lora.path)
-        if key in self.lora_adapters:
-            self.lora_adapters.move_to_end(key)  # most recently used
-        else:
+        if key not in self.lora_adapters and key not in read:
             # NOTE: a memo of the file's contents (host arrays), filled at validation
             # time; adapters reach device slots only when a step runs them. A dropped
             # adapter is read and validated again (the file may have changed).
-            self.lora_adapters[key] = load_lora_adapter(
+            read[key] = load_lora_adapter(
                 lora.path, self.model_config, max_lora_rank=self.max_lora_rank,
                 name=lora.name)
+
+    def _adopt_loras(self, states, read: dict) -> None:
+        """Commits the adapters of validated `states`: newly read ones enter the memo,
+        known ones become the most recently used (in the order of `states`)."""
+        if not self.enable_lora:
+            return
+        for st in states:
+            lo = st.request.lora
+            if lo is None:
+                continue
+            key = (lo.name, lo.path)
+            if key in read:
+                self.lora_adapters[key] = read.pop(key)
+            self.lora_adapters.move_to_end(key)  # most recently used
 
     def _maybe_drop_loras(self) -> None:
         """Drops least recently used adapters from `lora_adapters` past `max_cpu_loras`,
@@ -794,12 +827,15 @@ class Engine:
         if self.scheduler.has_unfinished_requests():
             raise ValueError("generate() needs an idle engine; drain step() first")
         # Validate everything first, so a bad prompt leaves the engine unchanged.
-        states, taken = [], set()
+        # Adapters read on the way reach `lora_adapters` only once all are valid.
+        states, taken, read = [], set(), {}
+        for p, sp, mm, lo in zip(prompts, params, mms, loras):
+            st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken,
+                                 read_loras=read)
+            taken.add(st.request_id)
+            states.append(st)
         try:
-            for p, sp, mm, lo in zip(prompts, params, mms, loras):
-                st = self._new_state(p, sp, mm_embeddings=mm, lora=lo, taken_ids=taken)
-                taken.add(st.request_id)
-                states.append(st)
+            self._adopt_loras(states, read)
             for st in states:
                 self._commit(st)
         finally:
@@ -991,6 +1027,11 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
 def _as_token_list(prompt) -> list[int]:
     from prefixcache._validate import check_int_sequence
 
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        # NOTE: iterating bytes gives ints 0..255: text passed as bytes would run as
+        # token ids silently (a tokenizer's job).
+        raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__} "
+                         "(encode text with a tokenizer first)")
     # Strings, sets, dicts: their order or element type is not a prompt's.
     check_int_sequence("prompt", prompt)
     try:

@@ -81,8 +81,11 @@ def parse_fault(spec: str) -> StepFault | None:
     ``"step:3:after_device"``, ``"step:2:before_device:kv_lost"``); "" -> None.
 
     Raises:
-      ValueError: naming the spec and the expected form.
+      ValueError: naming the spec and the expected form (also two points or two kinds).
+      TypeError: a spec that is not a str.
     """
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"fault spec must be a str, got {type(spec).__name__} {spec!r}")
     if not spec:
         return None
     parts = spec.split(":")
@@ -92,9 +95,13 @@ def parse_fault(spec: str) -> StepFault | None:
     kw = {}
     for p in parts[2:]:
         if p in POINTS:
-            kw["point"] = p
+            key = "point"
         elif p in KINDS:
-            kw["kind"] = p
+            key = "kind"
         else:
             raise ValueError(f"fault spec {spec!r}: unknown part {p!r}; form {form}")
+        if key in kw:  # "step:3:error:kv_lost": the last one would win silently
+            raise ValueError(f"fault spec {spec!r}: conflicting {key}s {kw[key]!r} and "
+                             f"{p!r}; give one; form {form}")
+        kw[key] = p
     return StepFault(int(parts[1]), **kw)

@@ -77,7 +77,9 @@ class ModelConfig:
       rope_scaling: Llama-3 scaling or None.
       max_position_embeddings: the longest sequence the model is meant for.
       tie_embeddings: the LM head reuses the input embedding.
-      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with attention_bias).
+      o_bias: the output projection carries a bias too (Llama with attention_bias=True:
+        transformers puts a bias on q/k/v AND o_proj; Qwen2 has none on o_proj).
       dtype: "float32" or "bfloat16".
       architecture: the HF architecture name written by `save_hf_checkpoint`.
       sliding_window: W, the window of the sliding-window layers, or None (no such layer).
@@ -106,6 +108,7 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    o_bias: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -128,7 +131,7 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} not supported; expected one "
                              f"of {sorted(SUPPORTED_ARCHITECTURES)}")
-        for name in ("tie_embeddings", "qkv_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_layer_types()
@@ -234,7 +237,8 @@ class ModelConfig:
         """Parameter count."""
         D, N, K, H, F, V = (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                             self.mlp_dim, self.vocab_size)
-        attn = D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H) * self.qkv_bias
+        attn = (D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H) * self.qkv_bias
+                + D * self.o_bias)
         layer = attn + 3 * D * F + 2 * D
         return self.num_layers * layer + V * D * (1 if self.tie_embeddings else 2) + D
 
@@ -396,6 +400,8 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if flavour == "qwen2" else bool(hf.get("attention_bias", False)),
+            # transformers' Llama/Mistral attention_bias=True biases o_proj as well.
+            o_bias=flavour == "llama" and bool(hf.get("attention_bias", False)),
             dtype=dtype,
             architecture=arch,
             sliding_window=sliding_window,
@@ -425,6 +431,8 @@ class ModelConfig:
         if flavour == "qwen2":
             if not self.qkv_bias:
                 raise ValueError("Qwen2ForCausalLM always has q/k/v bias; set qkv_bias=True")
+            if self.o_bias:
+                raise ValueError("Qwen2ForCausalLM has no o_proj bias; set o_bias=False")
             out["use_sliding_window"] = self.sliding_window is not None
             if self.sliding_window is not None:
                 types = self.attention_types
@@ -435,9 +443,14 @@ class ModelConfig:
                 out["max_window_layers"] = len(full) if full == list(range(len(full))) else 0
                 out["layer_types"] = list(types)
         else:
-            if self.qkv_bias and flavour == "mistral":
-                raise ValueError("MistralForCausalLM has no q/k/v bias; set qkv_bias=False")
+            if (self.qkv_bias or self.o_bias) and flavour == "mistral":
+                raise ValueError("MistralForCausalLM has no attention bias; set "
+                                 "qkv_bias=False and o_bias=False")
             if flavour == "llama":
+                if self.qkv_bias != self.o_bias:
+                    raise ValueError(
+                        f"LlamaForCausalLM's attention_bias biases q/k/v and o_proj together; "
+                        f"got qkv_bias={self.qkv_bias}, o_bias={self.o_bias}")
                 out["attention_bias"] = self.qkv_bias
                 out["mlp_bias"] = False
                 if self.sliding_window is not None:

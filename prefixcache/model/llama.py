@@ -166,6 +166,9 @@ class Attention(nnx.Module):
             self.q_bias = nnx.Param(_init(rngs, (N, H), 1, dt, scale=0.1))  # [n, h]
             self.k_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
             self.v_bias = nnx.Param(_init(rngs, (K, H), 1, dt, scale=0.1))  # [k, h]
+        self.o_bias_on = config.o_bias
+        if config.o_bias:  # Llama attention_bias=True: o_proj has a bias too
+            self.o_bias = nnx.Param(_init(rngs, (D,), 1, dt, scale=0.1))  # [d]
 
     def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend,
                  lora: LoRABatch | None = None):
@@ -206,6 +209,8 @@ class Attention(nnx.Module):
         y = jnp.einsum("tnh,nhd->td", out, self.o_proj[...])
         if lora is not None:
             y = y + lora_delta(out.reshape(out.shape[0], -1), lora, "o_proj")
+        if self.o_bias_on:
+            y = y + self.o_bias[...]
         return y, kv_cache
 
 
@@ -256,7 +261,8 @@ class Transformer(nnx.Module):
 
       embedding [V, D] (model.embed_tokens.weight)
       layers[i].input_norm.scale [D], .post_attn_norm.scale [D]
-      layers[i].attn.{q,k,v}_proj [D, N|K, H], .o_proj [N, H, D], .{q,k,v}_bias [N|K, H]
+      layers[i].attn.{q,k,v}_proj [D, N|K, H], .o_proj [N, H, D], .{q,k,v}_bias [N|K, H],
+        .o_bias [D] (with config.o_bias)
       layers[i].mlp.gate_proj [D, F], .up_proj [D, F], .down_proj [F, D]
       final_norm.scale [D] (model.norm.weight)
       lm_head [V, D] (lm_head.weight; absent when `tie_embeddings`)

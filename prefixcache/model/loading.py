@@ -8,6 +8,7 @@ Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` /
   model.layers.i.self_attn.{k,v}_proj.weight      [K*H, D]    -> {k,v}_proj [D, K, H]
   model.layers.i.self_attn.o_proj.weight          [D, N*H]    -> o_proj [N, H, D]
   model.layers.i.self_attn.{q,k,v}_proj.bias      [N*H|K*H]   -> {q,k,v}_bias [N|K, H]
+  model.layers.i.self_attn.o_proj.bias            [D]         -> o_bias [D] (Llama attention_bias)
   model.layers.i.mlp.{gate,up}_proj.weight        [F, D]      -> {gate,up}_proj [D, F]
   model.layers.i.mlp.down_proj.weight             [D, F]      -> down_proj [F, D]
   model.layers.i.input_layernorm.weight           [D]         -> input_norm.scale
@@ -127,6 +128,9 @@ def hf_param_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple, Callable,
         out[("layers", i, "attn", "o_proj")] = (
             pre + "self_attn.o_proj.weight", (D, N * H),
             lambda a: a.T.reshape(N, H, D), lambda a: a.reshape(N * H, D).T)
+        if config.o_bias:  # Llama attention_bias=True
+            out[("layers", i, "attn", "o_bias")] = (pre + "self_attn.o_proj.bias", (D,),
+                                                    ident, ident)
         out[("layers", i, "mlp", "gate_proj")] = (pre + "mlp.gate_proj.weight", (F, D), t, t)
         out[("layers", i, "mlp", "up_proj")] = (pre + "mlp.up_proj.weight", (F, D), t, t)
         out[("layers", i, "mlp", "down_proj")] = (pre + "mlp.down_proj.weight", (D, F), t, t)

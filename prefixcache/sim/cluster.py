@@ -25,7 +25,8 @@ import numpy as np
 
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.sim.cost_model import CostModel
-from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_host_tier, \
+from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_arrival_rate, \
+    check_host_tier, \
     host_manager_kwargs, host_summary, make_sim_request, percentiles, summarize
 from prefixcache.sim.routing import ReplicaLoad, Router, make_router
 from prefixcache.sim.trace import TraceRequest
@@ -123,21 +124,33 @@ def simulate_cluster(
       tier also ``des.simulate``'s host fields (over all replicas).
 
     Raises:
-      ValueError: bad counts, an unknown router, missing/unsorted timestamps.
+      ValueError: bad counts, an unknown router, a router built for another replica
+        count or block size, a bad arrival rate, missing/unsorted timestamps.
+      TypeError: a router that is neither a name nor a Router, a non-numeric
+        arrival rate.
     """
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
     if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    arrival_rate = check_arrival_rate(arrival_rate)
     num_host_blocks = check_host_tier(num_host_blocks, cost_model)
     if isinstance(router, str):
         router = make_router(router, num_replicas=num_replicas, block_size=block_size,
                              seed=seed, **(router_options or {}))
+    elif not isinstance(router, Router):
+        raise TypeError(f"router must be a registered routing policy name or a Router, "
+                        f"got {type(router).__name__} {router!r}")
     elif router_options:
         raise ValueError("router_options are only for a router given by name")
     if router.num_replicas != num_replicas:
         raise ValueError(f"router {router!r} was built for {router.num_replicas} replicas, "
                          f"not {num_replicas}")
+    if router.block_size != block_size:
+        # NOTE: a block-keyed router (cache_aware, kv_events) would hash prompts at its
+        # own block size and never match the replicas' blocks.
+        raise ValueError(f"router {router!r} was built for block_size={router.block_size}, "
+                         f"not block_size={block_size}")
     bar = None
     if progress:
         from tqdm.auto import tqdm  # noqa: PLC0415

@@ -115,12 +115,30 @@ class _SimRequest:
     queued_blocks: int = 0  # blocks it needed when it was last queued
 
 
+def check_arrival_rate(arrival_rate) -> float | None:
+    """None, or ``arrival_rate`` as a finite float > 0 (req/s).
+
+    Raises:
+      TypeError: not a real number (a str, a bool, ...).
+      ValueError: not finite or not > 0.
+    """
+    if arrival_rate is None:
+        return None
+    if isinstance(arrival_rate, (bool, np.bool_)) or not isinstance(
+            arrival_rate, (int, float, np.integer, np.floating)):
+        raise TypeError(f"arrival_rate must be a number (req/s) or None, got "
+                        f"{type(arrival_rate).__name__} {arrival_rate!r}")
+    if not (math.isfinite(arrival_rate) and arrival_rate > 0):
+        raise ValueError(f"arrival_rate must be a finite number > 0 (req/s), got "
+                         f"{arrival_rate!r}")
+    return float(arrival_rate)
+
+
 def _arrivals(requests: Iterable[TraceRequest], arrival_rate: float | None,
               seed: int) -> Iterator[tuple[float, TraceRequest]]:
     """(arrival time in s, request) in order; validates timestamps are sorted."""
     if arrival_rate is not None:
-        if not arrival_rate > 0:
-            raise ValueError(f"arrival_rate must be > 0, got {arrival_rate!r}")
+        arrival_rate = check_arrival_rate(arrival_rate)
         rng = np.random.default_rng([int(seed), 7])
         t = 0.0
         for tr in requests:
@@ -561,8 +579,10 @@ def simulate(
     Raises:
       ValueError: missing/unsorted timestamps, a bad arrival rate, a bad
         ``num_host_blocks`` or host policy, a host tier without a host link.
+      TypeError: an arrival rate that is not a number.
     """
     make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
+    arrival_rate = check_arrival_rate(arrival_rate)
     num_host_blocks = check_host_tier(num_host_blocks, cost_model)
     if not isinstance(host_load_overlap, bool):
         raise ValueError(f"host_load_overlap must be a bool, got {host_load_overlap!r}")

@@ -65,6 +65,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from prefixcache._validate import check_hash_seed
 from prefixcache.core.eviction import DEFAULT_POLICY, TraceFuture, get_policy_class
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
@@ -253,6 +254,7 @@ def replay(
     """
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    check_hash_seed(hash_seed)  # an object's str carries its address: not reproducible
     policy_cls = get_policy_class(eviction)  # unknown -> ValueError naming the choices
     keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH  # unknown -> ValueError
     bytes_per_block = None

@@ -85,9 +85,10 @@ class TraceRequest:
         if not _is_int(self.output_len) or self.output_len < 0:
             raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
-        if self.timestamp is not None and not _is_time(self.timestamp):
+        if self.timestamp is not None and (not _is_time(self.timestamp)
+                                           or self.timestamp < 0):
             raise ValueError(f"TraceRequest {self.id!r}: timestamp must be a finite number "
-                             f"or None, got {self.timestamp!r}")
+                             f">= 0 (seconds) or None, got {self.timestamp!r}")
         if not _is_int(self.priority):
             raise ValueError(f"TraceRequest {self.id!r}: priority must be an int, "
                              f"got {self.priority!r}")
@@ -251,8 +252,9 @@ def _mooncake_request(
             f"needs ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
         )
     ts = obj.get("timestamp")
-    if ts is not None and not _is_time(ts):
-        raise TraceError(f"{where}: field 'timestamp' must be a finite number (ms), got {ts!r}")
+    if ts is not None and (not _is_time(ts) or ts < 0):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (ms), "
+                         f"got {ts!r}")
     if lazy:  # mooncake_tokens="lazy"
         return TraceRequest(
             id=f"mc-{lineno}",

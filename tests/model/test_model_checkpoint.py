@@ -63,7 +63,7 @@ def test_loaded_logits_match_numpy_forward(tmp_path, hf_helpers, flavour, shards
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_save_then_load_round_trip(tmp_path, dtype):
-    config = ModelConfig.tiny(tie_embeddings=False, qkv_bias=True, dtype=dtype)
+    config = ModelConfig.tiny(tie_embeddings=False, qkv_bias=True, o_bias=True, dtype=dtype)
     from flax import nnx
 
     from prefixcache.model import Transformer
