@@ -24,7 +24,7 @@ def _client_main() -> None:
 
     import httpx
 
-    args = json.loads(sys.argv[1])
+    args = json.loads(sys.stdin.read())
 
     async def run():
         prompts = list(enumerate(args["prompts"]))
@@ -79,10 +79,16 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.serve.app import build_app
 
     workdir = _common.prepare_workdir(config.workdir)
+    # NOTE: few step shapes (two token buckets, one of seqs and pages), all compiled by
+    # the warm-up passes: a shape first met while timing would time its compilation.
+    bs = config.block_size
+    max_len = -(-(config.prefix_len + config.suffix_len + config.max_tokens) // bs) * bs
     bar = _common.progress_bar(enabled=progress, desc="bench_server", unit="pass", total=4)
     engine = Engine(ModelConfig.tiny(), num_blocks=config.num_blocks,
                     block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                    max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)
+                    max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+                    max_model_len=max_len, token_buckets=(128, config.max_num_batched_tokens),
+                    seq_buckets=(config.max_num_seqs,), page_buckets=(max_len // config.block_size,))
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
     prompts = _prompts(config, config.seed)
 
@@ -103,7 +109,6 @@ def run(config, *, progress: bool = False) -> dict:
     app = build_app(engine, served_model_name="tiny", tokenizer=None, max_waiting=None)
     serving = app.state.serving
     done = {}
-    orig_step = serving._step
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -129,12 +134,12 @@ def run(config, *, progress: bool = False) -> dict:
                           "concurrency": config.concurrency, "max_tokens": config.max_tokens})
         proc = subprocess.run([sys.executable, "-c",
                                "from experiments.bench_server import _client_main; "
-                               "_client_main()", arg], capture_output=True, text=True,
-                              check=True)
+                               "_client_main()"], input=arg, capture_output=True,
+                              text=True, check=True)
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     try:
-        client_pass(_prompts(config, config.seed + 2)[: config.concurrency])  # warm-up
+        client_pass(_prompts(config, config.seed + 2))  # warm-up (other prompts)
         engine.step = step_recording  # NOTE: set between passes (engine thread idle)
         bar.update(1)
         res = client_pass(prompts)
@@ -144,7 +149,6 @@ def run(config, *, progress: bool = False) -> dict:
         server.should_exit = True
         th.join(60)
         serving.shutdown()
-    del orig_step
     bar.close()
     reqs = res["requests"]
     tokens_srv = sum(r["tokens"] for r in reqs)
