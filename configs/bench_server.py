@@ -14,6 +14,17 @@ Expected (targets of issue 23): server output tokens/s >= 0.9 x in-process
 (`throughput_ratio`), median TTFT overhead (server TTFT seen by the client minus the
 engine's own TTFT of the same requests in the same server pass) < 5 ms
 (`ttft_overhead_median_ms`). The last stdout line is a JSON object with both.
+
+Measured (session of issue 23, 2 shared CPU cores at load average 8-12, eight engineers
+working; the default config): in-process 1969 output tokens/s vs server 935
+(throughput_ratio 0.47), client TTFT median 420 ms vs the engine's own 1525 ms in the
+in-process pass (all 256 added at once), TTFT overhead median 334 ms (p90 4.6 s).
+TARGETS MISSED on this machine. Where the time goes: with 64 streams every engine step
+makes 64 SSE chunks (JSON + Starlette send) on the asyncio thread, which shares the GIL
+with the engine thread (and 2 cores with the client process and other engineers); the
+overhead per request is the wait between the HTTP arrival and `add_request`, i.e. the
+engine thread's turn. The first run without fixed step shapes measured 0.12 (shapes
+compiled while timing): the warm-ups now cover them.
 """
 
 import ml_collections

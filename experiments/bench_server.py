@@ -87,7 +87,8 @@ def run(config, *, progress: bool = False) -> dict:
     engine = Engine(ModelConfig.tiny(), num_blocks=config.num_blocks,
                     block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-                    max_model_len=max_len, token_buckets=(128, config.max_num_batched_tokens),
+                    max_model_len=max_len, token_buckets=tuple(sorted({min(128, config.max_num_batched_tokens),
+                                                 config.max_num_batched_tokens})),
                     seq_buckets=(config.max_num_seqs,), page_buckets=(max_len // config.block_size,))
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
     prompts = _prompts(config, config.seed)

@@ -432,3 +432,37 @@ def test_smollm2_chat(tiny_tokenizer):
         assert "Paris" in r.choices[0].message.content
     finally:
         srv.close()
+
+
+class _RecordingPublisher:
+    def __init__(self):
+        self.batches, self.closed = [], False
+
+    def publish(self, events, *, data_parallel_rank=0):
+        self.batches.append(list(events))
+
+
+def test_kv_events_reach_the_publisher(engine, tiny_tokenizer):
+    from prefixcache.core.events import AllBlocksCleared, BlockStored
+
+    plain = Engine(ModelConfig.tiny(), max_num_seqs=16, seq_buckets=(16,),
+                   share_programs_with=engine, **ENGINE_KW)
+    with pytest.raises(ValueError, match="enable_events"):
+        build_app(plain, kv_event_publisher=_RecordingPublisher())
+    eng = Engine(ModelConfig.tiny(), max_num_seqs=16, seq_buckets=(16,),
+                 share_programs_with=engine, manager_kwargs={"enable_events": True},
+                 **ENGINE_KW)
+    pub = _RecordingPublisher()
+    srv = ServerThread(build_app(eng, served_model_name="tiny", tokenizer=None,
+                                 kv_event_publisher=pub))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        c.completions.create(model="tiny", prompt=_prompt(70, 2 * BLOCK + 1), max_tokens=2,
+                             temperature=0)
+        assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 200
+        srv.on_engine(lambda e: None)  # one more loop turn: the reset's events published
+    finally:
+        srv.close()
+    events = [e for b in pub.batches for e in b]
+    assert sum(isinstance(e, BlockStored) for e in events) >= 1
+    assert isinstance(events[-1], AllBlocksCleared)
