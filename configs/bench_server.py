@@ -19,7 +19,9 @@ Measured (session of issue 23, 2 shared CPU cores at load average 8-12, eight en
 working; the default config): in-process 1969 output tokens/s vs server 935
 (throughput_ratio 0.47), client TTFT median 420 ms vs the engine's own 1525 ms in the
 in-process pass (all 256 added at once), TTFT overhead median 334 ms (p90 4.6 s).
-TARGETS MISSED on this machine. Where the time goes: with 64 streams every engine step
+A second run (load 4.9): in-process 3177 vs server 905 tok/s (ratio 0.29), TTFT
+overhead median 716 ms: the server is capped near 900 tok/s (~28 steps/s of 64 streams,
+~35 ms of serving work per step). TARGETS MISSED on this machine. Where the time goes: with 64 streams every engine step
 makes 64 SSE chunks (JSON + Starlette send) on the asyncio thread, which shares the GIL
 with the engine thread (and 2 cores with the client process and other engineers); the
 overhead per request is the wait between the HTTP arrival and `add_request`, i.e. the
