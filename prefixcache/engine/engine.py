@@ -349,7 +349,8 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, *,
                     request_id: str | None = None, mm_features: Sequence = (),
                     mm_embeddings: Mapping[str, np.ndarray] | None = None,
-                    cache_salt: str | None = None, lora=None, lora_request=None) -> str:
+                    cache_salt: str | None = None, lora=None, lora_request=None,
+                    priority: int = 0) -> str:
         """Queues one request.
 
         A request that can never run (prompt longer than max_model_len, more blocks than
@@ -370,6 +371,9 @@ class Engine:
             now); with lora_cache_key_only it only enters the block hashes (the base model
             runs); otherwise rejected.
           lora_request: the same as `lora` (vLLM's name); give at most one of the two.
+          priority: forwarded to the core Request's `priority` (an int; larger = more
+            important, read by the ``priority`` eviction policy); with a `Request`
+            prompt it must stay 0 (set it on the Request).
 
         Returns:
           The request id.
@@ -388,7 +392,7 @@ class Engine:
                                 mm_features=mm_features, mm_embeddings=mm_embeddings,
                                 cache_salt=cache_salt,
                                 lora=lora if lora is not None else lora_request,
-                                read_loras=read)
+                                read_loras=read, priority=priority)
         try:
             self._adopt_loras([state], read)
             self._commit(state)
@@ -399,7 +403,7 @@ class Engine:
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
                    mm_embeddings=None, cache_salt=None, lora=None,
-                   taken_ids=frozenset(), read_loras=None) -> EngineRequest:
+                   taken_ids=frozenset(), read_loras=None, priority: int = 0) -> EngineRequest:
         """Validates one request and builds its state; changes nothing in the engine.
 
         Adapters not in `lora_adapters` yet are read into `read_loras` ((name, path) ->
@@ -414,9 +418,10 @@ class Engine:
         if isinstance(prompt, str):
             prompt = self._encode_prompt(prompt)
         if isinstance(prompt, Request):
-            if request_id is not None or mm_features or cache_salt is not None or lora:
-                raise ValueError("pass request_id / mm_features / cache_salt / lora on the "
-                                 "Request itself, not to add_request")
+            if (request_id is not None or mm_features or cache_salt is not None or lora
+                    or priority != 0):
+                raise ValueError("pass request_id / mm_features / cache_salt / lora / "
+                                 "priority on the Request itself, not to add_request")
             if prompt.num_computed_tokens or prompt.num_tokens != prompt.num_prompt_tokens:
                 raise ValueError(f"request {prompt.request_id!r} already has computed or "
                                  "output tokens")
@@ -435,7 +440,7 @@ class Engine:
                     k += 1
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, priority=priority)
         if req.lora is not None and self.enable_lora:
             self._load_lora(req.lora, {} if read_loras is None else read_loras)
         elif req.lora is not None and not self.lora_cache_key_only:
@@ -656,6 +661,20 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def output_token_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The output tokens of an unfinished request so far, from index `start` (a
+        copy): a streaming front end calls it after each `step()` for the tokens that
+        step added (finished requests come whole in `step()`'s RequestOutputs).
+
+        Raises:
+          KeyError: `request_id` is not an unfinished request of this engine.
+        """
+        state = self.scheduler.requests.get(request_id)
+        if state is None:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        req = state.request
+        return list(req.all_token_ids[req.num_prompt_tokens + start:])
 
     # -- stepping -------------------------------------------------------------------
 

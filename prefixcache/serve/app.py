@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over a `ServingEngine`.
+
+    from prefixcache.serve.app import build_app
+    app = build_app(engine, served_model_name="tiny")   # app.state.serving: the loop
+    app.state.serving.start(); uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`),
+`GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`. Errors
+are OpenAI's `{"error": {"message", "type", "param", "code"}}` (see `protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.serve.engine_loop import EngineCall, ServingEngine
+from prefixcache.serve.metrics import ServerMetrics
+from prefixcache.serve.protocol import APIError, GenerationRequest, ServerContext, parse_request
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class _Choice:
+    """One choice's decoding state on the handler side (detokenizer, stop strings)."""
+
+    __slots__ = ("index", "prompt_index", "request_id", "detok", "token_ids", "text",
+                 "finish_reason", "cached_tokens", "done", "stopped_by_string", "error")
+
+    def __init__(self, index, prompt_index, request_id, detok):
+        self.index, self.prompt_index, self.request_id = index, prompt_index, request_id
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+        self.done = False
+        self.stopped_by_string = False
+        self.error: str | None = None
+
+    def push(self, ids) -> str:
+        """New text of `ids` ("" without a tokenizer); ends the choice on a stop string."""
+        if self.stopped_by_string or not ids:
+            return ""
+        if self.detok is None:
+            self.token_ids.extend(ids)
+            return ""
+        delta = []
+        for t in ids:  # token by token: the stop string cuts the token list too
+            self.token_ids.append(t)
+            d = self.detok.push([t])
+            if d:
+                delta.append(d)
+            if self.detok.stopped:
+                self.stopped_by_string = True
+                self.finish_reason = "stop"
+                break
+        s = "".join(delta)
+        if s:
+            self.text.append(s)
+        return s
+
+    def finish(self, out) -> str:
+        """The rest of the text once the engine finished the request."""
+        self.done = True
+        self.cached_tokens = out.metrics.num_cached_tokens
+        if out.finish_reason == "error":
+            self.error = out.error or "the engine rejected the request"
+            return ""
+        if self.stopped_by_string:
+            return ""
+        self.finish_reason = out.finish_reason
+        s = self.detok.flush() if self.detok is not None else ""
+        if s:
+            self.text.append(s)
+        return s
+
+
+class _Handler:
+    """Serves one validated request: submits its engine requests, collects events."""
+
+    def __init__(self, app_state, gen: GenerationRequest):
+        self.s = app_state
+        self.gen = gen
+        self.created = int(time.time())
+        prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        tok = app_state.ctx.tokenizer
+        self.choices: list[_Choice] = []
+        calls = []
+        for i, prompt in enumerate(gen.prompts):
+            for j in range(gen.n):
+                k = i * gen.n + j
+                detok = None
+                if tok is not None:
+                    detok = tok.detokenizer(
+                        prompt_token_ids=prompt, skip_special_tokens=gen.skip_special_tokens,
+                        stop=gen.stop, include_stop_str_in_output=gen.include_stop_str_in_output)
+                rid = f"{self.id}-{k}"
+                self.choices.append(_Choice(k, i, rid, detok))
+                calls.append(EngineCall(rid, list(prompt), gen.params[k], tag=k,
+                                        cache_salt=gen.cache_salt, priority=gen.priority,
+                                        lora=gen.lora))
+        self.queue: asyncio.Queue = asyncio.Queue()
+        app_state.serving.submit(calls, asyncio.get_running_loop(), self.queue)
+        self.num_open = len(self.choices)
+
+    def abort_open(self) -> None:
+        ids = [c.request_id for c in self.choices if not c.done]
+        for c in self.choices:
+            c.done = True
+        self.s.serving.abort(ids)
+
+    def handle(self, event) -> tuple[_Choice, str, bool]:
+        """(choice, new text, finished now) of one engine event."""
+        c = self.choices[event[0]]
+        kind = event[1]
+        if kind == "tokens":
+            text = c.push(event[2])
+            if c.stopped_by_string:
+                self.s.serving.abort([c.request_id])  # its final comes with the next step
+            return c, text, False
+        if kind == "final":
+            text = c.push(event[2])
+            text += c.finish(event[3])
+        else:  # "error": add_request refused it
+            c.done, c.error, text = True, event[2], ""
+        self.num_open -= 1
+        return c, text, True
+
+    def usage(self) -> dict:
+        gen = self.gen
+        prompt = sum(len(p) for p in gen.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        # NOTE: n choices share a prompt: its cached tokens are those of its first choice.
+        cached = sum(self.choices[i * gen.n].cached_tokens for i in range(len(gen.prompts)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def first_error(self) -> str | None:
+        for c in self.choices:
+            if c.error is not None:
+                return c.error
+        return None
+
+    # -- non-streaming --------------------------------------------------------------
+
+    async def collect(self) -> dict:
+        try:
+            while self.num_open:
+                c, _, _ = self.handle(await self.queue.get())
+                if c.error is not None:
+                    raise APIError(400, c.error, param=_param(self.gen), code="engine_error")
+        finally:
+            if self.num_open:
+                self.abort_open()
+        gen = self.gen
+        if gen.kind == "chat":
+            choices = [{"index": c.index, "message": {"role": "assistant",
+                                                      "content": "".join(c.text)},
+                        "logprobs": None, "finish_reason": c.finish_reason,
+                        "token_ids": c.token_ids} for c in self.choices]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": c.index, "text": "".join(c.text), "logprobs": None,
+                        "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+                       for c in self.choices]
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": gen.model,
+                "choices": choices, "usage": self.usage()}
+
+    # -- streaming ------------------------------------------------------------------
+
+    async def first_events(self) -> list:
+        """Waits for every choice's first event, so that an engine rejection is still a
+        400 (the stream's headers are not sent before)."""
+        seen, buffered = set(), []
+        try:
+            while len(seen) < len(self.choices):
+                ev = await self.queue.get()
+                buffered.append(ev)
+                seen.add(ev[0])
+                if ev[1] == "error" or (ev[1] == "final" and ev[3].finish_reason == "error"):
+                    msg = ev[2] if ev[1] == "error" else (ev[3].error or "rejected")
+                    self.choices[ev[0]].done = True
+                    raise APIError(400, msg, param=_param(self.gen), code="engine_error")
+        except BaseException:
+            self.abort_open()
+            raise
+        return buffered
+
+    def _chunk(self, c: _Choice, text: str, finish: str | None, ids, first: bool) -> str:
+        gen = self.gen
+        if gen.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else (
+                {"content": text} if text or finish is None else {})
+            choice = {"index": c.index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish, "token_ids": ids}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": c.index, "text": text, "logprobs": None,
+                      "finish_reason": finish, "token_ids": ids}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": gen.model,
+                "choices": [choice]}
+        if gen.include_usage:
+            body["usage"] = None
+        return f"data: {_dumps(body)}\n\n"
+
+    async def stream(self, buffered: list):
+        gen = self.gen
+        started = set()
+        try:
+            pending = list(buffered)
+            while self.num_open:
+                ev = pending.pop(0) if pending else await self.queue.get()
+                c = self.choices[ev[0]]
+                if c.done:
+                    continue
+                before = len(c.token_ids)
+                c, text, finished = self.handle(ev)
+                ids = c.token_ids[before:]
+                if c.error is not None:  # a failure after the stream began
+                    err = APIError(500, c.error, code="engine_error").body()
+                    yield f"data: {_dumps(err)}\n\n"
+                    self.abort_open()
+                    break
+                first = c.index not in started
+                started.add(c.index)
+                if finished:
+                    yield self._chunk(c, text, c.finish_reason, ids, first)
+                elif text or ids or first:
+                    yield self._chunk(c, text, None, ids, first)
+            else:
+                if gen.include_usage:
+                    body = {"id": self.id, "object": ("chat.completion.chunk"
+                                                      if gen.kind == "chat"
+                                                      else "text_completion"),
+                            "created": self.created, "model": gen.model, "choices": [],
+                            "usage": self.usage()}
+                    yield f"data: {_dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # A client that left mid-stream (the generator is closed or cancelled): its
+            # requests are aborted and their blocks freed by the engine thread.
+            if self.num_open:
+                self.abort_open()
+
+
+def _param(gen: GenerationRequest) -> str:
+    return "messages" if gen.kind == "chat" else "prompt"
+
+
+class _State:
+    def __init__(self, serving: ServingEngine, ctx: ServerContext, metrics: ServerMetrics):
+        self.serving, self.ctx, self.metrics = serving, ctx, metrics
+        self.created = int(time.time())
+
+
+def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "engine",
+              lora_modules: Mapping[str, Any] | None = None, max_waiting: int | None = None,
+              kv_event_publisher=None, serving: ServingEngine | None = None):
+    """The FastAPI app serving `engine` (its loop in `app.state.serving`, not started).
+
+    Args:
+      engine: a `prefixcache.engine.Engine`.
+      served_model_name: the base model's name in requests and `/v1/models`.
+      tokenizer: a tokenizer (see `prefixcache.text.Tokenizer`), None (token-id prompts
+        only), or "engine" (default): `engine.tokenizer` when it has one.
+      lora_modules: LoRA module name -> `prefixcache.LoRARequest` (needs an engine
+        built with `enable_lora=True`).
+      max_waiting, kv_event_publisher: see `ServingEngine`.
+      serving: an existing ServingEngine over `engine` (then max_waiting and
+        kv_event_publisher must not be given).
+    """
+    if tokenizer == "engine":
+        tokenizer = getattr(engine, "tokenizer", None)
+    lora_modules = dict(lora_modules or {})
+    if lora_modules and not getattr(engine, "enable_lora", False):
+        raise ValueError("lora_modules need an engine built with enable_lora=True")
+    if served_model_name in lora_modules:
+        raise ValueError(f"LoRA module name {served_model_name!r} is the base model's name")
+    metrics = ServerMetrics(served_model_name)
+    if serving is None:
+        serving = ServingEngine(engine, max_waiting=max_waiting, metrics=metrics,
+                                kv_event_publisher=kv_event_publisher)
+    elif serving.engine is not engine:
+        raise ValueError("serving must wrap the same engine")
+    else:
+        serving.metrics = metrics
+    ctx = ServerContext(served_model_name=served_model_name, lora_modules=lora_modules,
+                        tokenizer=tokenizer, max_model_len=int(engine.max_model_len),
+                        vocab_size=int(engine.vocab_size))
+    state = _State(serving, ctx, metrics)
+    app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.ctx = ctx
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(),
+                            status_code=exc.status_code)
+
+    async def _body(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", param=None,
+                           code="invalid_json") from None
+
+    async def _generate(kind: str, request: Request):
+        gen = parse_request(kind, await _body(request), ctx)
+        h = _Handler(state, gen)
+        if not gen.stream:
+            return JSONResponse(await h.collect())
+        buffered = await h.first_events()
+        return StreamingResponse(h.stream(buffered), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate("chat", request)
+
+    @app.get("/v1/models")
+    async def models():
+        base = {"id": served_model_name, "object": "model", "created": state.created,
+                "owned_by": "prefixcache", "root": served_model_name, "parent": None,
+                "max_model_len": ctx.max_model_len}
+        loras = [{"id": name, "object": "model", "created": state.created,
+                  "owned_by": "prefixcache", "root": getattr(lo, "path", name),
+                  "parent": served_model_name, "max_model_len": ctx.max_model_len}
+                 for name, lo in lora_modules.items()]
+        return {"object": "list", "data": [base, *loras]}
+
+    @app.get("/health")
+    async def health():
+        if not serving.alive:
+            raise APIError(503, "the engine thread is not running"
+                           + ("" if serving.failure is None else f": {serving.failure!r}"),
+                           code="unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        fut = serving.call(lambda e: e.kv_cache_manager.reset_prefix_cache())
+        ok = await asyncio.wrap_future(fut)
+        if not ok:
+            raise APIError(409, "the prefix cache was not reset: KV blocks are held by "
+                                "unfinished requests (retry when the server is idle)",
+                           code="blocks_in_use", type="conflict_error")
+        return {"reset": True}
+
+    return app

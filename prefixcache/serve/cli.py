@@ -1,0 +1,246 @@
+"""`prefixcache serve MODEL_OR_PATH [flags]` (also `python -m prefixcache.serve MODEL ...`).
+
+MODEL: an HF checkpoint directory or a GGUF file (`Engine.from_pretrained`), or `tiny`
+(the built-in random-weight tiny model: no tokenizer, token-id prompts only). Flags
+carry vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
+`--shutdown-grace` seconds, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+_log = logging.getLogger("prefixcache.serve")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _port(s: str) -> int:
+    v = _non_negative_int(s)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {v}")
+    return v
+
+
+def _seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _bytes(s: str) -> int:
+    from prefixcache.kv_dtypes import parse_bytes
+
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lora_module(s: str) -> tuple[str, str]:
+    name, sep, path = s.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {s!r}")
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"LoRA module {name!r}: no adapter directory "
+                                         f"{path!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from prefixcache.core.eviction import POLICIES
+    from prefixcache.core.hashing import HASH_ALGOS
+    from prefixcache.core.indexes import INDEXES
+    from prefixcache.kv_dtypes import KV_DTYPES
+    from prefixcache.scheduling import SCHEDULING_POLICIES
+
+    parser = argparse.ArgumentParser(prog="prefixcache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's flags)",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL_OR_PATH",
+                   help="an HF checkpoint directory, a .gguf file, or 'tiny'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name in requests (default: MODEL_OR_PATH)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights and activations (auto: the checkpoint's)")
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=_positive_int, default=None,
+                      help="KV pool blocks (default 1024 unless --kv-cache-memory)")
+    size.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                      help="KV pool size in bytes ('2GiB' ok) instead of --num-blocks")
+    p.add_argument("--kv-cache-dtype", choices=("auto", *KV_DTYPES), default="auto")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256")
+    p.add_argument("--eviction", choices=tuple(k for k in POLICIES if k != "belady"),
+                   default="lru")
+    p.add_argument("--index", choices=tuple(INDEXES), default="hash")
+    p.add_argument("--scheduling-policy", choices=tuple(SCHEDULING_POLICIES), default="fcfs")
+    p.add_argument("--num-host-blocks", type=_non_negative_int, default=0)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
+                   metavar="NAME=PATH")
+    p.add_argument("--max-loras", type=_positive_int, default=4)
+    p.add_argument("--max-lora-rank", type=_positive_int, default=16)
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV events over ZMQ (vLLM's convention: tcp://*:PORT binds)")
+    p.add_argument("--kv-events-topic", default="")
+    p.add_argument("--kv-events-replay-endpoint", default=None)
+    p.add_argument("--max-waiting", type=_non_negative_int, default=1024,
+                   help="most queued requests; beyond it 503 with Retry-After")
+    p.add_argument("--shutdown-grace", type=_seconds, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                   default="info")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sp = parser._subparsers._group_actions[0].choices["serve"]  # for its error()
+    if args.model != "tiny" and not os.path.exists(args.model):
+        sp.error(f"MODEL_OR_PATH {args.model!r}: no such file or directory (or 'tiny')")
+    if args.lora_modules and not args.enable_lora:
+        sp.error("--lora-modules needs --enable-lora")
+    names = [n for n, _ in args.lora_modules]
+    if len(set(names)) != len(names):
+        sp.error(f"--lora-modules: duplicate names {names}")
+    served = args.served_model_name or args.model
+    if served in names:
+        sp.error(f"--lora-modules: {served!r} is the base model's name")
+    for flag in ("kv_events_topic", "kv_events_replay_endpoint"):
+        if getattr(args, flag) and not args.kv_events_endpoint:
+            sp.error(f"--{flag.replace('_', '-')} needs --kv-events-endpoint")
+    for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        ep = getattr(args, flag)
+        if ep is not None and "://" not in ep:
+            sp.error(f"--{flag.replace('_', '-')}: a ZMQ endpoint such as tcp://*:5557, "
+                     f"got {ep!r}")
+    return args
+
+
+def build_engine(args):
+    """The Engine the flags describe (loads the model)."""
+    from prefixcache.engine import Engine
+
+    kw = dict(
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_caching=args.enable_prefix_caching,
+        hash_algo=args.prefix_caching_hash_algo, eviction=args.eviction, index=args.index,
+        scheduling_policy=args.scheduling_policy, num_host_blocks=args.num_host_blocks,
+        seed=args.seed,
+        kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+    if args.kv_cache_memory is not None:
+        kw["kv_cache_bytes"] = args.kv_cache_memory
+    else:
+        kw["num_blocks"] = args.num_blocks or 1024
+    if args.enable_lora:
+        kw.update(enable_lora=True, max_loras=args.max_loras,
+                  max_lora_rank=args.max_lora_rank)
+    if args.kv_events_endpoint:
+        kw["manager_kwargs"] = {"enable_events": True}
+    dtype = None if args.dtype == "auto" else args.dtype
+    if args.model == "tiny":
+        from prefixcache.model import ModelConfig
+
+        cfg = ModelConfig.tiny(**({} if dtype is None else {"dtype": dtype}))
+        return Engine(cfg, **kw)
+    if not hasattr(Engine, "from_pretrained"):
+        raise ValueError("loading a checkpoint needs Engine.from_pretrained, which this "
+                         "installation lacks; serve 'tiny' instead")
+    return Engine.from_pretrained(args.model, dtype=dtype, **kw)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from prefixcache.core import LoRARequest
+    from prefixcache.serve.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = build_engine(args)
+    except (ValueError, OSError) as e:
+        print(f"prefixcache serve: error: {e}", file=sys.stderr)
+        return 1
+    publisher = None
+    if args.kv_events_endpoint:
+        from prefixcache.serve.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher.from_endpoint(
+            args.kv_events_endpoint, topic=args.kv_events_topic,
+            replay_endpoint=args.kv_events_replay_endpoint)
+    loras = {name: LoRARequest(name, path, int_id=i + 1)
+             for i, (name, path) in enumerate(args.lora_modules)}
+    app = build_app(engine, served_model_name=args.served_model_name or args.model,
+                    lora_modules=loras, max_waiting=args.max_waiting,
+                    kv_event_publisher=publisher)
+    serving = app.state.serving
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace or None)
+    server = uvicorn.Server(config)
+    # NOTE: uvicorn re-raises the signal it caught once it has shut down, which would
+    # kill the process by that signal; these handlers (restored by uvicorn before it
+    # re-raises) make that a no-op, so a graceful shutdown exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    serving.start()
+    try:
+        server.run()
+    finally:
+        # uvicorn stopped accepting and waited up to --shutdown-grace for in-flight
+        # requests; what is still unfinished is aborted here.
+        serving.shutdown()
+        if publisher is not None:
+            publisher.close()
+    _log.info("prefixcache serve: shut down")
+    return 0 if serving.failure is None else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the server: vLLM's `vllm:` metric names with prefix `prefixcache:`.
+
+One `ServerMetrics` per app, on its own `CollectorRegistry` (nothing global). The
+engine thread updates them after each step; `GET /metrics` renders the registry.
+
+| name | kind | what |
+|---|---|---|
+| `prefixcache:prefix_cache_queries_total` | counter | prompt tokens looked up at admission (vLLM's) |
+| `prefixcache:prefix_cache_hits_total` | counter | of those, tokens found cached |
+| `prefixcache:external_prefix_cache_hits_total` | counter | prefix-hit tokens served from the host tier (vLLM's name for the offload tier's hits) |
+| `prefixcache:num_requests_running` | gauge | requests in the running batch |
+| `prefixcache:num_requests_waiting` | gauge | requests queued (in the engine or not yet added) |
+| `prefixcache:kv_cache_usage_perc` | gauge | fraction of KV blocks held (0..1, as vLLM) |
+| `prefixcache:time_to_first_token_seconds` | histogram | HTTP arrival to first token |
+| `prefixcache:inter_token_latency_seconds` | histogram | between consecutive tokens of a request |
+| `prefixcache:e2e_request_latency_seconds` | histogram | HTTP arrival to finish |
+| `prefixcache:prompt_tokens_total`, `prefixcache:generation_tokens_total` | counter | tokens of finished requests |
+| `prefixcache:request_success_total` | counter | finished requests by `finished_reason` |
+| `prefixcache:num_preemptions_total` | counter | preemptions by recompute |
+"""
+
+from __future__ import annotations
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+PREFIX = "prefixcache:"
+
+
+class ServerMetrics:
+    """The server's Prometheus collectors, labelled with the served model's name."""
+
+    def __init__(self, model_name: str, registry=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry() if registry is None else registry
+        r, lab = self.registry, ["model_name"]
+
+        def counter(name, doc, labels=lab):
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        self._queries = counter("prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache at admission.")
+        self._hits = counter("prefix_cache_hits",
+                             "Prompt tokens found in the prefix cache at admission.")
+        self._host_hits = counter(
+            "external_prefix_cache_hits",
+            "Prefix-hit tokens served from the host-memory tier (vLLM's external cache).")
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self._gen_tokens = counter("generation_tokens",
+                                   "Generated tokens of finished requests.")
+        self._success = counter("request_success", "Finished requests by reason.",
+                                lab + ["finished_reason"])
+        self._preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self._running = Gauge(PREFIX + "num_requests_running", "Requests running.", lab,
+                              registry=r)
+        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting.", lab,
+                              registry=r)
+        self._usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                            "Fraction of KV cache blocks held (0..1).", lab, registry=r)
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                               "Time to first token (HTTP arrival to first token).", lab,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                              "Time between consecutive tokens of a request.", lab,
+                              buckets=_ITL_BUCKETS, registry=r)
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                              "End-to-end request latency (HTTP arrival to finish).", lab,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        # Children bound once: the engine thread calls these every step.
+        m = model_name
+        self.queries, self.hits, self.host_hits = (
+            c.labels(m) for c in (self._queries, self._hits, self._host_hits))
+        self.prompt_tokens, self.generation_tokens = (
+            self._prompt_tokens.labels(m), self._gen_tokens.labels(m))
+        self.preemptions = self._preemptions.labels(m)
+        self.running, self.waiting, self.usage = (
+            g.labels(m) for g in (self._running, self._waiting, self._usage))
+        self.ttft, self.itl, self.e2e = (
+            h.labels(m) for h in (self._ttft, self._itl, self._e2e))
+        self._model_name = m
+
+    def success(self, reason: str):
+        return self._success.labels(self._model_name, reason)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
