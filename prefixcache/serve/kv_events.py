@@ -215,8 +215,9 @@ class KVEventPublisher:
 
     def __init__(self, pub: zmq.Socket, replay: zmq.Socket | None, *, endpoint: str,
                  replay_endpoint: str | None, topic: str, buffer_steps: int,
-                 max_queue_size: int):
+                 max_queue_size: int, bound: bool):
         self._pub = pub
+        self._bound = bound
         self._replay = replay
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -268,10 +269,11 @@ class KVEventPublisher:
         ctx = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
         replay = None
+        pub_bound = replay_bound = None
         try:
             pub.set_hwm(hwm)
             if is_bind_endpoint(endpoint):
-                endpoint = _bind(pub, endpoint, "KV events endpoint")
+                endpoint = pub_bound = _bind(pub, endpoint, "KV events endpoint")
             else:
                 try:
                     pub.connect(endpoint)
@@ -282,14 +284,16 @@ class KVEventPublisher:
                 replay = ctx.socket(zmq.ROUTER)
                 # NOTE: as vLLM: room for a full replay plus its end marker.
                 replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                replay_endpoint = _bind(replay, replay_endpoint, "KV events replay endpoint")
+                replay_endpoint = replay_bound = _bind(replay, replay_endpoint,
+                                                       "KV events replay endpoint")
         except BaseException:
-            pub.close(linger=0)
+            _release(pub, pub_bound, 0)
             if replay is not None:
-                replay.close(linger=0)
+                _release(replay, replay_bound, 0)
             raise
         return cls(pub, replay, endpoint=endpoint, replay_endpoint=replay_endpoint,
-                   topic=topic, buffer_steps=buffer_steps, max_queue_size=max_queue_size)
+                   topic=topic, buffer_steps=buffer_steps, max_queue_size=max_queue_size,
+                   bound=pub_bound is not None)
 
     # ------------------------------------------------------------------ public
     @property
@@ -370,9 +374,9 @@ class KVEventPublisher:
                            "%d batches not sent", 2 * self.SHUTDOWN_TIMEOUT,
                            self._queue.qsize())
             return  # NOTE: a daemon thread still using the sockets: leave them to it
-        self._pub.close(linger=self.LINGER_MS)
+        _release(self._pub, self.endpoint if self._bound else None, self.LINGER_MS)
         if self._replay is not None:
-            self._replay.close(linger=0)
+            _release(self._replay, self.replay_endpoint, 0)
 
     def __enter__(self) -> KVEventPublisher:
         return self
@@ -435,3 +439,14 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
     if endpoint.startswith("tcp://"):
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return endpoint
+
+
+def _release(sock: zmq.Socket, bound: str | None, linger_ms: int) -> None:
+    """Close ``sock``, unbinding ``bound`` first: a close is asynchronous in ZMQ, so
+    without it the same address could not be bound again right away (a restart)."""
+    if bound is not None:
+        try:
+            sock.unbind(bound)
+        except zmq.ZMQError:
+            pass  # NOTE: closing releases it anyway, only later
+    sock.close(linger=linger_ms)
