@@ -19,6 +19,7 @@
 #   NUM_PROMPTS  requests per run (default 64); CONCURRENCY (default 8)
 #   SERVER_ARGS  extra `prefixcache serve` flags (e.g. "--num-blocks 512")
 #   OUT          JSONL to append to (default experiments/results/bench_serve_clients.jsonl)
+#   SERVE_ROOT   checkout the server runs from (default: this one)
 #   DRY_RUN=1    print the commands, start nothing
 # Every run is bounded: the server must answer /health within READY_S (default 300 s),
 # each client run is killed after RUN_S (default 900 s).
@@ -128,7 +129,7 @@ for mode in $CACHE_MODES; do
   server_cmd="$PYTHON -m prefixcache.serve $MODEL --host 127.0.0.1 --port $PORT --served-model-name $NAME $flag $SERVER_ARGS"
   echo "+ $server_cmd"
   if [ "$DRY_RUN" != 1 ]; then
-    (cd "$ROOT" && exec $server_cmd) > "$WORK/server-$mode.log" 2>&1 &
+    (cd "${SERVE_ROOT:-$ROOT}" && exec $server_cmd) > "$WORK/server-$mode.log" 2>&1 &
     SERVER_PID=$!
     ok=0
     for _ in $(seq "$READY_S"); do
