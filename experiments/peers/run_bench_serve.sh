@@ -150,7 +150,7 @@ for mode in $CACHE_MODES; do
     (cd "$WORK" && timeout "$RUN_S" $bench_cmd) 2>&1 | tee "$WORK/$tag.log" | grep -v "vllm._C" | tail -25
     metrics "$WORK/$tag.after.prom"
     "$VPY" -I - "$WORK/$tag.json" "$WORK/$tag.before.prom" "$WORK/$tag.after.prom" "$OUT" \
-        "$bench_cmd" "$server_cmd" "$ROOT" <<'PY'
+        "$bench_cmd" "$server_cmd" "${SERVE_ROOT:-$ROOT}" <<'PY'
 import datetime, json, subprocess, sys
 res_path, before, after, out, bench_cmd, server_cmd, root = sys.argv[1:]
 res = json.load(open(res_path))
@@ -172,7 +172,7 @@ q, h = delta.get("prefix_cache_queries_total", 0.0), delta.get("prefix_cache_hit
 keep = ["completed", "failed", "duration", "request_throughput", "output_throughput",
         "total_token_throughput", "total_input_tokens", "total_output_tokens",
         "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-        "mean_itl_ms", "median_itl_ms", "num_prompts", "max_concurrency", "dataset_name"]
+        "mean_itl_ms", "median_itl_ms", "num_prompts", "max_concurrency", "dataset"]
 rev = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
                      text=True).stdout.strip()
 dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain"],
@@ -187,7 +187,7 @@ rec = {"bench": "vllm bench serve", **{k: res.get(k) for k in keep},
                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}}
 with open(out, "a") as f:
     f.write(json.dumps(rec) + "\n")
-print(json.dumps({k: rec[k] for k in ("dataset_name", "prefix_caching", "output_throughput",
+print(json.dumps({k: rec[k] for k in ("dataset", "prefix_caching", "output_throughput",
                                       "median_ttft_ms", "server_hit_rate_tokens")}))
 PY
   done
