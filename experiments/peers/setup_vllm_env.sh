@@ -8,7 +8,8 @@
 #
 # vLLM is installed without its dependency resolver (its pinned CUDA build of torch is
 # several GB); only the modules that the KV cache manager imports are installed, with the
-# CPU build of torch (from the PyTorch CPU index, TORCH_INDEX_URL). Versions are pinned by
+# CPU build of torch (from the PyTorch CPU index, TORCH_INDEX_URL; offline with a local
+# wheel, TORCH_INDEX_URL=file:///some/empty/dir skips the unreachable index). Versions are pinned by
 # vllm-constraints.txt beside this script (the venv the published figures were measured
 # with); PEER_CONSTRAINTS=other.txt replaces it ("" = unpinned), VLLM_VERSION picks
 # another vLLM (then also change or drop the constraints). Prints the python path to
@@ -34,6 +35,10 @@ fi
   transformers aiohttp requests openai-harmony openai pillow pybase64 cachetools \
   cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi partial_json_parser \
   llguidance
+# The client side of `vllm bench serve` (experiments/peers/run_bench_serve.sh): the CLI
+# imports the server stack (uvicorn, watchfiles, orjson) and the model executor (einops);
+# gguf lets transformers read a GGUF's tokenizer. No torch/CUDA packages (--no-deps).
+"${PIP[@]}" --no-deps uvicorn watchfiles orjson einops gguf
 # NOTE: -I (isolated): run from a checkout, the current directory on sys.path would put
 # our `kernels` package where transformers looks for the HF `kernels` package.
 "$VENV/bin/python" -I - <<'PY'
