@@ -35,6 +35,11 @@ WANT = [p["tokens"] for p in GOLDEN["prompts"]]
 N_NEW = GOLDEN["new_tokens"]
 PARAMS = SamplingParams(max_tokens=N_NEW)
 RTOL = 1e-3
+# One seq and page bucket, two token buckets (decode, prefill): 2 compiled programs per
+# engine (a 30-layer step compiles in ~5-10 s on 2 cores; the default buckets make ~6).
+ENGINE = dict(block_size=16, max_num_seqs=len(PROMPTS), max_num_batched_tokens=512,
+              max_model_len=256, token_buckets=[16, 512], seq_buckets=[len(PROMPTS)],
+              page_buckets=[16])
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +52,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def base(smollm2):
     """Caching on, roomy pool, logits recorded; the first run's outputs."""
-    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, block_size=16,
-                    max_num_seqs=len(PROMPTS), max_num_batched_tokens=512,
-                    max_model_len=256)
+    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, **ENGINE)
     engine.record_logits = True
     outs = engine.generate(PROMPTS, PARAMS)
     engine.record_logits = False
@@ -92,20 +95,18 @@ def test_warm_cache_same_tokens(base):
 
 
 def test_caching_off_same_tokens(smollm2, base):
-    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, block_size=16,
-                    max_num_seqs=len(PROMPTS), max_num_batched_tokens=512,
-                    max_model_len=256, enable_caching=False, share_programs_with=base[0])
+    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, **ENGINE,
+                    enable_caching=False, share_programs_with=base[0])
     outs = engine.generate(PROMPTS, PARAMS)
     assert [list(o.token_ids) for o in outs] == WANT
     assert engine.metrics().num_cached_tokens == 0
 
 
 def test_memory_pressure_same_tokens(smollm2, base):
-    """A pool of 16 blocks for 10 requests of ~3-5 blocks each: preemption by recompute and
-    eviction of cached blocks; chunked prefill (64-token budget) on top."""
-    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=16, block_size=16,
-                    max_num_seqs=len(PROMPTS), max_num_batched_tokens=64,
-                    max_model_len=256, share_programs_with=base[0])
+    """A pool of 32 blocks for 10 requests of ~3-7 blocks each: preemption by recompute and
+    eviction of cached blocks."""
+    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=32, **ENGINE,
+                    share_programs_with=base[0])
     outs = engine.generate(PROMPTS, PARAMS)
     m = engine.metrics()
     assert m.num_preemptions > 0 and m.num_evictions > 0
@@ -123,9 +124,8 @@ def test_quantized_kv_stays_close(smollm2, kv_dtype):
     first token stay within 10% (of the row's largest) of transformers' top-k, and the
     greedy continuation agrees for a median of >= 5 tokens (a broken quantized path, e.g.
     wrong scales, diverges at once)."""
-    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, block_size=16,
-                    max_num_seqs=len(PROMPTS), max_num_batched_tokens=512,
-                    max_model_len=256, kv_dtype=kv_dtype)
+    engine = Engine(smollm2.config, model=smollm2.model, num_blocks=128, **ENGINE,
+                    kv_dtype=kv_dtype)
     engine.record_logits = True
     outs = engine.generate(PROMPTS, PARAMS)
     first_diff = [next((j for j, (a, b) in enumerate(zip(o.token_ids, w)) if a != b), N_NEW)
