@@ -295,3 +295,20 @@ def test_model_package_has_no_import_cycle():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+def test_bench_real_model_runs_on_a_tiny_file(tmp_path):
+    from experiments import bench_real_model
+    from configs.bench_real_model import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.dtypes = "float32"
+    cfg.prompt_len, cfg.decode_batches, cfg.decode_tokens, cfg.repeats = 16, "2", 2, 1
+    cfg.num_blocks = 16
+    (rec,) = bench_real_model.run(cfg)["results"]
+    assert rec["format"] == "gguf" and rec["prompt_len"] == 16
+    assert {"load_s", "prefill_tok_s", "decode_b2_tok_s", "first_prefill_s"} <= set(rec)
+    line = json.loads((tmp_path / "bench_real_model.jsonl").read_text())
+    assert line["provenance"]["config"]["checkpoint"] == cfg.checkpoint
