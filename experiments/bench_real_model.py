@@ -14,8 +14,10 @@ minus that of max_tokens=1, so tokens/s = b * decode_tokens / difference.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
+import sys
 import time
 
 from experiments import _common
@@ -87,6 +89,7 @@ def run(config, *, progress: bool = False) -> dict:
             rec["provenance"] = _common.provenance(config, seed=config.seed)
             out.write(rec)
             results.append({k: v for k, v in rec.items() if k != "provenance"})
+            print(json.dumps(_common.to_jsonable(results[-1])), file=sys.stderr, flush=True)
             del engine, pre
     return {"results": results}
 

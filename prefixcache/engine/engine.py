@@ -323,7 +323,7 @@ class Engine:
         self.reset_metrics()
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype: str | None = None, tokenizer: bool = True,
+    def from_pretrained(cls, path, *, dtype: str | None = None, tokenizer=True,
                         **engine_kwargs) -> "Engine":
         """An engine over a real checkpoint: an HF directory or a GGUF file.
 
@@ -336,7 +336,8 @@ class Engine:
         keeps the constructor's default: the model's context (`max_position_embeddings`,
         GGUF `{arch}.context_length`: 8192 for SmolLM2). With `tokenizer` true and the
         text extra present (`prefixcache.text`), the checkpoint's tokenizer (when it has
-        one: `Pretrained.tokenizer_path`) is passed as `tokenizer=`. `engine.pretrained`
+        one: `Pretrained.tokenizer_path`) is passed as `tokenizer=`; False / None: none; a
+        `prefixcache.text.Tokenizer` object: that one. `engine.pretrained`
         keeps the `Pretrained` record (source, format, tokenizer_path).
 
         Raises:
@@ -351,10 +352,10 @@ class Engine:
         if clash:
             raise ValueError(f"Engine.from_pretrained loads the model itself: do not pass "
                              f"{clash}")
-        if not isinstance(tokenizer, (bool, np.bool_)):
-            raise ValueError(f"tokenizer must be a bool, got {tokenizer!r}")
         pre = load_pretrained(path, dtype=dtype)
-        if (tokenizer and pre.tokenizer_path is not None
+        if tokenizer is not None and not isinstance(tokenizer, (bool, np.bool_)):
+            engine_kwargs["tokenizer"] = tokenizer  # (the constructor checks it)
+        elif (tokenizer and pre.tokenizer_path is not None
                 and importlib.util.find_spec("prefixcache.text") is not None):
             from prefixcache.text import Tokenizer  # noqa: PLC0415
 

@@ -312,3 +312,12 @@ def test_bench_real_model_runs_on_a_tiny_file(tmp_path):
     assert {"load_s", "prefill_tok_s", "decode_b2_tok_s", "first_prefill_s"} <= set(rec)
     line = json.loads((tmp_path / "bench_real_model.jsonl").read_text())
     assert line["provenance"]["config"]["checkpoint"] == cfg.checkpoint
+
+
+def test_engine_from_pretrained_tokenizer_false_and_bad_kwargs():
+    engine = Engine.from_pretrained(_file("tiny_qwen2"), tokenizer=False, num_blocks=8,
+                                    block_size=16)
+    assert engine.model_config.qkv_bias and engine.pretrained.tokenizer_path is None
+    with pytest.raises(ValueError, match="do not pass"):
+        Engine.from_pretrained(_file("tiny_qwen2"), num_blocks=8,
+                               model_config=engine.model_config)
