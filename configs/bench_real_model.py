@@ -1,7 +1,8 @@
 """Real-model benchmark: SmolLM2-135M (GGUF) load time, prefill and decode tokens/s on CPU.
 
 Command:
-  python -m experiments.bench_real_model --config=configs/bench_real_model.py --workdir=/tmp/bench_real_model
+  python -m experiments.bench_real_model --config=configs/bench_real_model.py \
+      --workdir=/tmp/bench_real_model
   (--config.dtypes=float32 to skip bf16; --config.checkpoint=PATH for another HF
   directory or .gguf file)
 

@@ -34,7 +34,8 @@ from prefixcache.model.config import ModelConfig
 from prefixcache.model.llama import Transformer
 from prefixcache.model.safetensors_io import read_safetensors
 
-__all__ = ["build_transformer", "hf_param_map", "load_hf_checkpoint", "read_safetensors", "save_hf_checkpoint"]
+__all__ = ["build_transformer", "hf_param_map", "load_hf_checkpoint", "read_safetensors",
+           "save_hf_checkpoint"]
 
 # Tensors HF checkpoints may carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -17,7 +17,8 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (extra [gguf]) is no
 from experiments.peers import tiny_gguf  # noqa: E402
 from prefixcache.engine import Engine, SamplingParams  # noqa: E402
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq  # noqa: E402
-from prefixcache.model import Pretrained, load_pretrained, make_kv_caches, make_step_fn  # noqa: E402
+from prefixcache.model import (Pretrained, load_pretrained, make_kv_caches,  # noqa: E402
+                               make_step_fn)
 from prefixcache.model import gguf as pgguf  # noqa: E402
 from prefixcache.model.gguf import gguf_config, load_gguf, read_gguf  # noqa: E402
 
