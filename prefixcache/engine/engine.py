@@ -344,6 +344,48 @@ class Engine:
         self.last_step_times: tuple[float, float, float, float] | None = None
         self.reset_metrics()
 
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: str | None = None, tokenizer=True,
+                        **engine_kwargs) -> "Engine":
+        """An engine over a real checkpoint: an HF directory or a GGUF file.
+
+            engine = Engine.from_pretrained(".../SmolLM2-135M-Instruct.Q4_1.gguf",
+                                            num_blocks=512)
+
+        Loads `prefixcache.model.load_pretrained(path, dtype=dtype)` and builds
+        `Engine(config, model=model, **engine_kwargs)`; `engine_kwargs` are the
+        constructor's (`num_blocks` or `kv_cache_bytes` is needed). `max_model_len`
+        keeps the constructor's default: the model's context (`max_position_embeddings`,
+        GGUF `{arch}.context_length`: 8192 for SmolLM2). With `tokenizer` true and the
+        text extra present (`prefixcache.text`), the checkpoint's tokenizer (when it has
+        one: `Pretrained.tokenizer_path`) is passed as `tokenizer=`; False / None: none; a
+        `prefixcache.text.Tokenizer` object: that one. `engine.pretrained`
+        keeps the `Pretrained` record (source, format, tokenizer_path).
+
+        Raises:
+          ValueError: the loader's errors (a missing path, a malformed checkpoint, an
+            unknown architecture...), or `model` / `model_config` in `engine_kwargs`.
+        """
+        import importlib.util  # noqa: PLC0415
+
+        from prefixcache.model import load_pretrained  # noqa: PLC0415
+
+        clash = sorted({"model", "model_config"} & set(engine_kwargs))
+        if clash:
+            raise ValueError(f"Engine.from_pretrained loads the model itself: do not pass "
+                             f"{clash}")
+        pre = load_pretrained(path, dtype=dtype)
+        if tokenizer is not None and not isinstance(tokenizer, (bool, np.bool_)):
+            engine_kwargs["tokenizer"] = tokenizer  # (the constructor checks it)
+        elif (tokenizer and pre.tokenizer_path is not None
+                and importlib.util.find_spec("prefixcache.text") is not None):
+            from prefixcache.text import Tokenizer  # noqa: PLC0415
+
+            engine_kwargs["tokenizer"] = Tokenizer.from_pretrained(pre.tokenizer_path)
+        engine = cls(pre.config, model=pre.model, **engine_kwargs)
+        engine.pretrained = pre
+        return engine
+
     # -- requests -------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, *,

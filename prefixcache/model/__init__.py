@@ -51,6 +51,11 @@ Public API (the contract the engine codes against)::
   *.safetensors, sharded with
   model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
   path, *, max_shard_bytes=None)` writes one (f32).
+- `load_pretrained(path, *, dtype=None, progress=True) -> Pretrained(config, model, source,
+  format "hf" | "gguf", tokenizer_path)`: an HF directory (`load_hf_checkpoint`) or a
+  GGUF file (`prefixcache.model.gguf.load_gguf`: llama / qwen2, weights dequantized with
+  the `gguf` package, the optional extra `[gguf]`; llama.cpp's Q/K RoPE row permutation
+  undone).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
   "model" (see `prefixcache.model.sharding`); `make_step_fn(model, mesh=mesh)` runs the
   attention of each device's kv heads under `jax.shard_map`.
@@ -70,6 +75,7 @@ SwiGLU, scale `head_dim ** -0.5`, logits in f32.
 from prefixcache.model.config import ModelConfig, RopeScaling
 from prefixcache.model.llama import Transformer
 from prefixcache.model.loading import load_hf_checkpoint, read_safetensors, save_hf_checkpoint
+from prefixcache.model.pretrained import Pretrained, load_pretrained
 from prefixcache.model.lora import LoRAAdapter, LoRABatch, LoRASlots, load_lora_adapter
 from prefixcache.model.sharding import MODEL_AXIS, kv_cache_sharding, shard_model
 from prefixcache.model.step import check_kv_cache_memory, make_kv_caches, make_step_fn
@@ -80,12 +86,14 @@ __all__ = [
     "LoRABatch",
     "LoRASlots",
     "ModelConfig",
+    "Pretrained",
     "RopeScaling",
     "Transformer",
     "check_kv_cache_memory",
     "kv_cache_sharding",
     "load_hf_checkpoint",
     "load_lora_adapter",
+    "load_pretrained",
     "make_kv_caches",
     "make_step_fn",
     "read_safetensors",

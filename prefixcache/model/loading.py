@@ -23,78 +23,23 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.llama import Transformer
+from prefixcache.model.safetensors_io import read_safetensors
 
-__all__ = ["hf_param_map", "load_hf_checkpoint", "read_safetensors", "save_hf_checkpoint"]
+__all__ = ["build_transformer", "hf_param_map", "load_hf_checkpoint", "read_safetensors",
+           "save_hf_checkpoint"]
 
 # Tensors HF checkpoints may carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-# NOTE: safetensors.numpy has no bfloat16 (numpy lacks it); we read such files through
-# their header ourselves and view the bytes as ml_dtypes.bfloat16.
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-def read_safetensors(filename: str) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as numpy arrays (bf16 as ml_dtypes.bfloat16).
-
-    Raises:
-      ValueError: unreadable header or an unknown dtype (named).
-    """
-    with open(filename, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{filename}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > os.fstat(f.fileno()).st_size - 8:  # (read(n) would allocate n bytes)
-            raise ValueError(f"{filename}: bad safetensors header: its length {n} exceeds "
-                             "the file")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, RecursionError) as e:
-            raise ValueError(f"{filename}: bad safetensors header: {e}") from None
-    if not isinstance(header, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("dtype"), str)
-            for k, v in header.items() if k != "__metadata__"):
-        raise ValueError(f"{filename}: bad safetensors header: not an object of tensor "
-                         "entries with a 'dtype' string")
-    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
-    if "BF16" not in dtypes:
-        try:
-            return dict(safetensors.numpy.load_file(filename))
-        except safetensors.SafetensorError as e:
-            raise ValueError(f"{filename}: bad safetensors file: {e}") from None
-    unknown = dtypes - set(_ST_DTYPES)
-    if unknown:
-        raise ValueError(f"{filename}: unsupported safetensors dtypes {sorted(unknown)}")
-    data = np.memmap(filename, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            start, end = info["data_offsets"]
-            out[name] = np.array(data[start:end]).view(_ST_DTYPES[info["dtype"]]).reshape(
-                info["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{filename}: bad safetensors entry {name!r}: {e!r}") from None
-    return out
-
 
 def hf_param_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple, Callable, Callable]]:
     """Our param path -> (HF name, HF shape, hf_to_ours, ours_to_hf) for every param."""
@@ -204,22 +149,47 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[ModelConfig
     if bad:
         raise ValueError(f"{path}: shape mismatch: " + "; ".join(bad))
 
+    return config, build_transformer(config, lambda name: tensors[name])
+
+
+def build_transformer(config: ModelConfig, get: Callable[[str], np.ndarray], *,
+                      progress: bool = False, desc: str = "load") -> Transformer:
+    """A `Transformer` whose params are `get(hf_name)` (HF layout, `hf_param_map`), cast
+    to `config.dtype`. The caller checks names and shapes first; `get` is called once
+    per param, so a loader may convert (e.g. dequantize) lazily, one tensor at a time.
+
+    Raises:
+      ValueError: a converted tensor whose shape is not the param's (named).
+    """
+    mapping = hf_param_map(config)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     dt = jnp.dtype(config.dtype)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        bar = tqdm(total=len(mapping), desc=desc, unit="tensor")
 
     def fill(p, leaf):
         key = _path_key(p)
         if key not in mapping:
             raise ValueError(f"model param {key} has no checkpoint mapping")
         hf_name, _, to_ours, _ = mapping[key]
-        arr = to_ours(np.asarray(tensors[hf_name]).astype(np.float32))
+        arr = to_ours(np.asarray(get(hf_name)).astype(np.float32))
         if arr.shape != tuple(leaf.shape):
             raise ValueError(f"{hf_name}: converted shape {arr.shape} != param {leaf.shape}")
-        return jnp.asarray(arr, dtype=dt)
+        out = jnp.asarray(arr, dtype=dt)
+        if bar is not None:
+            bar.update(1)
+        return out
 
-    state = jax.tree_util.tree_map_with_path(fill, abs_state)
-    return config, nnx.merge(graphdef, state)
+    try:
+        state = jax.tree_util.tree_map_with_path(fill, abs_state)
+    finally:
+        if bar is not None:
+            bar.close()
+    return nnx.merge(graphdef, state)
 
 
 def save_hf_checkpoint(model: Transformer, path: str, *,

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prefixcache.model.config import ModelConfig
+from prefixcache.model.safetensors_io import read_safetensors
 
 __all__ = [
     "TARGET_MODULES",
@@ -217,8 +218,6 @@ def load_lora_adapter(path, config: ModelConfig, *, max_lora_rank: int,
         ranks), unexpected/missing tensors, wrong shapes, layers out of range,
         non-finite weights.
     """
-    from prefixcache.model.loading import read_safetensors
-
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"LoRA adapter path must be a str or path, got {type(path).__name__}")
     path = os.fspath(path)

