@@ -2,7 +2,7 @@
 
 Public API::
 
-    from prefixcache import KVCacheManager, Request, MultiModalFeature, LoRARequest, BlockHasher
+    from prefixcache import CacheConfig, KVCacheManager, Request, MultiModalFeature, LoRARequest, BlockHasher
 
 ``prefixcache.core`` holds the host-side cache (plus ``KVCacheBlock``, the events and
 ``PrefixCacheStats``); ``prefixcache.sim`` replays request traces through it.
@@ -10,6 +10,7 @@ Public API::
 
 from prefixcache.core import (
     BlockHasher,
+    CacheConfig,
     KVCacheManager,
     LoRARequest,
     MultiModalFeature,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockHasher",
+    "CacheConfig",
     "KVCacheManager",
     "LoRARequest",
     "MultiModalFeature",
