@@ -197,7 +197,8 @@ class CacheConfig:
         _check_bool("enable_caching", self.enable_caching)
         _check_bool("enable_events", self.enable_events)
         if _check_name("hash_algo", self.hash_algo) not in HASH_ALGOS:
-            raise ValueError(f"unknown hash_algo {self.hash_algo!r}; expected one of {HASH_ALGOS}")
+            raise ValueError(f"hash_algo: unknown hash algorithm {self.hash_algo!r}; valid: "
+                             f"{', '.join(HASH_ALGOS)}")
         # NOTE: hash_seed is any value (the hasher uses str(seed)), as BlockHasher's.
         if _check_name("free_order", self.free_order) not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {self.free_order!r}; expected one of {FREE_ORDERS}")
@@ -335,9 +336,10 @@ class CacheConfig:
     def from_config_dict(cls, config: Any, **overrides) -> CacheConfig:
         """The fields an experiment config (an ``ml_collections.ConfigDict`` or a
         mapping) names, plus ``overrides``; its other keys (workload, model, ...) are
-        not the cache's and are ignored. Empty strings / ``-1`` mean "unset" for the
-        optional fields, as flags spell them (``--config.kv_cache_groups=``,
-        ``--config.max_model_len=-1``)."""
+        not the cache's and are ignored. As a ConfigDict's typed fields cannot hold
+        None, an empty string means "unset" for the optional text fields and ``0`` /
+        ``-1`` for ``num_blocks`` / ``max_model_len`` (``--config.hash_seed=``,
+        ``--config.max_model_len=0``), and empty option mappings mean None."""
         if hasattr(config, "to_dict") and not isinstance(config, Mapping):
             config = config.to_dict()
         elif hasattr(config, "to_dict"):
@@ -351,7 +353,7 @@ class CacheConfig:
             if kw.get(k) == "":
                 kw[k] = None
         for k in ("max_model_len", "num_blocks"):
-            if kw.get(k) == -1:
+            if type(kw.get(k)) is int and kw[k] in (0, -1):
                 kw[k] = None
         for k in ("eviction_options", "host_eviction_options"):
             if kw.get(k) is not None and not kw[k]:

@@ -53,7 +53,7 @@ def test_defaults_give_todays_manager_keywords():
     (dict(num_blocks=0), "num_blocks must be >= 1"),
     (dict(block_size=2.0), "block_size must be an int"),
     (dict(enable_caching="yes"), "enable_caching must be a bool"),
-    (dict(hash_algo="md5"), "unknown hash_algo 'md5'"),
+    (dict(hash_algo="md5"), "hash_algo: unknown hash algorithm .md5."),
     (dict(free_order="lifo"), "unknown free_order"),
     (dict(eviction="nope"), "eviction: unknown eviction policy"),
     (dict(eviction_options=[1]), "eviction_options must be a mapping"),
