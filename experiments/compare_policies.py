@@ -187,17 +187,22 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     fig, ax = _common.new_figure(figsize=(8.5, 4.2))
     cells = [r for r in rows if r["record"] == "cell"]
     # One color per policy, one line style per index (so 8 policies x 2 indexes stay legible).
+    from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
+
+    def offline(policy):  # a bound that needs the future (belady), drawn as a bound
+        return policy in POLICIES and get_policy_class(policy).needs_future
+
     colors = {p: f"C{i % 10}" for i, p in enumerate(
-        dict.fromkeys(r["policy"] for r in cells if r["policy"] != "belady"))}
+        dict.fromkeys(r["policy"] for r in cells if not offline(r["policy"])))}
     styles = dict(zip(dict.fromkeys(r["index"] for r in cells), ("-", ":", "-.", (0, (5, 1)))))
     for policy, index in dict.fromkeys((r["policy"], r["index"]) for r in cells):
         pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
                      key=lambda r: r["num_blocks"])
-        style = dict(color="black" if policy == "belady" else colors[policy],
+        style = dict(color="black" if offline(policy) else colors[policy],
                      linestyle=styles.get(index, "-"))
-        style.update(dict(linewidth=2.5, alpha=0.6) if policy == "belady" else
+        style.update(dict(linewidth=2.5, alpha=0.6) if offline(policy) else
                      dict(marker="o", markersize=4))
-        label = f"{policy} / {index}" + (" (offline bound)" if policy == "belady" else "")
+        label = f"{policy} / {index}" + (" (offline bound)" if offline(policy) else "")
         ax.plot([r["num_blocks"] for r in pts], [r["hit_rate_tokens"] for r in pts],
                 label=label, **style)
     for r in rows:
