@@ -354,6 +354,23 @@ def peak_rss_mib() -> float:
 # ----------------------------------------------------------------------------
 
 
+def cache_config(config, **overrides):
+    """The ``prefixcache.CacheConfig`` an experiment config names (its fields of the same
+    names; ``""`` / ``0`` mean unset, see ``CacheConfig.from_config_dict``), with
+    ``overrides`` (a sweep cell's ``num_blocks=``, ...): the one path from a config to
+    every driver (``replay``, ``des.simulate``, ``simulate_cluster``, ``Engine``)."""
+    from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
+
+    return CacheConfig.from_config_dict(config, **overrides)
+
+
+def cost_model(config, **overrides):
+    """The ``CostModel`` an experiment config names (``CostModel.from_config``)."""
+    from prefixcache.cost_model import CostModel  # noqa: PLC0415
+
+    return CostModel.from_config(config, **overrides)
+
+
 def requests_from_config(config, workdir: str | os.PathLike | None = None, *,
                          progress: bool = False):
     """The requests an experiment runs on, as described by its config.

@@ -409,15 +409,6 @@ def _annotate(rows: list[dict], manager_hit_tokens: int, first_hit: int) -> None
 # ----------------------------------------------------------------------------
 
 
-def make_cost_model(sc):
-    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
-
-    return CostModel.create(sc.model, sc.accelerator, num_chips=sc.num_chips,
-                            flops_efficiency=sc.flops_efficiency,
-                            bandwidth_efficiency=sc.bandwidth_efficiency,
-                            step_overhead_s=sc.step_overhead_s)
-
-
 def run_sim_scenario(config, scenario: Scenario, trials: Sequence[Trial],
                      salts: dict[str, str], *, progress: bool = False) -> list[dict]:
     """The trials through the real ``KVCacheManager``; TTFT = cost model + noise model.
@@ -434,7 +425,7 @@ def run_sim_scenario(config, scenario: Scenario, trials: Sequence[Trial],
     sc = config.sim
     if sc.jitter_sigma < 0 or sc.host_jitter_sigma < 0 or sc.host_jitter_median_s < 0:
         raise ValueError("sim jitter parameters must be >= 0")
-    cost = make_cost_model(sc)
+    cost = _common.cost_model(sc)
     bs = config.block_size
     mgr = KVCacheManager(config.num_blocks, bs, hash_algo=config.hash_algo,
                          hash_seed=config.seed)

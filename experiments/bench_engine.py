@@ -27,7 +27,7 @@ def run(config, *, progress: bool = False) -> dict:
     Raises:
       ValueError: no workdir given.
     """
-    from prefixcache.engine import bench  # noqa: PLC0415
+    from experiments import _engine_bench as bench  # noqa: PLC0415
     from prefixcache.model import ModelConfig  # noqa: PLC0415
 
     workdir = _common.prepare_workdir(config.workdir)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from experiments import _common
 from experiments._common import provenance, to_jsonable
-from kernels import benchmark
+from experiments import _kernel_bench as benchmark
 
 _PROGRESS = _common.define_progress_flag()
 _SIZES = flags.DEFINE_enum("sizes", "full", ["full", "small"], "Case sizes.")
@@ -39,12 +39,12 @@ _INTERPRET = flags.DEFINE_bool(
 _ITERS = flags.DEFINE_integer("iters", 9, "Timed iterations per measurement.")
 _INNER = flags.DEFINE_integer(
     "inner", 10, "Back-to-back calls per timed round of the decode bandwidth case "
-    "(kernels.benchmark.time_device).")
+    "(experiments._kernel_bench.time_device).")
 _BW = flags.DEFINE_bool("bandwidth", None,
                         "Run the decode bandwidth case (default: on GPU/TPU only).")
 _SWEEP = flags.DEFINE_bool(
     "tile_sweep", False, "In the decode bandwidth case, also time the Pallas backend's "
-    "candidate block sizes (kernels.benchmark.tile_candidates) and report the best.")
+    "candidate block sizes (experiments._kernel_bench.tile_candidates) and report the best.")
 _JAX_PEER = flags.DEFINE_bool(
     "jax_gpu_peer", None, "In the decode bandwidth case, also time jax's own Pallas GPU "
     "decode kernel on the same data (default: on GPU only).")

@@ -36,8 +36,6 @@ peer venv runs it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
 import os
 import statistics
@@ -48,25 +46,6 @@ import types
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PEERS_DEFAULT = os.path.join(_REPO, "experiments", "peers")
 WORKLOADS = ("shared_system_prompt", "multi_turn", "few_shot", "mm_salt")
-
-
-@contextlib.contextmanager
-def _index(replay_module, index: str):
-    """Make ``replay`` build the manager of ``index`` for the duration.
-
-    NOTE: until ``replay`` takes ``index=`` (the index registry's branch), the radix
-    manager is swapped in for the name ``replay`` builds; afterwards the keyword is
-    passed (see ``run_ours``) and nothing is swapped.
-    """
-    from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
-
-    saved = replay_module.KVCacheManager
-    if index == "radix":
-        replay_module.KVCacheManager = RadixKVCacheManager
-    try:
-        yield
-    finally:
-        replay_module.KVCacheManager = saved
 
 
 def run_ours(trace, index: str, *, num_blocks: int, block_size: int, hash_algo: str,
@@ -80,25 +59,8 @@ def run_ours(trace, index: str, *, num_blocks: int, block_size: int, hash_algo: 
         hash_seed=hash_seed, free_order=free_order, concurrency=concurrency,
         on_record=records.append,
     )
-    if "index" in inspect.signature(replay_module.replay).parameters:
-        r = replay_module.replay(trace, index="hash" if index == "hash" else index, **kwargs)
-    else:
-        with _index(replay_module, index):
-            r = replay_module.replay(trace, **kwargs)
+    r = replay_module.replay(trace, index=index, **kwargs)
     return records, dict(r["timing"], evictions=r["evictions"], hit_tokens=r["hit_tokens"])
-
-
-def _chain_stranded(m, parent_of: dict) -> int:
-    """Cached chain blocks whose parent chain has an evicted (uncached) digest."""
-    cached = m.block_pool.cached_block_hash_to_block
-    n = 0
-    for h, entry in cached.items():
-        p = parent_of.get(h)
-        while p is not None and p in cached:
-            p = parent_of.get(p)
-        if p is not None:
-            n += len(entry) if type(entry) is dict else 1
-    return n
 
 
 def pressure(trace, index: str, *, num_blocks: int, eviction: str, block_size: int,
@@ -110,35 +72,16 @@ def pressure(trace, index: str, *, num_blocks: int, eviction: str, block_size: i
     from prefixcache.core import KVCacheManager  # noqa: PLC0415
     from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
 
-    chain_has_policies = "eviction" in inspect.signature(KVCacheManager).parameters
-    if index == "hash" and eviction != "lru" and not chain_has_policies:
-        return {"skipped": "the hash chain takes no eviction policy but lru yet"}
     stats = {"max_stranded": 0, "frees": 0}
     made = []
 
     def factory(*args, **kw):
-        if index == "radix":
-            base = RadixKVCacheManager
-            kw["eviction"] = eviction
-        else:
-            base = KVCacheManager
-            if chain_has_policies:
-                kw["eviction"] = eviction
+        base = RadixKVCacheManager if index == "radix" else KVCacheManager
+        kw["eviction"] = eviction
 
         class Measured(base):
-            parent_of: dict = {}
-
-            def allocate_slots(self, request, *a, **k):
-                r = base.allocate_slots(self, request, *a, **k)
-                if r is not None and index == "hash" and not hasattr(base, "num_stranded_blocks"):
-                    hs = request.block_hashes
-                    self.parent_of.update(zip(hs, [None, *hs[:-1]]))
-                return r
-
             def stranded(self):
-                if hasattr(base, "num_stranded_blocks"):
-                    return self.num_stranded_blocks()
-                return _chain_stranded(self, self.parent_of)
+                return self.num_stranded_blocks()
 
             def free(self, request):
                 base.free(self, request)
@@ -146,7 +89,6 @@ def pressure(trace, index: str, *, num_blocks: int, eviction: str, block_size: i
                 if stats["frees"] % sample_every == 0:
                     stats["max_stranded"] = max(stats["max_stranded"], self.stranded())
 
-        Measured.parent_of = {}
         made.append(Measured(*args, **kw))
         return made[-1]
 

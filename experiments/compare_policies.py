@@ -195,10 +195,15 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     from matplotlib.ticker import NullFormatter  # noqa: PLC0415
 
     cells = [r for r in rows if r["record"] == "cell"]
+    from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
+
+    def offline(policy):  # a bound that needs the future (belady), drawn as a bound
+        return policy in POLICIES and get_policy_class(policy).needs_future
+
     indexes = list(dict.fromkeys(r["index"] for r in cells))
     fig, axes = _common.new_figure(1, len(indexes), figsize=(4.6 * len(indexes) + 1.8, 4.2),
                                    sharey=True, squeeze=False)
-    policies = [p for p in dict.fromkeys(r["policy"] for r in cells) if p != BELADY]
+    policies = [p for p in dict.fromkeys(r["policy"] for r in cells) if not offline(p)]
     colors = {p: f"C{i % 10}" for i, p in enumerate(policies)}
     markers = dict(zip(policies, "osD^v<>ph*"))
     ideal = [r for r in rows if r["record"] == "ideal"]
@@ -206,7 +211,7 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
         for policy in dict.fromkeys(r["policy"] for r in cells if r["index"] == index):
             pts = sorted((r for r in cells if (r["policy"], r["index"]) == (policy, index)),
                          key=lambda r: r["num_blocks"])
-            if policy == BELADY:
+            if offline(policy):
                 style = dict(color="black", linewidth=2.5, alpha=0.45)
                 label = f"{policy} (offline bound)"
             else:

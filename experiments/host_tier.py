@@ -87,7 +87,7 @@ def resolve(config) -> dict:
         ValueError: any bad field (see the module docstring).
     """
     from prefixcache._validate import check_count  # noqa: PLC0415
-    from prefixcache.core.eviction import POLICIES  # noqa: PLC0415
+    from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
     from prefixcache.sim import cost_model as cm  # noqa: PLC0415
 
     _parallel.check_executor(config.executor, config.workers)
@@ -96,11 +96,12 @@ def resolve(config) -> dict:
         check_count(field, config[field], min=1)
     check_count("des_max_requests", config.des_max_requests)
     multiples = parse_multiples(config.host_multiples)
-    if config.host_eviction not in POLICIES or config.host_eviction == "belady":
+    online = tuple(p for p in POLICIES if not get_policy_class(p).needs_future)
+    if config.host_eviction not in online:  # (the host tier never has the future)
         raise ValueError(f"unknown host_eviction {config.host_eviction!r}; expected one of "
-                         f"{tuple(p for p in POLICIES if p != 'belady')}")
+                         f"{online}")
     cm.ModelShape.preset(config.model)
-    make_cost_model(config)  # unknown accelerator / host link -> ValueError
+    _common.cost_model(config)  # unknown accelerator / host link -> ValueError
     if not isinstance(config.host_load_overlap, bool):
         raise ValueError(f"host_load_overlap must be a bool, got {config.host_load_overlap!r}")
     if not config.arrival_rate >= 0:
@@ -114,14 +115,6 @@ def resolve(config) -> dict:
                              "less than one block")
         host_blocks.append(n)
     return {"multiples": (0.0, *multiples), "host_blocks": tuple(host_blocks)}
-
-
-def make_cost_model(config):
-    """``config.model`` on ``config.num_chips`` x ``config.accelerator`` with its host link."""
-    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
-
-    return CostModel.create(config.model, config.accelerator, num_chips=config.num_chips,
-                            host_link=config.host_link)
 
 
 def make_cells(config, grid: dict) -> list[dict]:
@@ -139,16 +132,12 @@ def _replay_row(config, cell: dict, make_requests) -> dict:
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     num_blocks, record = config.num_blocks, "replay"
-    kwargs = {}
     if cell["kind"] == "ideal":
         num_blocks, record = compare.ideal_num_blocks(make_requests(), config.block_size), "ideal"
-    elif cell["num_host_blocks"]:
-        kwargs = {"num_host_blocks": cell["num_host_blocks"],
-                  "host_eviction": config.host_eviction}
-    s = replay(make_requests(), num_blocks=num_blocks, block_size=config.block_size,
-               hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
-               free_order=config.free_order, concurrency=config.concurrency,
-               model=config.model, **kwargs)
+    cache = _common.cache_config(config, num_blocks=num_blocks,
+                                 num_host_blocks=cell["num_host_blocks"])
+    s = replay(make_requests(), cache_config=cache, concurrency=config.concurrency,
+               model=config.model)
     row = {"record": record, "multiple": cell["multiple"], "num_blocks": num_blocks,
            "num_host_blocks": cell["num_host_blocks"]}
     for key in ("requests", "failed", "prompt_tokens", "hit_tokens", "hit_rate_tokens",
@@ -173,15 +162,14 @@ def _des_row(config, cell: dict, make_requests) -> dict:
     reqs = make_requests()
     if config.des_max_requests:
         reqs = itertools.islice(reqs, config.des_max_requests)
-    cost = make_cost_model(config)
+    cost = _common.cost_model(config)
     s = des.simulate(
-        reqs, cost_model=cost, num_blocks=config.num_blocks, block_size=config.block_size,
+        reqs, cost_model=cost,
+        cache_config=_common.cache_config(config, num_host_blocks=cell["num_host_blocks"]),
         scheduler=des.SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                                       max_num_seqs=config.max_num_seqs),
-        hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
-        free_order=config.free_order, arrival_rate=config.arrival_rate or None,
-        seed=config.seed, num_host_blocks=cell["num_host_blocks"],
-        host_eviction=config.host_eviction, host_load_overlap=config.host_load_overlap)
+        arrival_rate=config.arrival_rate or None, seed=config.seed,
+        host_load_overlap=config.host_load_overlap)
     row = {"record": "des", "multiple": cell["multiple"], "num_blocks": config.num_blocks,
            "num_host_blocks": cell["num_host_blocks"], "model": config.model,
            "accelerator": config.accelerator, "num_chips": config.num_chips,

@@ -36,16 +36,6 @@ from experiments import _common
 # ----------------------------------------------------------------------------
 
 
-def make_cost_model(config, accelerator: str):
-    """The ``CostModel`` of ``config.model`` on ``accelerator``."""
-    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
-
-    return CostModel.create(config.model, accelerator, num_chips=config.num_chips,
-                            flops_efficiency=config.flops_efficiency,
-                            bandwidth_efficiency=config.bandwidth_efficiency,
-                            step_overhead_s=config.step_overhead_s)
-
-
 def simulate_latency(make_requests: Callable[[], Iterable], config, *,
                      progress: bool = False, num_requests: int | None = None) -> list[dict]:
     """Runs the DES per accelerator and cache state; returns result rows.
@@ -78,7 +68,7 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
                                 max_num_seqs=config.max_num_seqs)
     rows: list[dict] = []
     for acc in config.accelerators:
-        cost = make_cost_model(config, acc)
+        cost = _common.cost_model(config, accelerator=acc)
         num_blocks = config.num_blocks or cost.kv_cache_blocks(config.block_size)
         if num_blocks < 1:
             raise ValueError(f"{config.model} leaves no HBM for the KV cache on {acc}; "
@@ -87,8 +77,8 @@ def simulate_latency(make_requests: Callable[[], Iterable], config, *,
             recs: list[dict] = []
             summary = des.simulate(
                 itertools.islice(make_requests(), n_warm, None), cost_model=cost,
-                num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
-                hash_algo=config.hash_algo, eviction=config.eviction,
+                cache_config=_common.cache_config(config, num_blocks=num_blocks),
+                scheduler=sched,
                 warmup=itertools.islice(make_requests(), n_warm) if state == "warm" else None,
                 arrival_rate=config.arrival_rate or None, seed=config.seed,
                 on_record=recs.append, progress=progress, total=total)

@@ -67,7 +67,6 @@ def run_layouts(config, *, progress: bool = False) -> tuple[list[dict], dict[str
     import inspect  # noqa: PLC0415
 
     from prefixcache.sim import workloads  # noqa: PLC0415
-    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     name = config.workload.name
@@ -76,16 +75,15 @@ def run_layouts(config, *, progress: bool = False) -> tuple[list[dict], dict[str
         with_layout = [n for n, g in workloads.WORKLOADS.items()
                        if "layout" in inspect.signature(g).parameters]
         raise ValueError(f"workload {name!r} has no layout variant; expected one of {with_layout}")
-    cost = CostModel.create(config.model, config.accelerator, num_chips=config.num_chips)
+    cost = _common.cost_model(config)
     kwargs = _common._tuples(_common.to_jsonable(config.workload.kwargs))
     rows, ttfts = [], {}
     for layout in workloads.LAYOUTS:
         requests = workloads.generate(name, seed=config.seed, layout=layout, **kwargs)
         records: list[dict] = []
-        summary = replay(requests, num_blocks=config.num_blocks, block_size=config.block_size,
-                         hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
-                         free_order=config.free_order, concurrency=config.concurrency,
-                         on_record=records.append, progress=progress)
+        summary = replay(requests, cache_config=_common.cache_config(config),
+                         concurrency=config.concurrency, on_record=records.append,
+                         progress=progress)
         row, ttfts[layout] = layout_row(records, cost, layout=layout)
         assert row["hit_tokens"] == summary["hit_tokens"], (row, summary)
         rows.append({**row, "workload": name, "num_blocks": config.num_blocks,

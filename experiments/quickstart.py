@@ -44,7 +44,7 @@ def run(config, *, progress: bool = False) -> dict:
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from prefixcache.engine import Engine, SamplingParams
-    from prefixcache.engine import chat_bench
+    from experiments import _chat_bench as chat_bench
     from prefixcache.model import ModelConfig
 
     t_start = time.perf_counter()

@@ -79,13 +79,9 @@ def run(config, *, progress: bool = False) -> dict:
             hits.append(rec["num_computed_tokens"])
 
         return replay(
-            requests, num_blocks=config.num_blocks, block_size=config.block_size,
-            hash_algo=config.hash_algo, hash_seed=config.hash_seed or None,
-            free_order=config.free_order, concurrency=config.concurrency,
-            max_model_len=config.max_model_len or None, on_record=on_record, progress=progress,
-            total=total, eviction=config.eviction, index=config.index,
-            model=config.model or None, num_host_blocks=config.num_host_blocks,
-            host_eviction=config.host_eviction)
+            requests, cache_config=_common.cache_config(config),
+            concurrency=config.concurrency, on_record=on_record, progress=progress,
+            total=total, model=config.model or None)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:

@@ -57,13 +57,6 @@ def parse_list(name: str, value, convert=str) -> list:
     return out
 
 
-def make_cost_model(config):
-    from prefixcache.sim.cost_model import CostModel  # noqa: PLC0415
-
-    kw = {"host_link": config.host_link} if config.get("num_host_blocks", 0) else {}
-    return CostModel.create(config.model, config.accelerator, num_chips=config.num_chips, **kw)
-
-
 def host_weight(config, cost) -> float:
     """``config.host_weight`` as a number: ``"auto"`` -> ``host_hit_weight`` of ``cost``."""
     from prefixcache.sim.routing import kv_events  # noqa: PLC0415
@@ -106,16 +99,16 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.sim.des import SchedulerConfig  # noqa: PLC0415
 
     policies, replicas = check_config(config)
-    cost = make_cost_model(config)
+    # NOTE: the host link only with a host tier (the cost model of a run without one
+    # stays as it was).
+    cost = _common.cost_model(config, **({} if config.num_host_blocks else {"host_link": None}))
     num_blocks = config.num_blocks or cost.kv_cache_blocks(config.block_size)
     if num_blocks < 1:
         raise ValueError(f"{config.model} leaves no HBM for the KV cache on "
                          f"{config.accelerator}; set --num_blocks")
     num_host = config.num_host_blocks
-    host_kw, weight = {}, None
-    if num_host:
-        weight = host_weight(config, cost)
-        host_kw = {"num_host_blocks": num_host, "host_eviction": config.host_eviction}
+    weight = host_weight(config, cost) if num_host else None
+    cache = _common.cache_config(config, num_blocks=num_blocks)
     sched = SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs)
     workdir = _common.prepare_workdir(config.workdir)
@@ -136,12 +129,10 @@ def run(config, *, progress: bool = False) -> dict:
             requests = _common.requests_from_config(config, workdir)
             s = simulate_cluster(
                 requests, num_replicas=n, router=policy, cost_model=cost,
-                num_blocks=num_blocks, block_size=config.block_size, scheduler=sched,
-                hash_algo=config.hash_algo, eviction=config.eviction,
-                time_scale=float(config.time_scale),
+                cache_config=cache, scheduler=sched, time_scale=float(config.time_scale),
                 arrival_rate=config.arrival_rate or None, seed=config.seed,
                 router_options={"host_weight": weight} if num_host and policy == "kv_events"
-                else None, **host_kw)
+                else None)
             extra = {"host_weight": weight} if num_host and policy == "kv_events" else {}
             log.add(key, {"num_blocks": num_blocks, "block_size": config.block_size,
                           "model": config.model, "accelerator": config.accelerator, **s,

@@ -9,6 +9,7 @@ from prefixcache.core.block_pool import (
     InvariantError,
     KVCacheBlock,
 )
+from prefixcache.core.cache_config import CacheConfig
 from prefixcache.core.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,6 +29,7 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CacheConfig",
     "FreeKVCacheBlockQueue",
     "FullAttentionSpec",
     "HostHit",

@@ -118,6 +118,13 @@ class Engine:
         (`kernels.quant`); `num_blocks` is still the block count, and the memory check
         counts the dtype's bytes per block, scales included
         (`prefixcache.kv_dtypes.kv_bytes_per_block`).
+      cache_config: a `prefixcache.CacheConfig` holding the cache keywords above
+        (`num_blocks` / `kv_cache_bytes`, `block_size`, `enable_caching`,
+        `max_model_len`, `hash_algo`, `hash_seed`, `eviction`, `index`, the host tier,
+        `kv_dtype`) and the manager's `free_order`, `eviction_options`,
+        `host_eviction_options`, `enable_events`; a cache keyword given with a
+        non-default value overrides its field. Its `kv_cache_groups` must be None (they
+        come from the model config).
       kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
         or a string such as "2GiB", `prefixcache.kv_dtypes.parse_bytes`; as vLLM's
         `kv_cache_memory_bytes`, but for the whole pool over all devices of a mesh, not
@@ -182,7 +189,16 @@ class Engine:
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, cache_config=None):
+        if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
+            (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
+             eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
+             manager_kwargs) = _unpack_cache_config(cache_config, manager_kwargs, dict(
+                 num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching,
+                 max_model_len=max_model_len, hash_algo=hash_algo, hash_seed=hash_seed,
+                 eviction=eviction, index=index, num_host_blocks=num_host_blocks,
+                 host_eviction=host_eviction, kv_dtype=kv_dtype,
+                 kv_cache_bytes=kv_cache_bytes))
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -975,6 +991,40 @@ class Engine:
             per_tenant=_reuse_groups(self._per_tenant),
             per_adapter=_reuse_groups(self._per_adapter),
             **self._host_metrics())
+
+
+# The Engine's cache keywords and their defaults: with `cache_config`, a keyword at a
+# non-default value overrides the config's field of the same name.
+_ENGINE_CACHE = {"num_blocks": None, "block_size": 16, "enable_caching": True,
+                 "max_model_len": None, "hash_algo": "sha256", "hash_seed": None,
+                 "eviction": "lru", "index": "hash", "num_host_blocks": 0,
+                 "host_eviction": "lru", "kv_dtype": None, "kv_cache_bytes": None}
+# CacheConfig fields the Engine hands to the manager through manager_kwargs.
+_ENGINE_MANAGER_FIELDS = ("free_order", "eviction_options", "host_eviction_options",
+                          "enable_events")
+
+
+def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:
+    """The Engine's cache keywords (in `_ENGINE_CACHE` order) and manager_kwargs from
+    a `CacheConfig`, the keywords given with non-default values applied over it."""
+    from prefixcache.core.cache_config import CacheConfig
+
+    if not isinstance(cache_config, CacheConfig):
+        raise ValueError(f"cache_config must be a prefixcache CacheConfig, got "
+                         f"{type(cache_config).__name__}")
+    given = {k: v for k, v in keywords.items() if v is not _ENGINE_CACHE[k] and not (
+        type(v) is type(_ENGINE_CACHE[k]) and v == _ENGINE_CACHE[k])}
+    cfg = cache_config.replace(**given) if given else cache_config
+    if cfg.kv_cache_groups is not None:
+        raise ValueError("cache_config.kv_cache_groups must be None: an Engine's KV cache "
+                         "groups come from its model config (sliding-window layers)")
+    if manager_kwargs and set(_ENGINE_MANAGER_FIELDS) & set(manager_kwargs):
+        raise ValueError(f"give {sorted(set(_ENGINE_MANAGER_FIELDS) & set(manager_kwargs))} "
+                         "in cache_config or in manager_kwargs, not both")
+    extra = {k: getattr(cfg, k) for k in _ENGINE_MANAGER_FIELDS
+             if getattr(cfg, k) != CacheConfig.__dataclass_fields__[k].default}
+    merged = {**dict(manager_kwargs or {}), **extra} or None
+    return (*(getattr(cfg, k) for k in _ENGINE_CACHE), merged)
 
 
 def _pool_size(config, *, num_blocks, kv_cache_bytes, block_size,

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.core.cache_config import UNSET, CacheConfig
 from prefixcache.core.kv_cache_manager import KVCacheManager
-from prefixcache.sim.cost_model import CostModel
+from prefixcache.cost_model import CostModel
 from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_arrival_rate, \
-    check_host_tier, \
-    host_manager_kwargs, host_summary, make_sim_request, percentiles, summarize
+    host_summary, make_sim_request, percentiles, sim_cache_config, summarize
 from prefixcache.sim.routing import ReplicaLoad, Router, make_router
 from prefixcache.sim.trace import TraceRequest
 
@@ -66,14 +66,15 @@ def simulate_cluster(
     num_replicas: int,
     router: str | Router,
     cost_model: CostModel,
-    num_blocks: int,
-    block_size: int,
+    cache_config: CacheConfig | None = None,
+    num_blocks: int = UNSET,
+    block_size: int = UNSET,
     scheduler: SchedulerConfig = SchedulerConfig(),
-    hash_algo: str = "sha256",
-    hash_seed: int | str | None = None,
-    free_order: str = "append",
+    hash_algo: str = UNSET,
+    hash_seed: int | str | None = UNSET,
+    free_order: str = UNSET,
     scheduling: str = "fcfs",
-    eviction: str = "lru",
+    eviction: str = UNSET,
     router_options: dict[str, Any] | None = None,
     arrival_rate: float | None = None,
     time_scale: float = 1.0,
@@ -82,13 +83,24 @@ def simulate_cluster(
     check_every: int = 0,
     progress: bool = False,
     total: int | None = None,
-    num_host_blocks: int = 0,
-    host_eviction: str = "lru",
+    num_host_blocks: int = UNSET,
+    host_eviction: str = UNSET,
+    eviction_options: dict | None = UNSET,
+    index: str = UNSET,
+    enable_caching: bool = UNSET,
+    max_model_len: int | None = UNSET,
+    host_eviction_options: dict | None = UNSET,
 ) -> dict[str, Any]:
     """Simulates ``num_replicas`` replicas behind ``router``.
 
     Args:
       requests: trace entries in arrival order (streamed).
+      cache_config: every replica's cache (``prefixcache.CacheConfig``), as in
+        ``des.simulate``; the cache keywords (``num_blocks``, ``block_size``,
+        ``hash_algo``, ``hash_seed``, ``free_order``, ``eviction``,
+        ``eviction_options``, ``index``, ``enable_caching``, ``max_model_len``, the
+        host ones) override its fields when given, or build it alone. A router that
+        needs events turns ``enable_events`` on.
       num_replicas: replicas (>= 1); each has ``num_blocks`` KV blocks.
       router: a registered routing policy name or a ``Router`` built for
         ``num_replicas`` replicas.
@@ -134,7 +146,14 @@ def simulate_cluster(
     if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
     arrival_rate = check_arrival_rate(arrival_rate)
-    num_host_blocks = check_host_tier(num_host_blocks, cost_model)
+    cfg = sim_cache_config(
+        cache_config, cost_model, num_blocks=num_blocks, block_size=block_size,
+        hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order, eviction=eviction,
+        num_host_blocks=num_host_blocks, host_eviction=host_eviction,
+        eviction_options=eviction_options, index=index, enable_caching=enable_caching,
+        max_model_len=max_model_len, host_eviction_options=host_eviction_options)
+    block_size, num_host_blocks, host_eviction = (
+        cfg.block_size, cfg.num_host_blocks, cfg.host_eviction)
     if isinstance(router, str):
         router = make_router(router, num_replicas=num_replicas, block_size=block_size,
                              seed=seed, **(router_options or {}))
@@ -170,11 +189,9 @@ def simulate_cluster(
     for i in range(num_replicas):
         # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
         # the router then keys its index on the request's own block hashes directly.
-        manager = KVCacheManager(num_blocks, block_size, hash_algo=hash_algo,
-                                 hash_seed=hash_seed, free_order=free_order, log_stats=False,
-                                 enable_events=router.needs_events, int_event_hashes=False,
-                                 eviction=eviction,
-                                 **host_manager_kwargs(num_host_blocks, host_eviction, None))
+        manager = KVCacheManager(**{**cfg.manager_kwargs(),
+                                    "enable_events": cfg.enable_events or router.needs_events},
+                                 log_stats=False, int_event_hashes=False)
 
         def finish(s, rec, i=i):
             totals.finish(s, {**rec, "replica": i})

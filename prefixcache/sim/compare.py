@@ -18,7 +18,6 @@ Host only: never imports jax.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -113,22 +112,15 @@ def _replay_fn(replay_fn: Callable | None) -> Callable:
 
 def check_replay_supports(policy: str, index: str, *, model: str | None = None,
                           replay_fn: Callable | None = None) -> None:
-    """Raises ``ValueError`` unless the replay can run ``policy`` on ``index``.
+    """Raises ``ValueError`` unless ``policy`` and ``index`` are registered names and
+    ``model`` (when given) is a ``ModelShape`` preset: a cell asking for anything else
+    fails here, before the grid runs. ``replay_fn`` is accepted for symmetry with
+    `replay_cell` (every replay takes ``eviction`` / ``index`` / ``model``)."""
+    from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
 
-    NOTE: the replay takes ``eviction=`` / ``index=`` / ``model=`` only once the policy
-    and index seams are wired into it; a replay without them runs vLLM's LRU on the hash
-    chain only, and a cell asking for anything else must fail here rather than publish
-    LRU numbers under another name.
-    """
-    params = inspect.signature(_replay_fn(replay_fn)).parameters
-    if "eviction" not in params and policy != "lru":
-        raise ValueError(f"eviction policy {policy!r} cannot run: this replay has no "
-                         "`eviction` argument (only lru, vLLM's free queue)")
-    if "index" not in params and index != HASH_INDEX:
-        raise ValueError(f"index {index!r} cannot run: this replay has no `index` "
-                         "argument (only the hash chain)")
+    CacheConfig(eviction=policy, index=index)  # unknown names -> ValueError
     if model:
-        from prefixcache.sim.cost_model import ModelShape  # noqa: PLC0415
+        from prefixcache.cost_model import ModelShape  # noqa: PLC0415
 
         ModelShape.preset(model)  # ValueError naming the presets
 
@@ -139,8 +131,9 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
     """Replays the trace once under (``policy``, ``index``, ``num_blocks``).
 
     Args:
-        make_requests: returns a fresh iterator over the trace (``belady`` reads it twice:
-            it gets this callable itself; every other policy one iterator).
+        make_requests: returns a fresh iterator over the trace (a policy that needs the
+            future reads it twice: it gets this callable itself; every other policy one
+            iterator).
         policy, index: registered names (``check_replay_supports`` is applied).
         num_blocks, block_size: the cache.
         model: a ``ModelShape`` preset name, for cached bytes (``None``: no bytes).
@@ -151,18 +144,16 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
     Returns:
         The replay's summary.
     """
+    from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
+
     fn = _replay_fn(replay_fn)
-    check_replay_supports(policy, index, model=model, replay_fn=fn)
-    params = inspect.signature(fn).parameters
-    kwargs = dict(replay_kwargs, num_blocks=num_blocks, block_size=block_size)
-    if "eviction" in params:
-        kwargs["eviction"] = policy
-    if "index" in params:
-        kwargs["index"] = index
-    if "model" in params and model:
+    check_replay_supports(policy, index, model=model)
+    kwargs = dict(replay_kwargs, num_blocks=num_blocks, block_size=block_size,
+                  eviction=policy, index=index)
+    if model:
         kwargs["model"] = model
-    # NOTE: the offline bound needs the future: the replay reads the trace twice.
-    requests = make_requests if policy == "belady" else make_requests()
+    # NOTE: an offline bound needs the future: the replay reads the trace twice.
+    requests = make_requests if get_policy_class(policy).needs_future else make_requests()
     return fn(requests, **kwargs)
 
 
@@ -195,7 +186,7 @@ def cell_row(summary: dict, *, policy: str, index: str, num_blocks: int, block_s
     for field in _SUMMARY_FIELDS:
         row[field] = summary.get(field)
     if model:
-        from prefixcache.sim.cost_model import ModelShape  # noqa: PLC0415
+        from prefixcache.cost_model import ModelShape  # noqa: PLC0415
 
         per_block = ModelShape.preset(model).kv_bytes_per_token * block_size
         for which in ("peak", "mean"):

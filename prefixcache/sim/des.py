@@ -63,10 +63,11 @@ from typing import Any
 import numpy as np
 
 from prefixcache._validate import check_count
+from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.cost_model import CostModel
 from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
-from prefixcache.sim.cost_model import CostModel
 from prefixcache.sim.trace import TraceRequest, output_token
 
 
@@ -457,14 +458,30 @@ def check_host_tier(num_host_blocks: Any, cost_model: CostModel) -> int:
     return n
 
 
-def host_manager_kwargs(num_host_blocks: int, host_eviction: str,
-                        host_eviction_options: dict | None) -> dict[str, Any]:
-    """The ``KVCacheManager`` keyword arguments of a host tier; none when it is off (so
-    the manager is built exactly as without the feature)."""
-    if not num_host_blocks:
-        return {}
-    return {"num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
-            "host_eviction_options": host_eviction_options}
+def sim_cache_config(cache_config: CacheConfig | None, cost_model: CostModel,
+                     **keywords) -> CacheConfig:
+    """The one ``CacheConfig`` of a simulated server: ``cache_config`` with the driver's
+    given keywords (`prefixcache.core.cache_config.resolve`), its byte budget sized by
+    ``cost_model.shape``, checked for what a simulated server can run.
+
+    Raises:
+      ValueError: a bad field (named), a policy that needs the trace's future, KV cache
+        groups, a host tier without ``cost_model.host_link``.
+    """
+    cfg = resolve(cache_config, **keywords)
+    if cfg.kv_cache_bytes is not None:
+        cfg = cfg.with_pool_blocks(
+            cost_model.shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype))
+    if cfg.needs_future:
+        raise ValueError(f"{cfg.eviction} needs the trace's future (an offline bound): run "
+                         f"it through prefixcache.sim.replay (eviction={cfg.eviction!r}), not "
+                         "an online simulation")
+    if cfg.kv_cache_groups is not None:
+        raise ValueError("kv_cache_groups: the simulated server reads one block list per "
+                         "request (one full-attention group); replay the trace instead "
+                         "(prefixcache.sim.replay takes kv_cache_groups)")
+    check_host_tier(cfg.num_host_blocks, cost_model)
+    return cfg
 
 
 def host_summary(counts: collections.Counter, block_bytes: int) -> dict[str, Any]:
@@ -513,26 +530,29 @@ def simulate(
     requests: Iterable[TraceRequest],
     *,
     cost_model: CostModel,
-    num_blocks: int,
-    block_size: int,
+    cache_config: CacheConfig | None = None,
+    num_blocks: int = UNSET,
+    block_size: int = UNSET,
     scheduler: SchedulerConfig = SchedulerConfig(),
-    hash_algo: str = "sha256",
-    hash_seed: int | str | None = None,
-    free_order: str = "append",
-    enable_caching: bool = True,
+    hash_algo: str = UNSET,
+    hash_seed: int | str | None = UNSET,
+    free_order: str = UNSET,
+    enable_caching: bool = UNSET,
     scheduling: str = "fcfs",
-    eviction: str = "lru",
-    eviction_options: dict | None = None,
+    eviction: str = UNSET,
+    eviction_options: dict | None = UNSET,
     warmup: Iterable[TraceRequest] | None = None,
     arrival_rate: float | None = None,
     seed: int = 0,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
     total: int | None = None,
-    num_host_blocks: int = 0,
-    host_eviction: str = "lru",
-    host_eviction_options: dict | None = None,
+    num_host_blocks: int = UNSET,
+    host_eviction: str = UNSET,
+    host_eviction_options: dict | None = UNSET,
     host_load_overlap: bool = False,
+    index: str = UNSET,
+    max_model_len: int | None = UNSET,
 ) -> dict[str, Any]:
     """Runs the discrete-event simulation.
 
@@ -540,9 +560,14 @@ def simulate(
       requests: trace entries in arrival order (streamed: only arrived,
         unfinished requests are held in memory).
       cost_model: step times.
-      num_blocks, block_size, hash_algo, hash_seed, free_order, enable_caching,
-        eviction, eviction_options: the ``KVCacheManager`` the simulated server uses
-        (``belady`` needs the trace's future: use ``prefixcache.sim.replay``).
+      cache_config: the simulated server's cache (``prefixcache.CacheConfig``; a
+        ``kv_cache_bytes`` budget is sized by ``cost_model.shape``); the cache
+        keywords (``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
+        ``free_order``, ``enable_caching``, ``eviction``, ``eviction_options``,
+        ``index``, ``max_model_len``, the host ones) override its fields when given,
+        or build it alone. A policy that needs the trace's future is refused (use
+        ``prefixcache.sim.replay``), as are ``kv_cache_groups`` (the server reads
+        one block list per request).
       scheduler: batching limits.
       scheduling: the waiting queue's admission order (``fcfs``, ``lpm``,
         ``dfs_weight``; ``prefixcache.scheduling``).
@@ -581,17 +606,20 @@ def simulate(
         ``num_host_blocks`` or host policy, a host tier without a host link.
       TypeError: an arrival rate that is not a number.
     """
-    make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     arrival_rate = check_arrival_rate(arrival_rate)
-    num_host_blocks = check_host_tier(num_host_blocks, cost_model)
+    cfg = sim_cache_config(
+        cache_config, cost_model, num_blocks=num_blocks, block_size=block_size,
+        hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
+        enable_caching=enable_caching, eviction=eviction, eviction_options=eviction_options,
+        num_host_blocks=num_host_blocks, host_eviction=host_eviction,
+        host_eviction_options=host_eviction_options, index=index,
+        max_model_len=max_model_len)
+    block_size, num_host_blocks, host_eviction = (
+        cfg.block_size, cfg.num_host_blocks, cfg.host_eviction)
+    make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     if not isinstance(host_load_overlap, bool):
         raise ValueError(f"host_load_overlap must be a bool, got {host_load_overlap!r}")
-    manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
-                             hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
-                             log_stats=False, eviction=eviction,
-                             eviction_options=eviction_options,
-                             **host_manager_kwargs(num_host_blocks, host_eviction,
-                                                   host_eviction_options))
+    manager = KVCacheManager(**cfg.manager_kwargs(), log_stats=False)
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
     stored0 = manager.host_blocks_stored if num_host_blocks else 0

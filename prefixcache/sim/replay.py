@@ -66,7 +66,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from prefixcache._validate import check_hash_seed
-from prefixcache.core.eviction import DEFAULT_POLICY, TraceFuture, get_policy_class
+from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
+from prefixcache.core.eviction import TraceFuture, get_policy_class
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
@@ -158,31 +159,38 @@ def _breakdown(tagged: dict, requests: int, prompt: int, hits: int) -> dict:
 def replay(
     requests: Iterable[TraceRequest] | Callable[[], Iterable[TraceRequest]],
     *,
-    num_blocks: int,
-    block_size: int,
-    hash_algo: str = "sha256",
-    hash_seed: Any = None,
-    free_order: str = "append",
+    cache_config: CacheConfig | None = None,
+    num_blocks: int = UNSET,
+    block_size: int = UNSET,
+    hash_algo: str = UNSET,
+    hash_seed: Any = UNSET,
+    free_order: str = UNSET,
     concurrency: int = 1,
-    max_model_len: int | None = None,
+    max_model_len: int | None = UNSET,
     on_record: Callable[[dict], None] | None = None,
     record_evictions: bool = False,
     progress: bool = False,
     total: int | None = None,
-    eviction: str = DEFAULT_POLICY,
-    eviction_options: dict | None = None,
-    index: str = DEFAULT_INDEX,
+    eviction: str = UNSET,
+    eviction_options: dict | None = UNSET,
+    index: str = UNSET,
     model: str | None = None,
-    kv_cache_groups=None,
-    num_host_blocks: int = 0,
-    host_eviction: str = DEFAULT_POLICY,
+    kv_cache_groups=UNSET,
+    num_host_blocks: int = UNSET,
+    host_eviction: str = UNSET,
+    enable_caching: bool = UNSET,
+    host_eviction_options: dict | None = UNSET,
     miss_reasons: bool = False,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
     Args:
         requests: the trace, in arrival order (any iterable; consumed once), or a
-            zero-arg callable returning one. ``belady`` reads it twice: a list (or
+            zero-arg callable returning one.
+        cache_config: the cache (``prefixcache.CacheConfig``); the cache keywords
+            below (``num_blocks`` ... ``host_eviction_options``, ``enable_caching``)
+            override its fields when given, or build it alone. ``kv_cache_bytes`` needs
+            ``model`` (the bytes of one block). ``belady`` reads it twice: a list (or
             other re-iterable) or a callable, not a one-shot iterator.
         num_blocks: allocatable KV cache blocks.
         block_size: tokens per block.
@@ -252,19 +260,31 @@ def replay(
         ValueError: bad configuration (before anything runs) or a request the
             manager rejects (e.g. beyond ``max_model_len``, a duplicate running id).
     """
+    cfg = resolve(cache_config, num_blocks=num_blocks, block_size=block_size,
+                  hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
+                  max_model_len=max_model_len, eviction=eviction,
+                  eviction_options=eviction_options, index=index,
+                  kv_cache_groups=kv_cache_groups, num_host_blocks=num_host_blocks,
+                  host_eviction=host_eviction, enable_caching=enable_caching,
+                  host_eviction_options=host_eviction_options)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-    check_hash_seed(hash_seed)  # an object's str carries its address: not reproducible
-    policy_cls = get_policy_class(eviction)  # unknown -> ValueError naming the choices
-    keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH  # unknown -> ValueError
+    check_hash_seed(cfg.hash_seed)  # an object's str carries its address: not reproducible
     bytes_per_block = None
     if model is not None:
         if not isinstance(model, str):
             raise ValueError(f"model must be a preset name or None, got {model!r}")
-        bytes_per_block = ModelShape.preset(model).kv_bytes_per_token * block_size
-    if eviction_options is not None and not isinstance(eviction_options, dict):
-        raise ValueError(f"eviction_options must be a dict or None, got {eviction_options!r}")
-    options = dict(eviction_options or {})
+        shape = ModelShape.preset(model)
+        cfg = cfg.with_pool_blocks(shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype))
+        bytes_per_block = shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype)
+    manager_kw = cfg.manager_kwargs()  # the pool in bytes without a model -> ValueError
+    num_blocks, block_size = cfg.num_blocks, cfg.block_size
+    hash_algo, hash_seed, free_order = cfg.hash_algo, cfg.hash_seed, cfg.free_order
+    max_model_len, eviction, index = cfg.max_model_len, cfg.eviction, cfg.index
+    host_eviction = cfg.host_eviction
+    policy_cls = get_policy_class(eviction)
+    keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH
+    options = dict(cfg.eviction_options or {})
     t_future = None
     if policy_cls.needs_future:
         if "future" in options:
@@ -294,28 +314,14 @@ def replay(
         requests = fresh()
     elif callable(requests):
         requests = requests()
-    group_kw = {} if kv_cache_groups is None else {"kv_cache_groups": kv_cache_groups}
-    m = KVCacheManager(
-        num_blocks,
-        block_size,
-        **group_kw,
-        hash_algo=hash_algo,
-        hash_seed=hash_seed,
-        free_order=free_order,
-        log_stats=False,
-        enable_events=bool(miss_reasons),
-        **({"int_event_hashes": False} if miss_reasons else {}),
-        max_model_len=max_model_len,
-        eviction=eviction,
-        eviction_options=options or None,
-        index=index,
-        num_host_blocks=num_host_blocks,
-        host_eviction=host_eviction,
-    )
+    manager_kw.update(hash_seed=hash_seed, eviction_options=options or None)
+    if miss_reasons:  # the accountant follows the cache through its events
+        manager_kw.update(enable_events=True, int_event_hashes=False)
+    m = KVCacheManager(**manager_kw, log_stats=False)
     tiered = m.num_host_blocks > 0  # (validated by the manager)
     acct = None
     if miss_reasons:
-        if kv_cache_groups is not None and getattr(m, "num_groups", 1) != 1:
+        if cfg.kv_cache_groups is not None and getattr(m, "num_groups", 1) != 1:
             raise ValueError("miss_reasons=True serves one full-attention KV cache group "
                              "(sliding-window 'window' misses are not classified yet)")
         from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415

@@ -6,7 +6,7 @@ import json
 
 from configs import quickstart as quickstart_config
 from experiments import quickstart
-from prefixcache.engine import chat_bench
+from experiments import _chat_bench as chat_bench
 
 
 def test_chat_workload_structure():

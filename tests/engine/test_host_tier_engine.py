@@ -400,7 +400,7 @@ def test_serve_bench_rejects_a_bad_host_size_before_running(monkeypatch):
 
 
 def test_bench_host_tier_promotion_runs_and_checks_the_pages():
-    from prefixcache.engine import bench
+    from experiments import _engine_bench as bench
 
     r = bench.host_tier_promotion(ModelConfig.tiny(), num_blocks_loaded=4,
                                   num_device_blocks=8, block_size=BS, num_trials=1, seed=0)

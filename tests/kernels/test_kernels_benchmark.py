@@ -1,4 +1,4 @@
-"""kernels.benchmark: roofline arithmetic, tile candidates, and the decode sweep."""
+"""experiments._kernel_bench: roofline arithmetic, tile candidates, and the decode sweep."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import benchmark
+from experiments import _kernel_bench as benchmark
 
 
 def test_roofline_counts_kv_bytes_and_causal_flops():

@@ -212,7 +212,7 @@ def test_route_experiment_with_a_host_tier(tmp_path):
         assert r["hit_tokens"] == r["device_hit_tokens"] + r["host_hit_tokens"]
     assert rows[1]["host_hit_tokens"] > 0
     assert rows[1]["host_weight"] == pytest.approx(
-        host_hit_weight(route.make_cost_model(c), c.block_size))
+        host_hit_weight(CostModel.from_config(c), c.block_size))
     assert "host_weight" not in rows[0]
     c.host_weight = "0.5"
     assert route.run(c)["rows"][1]["policy"] == "kv_events"

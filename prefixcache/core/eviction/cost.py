@@ -15,8 +15,8 @@ block at position ``p`` over ``p`` cached blocks (``prefill_flops(shape, block_s
 p * block_size, lm_head=False)``): the work a hit on it saves. Its attention term grows
 with ``p``, so deeper blocks save more. Ties fall back to LRU order.
 
-NOTE: the FLOPs come from ``prefixcache.sim.cost_model`` (host only, no jax),
-imported inside the constructor: ``prefixcache.sim`` imports ``prefixcache.core``.
+NOTE: the FLOPs come from ``prefixcache.cost_model`` (host only, no jax; below
+``core``), imported inside the constructor so the default path does not load it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class CostPolicy(KeyedPolicy):
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block (the manager passes its own).
-        model: a ``prefixcache.sim.cost_model.MODEL_PRESETS`` name, or a
+        model: a ``prefixcache.cost_model.MODEL_PRESETS`` name, or a
             ``ModelShape``.
     """
 
@@ -41,7 +41,7 @@ class CostPolicy(KeyedPolicy):
 
     def __init__(self, num_blocks: int, *, block_size: int, model=DEFAULT_MODEL):
         super().__init__(num_blocks)
-        from prefixcache.sim.cost_model import ModelShape, prefill_flops
+        from prefixcache.cost_model import ModelShape, prefill_flops
 
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"cost: block_size must be a positive int, got {block_size!r}")
