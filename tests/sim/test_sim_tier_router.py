@@ -215,7 +215,9 @@ def test_route_experiment_with_a_host_tier(tmp_path):
         host_hit_weight(CostModel.from_config(c), c.block_size))
     assert "host_weight" not in rows[0]
     c.host_weight = "0.5"
-    assert route.run(c)["rows"][1]["policy"] == "kv_events"
+    c.workdir = str(tmp_path / "w05")  # another config: a workdir of its own (resume rule)
+    out = route.run(c)
+    assert out["rows"][1]["policy"] == "kv_events"
     assert json.loads(open(out["rows_file"]).read().splitlines()[-1])["host_weight"] == 0.5
     for bad in ("1.5", "x"):
         c.host_weight = bad
