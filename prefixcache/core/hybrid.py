@@ -62,7 +62,10 @@ from prefixcache.core.kv_groups import (
     lookup_groups,
 )
 from prefixcache.core.request import Request
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.stats import PrefixCacheStats
+
+_new = object.__new__
 
 _KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 
@@ -296,6 +299,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.eviction = DEFAULT_POLICY
         self.index = DEFAULT_INDEX
         self.policy = None
+        self.host_tier = None
+        self.num_host_blocks = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
@@ -313,7 +318,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._windows = [g.spec.sliding_window for g in groups]
         self._lookup = lookup_groups(groups)
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
-        self._no_new_blocks = tuple(() for _ in groups)
+        self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
         self.prefix_cache_stats: PrefixCacheStats | None = (
@@ -456,12 +461,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         if type(request) is not Request:
             _check_request(request)
         if not self.enable_caching:
-            return tuple([] for _ in range(self.num_groups)), 0
+            return self._no_new_blocks, 0
         blocks, num_hit = self._longest_hit(request)
         self.num_lookups += 1
         self.num_lookup_tokens += request.num_tokens
         self.num_hit_tokens += num_hit
-        return blocks, num_hit
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = blocks
+        return r, num_hit
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
@@ -573,6 +580,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 and nc + num_new_tokens <= st.idle_total and nc <= st.idle_nc
             ):
                 return self._no_new_blocks
+        if isinstance(new_computed_blocks, KVCacheBlocks):  # (every group, even one)
+            new_computed_blocks = tuple(list(g) for g in new_computed_blocks.blocks)
         hits = self._check_hit_blocks(new_computed_blocks)
         flat = hits[0] if hits is not None else None
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
@@ -645,7 +654,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
         self._set_idle_bounds(st)
-        return tuple(new_blocks)
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = tuple(new_blocks)
+        return r
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
         """``(idle_total, idle_nc)`` for the state's tables now."""
