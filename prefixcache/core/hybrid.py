@@ -44,7 +44,10 @@ from typing import Sequence
 
 from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
-from prefixcache.core.eviction import DEFAULT_POLICY
+from collections.abc import Mapping
+
+from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
+from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import HostTierAPI, check_host_args
@@ -187,6 +190,24 @@ class HybridBlockPool(BlockPool):
             ))
 
 
+class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
+    """The hybrid pool with an eviction policy (``PolicyBlockPool``'s queue, touch,
+    free and victim choice; the hybrid pool's keys and null block). The policy sees
+    each cached block under its plain digest (the prefix it holds, whatever group), so
+    ``belady``'s next uses are the trace's."""
+
+    def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
+                           num_full_blocks, block_size, group_id) -> None:
+        super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
+                                   num_full_blocks, block_size, group_id)
+        on_cached = self.policy.on_cached
+        null = self.null_block
+        for pos in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[pos]
+            if blk is not null:
+                on_cached(blk, block_hashes[pos], request, pos)
+
+
 class _HybridState:
     """A running request's tables.
 
@@ -285,10 +306,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             or max_model_len <= 0
         ):
             raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
-        if eviction != DEFAULT_POLICY or eviction_options:
+        if eviction_options is not None and not isinstance(eviction_options, Mapping):
+            raise TypeError(
+                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}")
+        options = dict(eviction_options or {})
+        policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
+        if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
-                f"eviction={eviction!r} (options {eviction_options!r}) is not supported with "
-                "sliding-window KV cache groups: the hybrid manager keeps vLLM's LRU queue")
+                f"{eviction} needs the trace's future: run it through the replay "
+                f"(prefixcache.sim.replay.replay(..., eviction={eviction!r}))")
         if index != DEFAULT_INDEX:
             raise ValueError(
                 f"index={index!r} is not supported with sliding-window KV cache groups "
@@ -296,9 +322,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
-        self.eviction = DEFAULT_POLICY
+        # NOTE: "lru" keeps vLLM's intrusive free queue (HybridBlockPool, the goldens'
+        # order); any other policy (or lru options) runs through the policy pool.
+        policy = None
+        if eviction != DEFAULT_POLICY or options:
+            policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                                 **options)
+        self.eviction = eviction
         self.index = DEFAULT_INDEX
-        self.policy = None
+        self.policy = policy
         self.host_tier = None
         self.num_host_blocks = 0
         self.num_blocks = num_blocks
@@ -308,10 +340,13 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.log_stats = bool(log_stats)
         self.enable_events = bool(enable_events)
         self.max_model_len = max_model_len
-        self.block_pool = HybridBlockPool(
-            num_blocks, groups=groups, enable_caching=self.enable_caching,
+        pool_kwargs = dict(
+            groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,
             int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
+        self.block_pool = (
+            HybridBlockPool(num_blocks, **pool_kwargs) if policy is None
+            else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
         self.null_block = self.block_pool.null_block
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
         # Per group: the window W (None for full attention).
@@ -703,7 +738,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 table[i] = null
             if freed:
                 st.num_null[g] = n  # nulls are the table's head: slots 0 .. n-1 now
-                self.block_pool.free_blocks(freed, st.request)
+                if self.policy is None:
+                    self.block_pool.free_blocks(freed, st.request)
+                else:  # (positions n - len(freed) .. n - 1, for the policy)
+                    self.block_pool.free_blocks(freed, st.request, n - len(freed))
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
@@ -724,7 +762,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         for table in st.tables:
             blocks = [b for b in reversed(table) if b is not null]
             if blocks:
-                self.block_pool.free_blocks(blocks, st.request)
+                if self.policy is None:
+                    self.block_pool.free_blocks(blocks, st.request)
+                else:  # (the table's non-null slots are its tail, for the policy)
+                    self.block_pool.free_blocks(blocks, st.request, len(table) - len(blocks))
 
     # ------------------------------------------------------------- inspection
     def _state(self, request_id) -> _HybridState:
@@ -754,7 +795,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return len(self.block_pool.stranded_block_ids())
 
     def on_arrival(self, request, index: int) -> None:
-        """A no-op (no offline policy runs with the hybrid manager)."""
+        """Trace request number ``index`` arrives: the offline ``belady`` policy
+        advances its next uses; a no-op without a policy."""
+        if self.policy is not None:
+            request.bind_hasher(self.hasher, self.block_size)
+            self.policy.on_arrival(request, index)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

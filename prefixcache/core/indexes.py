@@ -40,10 +40,6 @@ COMBINATION_RULES = MappingProxyType({
         "the radix index keys one unbroken token path per request; sliding-window "
         "groups release blocks before the window, and only the hash index (vLLM's "
         "per-group hash map) finds such partial prefixes"),
-    ("hybrid", "eviction"): (
-        "the hybrid layout's groups share vLLM's one LRU free queue (the eviction "
-        "order vLLM's hybrid coordinator defines); other policies are served for one "
-        "full-attention group"),
     ("hybrid", "tier"): (
         "the host tier demotes one full-attention group's blocks; per-group host pages "
         "for sliding-window layouts are not built"),
@@ -86,8 +82,6 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     asked = []
     if index != DEFAULT_INDEX:
         asked.append(("index", f"index={index!r}"))
-    if eviction != "lru":
-        asked.append(("eviction", f"eviction={eviction!r}"))
     # (a bad num_host_blocks value is the tier's own check, in the implementation)
     if type(num_host_blocks) is int and num_host_blocks > 0:
         asked.append(("tier", f"num_host_blocks={num_host_blocks}"))
