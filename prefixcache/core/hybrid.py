@@ -44,7 +44,10 @@ from typing import Sequence
 
 from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
-from prefixcache.core.eviction import DEFAULT_POLICY
+from collections.abc import Mapping
+
+from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
+from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import HostTierAPI, check_host_args
@@ -62,7 +65,10 @@ from prefixcache.core.kv_groups import (
     lookup_groups,
 )
 from prefixcache.core.request import Request
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.stats import PrefixCacheStats
+
+_new = object.__new__
 
 _KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 
@@ -184,6 +190,24 @@ class HybridBlockPool(BlockPool):
             ))
 
 
+class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
+    """The hybrid pool with an eviction policy (``PolicyBlockPool``'s queue, touch,
+    free and victim choice; the hybrid pool's keys and null block). The policy sees
+    each cached block under its plain digest (the prefix it holds, whatever group), so
+    ``belady``'s next uses are the trace's."""
+
+    def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
+                           num_full_blocks, block_size, group_id) -> None:
+        super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
+                                   num_full_blocks, block_size, group_id)
+        on_cached = self.policy.on_cached
+        null = self.null_block
+        for pos in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[pos]
+            if blk is not null:
+                on_cached(blk, block_hashes[pos], request, pos)
+
+
 class _HybridState:
     """A running request's tables.
 
@@ -282,10 +306,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             or max_model_len <= 0
         ):
             raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
-        if eviction != DEFAULT_POLICY or eviction_options:
+        if eviction_options is not None and not isinstance(eviction_options, Mapping):
+            raise TypeError(
+                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}")
+        options = dict(eviction_options or {})
+        policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
+        if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
-                f"eviction={eviction!r} (options {eviction_options!r}) is not supported with "
-                "sliding-window KV cache groups: the hybrid manager keeps vLLM's LRU queue")
+                f"{eviction} needs the trace's future: run it through the replay "
+                f"(prefixcache.sim.replay.replay(..., eviction={eviction!r}))")
         if index != DEFAULT_INDEX:
             raise ValueError(
                 f"index={index!r} is not supported with sliding-window KV cache groups "
@@ -293,9 +322,17 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
-        self.eviction = DEFAULT_POLICY
+        # NOTE: "lru" keeps vLLM's intrusive free queue (HybridBlockPool, the goldens'
+        # order); any other policy (or lru options) runs through the policy pool.
+        policy = None
+        if eviction != DEFAULT_POLICY or options:
+            policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                                 **options)
+        self.eviction = eviction
         self.index = DEFAULT_INDEX
-        self.policy = None
+        self.policy = policy
+        self.host_tier = None
+        self.num_host_blocks = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
@@ -303,17 +340,20 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.log_stats = bool(log_stats)
         self.enable_events = bool(enable_events)
         self.max_model_len = max_model_len
-        self.block_pool = HybridBlockPool(
-            num_blocks, groups=groups, enable_caching=self.enable_caching,
+        pool_kwargs = dict(
+            groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,
             int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
+        self.block_pool = (
+            HybridBlockPool(num_blocks, **pool_kwargs) if policy is None
+            else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
         self.null_block = self.block_pool.null_block
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
         # Per group: the window W (None for full attention).
         self._windows = [g.spec.sliding_window for g in groups]
         self._lookup = lookup_groups(groups)
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
-        self._no_new_blocks = tuple(() for _ in groups)
+        self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
         self.prefix_cache_stats: PrefixCacheStats | None = (
@@ -456,12 +496,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         if type(request) is not Request:
             _check_request(request)
         if not self.enable_caching:
-            return tuple([] for _ in range(self.num_groups)), 0
+            return self._no_new_blocks, 0
         blocks, num_hit = self._longest_hit(request)
         self.num_lookups += 1
         self.num_lookup_tokens += request.num_tokens
         self.num_hit_tokens += num_hit
-        return blocks, num_hit
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = blocks
+        return r, num_hit
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
@@ -573,6 +615,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 and nc + num_new_tokens <= st.idle_total and nc <= st.idle_nc
             ):
                 return self._no_new_blocks
+        if isinstance(new_computed_blocks, KVCacheBlocks):  # (every group, even one)
+            new_computed_blocks = tuple(list(g) for g in new_computed_blocks.blocks)
         hits = self._check_hit_blocks(new_computed_blocks)
         flat = hits[0] if hits is not None else None
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
@@ -645,7 +689,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
         self._set_idle_bounds(st)
-        return tuple(new_blocks)
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = tuple(new_blocks)
+        return r
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
         """``(idle_total, idle_nc)`` for the state's tables now."""
@@ -692,7 +738,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 table[i] = null
             if freed:
                 st.num_null[g] = n  # nulls are the table's head: slots 0 .. n-1 now
-                self.block_pool.free_blocks(freed, st.request)
+                if self.policy is None:
+                    self.block_pool.free_blocks(freed, st.request)
+                else:  # (positions n - len(freed) .. n - 1, for the policy)
+                    self.block_pool.free_blocks(freed, st.request, n - len(freed))
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
@@ -713,7 +762,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         for table in st.tables:
             blocks = [b for b in reversed(table) if b is not null]
             if blocks:
-                self.block_pool.free_blocks(blocks, st.request)
+                if self.policy is None:
+                    self.block_pool.free_blocks(blocks, st.request)
+                else:  # (the table's non-null slots are its tail, for the policy)
+                    self.block_pool.free_blocks(blocks, st.request, len(table) - len(blocks))
 
     # ------------------------------------------------------------- inspection
     def _state(self, request_id) -> _HybridState:
@@ -743,7 +795,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return len(self.block_pool.stranded_block_ids())
 
     def on_arrival(self, request, index: int) -> None:
-        """A no-op (no offline policy runs with the hybrid manager)."""
+        """Trace request number ``index`` arrives: the offline ``belady`` policy
+        advances its next uses; a no-op without a policy."""
+        if self.policy is not None:
+            request.bind_hasher(self.hasher, self.block_size)
+            self.policy.on_arrival(request, index)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -1,9 +1,17 @@
-"""Prefix indexes, selected by name: ``KVCacheManager(..., index=name)``.
+"""Prefix indexes by name, and the one rule that picks (or refuses) an implementation.
 
-An index maps a request's prefix to cached blocks: ``"hash"`` is vLLM's hash chain
-(``KVCacheManager`` itself), ``"radix"`` SGLang's radix tree. Each is a manager class
-with the same public API and constructor keywords; the registry names it as
-``"module:Class"`` and imports it only when selected.
+``KVCacheManager(..., index=name, kv_cache_groups=..., eviction=..., num_host_blocks=...)``
+is the one manager class; below it, the implementation registered for the index and
+the group layout does the work:
+
+    * ``"hash"``: vLLM's block-hash chain (``kv_cache_manager.HashKVCacheManager`` for
+      one full-attention group; ``hybrid.HybridKVCacheManager`` for any other layout,
+      ``kv_groups.HYBRID_MANAGER``);
+    * ``"radix"``: SGLang's radix tree (``radix.RadixKVCacheManager``).
+
+The registry names each as ``"module:Class"`` and imports it only when selected.
+``resolve_manager_class`` is the ONE place a combination of index x group layout x
+eviction policy x tier is refused, with its reason (``COMBINATION_RULES``).
 """
 
 from __future__ import annotations
@@ -13,11 +21,29 @@ from types import MappingProxyType
 
 # NOTE: read-only (no module-level mutable state): add an index here.
 INDEXES = MappingProxyType({
-    "hash": "prefixcache.core.kv_cache_manager:KVCacheManager",
+    "hash": "prefixcache.core.kv_cache_manager:HashKVCacheManager",
     "radix": "prefixcache.core.radix:RadixKVCacheManager",
 })
 
 DEFAULT_INDEX = "hash"
+
+# Tiers below the device pool, by name (``KVCacheManager(num_host_blocks=N)`` selects
+# "host"); each entry is the tier's class.
+TIERS = MappingProxyType({
+    "host": "prefixcache.core.host_tier:HostTier",
+})
+
+# The combinations no implementation serves yet, each with its reason. Keys:
+# (what the layout is, what else is asked). Everything not listed runs.
+COMBINATION_RULES = MappingProxyType({
+    ("hybrid", "index"): (
+        "the radix index keys one unbroken token path per request; sliding-window "
+        "groups release blocks before the window, and only the hash index (vLLM's "
+        "per-group hash map) finds such partial prefixes"),
+    ("hybrid", "tier"): (
+        "the host tier demotes one full-attention group's blocks; per-group host pages "
+        "for sliding-window layouts are not built"),
+})
 
 
 def index_names() -> tuple[str, ...]:
@@ -25,16 +51,68 @@ def index_names() -> tuple[str, ...]:
     return tuple(INDEXES)
 
 
-def get_index_class(name: str) -> type:
-    """The manager class registered as ``name``; ``ValueError`` naming the choices."""
-    if not isinstance(name, str) or name not in INDEXES:
-        raise ValueError(f"unknown index {name!r}; expected one of {index_names()}")
-    module, _, attr = INDEXES[name].partition(":")
+def _load(registry, kind: str, name: str) -> type:
+    module, _, attr = registry[name].partition(":")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"index {name!r} is registered but cannot be imported: {e}") from None
+        raise ValueError(f"{kind} {name!r} is registered but cannot be imported: {e}") from None
     return getattr(mod, attr)
 
 
-__all__ = ["DEFAULT_INDEX", "INDEXES", "get_index_class", "index_names"]
+def get_index_class(name: str) -> type:
+    """The implementation class registered as ``name`` (for one full-attention group);
+    ``ValueError`` naming the choices."""
+    if not isinstance(name, str) or name not in INDEXES:
+        raise ValueError(f"unknown index {name!r}; expected one of {index_names()}")
+    return _load(INDEXES, "index", name)
+
+
+def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str | None:
+    """Why the combination is not served (``None``: it runs). Raises ``ValueError`` for
+    an unknown index and for a bad layout (``kv_groups.check_kv_cache_groups``)."""
+    from prefixcache.core.kv_groups import check_kv_cache_groups, is_hybrid
+
+    get_index_class(index)  # unknown -> ValueError naming the choices
+    if kv_cache_groups is None:
+        return None
+    groups = check_kv_cache_groups(kv_cache_groups)
+    if not is_hybrid(groups):
+        return None
+    asked = []
+    if index != DEFAULT_INDEX:
+        asked.append(("index", f"index={index!r}"))
+    # (a bad num_host_blocks value is the tier's own check, in the implementation)
+    if type(num_host_blocks) is int and num_host_blocks > 0:
+        asked.append(("tier", f"num_host_blocks={num_host_blocks}"))
+    for what, text in asked:
+        return (f"{text} is not supported with sliding-window KV cache groups: "
+                f"{COMBINATION_RULES[('hybrid', what)]}")
+    return None
+
+
+def resolve_manager_class(index: str, kv_cache_groups, eviction: str = "lru",
+                          num_host_blocks=0) -> type:
+    """The implementation ``KVCacheManager`` builds for this combination, or
+    ``ValueError`` naming why it is refused (``refusal``)."""
+    why = refusal(index, kv_cache_groups, eviction, num_host_blocks)
+    if why is not None:
+        raise ValueError(why)
+    if kv_cache_groups is not None:
+        from prefixcache.core.kv_groups import is_hybrid, layout_manager_class
+
+        if is_hybrid(tuple(kv_cache_groups)):
+            return layout_manager_class(kv_cache_groups)
+    return get_index_class(index)
+
+
+__all__ = [
+    "COMBINATION_RULES",
+    "DEFAULT_INDEX",
+    "INDEXES",
+    "TIERS",
+    "get_index_class",
+    "index_names",
+    "refusal",
+    "resolve_manager_class",
+]

@@ -41,11 +41,14 @@ from prefixcache.core.host_tier import (
     TieredPolicyBlockPool,
     check_host_args,
 )
-from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
-from prefixcache.core.kv_groups import manager_class_for_groups
+from prefixcache.core.indexes import DEFAULT_INDEX, resolve_manager_class
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
+from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
+
+_new = object.__new__
 
 
 class _RequestState:
@@ -138,6 +141,8 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     """
     if type(request) is not Request:
         _check_request(request)
+    if type(new_computed_blocks) is KVCacheBlocks:
+        new_computed_blocks = unwrap(new_computed_blocks)
     rid = request.request_id
     st = manager._states.get(rid)
     if st is not None and st.request is not request:
@@ -148,7 +153,7 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
             ("num_lookahead_tokens", num_lookahead_tokens))
-    KVCacheManager._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
+    HashKVCacheManager._check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
     bad = _bad_num_computed_tokens(request)
     if bad:
         raise ValueError(bad)
@@ -242,8 +247,9 @@ class BlockPoolViews:
         }
 
 
-class KVCacheManager(HostTierAPI, BlockPoolViews):
-    """Allocates KV cache blocks to requests and reuses cached prefixes.
+class HashKVCacheManager(HostTierAPI, BlockPoolViews):
+    """The hash index over one full-attention group (``KVCacheManager``'s default
+    implementation): allocates KV cache blocks to requests and reuses cached prefixes.
 
     ``KEYS_BY_BLOCK_HASH``: the index finds blocks by ``request.block_hashes`` alone
     (True here), so a replay may key blocks by adopted hashes (Mooncake hash ids,
@@ -322,22 +328,6 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
 
     KEYS_BY_BLOCK_HASH = True
 
-    def __new__(cls, *args, index: str = DEFAULT_INDEX, kv_cache_groups=None, **kwargs):
-        if kv_cache_groups is not None and cls is KVCacheManager:
-            # A sliding-window layout: the hybrid manager (kv_groups.HYBRID_MANAGER);
-            # one full-attention group: this class (bad layouts raise here).
-            target = manager_class_for_groups(kv_cache_groups)
-            if target is not None:
-                return target(*args, index=index, kv_cache_groups=kv_cache_groups, **kwargs)
-        if index == DEFAULT_INDEX or cls is not KVCacheManager:
-            return super().__new__(cls)
-        target = get_index_class(index)  # unknown name -> ValueError naming the choices
-        if issubclass(target, cls):
-            return super().__new__(target)  # Python then runs target.__init__
-        # NOTE: a sibling class: Python skips __init__ for an object that is not a
-        # KVCacheManager, so it is built fully here.
-        return target(*args, index=index, **kwargs)
-
     def __init__(
         self,
         num_blocks: int,
@@ -359,11 +349,13 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         host_eviction: str = DEFAULT_POLICY,
         host_eviction_options: Mapping[str, Any] | None = None,
     ):
-        if kv_cache_groups is not None and manager_class_for_groups(kv_cache_groups) is not None:
-            raise ValueError(f"{type(self).__name__} serves one full-attention KV cache group")
-        if index != DEFAULT_INDEX and type(self) is KVCacheManager:
-            get_index_class(index)  # unknown -> ValueError; else __new__ dispatched
-            raise ValueError(f"index {index!r} is not served by {type(self).__name__}")
+        # The one composition rule (an unknown index, a layout or tier this class does
+        # not serve -> ValueError naming why); KVCacheManager has applied it already.
+        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
+                is not HashKVCacheManager:
+            raise ValueError(
+                f"{type(self).__name__} serves the hash index over one full-attention "
+                f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -448,6 +440,10 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         self.host_tier = host_tier
         self.num_host_blocks = num_host_blocks
         self.host_eviction = host_eviction
+        self.kv_cache_groups = FULL_ATTENTION_LAYOUT
+        self.num_groups = 1
+        # NOTE: what a decode step that needs nothing returns: shared, immutable.
+        self._empty = empty_blocks(1)
         self._states: dict[str, _RequestState] = {}
         # The same states keyed by the Request object (identity hash, C speed): the
         # decode fast path finds its state without calling the request_id property.
@@ -473,7 +469,7 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         return self.hasher.algo
 
     # -------------------------------------------------------------- scheduling
-    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
         """The longest run of cached full blocks that starts the request.
 
         Changes no block state (no ref counts, no queue order); only statistics.
@@ -488,7 +484,7 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         if type(request) is not Request:
             _check_request(request)
         if not self.enable_caching:
-            return [], 0
+            return self._empty, 0
         computed = self._hit_blocks(request)
         num_tokens = request.num_tokens
         num_hit = len(computed) * self.block_size
@@ -498,7 +494,9 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         # NOTE: the prefix-cache stats record admissions, not lookups (see
         # allocate_slots), as vLLM 0.33's scheduler does: a request whose lookup is
         # retried because it did not fit yet counts once.
-        return computed, num_hit
+        r = _new(KVCacheBlocks)
+        r.blocks = (computed,)
+        return r, num_hit
 
     def _hit_blocks(self, request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that starts the request: at most
@@ -617,7 +615,7 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
         # Fast path: a running request (a decode step or a later prefill chunk).
         total = nc + num_new_tokens
         if total <= st.idle_until:
-            return []  # most decode steps: the last block has room, nothing fills
+            return self._empty  # most decode steps: the last block has room, nothing fills
         num_tokens = request.num_tokens
         if nc > num_tokens:
             raise ValueError(
@@ -654,7 +652,11 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                 )
                 st.num_cached_blocks = num_full
         st.idle_until = self._idle_bound(st)
-        return new_blocks
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
 
     def _idle_bound(self, st: _RequestState) -> int:
         """``st.idle_until`` for its current blocks and cached blocks (recomputed after
@@ -746,7 +748,11 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                 )
                 st.num_cached_blocks = num_full
         st.idle_until = self._idle_bound(st)
-        return new_blocks
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
 
     def _allocate_slow_tiered(
         self, request, num_new_tokens, num_new_computed_tokens,
@@ -983,3 +989,103 @@ class KVCacheManager(HostTierAPI, BlockPoolViews):
                 )
         if self.host_tier is not None:
             self.host_tier.check_invariants(pool.cached_block_hash_to_block)
+
+
+def _public_methods(cls: type) -> list[str]:
+    """Names of ``cls``'s public plain methods (properties and data excluded)."""
+    out = []
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        for klass in cls.__mro__:
+            if name in klass.__dict__:
+                if callable(klass.__dict__[name]) and not isinstance(klass.__dict__[name], type):
+                    out.append(name)
+                break
+    return out
+
+
+class KVCacheManager:
+    """The one KV cache manager: allocates KV cache blocks to requests and reuses
+    cached prefixes, for every index, group layout, eviction policy and tier.
+
+        blocks, num_hit = manager.get_computed_blocks(request)   # KVCacheBlocks, int
+        new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+        if new is None: ...             # does not fit; nothing changed
+        request.num_computed_tokens = request.num_tokens   # the scheduler advances it
+        manager.allocate_slots(request, 1)                  # each decode step
+        manager.free(request)
+
+    ``get_computed_blocks`` and ``allocate_slots`` answer ``KVCacheBlocks`` (one list
+    of blocks per KV cache group: ``result.blocks[g]``; see ``kv_cache_blocks``) in
+    every configuration.
+
+    Construction resolves the implementation once (``indexes.resolve_manager_class``:
+    the one rule that refuses a combination, with its reason): ``HashKVCacheManager``
+    (hash index, one full-attention group; the keyword arguments are documented
+    there), ``RadixKVCacheManager`` (``index="radix"``) or ``HybridKVCacheManager``
+    (sliding-window layouts). Its public methods are bound onto this object once, so
+    a call costs no extra Python frame (the decode fast path is the implementation's
+    own ``allocate_slots``); other attributes (properties, counters, ``block_pool``,
+    ``policy``, ``host_tier``, ...) read through to it, and writes go to it.
+
+    Args:
+        num_blocks, block_size: the pool (positional or keyword).
+        **kwargs: ``enable_caching``, ``hash_algo``, ``hash_seed``, ``free_order``,
+            ``log_stats``, ``enable_events``, ``max_model_len``, ``int_event_hashes``,
+            ``eviction``, ``eviction_options``, ``index``, ``kv_cache_groups``,
+            ``num_host_blocks``, ``host_eviction``, ``host_eviction_options`` (see
+            ``HashKVCacheManager``).
+
+    Attributes (besides the implementation's):
+        kv_cache_groups: the layout (``kv_groups.FULL_ATTENTION_LAYOUT`` without
+            groups); ``num_groups``.
+    """
+
+    def __init__(self, num_blocks, block_size, *, index: str = DEFAULT_INDEX,
+                 kv_cache_groups=None, eviction: str = "lru", num_host_blocks=0,
+                 **kwargs):
+        cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
+        impl = cls(num_blocks, block_size, index=index, kv_cache_groups=kv_cache_groups,
+                   eviction=eviction, num_host_blocks=num_host_blocks, **kwargs)
+        d = self.__dict__
+        d["_impl"] = impl
+        for name in _public_methods(cls):
+            d[name] = getattr(impl, name)  # (instance-level overrides included)
+
+    @property
+    def implementation(self):
+        """The implementation object below (``HashKVCacheManager``,
+        ``RadixKVCacheManager`` or ``HybridKVCacheManager``): for inspection."""
+        return self.__dict__["_impl"]
+
+    @classmethod
+    def from_config(cls, cfg) -> "KVCacheManager":
+        """A manager from a ``CacheConfig`` (``cfg.manager_kwargs()``: this
+        constructor's keywords)."""
+        return cls(**cfg.manager_kwargs())
+
+    def __getattr__(self, name):
+        try:
+            impl = self.__dict__["_impl"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(impl, name)
+
+    def __setattr__(self, name, value) -> None:
+        setattr(self.__dict__["_impl"], name, value)
+        if name in self.__dict__:  # a bound method replaced: follow it
+            self.__dict__[name] = value
+
+    def __delattr__(self, name) -> None:
+        delattr(self.__dict__["_impl"], name)
+
+    def __dir__(self):
+        return sorted(set(dir(type(self))) | set(dir(self.__dict__["_impl"])))
+
+    def __repr__(self) -> str:
+        impl = self.__dict__.get("_impl")
+        return f"KVCacheManager({type(impl).__name__}: " + ", ".join(
+            f"{k}={getattr(impl, k, None)!r}"
+            for k in ("num_blocks", "block_size", "index", "eviction", "num_groups",
+                      "num_host_blocks")) + ")"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from types import MappingProxyType
 from typing import Sequence, Union
 
 from prefixcache._validate import ArgumentTypeError, check_count
@@ -73,7 +74,14 @@ class SlidingWindowSpec:
 
 
 KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
-_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+
+# NOTE: the group kinds, by their ``kind`` name (read-only): a new kind is one spec
+# class plus one entry here (and its lookup/allocation rule in the hybrid manager).
+GROUP_KINDS = MappingProxyType({
+    FullAttentionSpec.kind: FullAttentionSpec,
+    SlidingWindowSpec.kind: SlidingWindowSpec,
+})
+_SPECS = tuple(GROUP_KINDS.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +100,8 @@ class KVCacheGroup:
     def __post_init__(self):
         if not isinstance(self.spec, _SPECS):
             raise ArgumentTypeError(
-                "KVCacheGroup spec must be a FullAttentionSpec or SlidingWindowSpec, got "
-                f"{self.spec!r}")
+                f"KVCacheGroup spec must be a {' or '.join(c.__name__ for c in _SPECS)} "
+                f"(kv_groups.GROUP_KINDS), got {self.spec!r}")
         names = self.layer_names
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
             raise ArgumentTypeError(
@@ -108,6 +116,10 @@ class KVCacheGroup:
         if dup:
             raise ValueError(f"layer names {dup} appear twice in one KV cache group")
         object.__setattr__(self, "layer_names", names)
+
+
+# One full-attention group (the layout of a manager built without kv_cache_groups).
+FULL_ATTENTION_LAYOUT = (KVCacheGroup(FullAttentionSpec(), ("layers",)),)
 
 
 def check_kv_cache_groups(groups) -> tuple[KVCacheGroup, ...]:
@@ -157,11 +169,16 @@ def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
 
 
 def manager_class_for_groups(groups) -> type | None:
-    """The manager class a layout needs: ``None`` for one full-attention group (the
-    default ``KVCacheManager``), else the hybrid manager. Bad layouts raise here."""
+    """The implementation class a layout needs: ``None`` for one full-attention group
+    (the index's own class), else the hybrid one. Bad layouts raise here."""
     groups = check_kv_cache_groups(groups)
     if not is_hybrid(groups):
         return None
+    return layout_manager_class(groups)
+
+
+def layout_manager_class(groups) -> type:
+    """The hybrid implementation class (``HYBRID_MANAGER``), imported on first use."""
     module, _, attr = HYBRID_MANAGER.partition(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -182,13 +199,16 @@ def lookup_groups(groups: Sequence[KVCacheGroup]) -> list[tuple[KVCacheSpec, lis
 
 
 __all__ = [
+    "FULL_ATTENTION_LAYOUT",
     "FullAttentionSpec",
+    "GROUP_KINDS",
     "HYBRID_MANAGER",
     "KVCacheGroup",
     "KVCacheSpec",
     "SlidingWindowSpec",
     "check_kv_cache_groups",
     "is_hybrid",
+    "layout_manager_class",
     "lookup_groups",
     "manager_class_for_groups",
     "parse_kv_groups",

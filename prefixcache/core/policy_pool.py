@@ -86,11 +86,14 @@ class PolicyBlockPool(BlockPool):
             blk = blocks[pos]
             on_cached(blk, blk.block_hash, request, pos)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None,
+                    first_position: int = 0) -> None:
         """As ``BlockPool.free_blocks``; blocks whose ``ref_cnt`` reaches 0 with a hash
         are released to the policy (``on_release`` + ``add``) and queued at the tail,
         unhashed ones go to the head. ``ordered_blocks`` is ``request``'s block table
-        reversed (position ``len - 1 - i``) when ``request`` is given."""
+        reversed (position ``first_position + len - 1 - i``) when ``request`` is given
+        (``first_position``: where the freed run starts in the table; the hybrid
+        manager frees a sliding-window table's tail)."""
         ordered = list(ordered_blocks)
         n = len(ordered)
         q = self.free_block_queue
@@ -106,7 +109,9 @@ class PolicyBlockPool(BlockPool):
                 if block.block_hash is None:
                     first.append(block)
                 else:
-                    policy.on_release(block, request, n - 1 - i if request is not None else None)
+                    policy.on_release(
+                        block, request,
+                        first_position + n - 1 - i if request is not None else None)
                     policy.add(block)
                     last.append(block)
         q.append_n(last)

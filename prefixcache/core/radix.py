@@ -120,7 +120,12 @@ from prefixcache.core.kv_cache_manager import (
     _bad_num_computed_tokens,
     _check_request,
 )
+from prefixcache.core.indexes import resolve_manager_class
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
+from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.stats import PrefixCacheStats
+
+_new = object.__new__
 
 INDEX_NAME = "radix"
 
@@ -294,6 +299,7 @@ class RadixKVCacheManager(HostTierAPI):
         eviction: str = "lru",
         eviction_options: Mapping[str, Any] | None = None,
         index: str = INDEX_NAME,
+        kv_cache_groups=None,
         num_host_blocks: int = 0,
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
@@ -302,6 +308,8 @@ class RadixKVCacheManager(HostTierAPI):
             raise ValueError(
                 f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
             )
+        # The one composition rule (a sliding-window layout is refused with its reason).
+        resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
         num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
                                                         host_eviction_options)
         if num_host_blocks and not enable_caching:
@@ -348,6 +356,9 @@ class RadixKVCacheManager(HostTierAPI):
         self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
         self.eviction = eviction
         self.index = INDEX_NAME
+        self.kv_cache_groups = FULL_ATTENTION_LAYOUT
+        self.num_groups = 1
+        self._empty = empty_blocks(1)  # the decode fast path's shared empty result
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
@@ -491,7 +502,7 @@ class RadixKVCacheManager(HostTierAPI):
             ``(blocks, num_computed_tokens)``.
         """
         if not self.enable_caching:
-            return [], 0
+            return self._empty, 0
         nodes = self._lookup_nodes(request)
         num_tokens = request.num_tokens
         bs = self.block_size
@@ -504,7 +515,9 @@ class RadixKVCacheManager(HostTierAPI):
         self.num_lookups += 1
         self.num_lookup_tokens += num_tokens
         self.num_hit_tokens += num_hit
-        return computed, num_hit
+        r = _new(KVCacheBlocks)
+        r.blocks = (computed,)
+        return r, num_hit
 
     def allocate_slots(
         self,
@@ -545,7 +558,7 @@ class RadixKVCacheManager(HostTierAPI):
         # Fast path: a running request (a decode step or a later prefill chunk).
         total = nc + num_new_tokens
         if total <= st.idle_until:
-            return []
+            return self._empty
         num_tokens = request.num_tokens
         if nc > num_tokens:
             raise ValueError(
@@ -576,7 +589,11 @@ class RadixKVCacheManager(HostTierAPI):
             if num_full > len(st.path):
                 self._cache(st, num_full, hashes)
         st.idle_until = self._idle_bound(st)
-        return new_blocks
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
 
     def _idle_bound(self, st: _RadixState) -> int:
         """``st.idle_until`` (see ``KVCacheManager._idle_bound``)."""
@@ -652,7 +669,11 @@ class RadixKVCacheManager(HostTierAPI):
             if num_full > len(st.path):
                 self._cache(st, num_full, hashes)
         st.idle_until = self._idle_bound(st)
-        return new_blocks
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
 
     def _adopted_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
         """The nodes of the hit blocks ``computed``: from the request's last lookup when
@@ -881,7 +902,9 @@ class RadixKVCacheManager(HostTierAPI):
         self.num_lookups += 1
         self.num_lookup_tokens += num_tokens
         self.num_hit_tokens += num_hit
-        return computed, num_hit
+        r = _new(KVCacheBlocks)
+        r.blocks = (computed,)
+        return r, num_hit
 
     def _peek_computed_tokens_tiered(self, request) -> int:
         """``peek_computed_tokens`` with a host tier (device + host hits)."""
@@ -987,7 +1010,11 @@ class RadixKVCacheManager(HostTierAPI):
         if num_full > len(st.path):
             self._cache(st, num_full, hashes)
         st.idle_until = self._idle_bound(st)
-        return new_blocks
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
 
     def _cache_tiered(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """``_cache`` with a host tier: a hash the tree now holds leaves the host

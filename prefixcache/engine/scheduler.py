@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
@@ -247,10 +248,10 @@ class Scheduler:
         self.block_tables = BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
         # KV cache groups (hybrid manager): one BlockTables per group, and each group's
         # sliding window (None: full attention). None for the plain manager.
-        groups = getattr(kv_cache_manager, "kv_cache_groups", None)
+        groups = kv_cache_manager.kv_cache_groups
         self.kv_group_tables: tuple[BlockTables, ...] | None = None
         self._group_windows: tuple[int | None, ...] = ()
-        if groups is not None:
+        if is_hybrid(groups):
             self._group_windows = tuple(g.spec.sliding_window for g in groups)
             self.kv_group_tables = (self.block_tables,) + tuple(
                 BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
@@ -338,7 +339,7 @@ class Scheduler:
         returns (row, the new ids per group)."""
         row = None
         for g, t in enumerate(self.kv_group_tables):
-            hit = [b.block_id for b in hit_blocks[g]] if hit_blocks else []
+            hit = [b.block_id for b in hit_blocks.blocks[g]] if hit_blocks is not None else []
             r = t.add_row(hit)
             assert row is None or r == row, (r, row)  # the groups' rows move in lockstep
             row = r
@@ -349,7 +350,7 @@ class Scheduler:
         sliding-window slots the manager released in that `allocate_slots` call (the
         blocks wholly before the window of token `num_computed`: vLLM's
         `remove_skipped_blocks`, `num_computed - W + 1` tokens, whole blocks only)."""
-        ids = tuple([b.block_id for b in blocks] for blocks in new_blocks)
+        ids = tuple([b.block_id for b in blocks] for blocks in new_blocks.blocks)
         bs = self.kv_cache_manager.block_size
         for t, w, new in zip(self.kv_group_tables, self._group_windows, ids):
             if new:
@@ -424,8 +425,8 @@ class Scheduler:
                 break
             if grouped:
                 new_ids = self._append_group_blocks(state.block_row, new_blocks, num_computed)
-            elif new_blocks:
-                new_ids = [b.block_id for b in new_blocks]
+            elif new_blocks.blocks[0]:
+                new_ids = [b.block_id for b in new_blocks.blocks[0]]
                 tables.append(state.block_row, new_ids)
             else:
                 new_ids = []
@@ -531,9 +532,10 @@ class Scheduler:
             state.block_row, new_ids = self._add_group_rows(hit_blocks, new_blocks, num_hit)
             scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
             return budget - num_new
-        new_ids = [b.block_id for b in new_blocks]
+        new_ids = [b.block_id for b in new_blocks.blocks[0]]
+        hit = hit_blocks.blocks[0] if hit_blocks is not None else ()
         state.block_row = self.block_tables.add_row(
-            [b.block_id for b in hit_blocks] + new_ids if hit_blocks else new_ids)
+            [b.block_id for b in hit] + new_ids if hit else new_ids)
         scheduled.append(ScheduledRequest(state, num_hit, num_new, new_ids, num_hit))
         return budget - num_new
 

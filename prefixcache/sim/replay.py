@@ -71,6 +71,7 @@ from prefixcache.core.eviction import TraceFuture, get_policy_class
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.sim.cost_model import ModelShape
 from prefixcache.sim.trace import MOONCAKE_BLOCK_TOKENS, MooncakePrompt, TraceRequest
@@ -331,8 +332,8 @@ def replay(
     drop_transfers = m.host_tier.drop_transfers if tiered else None
     peak_host = 0
     hasher = m.hasher
-    # NOTE: the hybrid manager answers a tuple of per-group lists; records hold lists.
-    per_group_ids = getattr(m, "num_groups", None) is not None
+    # NOTE: a group layout's get_block_ids is one list per group; records hold lists.
+    per_group_ids = is_hybrid(m.kv_cache_groups)
     arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
     on_arrival = m.on_arrival
     # Cached blocks after each admission: two counters of the hash index's pool (no

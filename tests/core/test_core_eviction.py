@@ -253,35 +253,32 @@ def test_stranded_blocks_are_counted_down_the_chain():
     assert m.num_stranded_blocks() == 2
 
 
-class _SiblingManager:
-    """A stand-in for another index's manager class (not a KVCacheManager)."""
+class _OtherIndex:
+    """A stand-in for another index's implementation class."""
 
     def __init__(self, num_blocks, block_size, *, index, **kwargs):
         self.args = (num_blocks, block_size, index, kwargs)
 
-
-class _SubclassManager(KVCacheManager):
-    def __init__(self, *args, index="sub", **kwargs):
-        super().__init__(*args, **kwargs)
-        self.index = index
-        self.inits = getattr(self, "inits", 0) + 1
+    def free(self, request):
+        return ("freed", request)
 
 
-def test_index_dispatch(monkeypatch):
+def test_index_registry_builds_the_registered_implementation(monkeypatch):
     from types import MappingProxyType
 
     from prefixcache.core import indexes
 
     monkeypatch.setattr(indexes, "INDEXES", MappingProxyType({
         **indexes.INDEXES,
-        "sibling": f"{__name__}:_SiblingManager",
-        "sub": f"{__name__}:_SubclassManager",
+        "other": f"{__name__}:_OtherIndex",
     }))
-    m = KVCacheManager(8, BS, index="sibling", eviction="lfu")
-    assert type(m) is _SiblingManager  # built fully by __new__ (no __init__ after)
-    assert m.args == (8, BS, "sibling", {"eviction": "lfu"})
-    m = KVCacheManager(8, BS, index="sub")
-    assert type(m) is _SubclassManager and m.inits == 1 and m.index == "sub"
-    with pytest.raises(ValueError, match="unknown index 'nope'.*'sibling'"):
+    m = KVCacheManager(8, BS, index="other", eviction="lfu")
+    # One manager class for every index (no __new__ dispatch): the implementation
+    # below it gets the keywords, its public methods are bound, attributes read through.
+    assert type(m) is KVCacheManager
+    assert m.args == (8, BS, "other", {
+        "eviction": "lfu", "kv_cache_groups": None, "num_host_blocks": 0})
+    assert m.free("x") == ("freed", "x")
+    with pytest.raises(ValueError, match="unknown index 'nope'.*'other'"):
         KVCacheManager(8, BS, index="nope")
     assert type(KVCacheManager(8, BS, index="hash")) is KVCacheManager

@@ -50,7 +50,7 @@ def test_off_is_the_plain_manager():
     assert type(m.block_pool) is BlockPool and m.host_tier is None
     assert m.take_host_transfers() == [] and m.num_host_cached_blocks == 0
     assert (m.host_hit_tokens, m.host_blocks_loaded, m.host_blocks_stored) == (0, 0, 0)
-    assert "_hit_blocks" not in vars(m) and "_allocate_slow" not in vars(m)
+    assert "_hit_blocks" not in vars(m.implementation) and "_allocate_slow" not in vars(m.implementation)
     r = Request("a", list(range(9)))
     _admit(m, r)
     m.free(r)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prefixcache import KVCacheManager, Request
 from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.hybrid import HybridKVCacheManager
+from prefixcache.core.kv_cache_manager import HashKVCacheManager
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -171,7 +172,8 @@ def test_sliding_only_window_wider_than_any_prompt_matches_full_attention():
     groups = [KVCacheGroup(SlidingWindowSpec(10_000), ["l0"])]
     h = KVCacheManager(30, 4, kv_cache_groups=groups, free_order="unhashed_first")
     f = KVCacheManager(30, 4, free_order="unhashed_first")
-    assert type(h) is HybridKVCacheManager and type(f) is KVCacheManager
+    assert type(h.implementation) is HybridKVCacheManager
+    assert type(f.implementation) is HashKVCacheManager
     for i, p in enumerate([list(range(13)), list(range(9)) + [50] * 6, list(range(13))]):
         rh, rf = Request(f"r{i}", p), Request(f"r{i}", p)
         assert _admit(h, rh) == _admit(f, rf)
@@ -197,10 +199,10 @@ def test_events_carry_plain_hashes_and_group_ids():
 # ------------------------------------------------------------------- dispatch seam
 def test_one_full_group_keeps_the_default_manager():
     m = KVCacheManager(8, 4, kv_cache_groups=[KVCacheGroup(FULL, ["l0"])])
-    assert type(m) is KVCacheManager
-    assert type(KVCacheManager(8, 4)) is KVCacheManager
-    assert type(KVCacheManager(8, 4, kv_cache_groups=parse_kv_groups("full,full"))) is (
-        HybridKVCacheManager)
+    assert type(m) is KVCacheManager and type(m.implementation) is HashKVCacheManager
+    assert type(KVCacheManager(8, 4).implementation) is HashKVCacheManager
+    h = KVCacheManager(8, 4, kv_cache_groups=parse_kv_groups("full,full"))
+    assert type(h) is KVCacheManager and type(h.implementation) is HybridKVCacheManager
 
 
 # ------------------------------------------------------------------------ bad input
@@ -244,7 +246,9 @@ def test_bad_groups(make, match):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"eviction": "lfu"}, "not supported with sliding-window"),
+    ({"num_host_blocks": 4}, "not supported with sliding-window"),
+    ({"eviction": "belady"}, "needs the trace's future"),
+    ({"eviction": "nope"}, "nope"),
     ({"index": "radix"}, "not supported with sliding-window"),
     ({"free_order": "fifo"}, "free_order"),
     ({"num_blocks": 0}, "num_blocks"),

@@ -39,9 +39,9 @@ def _admit(m, req):
 # ----------------------------------------------------------------- exact behaviour
 def test_off_is_the_plain_tree():
     m = KVCacheManager(8, 4, index="radix")
-    assert type(m) is RadixKVCacheManager and m.host_tier is None
+    assert type(m.implementation) is RadixKVCacheManager and m.host_tier is None
     for name in ("get_computed_blocks", "peek_computed_tokens", "_allocate_slow", "_cache"):
-        assert name not in vars(m)
+        assert name not in vars(m.implementation)
     assert m.take_host_transfers() == [] and m.num_host_cached_blocks == 0
     assert (m.host_hit_tokens, m.host_blocks_loaded, m.host_blocks_stored) == (0, 0, 0)
 
@@ -314,7 +314,7 @@ def test_the_radix_page_model_sees_promotions():
     mach = RadixHostTierMachine()
     mach.setup(num_blocks=8, num_host=4, block_size=2, free_order="append",
                eviction="lru", host_eviction="lru")
-    assert isinstance(mach.m, RadixKVCacheManager) and mach.m.host_tier is not None
+    assert isinstance(mach.m.implementation, RadixKVCacheManager) and mach.m.host_tier is not None
     mach.new(0, [1, 2, 3, 4, 5, 6], None)
     mach.free(0)
     mach.new(2, [0, 0, 0], None)

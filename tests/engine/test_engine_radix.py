@@ -53,7 +53,7 @@ def test_radix_engine_matches_the_chain(config, chain, num_blocks):
         o.metrics.num_cached_tokens for o in ref
     ]
     tree = tree_engine.kv_cache_manager
-    assert isinstance(tree, RadixKVCacheManager)
+    assert isinstance(tree.implementation, RadixKVCacheManager)
     tree.check_invariants()
     assert tree.num_free_blocks == num_blocks and tree.num_stranded_blocks() == 0
     if num_blocks == 14:

@@ -413,7 +413,7 @@ def test_radix_index_with_the_tier_matches_off(off):
     # promotes host hits through the same transfers; tokens equal the tier-off run's.
     off_engine, (want_tokens, want_logits) = off
     eng = _engine(off_engine, index="radix")
-    assert type(eng.kv_cache_manager).__name__ == "RadixKVCacheManager"
+    assert type(eng.kv_cache_manager.implementation).__name__ == "RadixKVCacheManager"
     spy = _Spy(eng)
     tokens, logits = _serve(eng)
     assert tokens == want_tokens

@@ -1,0 +1,119 @@
+"""Every combination of index x eviction policy x tier x group layout: it runs (with
+the invariants checked after every call) or it is refused by the one composition rule
+(``indexes.refusal``) with that rule's reason -- and, where the semantics say so, the
+indexes agree on hit tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixcache.core import KVCacheManager, Request
+from prefixcache.core.eviction import POLICIES, TraceFuture
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.indexes import INDEXES, refusal
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks
+from prefixcache.core.kv_groups import parse_kv_groups
+
+BS = 4
+LAYOUTS = {"full": None, "full+sw": "full,sw6"}
+TIERS = {"none": 0, "host": 6}
+
+
+def _trace(seed: int = 0, n: int = 14) -> list[list[int]]:
+    """Prompts sharing prefixes (3 system prompts, 2 turns of conversations)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 50) for _ in range(2 * BS + 1)] for _ in range(3)]
+    prompts = []
+    for _ in range(n):
+        p = list(rng.choice(systems)) + [rng.randrange(50, 90) for _ in range(rng.randrange(1, 7))]
+        prompts.append(p)
+        if rng.random() < 0.5:
+            prompts.append(p + [rng.randrange(90, 99) for _ in range(rng.randrange(2, 6))])
+    return prompts
+
+
+def _options(eviction: str, prompts) -> dict:
+    if not POLICIES[eviction].needs_future:
+        return {}
+    h = BlockHasher("sha256", None)
+    return {"future": TraceFuture.from_hashes(h.hash_token_blocks(p, BS) for p in prompts)}
+
+
+def _run(index, eviction, tier, layout, num_blocks):
+    """Replay the trace (2 running at once, 3 decode steps each); invariants after
+    every call. Returns the hit tokens per request."""
+    prompts = _trace()
+    groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
+    m = KVCacheManager(
+        num_blocks, BS, index=index, eviction=eviction, kv_cache_groups=groups,
+        eviction_options=_options(eviction, prompts) or None,
+        num_host_blocks=TIERS[tier], free_order="unhashed_first")
+    assert isinstance(m, KVCacheManager)
+    running: list[Request] = []
+    hits = []
+    for i, p in enumerate(prompts):
+        r = Request(f"r{i}", p)
+        m.on_arrival(r, i)
+        while True:
+            blocks, n = m.get_computed_blocks(r)
+            assert isinstance(blocks, KVCacheBlocks)
+            assert len(blocks.blocks) == m.num_groups
+            new = m.allocate_slots(r, r.num_tokens - n, n, blocks)
+            m.check_invariants()
+            if new is not None or not running:
+                break
+            m.free(running.pop(0))
+            m.check_invariants()
+        if new is None:
+            hits.append(None)
+            continue
+        assert isinstance(new, KVCacheBlocks) and len(new.blocks) == m.num_groups
+        hits.append(n)
+        r.num_computed_tokens = r.num_tokens
+        running.append(r)
+        for t in range(3):
+            r.append_output_token_ids(100 + t)
+            step = m.allocate_slots(r, 1)
+            m.check_invariants()
+            if step is None:
+                break
+            assert isinstance(step, KVCacheBlocks)
+            r.num_computed_tokens += 1
+        m.take_host_transfers()
+        if len(running) > 2:
+            m.free(running.pop(0))
+            m.check_invariants()
+    for r in running:
+        m.free(r)
+    m.check_invariants()
+    return hits
+
+
+COMBOS = [(i, e, t, lay) for i in INDEXES for e in POLICIES for t in TIERS for lay in LAYOUTS]
+
+
+@pytest.mark.parametrize("index,eviction,tier,layout", COMBOS)
+def test_every_combination_runs_or_is_refused_by_the_rule(index, eviction, tier, layout):
+    groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
+    why = refusal(index, groups, eviction, TIERS[tier])
+    if why is not None:
+        # (a sliding-window layout with what only one full-attention group serves)
+        assert layout != "full"
+        with pytest.raises(ValueError) as e:
+            _run(index, eviction, tier, layout, num_blocks=12)
+        assert str(e.value) == why
+        return
+    _run(index, eviction, tier, layout, num_blocks=12)  # bounded: evictions happen
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("eviction", list(POLICIES))
+def test_indexes_hit_the_same_tokens_when_nothing_is_evicted(eviction, tier):
+    # Unbounded (no eviction: the policy never decides): the hash chain and the radix
+    # tree find the same longest cached prefix for every request.
+    got = {i: _run(i, eviction, tier, "full", num_blocks=400) for i in INDEXES}
+    assert got["hash"] == got["radix"]
+    assert any(got["hash"])  # the trace shares prefixes: some request hits
