@@ -330,8 +330,8 @@ BAD_SIM = [True, 3.0, -1, float("nan"), "3", None, [3], np.float64(2.0), np.bool
 @pytest.mark.parametrize("bad", BAD_SIM + ["belady", "full,sw8"], ids=repr)
 def test_replay_host_and_group_flags_refused_before_any_record(name, bad):
     from prefixcache.sim.replay import replay
-    if name == "kv_cache_groups" and bad is None:
-        return  # None = the plain model
+    if name == "kv_cache_groups" and (bad is None or bad == "full,sw8"):
+        return  # None = the plain model; "full,sw8" is parse_kv_groups' text (CacheConfig)
     recs = []
     kw = {name: bad}
     if name == "host_eviction":
