@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.api import paged_attention, resolve_backend
-from kernels.pallas_gpu import GPUBlockSizes
-from kernels.pallas_tpu import TPUBlockSizes
+from prefixcache_kernels.api import paged_attention, resolve_backend
+from prefixcache_kernels.pallas_gpu import GPUBlockSizes
+from prefixcache_kernels.pallas_tpu import TPUBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ def measure(kv_dtype: str, case: str, write: str, *, backend: str, interpret: bo
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    import kernels  # noqa: PLC0415
+    import prefixcache_kernels as kernels  # noqa: PLC0415
     from prefixcache.kv_dtypes import is_quantized  # noqa: PLC0415
 
     seqs = CASES[case]
@@ -133,7 +133,7 @@ def run(config, *, progress: bool = False) -> dict:
     """Measures every (dtype, case, write mode); writes results.jsonl."""
     from experiments._kv_budget import parse_kv_dtypes  # noqa: PLC0415
 
-    import kernels  # noqa: PLC0415
+    import prefixcache_kernels as kernels  # noqa: PLC0415
 
     dtypes = parse_kv_dtypes(config.kv_dtypes)
     kernels.resolve_backend(config.backend, config.interpret)  # bad backend: before anything

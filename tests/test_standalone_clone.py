@@ -94,7 +94,8 @@ def test_nothing_refers_to_the_workspace_outside_the_repo(clone):
 def test_only_the_libraries_are_installed(clone, tmp_path):
     repo, python = clone
     proc = _run(python, ["-c", (
-        "import importlib.util as u, json, prefixcache, kernels, prefixcache.sim.datasets; "
+        "import importlib.util as u, json, prefixcache, prefixcache_kernels as kernels, "
+        "prefixcache.sim.datasets; "
         "print(json.dumps([prefixcache.__file__, kernels.__file__, "
         "u.find_spec('experiments') is None, u.find_spec('configs') is None]))")],
         cwd=tmp_path)  # outside the checkout

@@ -16,7 +16,7 @@ Rules (vLLM's, checked by ``check_kv_cache_groups`` before anything is built):
     * all groups share the manager's ``block_size`` (vLLM allows per-group block sizes
       with a common scheduler block; our KV array has one page size);
     * ``sliding_window`` is a positive int (bool rejected). The kernels mask any
-      window (``kernels/reference.py``: a query at position p sees keys in
+      window (``prefixcache_kernels/reference.py``: a query at position p sees keys in
       ``(p - W, p]``), so it need not be a multiple of ``block_size``.
     * No full-attention group is required. NOTE: vLLM 0.33 serves sliding-window-only
       models (one ``SlidingWindowManager``, or the hybrid coordinator with

@@ -1068,7 +1068,7 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     (with the stacked LoRA weights of `lora` = (max_loras, max_lora_rank)), block
     tables and host-tier pages cannot fit in memory (device memory when the device
     reports it, else host memory)."""
-    import kernels
+    import prefixcache_kernels as kernels
     from prefixcache._validate import check_host_memory
     from prefixcache.kv_dtypes import kv_bytes_per_block
     from prefixcache.model import check_kv_cache_memory

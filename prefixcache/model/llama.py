@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import kernels
+import prefixcache_kernels as kernels
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.lora import LoRABatch, lora_delta

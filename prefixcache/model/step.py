@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import kernels
+import prefixcache_kernels as kernels
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.llama import Transformer, _local_attend

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kernels
+import prefixcache_kernels as kernels
 import prefixcache.core
 import prefixcache.engine.engine as engine_mod
 from prefixcache.engine import Engine

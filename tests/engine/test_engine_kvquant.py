@@ -114,14 +114,14 @@ def test_bad_kv_dtype_inputs(monkeypatch):
             parse_bytes(bad)
     # fp8 pages on a compiled pallas_gpu older than sm_89: refused before anything is
     # built (the platform and device are faked; nothing reaches a GPU).
-    import kernels.api
+    import prefixcache_kernels.api
 
     class OldGPU:
         compute_capability = "8.0"
 
     built = []
-    monkeypatch.setattr(kernels.api.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kernels.api.jax, "devices", lambda *a: [OldGPU()])
+    monkeypatch.setattr(prefixcache_kernels.api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(prefixcache_kernels.api.jax, "devices", lambda *a: [OldGPU()])
     monkeypatch.setattr("prefixcache.engine.engine._init_model",
                         lambda *a: built.append(a))
     with pytest.raises(ValueError, match="pallas_gpu cannot read float8_e4m3fn"):

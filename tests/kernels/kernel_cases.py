@@ -1,6 +1,6 @@
 """Test helpers for the kernels tests: a paged-cache case builder and a float64 oracle.
 
-The oracle is written independently of `kernels/`: it never reads pages, only the
+The oracle is written independently of `prefixcache_kernels/`: it never reads pages, only the
 contiguous per-sequence K/V the builder scattered into them, and does plain dense
 attention in float64.
 """

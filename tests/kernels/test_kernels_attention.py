@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import make_case, oracle, tolerance
 
 SCALE = 1.0 / math.sqrt(64)

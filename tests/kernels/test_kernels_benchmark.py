@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import prefixcache_kernels as kernels
 from experiments import _kernel_bench as benchmark
 
 

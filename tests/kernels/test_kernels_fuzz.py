@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import Case, oracle, tolerance
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq
 

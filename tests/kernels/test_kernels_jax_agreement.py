@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu_paged
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu_paged
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import make_case
 
 SCALE = 0.125

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import make_case, oracle
 from test_kernels_quant import REL_ERROR_BOUND, quantized_case
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import make_case, oracle
-from kernels.quant import QMAX, dequantize, page_scale
+from prefixcache_kernels.quant import QMAX, dequantize, page_scale
 
 SCALE = 1.0 / math.sqrt(64)
 QDTYPES = [jnp.int8, jnp.float8_e4m3fn]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+import prefixcache_kernels as kernels
 from kernel_cases import make_case
 from test_kernels_quant import quantized_case
 

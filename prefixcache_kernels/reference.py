@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.common import validate_inputs
-from kernels.quant import dequantize
+from prefixcache_kernels.common import validate_inputs
+from prefixcache_kernels.quant import dequantize
 
 # NOTE: query-block sizes the per-sequence loop chooses between, per sequence the one
 # with the least cost ceil(q_len / b) * b + _PASS_COST_ROWS * ceil(q_len / b): padded

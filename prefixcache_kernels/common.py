@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.quant import QUANTIZED_KV_DTYPES, check_kv_scales
+from prefixcache_kernels.quant import QUANTIZED_KV_DTYPES, check_kv_scales
 
 # NOTE: masked logits in the online-softmax kernels: a large finite negative number
 # rather than -inf keeps the running max finite (no inf - inf = NaN) while a row has

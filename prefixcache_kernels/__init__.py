@@ -17,11 +17,11 @@ Public API:
 - `ragged_paged_attention_gpu(..., block_sizes=GPUBlockSizes(), interpret=False)`: Pallas
   Triton kernel with split-K (flash-decoding) merge.
 """
-from kernels.api import BACKENDS, check_backend_config, paged_attention, resolve_backend
-from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
-from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
-from kernels.reference import ragged_paged_attention_reference
-from kernels.write_kv import write_kv
+from prefixcache_kernels.api import BACKENDS, check_backend_config, paged_attention, resolve_backend
+from prefixcache_kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
+from prefixcache_kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
+from prefixcache_kernels.reference import ragged_paged_attention_reference
+from prefixcache_kernels.write_kv import write_kv
 
 __all__ = [
     "BACKENDS", "GPUBlockSizes", "check_backend_config", "TPUBlockSizes", "paged_attention",

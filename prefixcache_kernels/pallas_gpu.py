@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.common import MASK_VALUE, validate_inputs
-from kernels.quant import dequantize
+from prefixcache_kernels.common import MASK_VALUE, validate_inputs
+from prefixcache_kernels.quant import dequantize
 
 _INFO_COLS = 4  # per item: kv_len, position of row 0, valid rows, unused
 

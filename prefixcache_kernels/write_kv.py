@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.quant import check_kv_scales, page_scale, quantize
+from prefixcache_kernels.quant import check_kv_scales, page_scale, quantize
 
 
 def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.common import check_attention_config, validate_inputs
-from kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
-from kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
-from kernels.reference import ragged_paged_attention_reference
+from prefixcache_kernels.common import check_attention_config, validate_inputs
+from prefixcache_kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
+from prefixcache_kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
+from prefixcache_kernels.reference import ragged_paged_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 _PLATFORM_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}

@@ -28,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import MASK_VALUE, validate_inputs
-from kernels.quant import dequantize
+from prefixcache_kernels.common import MASK_VALUE, validate_inputs
+from prefixcache_kernels.quant import dequantize
 
 _LANES = 128  # m/l scratch is lane-replicated: Mosaic has no unaligned lane slicing
 
