@@ -415,35 +415,47 @@ def read_trace(
     return _read(path, format, vocab_size, mooncake_tokens == "lazy")
 
 
-def _read(path: str, format: str, vocab_size: int, lazy: bool = False) -> Iterator[TraceRequest]:
+def json_objects(path: str) -> Iterator[tuple[int, str, dict]]:
+    """``(line number, "path:line", object)`` per non-blank line of a JSONL file (gzip
+    when the name ends in ``.gz``); every unreadable line is a ``TraceError`` naming it.
+
+    NOTE: bytes, decoded line by line: a stray non-UTF-8 byte (or a corrupt gzip stream)
+    is a TraceError naming its line, not a UnicodeDecodeError / OSError from the file
+    iterator with no position. Shared by every reader (``trace_formats`` too).
+    """
     opener = gzip.open if path.endswith(".gz") else open
-    # NOTE: bytes, decoded line by line: a stray non-UTF-8 byte (or a corrupt gzip
-    # stream) is a TraceError naming its line, not a UnicodeDecodeError / OSError from
-    # the file iterator with no position.
     with opener(path, "rb") as f:
         lineno = 0
-        try:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise TraceError(
-                        f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                        f"{e.start + 1})") from None
-                obj = _loads(line, where)
-                if not isinstance(obj, dict):
-                    raise TraceError(
-                        f"{where}: expected a JSON object, got {type(obj).__name__}")
-                if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
-                    yield _mooncake_request(obj, where, lineno, vocab_size, lazy)
-                else:
-                    yield _parse_request(obj, where)
-        except (OSError, EOFError, zlib.error) as e:
-            raise TraceError(
-                f"{path}:{lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
+        lines = enumerate(f, start=1)
+        while True:
+            try:
+                lineno, raw = next(lines)
+            except StopIteration:
+                return
+            except (OSError, EOFError, zlib.error) as e:
+                raise TraceError(
+                    f"{path}:{lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(
+                    f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1})") from None
+            obj = _loads(line, where)
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, where, obj
+
+
+def _read(path: str, format: str, vocab_size: int, lazy: bool = False) -> Iterator[TraceRequest]:
+    for lineno, where, obj in json_objects(path):
+        if format == "mooncake" or (format == "auto" and "hash_ids" in obj):
+            yield _mooncake_request(obj, where, lineno, vocab_size, lazy)
+        else:
+            yield _parse_request(obj, where)
 
 
 def _loads(line: str, where: str) -> Any:

@@ -47,33 +47,13 @@ from prefixcache.sim.trace import (
     TraceRequest,
     _is_int,
     _is_time,
-    _loads,
+    json_objects,
     mooncake_tokens,
 )
 
 BLOCK_TOKENS = {"bailian": 16, "claude_code": 64}
 BAILIAN_TYPES = ("text", "search", "image", "file")
 _MASK64 = (1 << 64) - 1
-
-
-def _lines(path: str) -> Iterator[tuple[int, str, dict]]:
-    import gzip
-
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TraceError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at "
-                                 f"column {e.start + 1})") from None
-            obj = _loads(line, where)
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, where, obj
 
 
 def _check_blocks(where: str, n_in, n_out, hash_ids, block_tokens: int, names) -> None:
@@ -96,7 +76,7 @@ def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZ
     path = os.fspath(path)
     bt = BLOCK_TOKENS["bailian"]
     seen: set[int] = set()
-    for _, where, obj in _lines(path):
+    for _, where, obj in json_objects(path):
         for field in ("chat_id", "timestamp", "input_length", "output_length", "hash_ids"):
             if field not in obj:
                 raise TraceError(f"{where}: missing field {field!r} (Bailian line)")
@@ -155,7 +135,7 @@ def _read_claude_code(path: str, vocab_size: int, session_interval: float
     heap: list[tuple[float, int, int, TraceRequest]] = []
     seen: set[str] = set()
     order = 0
-    for k, (_, where, obj) in enumerate(_lines(path)):
+    for k, (_, where, obj) in enumerate(json_objects(path)):
         for field in ("id", "requests"):
             if field not in obj:
                 raise TraceError(f"{where}: missing field {field!r} (Claude Code session)")
