@@ -172,10 +172,13 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     if computed and not manager.enable_caching:
         raise ValueError("prefix caching is disabled: no computed blocks can be adopted")
     total = nc + num_new_computed_tokens + num_new_tokens
-    if st is None and computed and nc:
+    if st is None and nc:
+        # A Request re-used after free() (or preempted without the reset): it claims
+        # KV it no longer holds; fresh blocks would be cached under its prompt's hashes.
         raise ValueError(
-            f"request {rid!r} has num_computed_tokens={nc} "
-            "but no blocks; it cannot adopt prefix-hit blocks"
+            f"request {rid!r} has num_computed_tokens={nc} but holds no blocks here "
+            "(freed or preempted): set num_computed_tokens = 0 before admitting it again"
+            + ("; it cannot adopt prefix-hit blocks" if computed else "")
         )
     mml = manager.max_model_len
     need = total + num_lookahead_tokens
