@@ -218,7 +218,7 @@ class Request:
         "_plain_tag",
         "_tokens_view",
         "_hashes_view",
-        "priority",
+        "_priority",
     )
 
     def __init__(
@@ -249,7 +249,9 @@ class Request:
         hasher, block_size: bind a hasher now (else the manager binds its own).
         priority: the request's priority (an int; larger = more important), read by
           the ``priority`` eviction policy (SGLang's: blocks of lower-priority requests
-          are evicted first). A plain attribute ``request.priority``.
+          are evicted first). Settable later (``request.priority = 3``); the setter
+          refuses a non-int (None, NaN, a bool, a float) before anything changes, so a
+          policy never reads a value it cannot order.
 
         Raises:
           ValueError: empty prompt, bad token ids, bad multimodal ranges, bad salt,
@@ -303,6 +305,7 @@ class Request:
             raise ValueError(
                 f"request {request_id!r}: priority must be an int, got {priority!r}"
             )
+        self._priority = priority
         if (hasher is None) != (block_size is None):
             raise ValueError(
                 f"request {request_id!r}: pass hasher and block_size together (or neither)"
@@ -326,7 +329,6 @@ class Request:
         self._plain_tag: tuple | None = None
         self._tokens_view = ReadOnlyList(self._tokens)
         self._hashes_view = ReadOnlyList(self._block_hashes)
-        self.priority = priority
         if hasher is not None:
             self.bind_hasher(hasher, block_size)
 
@@ -339,6 +341,20 @@ class Request:
     def prompt_token_ids(self) -> list[int]:
         """A copy of the prompt (ints)."""
         return self._tokens[: self._num_prompt_tokens].tolist()
+
+    @property
+    def priority(self) -> int:
+        """The request's priority (an int; larger = more important)."""
+        return self._priority
+
+    @priority.setter
+    def priority(self, value) -> None:
+        # NOTE: validated where the value enters (issue 25): a None or NaN priority set
+        # after construction made free() raise halfway under the priority policy.
+        if type(value) is not int:
+            raise ValueError(
+                f"request {self._request_id!r}: priority must be an int, got {value!r}")
+        self._priority = value
 
     @property
     def num_prompt_tokens(self) -> int:
