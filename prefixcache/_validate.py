@@ -73,7 +73,7 @@ def check_int_sequence(name: str, values: Any) -> None:
     caller's conversion (``array('q', ...)`` / numpy dtype checks at C speed).
 
     Raises:
-      ArgumentTypeError: a set, frozenset, dict or other mapping, str / bytes, a
+      ArgumentTypeError: a set, frozenset, dict or other mapping, str / bytes-like, a
         non-iterable, or a numpy array that is not 1-D of an integer dtype.
     """
     if isinstance(values, np.ndarray):
@@ -82,9 +82,11 @@ def check_int_sequence(name: str, values: Any) -> None:
                 f"{name} must be a 1-D integer array, got dtype {values.dtype} shape "
                 f"{values.shape}")
         return
-    if type(values) in (list, tuple, range, array.array, bytearray):
+    if type(values) in (list, tuple, range, array.array):
         return
-    if isinstance(values, (str, bytes)) or isinstance(values, _UNORDERED):
+    # NOTE: bytes-like prompts (bytes, bytearray, memoryview) are text, not token ids:
+    # refused, never read as one id per byte.
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or isinstance(values, _UNORDERED):
         raise ArgumentTypeError(
             f"{name} must be an ordered sequence of int ids (list, tuple, 1-D int array), "
             f"got {type(values).__name__}")

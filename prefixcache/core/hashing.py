@@ -539,17 +539,21 @@ class BlockHasher:
     def __init__(self, algo: str = "sha256", seed: Any = None):
         """Args:
         algo: "sha256" | "sha256_cbor" | "xxhash" | "xxhash_cbor".
-        seed: any value; used as ``str(seed)``. None: PYTHONHASHSEED when set, else
-          "vllm-none-hash" (sha256 variants) or random (xxhash variants).
+        seed: None, a str, an int or bytes; used as ``str(seed)``. None: PYTHONHASHSEED
+          when set, else "vllm-none-hash" (sha256 variants) or random (xxhash variants).
 
         Raises:
-          ValueError: unknown algorithm.
+          ValueError: unknown algorithm. TypeError: any other seed (an object's str
+            carries its address: not reproducible across processes).
           ImportError: an xxhash algorithm without the ``xxhash`` package.
         """
         if algo not in HASH_ALGOS:
             raise ValueError(
                 f"unknown hash algorithm {algo!r}; valid: {', '.join(HASH_ALGOS)}"
             )
+        from prefixcache._validate import check_hash_seed  # noqa: PLC0415
+
+        check_hash_seed(seed)
         if algo.startswith("xxhash"):
             if _xxhash is None:
                 raise ImportError(

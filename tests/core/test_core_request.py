@@ -312,12 +312,14 @@ def test_num_preemptions_settable_and_validated():
 def test_token_containers_enter_by_value():
     import array
 
-    assert list(Request("r", bytearray([1, 2, 255])).all_token_ids) == [1, 2, 255]
+    for raw in (b"\x01\x02", bytearray([1, 2, 255]), memoryview(b"\x01")):
+        with pytest.raises(TypeError, match="ordered sequence of int ids"):
+            Request("r", raw)  # bytes-like is text, never one id per byte (issue 25)
     assert list(Request("r", (np.int64(4), True, 2**64 - 1)).all_token_ids) == [4, 1, 2**64 - 1]
     assert list(Request("r", array.array("q", [5, 6])).all_token_ids) == [5, 6]
     assert list(Request("r", iter([7, 8])).all_token_ids) == [7, 8]
     req = Request("r", [1])
-    req.append_output_token_ids(bytearray([9]))
+    req.append_output_token_ids([9])
     for bad, match in ((array.array("d", [1.0]), "not an int"),
                        (array.array("q", [3, -1]), r"\[1\] = -1 is a negative"),
                        ([2**64], "not below 2"), ((1, "2"), r"\[1\] = '2'")):
