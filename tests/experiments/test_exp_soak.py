@@ -12,7 +12,6 @@ import pathlib
 import pytest
 
 from experiments import soak
-from prefixcache.core import KVCacheManager
 from prefixcache.core.block_pool import InvariantError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,7 +56,11 @@ def test_short_soak_passes(tmp_path):
 
 def test_manager_soak_catches_a_leak(tmp_path, monkeypatch):
     """A free that forgets one request's blocks must fail the soak."""
-    real_free = KVCacheManager.free
+    # NOTE: KVCacheManager binds its implementation's methods at construction: patch the
+    # hash index's implementation class (the soak's default).
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager
+
+    real_free = HashKVCacheManager.free
     calls = []
 
     def leaky_free(self, request):
@@ -66,7 +69,7 @@ def test_manager_soak_catches_a_leak(tmp_path, monkeypatch):
             return  # the blocks stay held
         real_free(self, request)
 
-    monkeypatch.setattr(KVCacheManager, "free", leaky_free)
+    monkeypatch.setattr(HashKVCacheManager, "free", leaky_free)
     c = config(tmp_path, **{"manager.num_ops": 3000, "manager.check_every": 1000})
     with pytest.raises((soak.SoakError, InvariantError)):
         soak.manager_soak(c.manager, seed=0)
