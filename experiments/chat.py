@@ -115,7 +115,7 @@ def run(config, *, progress: bool = False) -> dict:
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from prefixcache.engine import SamplingParams
-    from prefixcache.engine.chat_bench import format_table
+    from experiments._chat_bench import format_table
 
     t_start = time.perf_counter()
     workdir = _common.prepare_workdir(config.workdir)
