@@ -232,6 +232,24 @@ class MooncakePrompt(Sequence):
         return f"MooncakePrompt({len(self.hash_ids)} hash ids, {self._len} tokens)"
 
 
+def check_hash_id_blocks(where: str, n_in, n_out, hash_ids, block_tokens: int,
+                         names=("input_length", "output_length", "hash_ids")) -> None:
+    """The checks every hash-id format shares (Mooncake, Bailian, Claude Code): a positive
+    input length, an output length >= 0, and one non-negative int hash id per
+    ``block_tokens``-token block of the input; a ``TraceError`` naming the field."""
+    f_in, f_out, f_ids = names
+    if not _is_int(n_in) or n_in <= 0:
+        raise TraceError(f"{where}: field {f_in!r} must be a positive int, got {n_in!r}")
+    if not _is_int(n_out) or n_out < 0:
+        raise TraceError(f"{where}: field {f_out!r} must be an int >= 0, got {n_out!r}")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
+        raise TraceError(f"{where}: field {f_ids!r} must be a list of ints >= 0")
+    need = math.ceil(n_in / block_tokens)
+    if len(hash_ids) != need:
+        raise TraceError(f"{where}: field {f_ids!r} has {len(hash_ids)} ids but {f_in}={n_in} "
+                         f"needs ceil({n_in}/{block_tokens}) = {need}")
+
+
 def _mooncake_request(
     obj: dict, where: str, lineno: int, vocab_size: int, lazy: bool = False
 ) -> TraceRequest:
@@ -239,18 +257,7 @@ def _mooncake_request(
         if field not in obj:
             raise TraceError(f"{where}: missing field {field!r} (Mooncake line)")
     n_in, n_out, hash_ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
-    if not _is_int(n_in) or n_in <= 0:
-        raise TraceError(f"{where}: field 'input_length' must be a positive int, got {n_in!r}")
-    if not _is_int(n_out) or n_out < 0:
-        raise TraceError(f"{where}: field 'output_length' must be an int >= 0, got {n_out!r}")
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
-        raise TraceError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
-    expected = math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)
-    if len(hash_ids) != expected:
-        raise TraceError(
-            f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length={n_in} "
-            f"needs ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}) = {expected}"
-        )
+    check_hash_id_blocks(where, n_in, n_out, hash_ids, MOONCAKE_BLOCK_TOKENS)
     ts = obj.get("timestamp")
     if ts is not None and (not _is_time(ts) or ts < 0):
         raise TraceError(f"{where}: field 'timestamp' must be a finite number >= 0 (ms), "

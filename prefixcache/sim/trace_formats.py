@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import math
 import os
 from typing import Iterator
 
@@ -45,6 +44,7 @@ from prefixcache.sim.trace import (
     DEFAULT_VOCAB_SIZE,
     TraceError,
     TraceRequest,
+    check_hash_id_blocks,
     _is_int,
     _is_time,
     json_objects,
@@ -54,20 +54,6 @@ from prefixcache.sim.trace import (
 BLOCK_TOKENS = {"bailian": 16, "claude_code": 64}
 BAILIAN_TYPES = ("text", "search", "image", "file")
 _MASK64 = (1 << 64) - 1
-
-
-def _check_blocks(where: str, n_in, n_out, hash_ids, block_tokens: int, names) -> None:
-    f_in, f_out, f_ids = names
-    if not _is_int(n_in) or n_in <= 0:
-        raise TraceError(f"{where}: field {f_in!r} must be a positive int, got {n_in!r}")
-    if not _is_int(n_out) or n_out < 0:
-        raise TraceError(f"{where}: field {f_out!r} must be an int >= 0, got {n_out!r}")
-    if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
-        raise TraceError(f"{where}: field {f_ids!r} must be a list of ints >= 0")
-    need = math.ceil(n_in / block_tokens)
-    if len(hash_ids) != need:
-        raise TraceError(f"{where}: field {f_ids!r} has {len(hash_ids)} ids but {f_in}={n_in} "
-                         f"needs ceil({n_in}/{block_tokens}) = {need}")
 
 
 def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZE
@@ -102,7 +88,7 @@ def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZ
             raise TraceError(f"{where}: field 'timestamp' must be a finite number of "
                              f"seconds >= 0, got {ts!r}")
         n_in, n_out, ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
-        _check_blocks(where, n_in, n_out, ids, bt, ("input_length", "output_length", "hash_ids"))
+        check_hash_id_blocks(where, n_in, n_out, ids, bt)
         prompt = mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[:n_in].tolist()
         yield TraceRequest(id=f"bl-{chat_id}", prompt=prompt, output_len=n_out,
                            timestamp=float(ts))
@@ -172,7 +158,7 @@ def _read_claude_code(path: str, vocab_size: int, session_interval: float
             if t < last_t:
                 raise TraceError(f"{rw}: field 't' goes back in time ({t} < {last_t})")
             last_t = t
-            _check_blocks(rw, r["in"], r["out"], r["hash_ids"], bt, ("in", "out", "hash_ids"))
+            check_hash_id_blocks(rw, r["in"], r["out"], r["hash_ids"], bt, ("in", "out", "hash_ids"))
             ids = r["hash_ids"]
             if key:
                 # Local ids: the same number in two sessions is different content.
