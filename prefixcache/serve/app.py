@@ -258,6 +258,35 @@ class _Handler:
                 self.abort_open()
 
 
+async def _listen_for_disconnect(request: Request) -> None:
+    """Returns when the client's connection closes (the body is already read, so the
+    next ASGI message is ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """``await coro`` unless the client leaves first (vLLM's ``with_cancellation``): then
+    ``coro`` is cancelled -- its ``finally`` aborts the open requests, so the engine
+    frees their blocks -- and a 499 (client closed request) no one reads is returned."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its finally has run
+    return Response(status_code=499)
+
+
 def _param(gen: GenerationRequest) -> str:
     return "messages" if gen.kind == "chat" else "prompt"
 
@@ -329,7 +358,10 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         gen = parse_request(kind, await _body(request), ctx)
         h = _Handler(state, gen)
         if not gen.stream:
-            return JSONResponse(await h.collect())
+            # A non-streaming client that leaves is noticed at once (not when its
+            # requests finish): its requests are aborted and their blocks freed.
+            body = await _unless_disconnected(request, h.collect())
+            return body if isinstance(body, Response) else JSONResponse(body)
         buffered = await h.first_events()
         return StreamingResponse(h.stream(buffered), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

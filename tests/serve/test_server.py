@@ -252,6 +252,34 @@ def test_waiting_queue_bound_answers_503(bounded):
     bounded.wait_idle()
 
 
+def test_non_streaming_client_that_leaves_is_aborted(bounded):
+    """A non-streaming client that gives up is noticed while its request still waits:
+    the request is aborted then, not run after the one ahead of it finishes."""
+    url = bounded.url + "/v1/completions"
+    body = {"model": "tiny", "prompt": _prompt(41, 8), "temperature": 0}
+    aborted = "prefixcache:request_success_total{finished_reason=abort}"
+    before = _metrics(bounded.url).get(aborted, 0)
+    with httpx.Client(timeout=60) as http_a:
+        with http_a.stream("POST", url, json={**body, "max_tokens": 1000, "stream": True,
+                                              "ignore_eos": True}) as a:
+            lines = a.iter_lines()  # NOTE: kept: a dropped iterator closes the stream
+            next(lines)  # A runs (max_num_seqs=1) for ~1000 steps
+            with httpx.Client(timeout=httpx.Timeout(60, read=0.3)) as http_b:
+                with pytest.raises(httpx.ReadTimeout):  # B waits behind A; its client leaves
+                    http_b.post(url, json={**body, "max_tokens": 2})
+            deadline = time.monotonic() + 30
+            while _metrics(bounded.url).get(aborted, 0) - before < 1:
+                assert time.monotonic() < deadline, "the request of the client that left was not aborted"
+                time.sleep(0.02)
+            assert bounded.serving.num_waiting() == 0
+            assert bounded.engine_state()[1] == 1  # A alone, still running
+    bounded.wait_idle()  # A's client left too: aborted
+    assert _metrics(bounded.url).get(aborted, 0) - before == 2
+    with httpx.Client(timeout=60) as h:  # and the server keeps serving
+        r = h.post(url, json={**body, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 # -- errors ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body,status,param,code", [
