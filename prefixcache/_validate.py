@@ -290,9 +290,10 @@ def check_release_inputs(request: Any) -> None:
     (today: ``priority``, which the ``priority`` policy compares on every block it
     releases). Called by every manager's ``free`` before it changes anything, so a
     value forced past ``Request.priority``'s setter (``req._priority = None``) is
-    refused whole, never half way through the release loop."""
-    p = getattr(request, "priority", 0)
+    refused whole, never half way through the release loop. (``allocate_slots`` makes
+    the same check: the policy reads the priority when it caches a block.)"""
+    p = getattr(request, "_priority", getattr(request, "priority", 0))
     if type(p) is not int:
         raise ValueError(
             f"request {getattr(request, 'request_id', '?')!r}: priority={p!r} is not an int "
-            "(set it through Request.priority); nothing was freed")
+            "(set it through Request.priority); nothing changed")

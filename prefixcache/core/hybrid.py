@@ -749,7 +749,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
         rid, st = held_state(self._states, request)
-        if self.policy is not None and type(st.request.priority) is not int:
+        if type(st.request._priority) is not int:
             check_release_inputs(st.request)
         del self._states[rid]
         del self._states_by_request[st.request]

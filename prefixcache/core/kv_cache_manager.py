@@ -158,6 +158,8 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     bad = _bad_num_computed_tokens(request)
     if bad:
         raise ValueError(bad)
+    if type(request._priority) is not int:  # (what a policy reads when it caches)
+        check_release_inputs(request)
     nc = request.num_computed_tokens
     if new_computed_blocks is not None and type(new_computed_blocks) is not list:
         _check_hit_container(new_computed_blocks)  # sets (unordered), generators, ...
@@ -865,7 +867,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             rid = st = None
         if st is None or st.request is not request:
             rid, st = held_state(self._states, request)
-        if self.policy is not None and type(st.request.priority) is not int:
+        if type(st.request._priority) is not int:
             check_release_inputs(st.request)
         del self._states[rid]
         del self._states_by_request[st.request]

@@ -1058,7 +1058,7 @@ class RadixKVCacheManager(HostTierAPI):
         if st is None or st.request is not request:
             rid, st = held_state(self._states, request)
         req = st.request
-        if type(req.priority) is not int:
+        if type(req._priority) is not int:
             check_release_inputs(req)
         del self._states[rid]
         del self._states_by_request[req]
