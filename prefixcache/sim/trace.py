@@ -82,6 +82,11 @@ class TraceRequest:
         if not isinstance(self.id, str) or not self.id:
             raise ValueError(f"TraceRequest.id must be a non-empty str, got {self.id!r}")
         check_int_sequence(f"TraceRequest {self.id!r} prompt", self.prompt)
+        # numpy ints are ints (the one rule, prefixcache._validate), stored as int.
+        if type(self.output_len) is not int and isinstance(self.output_len, np.integer):
+            self.output_len = int(self.output_len)
+        if type(self.priority) is not int and isinstance(self.priority, np.integer):
+            self.priority = int(self.priority)
         if not _is_int(self.output_len) or self.output_len < 0:
             raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
