@@ -629,6 +629,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"request {request.request_id!r} needs {total} tokens, beyond "
                 f"max_model_len={self.max_model_len}"
             )
+        if type(request._priority) is not int:  # (the policy / tier read it when caching)
+            check_release_inputs(request)
         bs = self.block_size
         blocks = st.blocks
         num_new_blocks = -(-total // bs) - len(blocks)

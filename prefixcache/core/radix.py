@@ -569,6 +569,8 @@ class RadixKVCacheManager(HostTierAPI):
                 f"request {request.request_id!r} needs {total} tokens, beyond "
                 f"max_model_len={self.max_model_len}"
             )
+        if type(request._priority) is not int:  # (the policy / tier read it when caching)
+            check_release_inputs(request)
         bs = self.block_size
         blocks = st.blocks
         num_new_blocks = -(-total // bs) - len(blocks)

@@ -87,9 +87,9 @@ def _live(m):
     return [states[k].request for k in sorted(states, key=repr)]
 
 
-def _setup(index, layout, tier, eviction="lru"):
+def _setup(index, layout, tier, eviction="lru", num_blocks=12):
     """A manager with a freed (cached) prompt, and two running requests."""
-    m = _make(index, layout, tier, eviction)
+    m = _make(index, layout, tier, eviction, num_blocks)
     first = Request("first", PROMPTS[0])
     _admit(m, first, 0)
     m.free(first)
@@ -176,15 +176,21 @@ def test_free_refuses_a_bad_policy_input_whole(index, layout, tier, eviction):
     groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
     if refusal(index, groups, eviction, TIERS[tier]) is not None:
         pytest.skip("combination refused by the composition rule")
-    m, a, b = _setup(index, layout, tier, eviction)
+    m, a, b = _setup(index, layout, tier, eviction, num_blocks=32)
+    for t in range(4):  # a decode step of 4 tokens then fills a block (caches it)
+        a.append_output_token_ids(90 + t)
     for bad in (None, float("nan"), 1.5, "2", True):
         a._priority = bad  # forced past the validating setter
         refused(m, lambda: m.free(a), ValueError, "priority=")
+        refused(m, lambda: m.allocate_slots(a, 4), ValueError, "priority=")
         # ... and a new request that carries it is refused at admission, whole.
         q = Request("q", PROMPTS[0])
         q._priority = bad
         refused(m, lambda q=q: m.allocate_slots(q, q.num_tokens), ValueError, "priority=")
     a.priority = 3
+    assert m.allocate_slots(a, 4) is not None
+    a.num_computed_tokens += 4
+    m.check_invariants()
     m.free(a)
     m.check_invariants()
     m.free(b)
