@@ -99,3 +99,17 @@ def test_route_run_refuses_repeated_replicas_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match=r"--replicas='2,2' repeats 2"):
         route.run(c)
     assert not (tmp_path / "route").exists() or not any((tmp_path / "route").iterdir())
+
+
+def test_trace_paths_str_or_pathlike(tmp_path):
+    from prefixcache.sim.trace import read_trace, write_trace  # noqa: PLC0415
+
+    reqs = _reqs(2)
+    assert write_trace(tmp_path / "t.jsonl", reqs) == 2
+    assert [r.id for r in read_trace(tmp_path / "t.jsonl")] == ["r0", "r1"]
+    assert [r.id for r in read_trace(str(tmp_path / "t.jsonl"))] == ["r0", "r1"]
+    for bad in (bytes(tmp_path / "t.jsonl"), None, 3, ""):
+        with pytest.raises(ValueError, match="path"):
+            list(read_trace(bad))
+        with pytest.raises(ValueError, match="path"):
+            write_trace(bad, reqs)
