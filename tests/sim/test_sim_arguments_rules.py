@@ -113,3 +113,17 @@ def test_trace_paths_str_or_pathlike(tmp_path):
             list(read_trace(bad))
         with pytest.raises(ValueError, match="path"):
             write_trace(bad, reqs)
+
+
+@pytest.mark.parametrize("ts", [-1, -0.5, "1", True, float("nan")], ids=repr)
+def test_jsonl_reader_refuses_bad_timestamps(tmp_path, ts):
+    import json  # noqa: PLC0415
+
+    from prefixcache.sim.trace import TraceError, read_trace  # noqa: PLC0415
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"id": "a", "prompt": [1, 2], "output_len": 1, "timestamp": ts})
+                 + "\n")
+    with pytest.raises(TraceError, match=r"t.jsonl:1: field 'timestamp' must be a finite "
+                                         r"number >= 0 \(seconds\)"):
+        list(read_trace(p, format="jsonl"))
