@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from prefixcache._validate import ArgumentTypeError, check_count
+from prefixcache._validate import ArgumentTypeError, check_count, check_hash_seed
 
 __all__ = ["CacheConfig", "UNSET", "resolve"]
 
@@ -130,8 +130,8 @@ class CacheConfig:
         model's). Sizes blocks for ``kv_cache_bytes``; the engine stores pages in it.
       enable_caching: automatic prefix caching on/off.
       hash_algo: block hash (``prefixcache.core.hashing.HASH_ALGOS``).
-      hash_seed: seed of the hash chain root, any value used as ``str(seed)`` (None:
-        ``BlockHasher``'s default).
+      hash_seed: seed of the hash chain root: None (``BlockHasher``'s default), a
+        str, an int or bytes (``_validate.check_hash_seed``).
       free_order: ``"append"`` or vLLM's ``"unhashed_first"``.
       eviction: the device eviction policy (``prefixcache.core.eviction.POLICIES``).
       eviction_options: the policy's keyword options (a mapping or None).
@@ -199,7 +199,9 @@ class CacheConfig:
         if _check_name("hash_algo", self.hash_algo) not in HASH_ALGOS:
             raise ValueError(f"hash_algo: unknown hash algorithm {self.hash_algo!r}; valid: "
                              f"{', '.join(HASH_ALGOS)}")
-        # NOTE: hash_seed is any value (the hasher uses str(seed)), as BlockHasher's.
+        # hash_seed: None, a str, an int or bytes, as BlockHasher's (the one rule,
+        # _validate.check_hash_seed: an object's str carries its address).
+        check_hash_seed(self.hash_seed)
         if _check_name("free_order", self.free_order) not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {self.free_order!r}; expected one of {FREE_ORDERS}")
         try:

@@ -42,7 +42,8 @@ from __future__ import annotations
 from itertools import islice
 from typing import Sequence
 
-from prefixcache._validate import ArgumentTypeError
+from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
+                                   check_release_inputs, held_state)
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 from collections.abc import Mapping
 
@@ -297,15 +298,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"sliding-window KV cache groups do not support a host tier "
                 f"(num_host_blocks={num_host_blocks}); use one full-attention group")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
-            or max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
+        block_size = check_positive_int("block_size", block_size)
+        num_blocks = check_positive_int("num_blocks", num_blocks)
+        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
         if eviction_options is not None and not isinstance(eviction_options, Mapping):
             raise TypeError(
                 f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}")
@@ -750,13 +746,12 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         Raises:
             ValueError: the request holds no blocks here (nothing changed).
         """
-        rid = request.request_id if isinstance(request, Request) else request
-        try:
-            st = self._states.pop(rid, None)
-        except TypeError:
-            st = None
-        if st is None:
-            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        # The one rule (_validate.held_state): the admitted Request or its id; and what
+        # the release reads is checked first, so it cannot fail half way.
+        rid, st = held_state(self._states, request)
+        if type(st.request._priority) is not int:
+            check_release_inputs(st.request)
+        del self._states[rid]
         del self._states_by_request[st.request]
         null = self.null_block
         for table in st.tables:
@@ -797,6 +792,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives: the offline ``belady`` policy
         advances its next uses; a no-op without a policy."""
+        index = check_arrival(request, index)  # the one rule (every manager)
         if self.policy is not None:
             request.bind_hasher(self.hasher, self.block_size)
             self.policy.on_arrival(request, index)

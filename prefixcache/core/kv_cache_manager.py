@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
-from prefixcache._validate import ArgumentTypeError, check_count
+from prefixcache._validate import (ArgumentTypeError, check_arrival, check_count,
+                                   check_positive_int, check_release_inputs, held_state)
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     BlockPool,
@@ -157,6 +158,8 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     bad = _bad_num_computed_tokens(request)
     if bad:
         raise ValueError(bad)
+    if type(request._priority) is not int:  # (what a policy reads when it caches)
+        check_release_inputs(request)
     nc = request.num_computed_tokens
     if new_computed_blocks is not None and type(new_computed_blocks) is not list:
         _check_hit_container(new_computed_blocks)  # sets (unordered), generators, ...
@@ -359,16 +362,12 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"{type(self).__name__} serves the hash index over one full-attention "
                 f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
+        block_size = check_positive_int("block_size", block_size)
+        num_blocks = check_positive_int("num_blocks", num_blocks)
         if free_order not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int) or max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
         num_host_blocks, host_options = check_host_args(
             num_host_blocks, host_eviction, host_eviction_options)
@@ -630,6 +629,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"request {request.request_id!r} needs {total} tokens, beyond "
                 f"max_model_len={self.max_model_len}"
             )
+        if type(request._priority) is not int:  # (the policy / tier read it when caching)
+            check_release_inputs(request)
         bs = self.block_size
         blocks = st.blocks
         num_new_blocks = -(-total // bs) - len(blocks)
@@ -859,13 +860,18 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         Raises:
             ValueError: the request holds no blocks here (nothing changed).
         """
-        rid = request.request_id if isinstance(request, Request) else request  # any id type
-        try:
-            st = self._states.pop(rid, None)
-        except TypeError:  # an unhashable id: not one of ours
-            st = None
-        if st is None:
-            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        # The one rule (_validate.held_state): the admitted Request or its id; and what
+        # the release reads is checked first, so it cannot fail half way.
+        if isinstance(request, Request):
+            rid = request.request_id
+            st = self._states.get(rid)
+        else:
+            rid = st = None
+        if st is None or st.request is not request:
+            rid, st = held_state(self._states, request)
+        if type(st.request._priority) is not int:
+            check_release_inputs(st.request)
+        del self._states[rid]
         del self._states_by_request[st.request]
         blocks = st.blocks
         blocks.reverse()
@@ -894,6 +900,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives (before its first lookup): the
         offline ``belady`` policy advances its next uses; a no-op otherwise."""
+        if type(index) is not int or index < 0 or not isinstance(request, Request):
+            index = check_arrival(request, index)  # the one rule (every manager)
         if self.policy is not None:
             self._bind(request)
             self.policy.on_arrival(request, index)

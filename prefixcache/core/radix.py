@@ -93,7 +93,8 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
-from prefixcache._validate import ArgumentTypeError
+from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
+                                   check_release_inputs, held_state)
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     KV_CACHE_SPEC_KIND,
@@ -123,6 +124,7 @@ from prefixcache.core.kv_cache_manager import (
 from prefixcache.core.indexes import resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
+from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
@@ -315,17 +317,12 @@ class RadixKVCacheManager(HostTierAPI):
         if num_host_blocks and not enable_caching:
             raise ValueError(
                 f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
+        block_size = check_positive_int("block_size", block_size)
+        num_blocks = check_positive_int("num_blocks", num_blocks)
         if free_order not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
-            or max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
         if eviction_options is not None and not isinstance(eviction_options, Mapping):
             raise ValueError(
                 f"eviction_options must be a mapping or None, got {eviction_options!r}"
@@ -434,6 +431,8 @@ class RadixKVCacheManager(HostTierAPI):
 
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives (forwarded to the policy)."""
+        if type(index) is not int or index < 0 or not isinstance(request, Request):
+            index = check_arrival(request, index)  # the one rule (every manager)
         if self.policy.needs_future:  # belady reads the request's block hashes
             request.bind_hasher(self.hasher, self.block_size)
         self.policy.on_arrival(request, index)
@@ -570,6 +569,8 @@ class RadixKVCacheManager(HostTierAPI):
                 f"request {request.request_id!r} needs {total} tokens, beyond "
                 f"max_model_len={self.max_model_len}"
             )
+        if type(request._priority) is not int:  # (the policy / tier read it when caching)
+            check_release_inputs(request)
         bs = self.block_size
         blocks = st.blocks
         num_new_blocks = -(-total // bs) - len(blocks)
@@ -1049,11 +1050,19 @@ class RadixKVCacheManager(HostTierAPI):
         Raises:
             ValueError: the request holds no blocks here (nothing changed).
         """
-        rid = request if isinstance(request, str) else request.request_id
-        st = self._states.pop(rid, None)
-        if st is None:
-            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        # The one rule (_validate.held_state): the admitted Request or its id; and what
+        # the release reads is checked first, so it cannot fail half way.
+        if isinstance(request, Request):
+            rid = request.request_id
+            st = self._states.get(rid)
+        else:
+            rid = st = None
+        if st is None or st.request is not request:
+            rid, st = held_state(self._states, request)
         req = st.request
+        if type(req._priority) is not int:
+            check_release_inputs(req)
+        del self._states[rid]
         del self._states_by_request[req]
         # Blocks: cached ones to the queue's tail, unhashed ones to its head.
         self._num_free_unhashed += self._free.release(reversed(st.blocks), True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache._validate import check_int_sequence
+from prefixcache._validate import ArgumentTypeError, check_int, check_int_sequence, check_path
 from prefixcache.core.hashing import BlockHasher, block_extra_keys
 
 __all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request"]
@@ -34,6 +34,17 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
     return int(v)
+
+
+def _checked_priority(request_id: Any, value: Any) -> int:
+    """A priority that is not a Python int: a numpy integer as ``int`` (the one rule for
+    ints, ``_validate.check_int``); anything else (None, NaN, a float, a bool, a str)
+    refused naming the request."""
+    try:
+        return check_int("priority", value)
+    except ArgumentTypeError:
+        raise ArgumentTypeError(
+            f"request {request_id!r}: priority must be an int, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +90,23 @@ class LoRARequest:
     int_id: int | None = None
 
     def __post_init__(self):
-        for field_name in ("name", "path"):
-            value = getattr(self, field_name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"LoRARequest.{field_name} must be a non-empty str, got {value!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LoRARequest.name must be a non-empty str, got {self.name!r}")
+        # The one path rule (_validate.check_path): a str or os.PathLike (pathlib.Path),
+        # stored as its str -- the same block keys as the str path, as the adapter
+        # loader reads it.
+        object.__setattr__(self, "path", check_path("LoRARequest.path", self.path))
         i = self.int_id
-        if i is not None and (type(i) is not int or i < 1):
-            raise ValueError(f"LoRARequest.int_id must be None or an int >= 1, got {i!r}")
+        if i is not None:
+            if type(i) is not int:  # numpy ints are ints (one rule: _validate)
+                try:
+                    i = check_int("LoRARequest.int_id", i)
+                except ArgumentTypeError:
+                    raise ArgumentTypeError(
+                        f"LoRARequest.int_id must be None or an int >= 1, got {i!r}") from None
+                object.__setattr__(self, "int_id", i)
+            if i < 1:
+                raise ValueError(f"LoRARequest.int_id must be None or an int >= 1, got {i!r}")
 
 
 class ReadOnlyList(Sequence):
@@ -302,9 +323,7 @@ class Request:
                 f"inside the {n}-token prompt"
             )
         if type(priority) is not int:
-            raise ValueError(
-                f"request {request_id!r}: priority must be an int, got {priority!r}"
-            )
+            priority = _checked_priority(request_id, priority)
         self._priority = priority
         if (hasher is None) != (block_size is None):
             raise ValueError(
@@ -352,8 +371,7 @@ class Request:
         # NOTE: validated where the value enters (issue 25): a None or NaN priority set
         # after construction made free() raise halfway under the priority policy.
         if type(value) is not int:
-            raise ValueError(
-                f"request {self._request_id!r}: priority must be an int, got {value!r}")
+            value = _checked_priority(self._request_id, value)
         self._priority = value
 
     @property

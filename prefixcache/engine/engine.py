@@ -35,9 +35,9 @@ _REQUEST_ID = operator.attrgetter("state.request.request_id")
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    from prefixcache._validate import check_positive_int  # the one rule for sizes
+
+    return check_positive_int(name, value)
 
 
 class Engine:

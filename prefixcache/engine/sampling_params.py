@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +47,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        # The one int rule (prefixcache._validate): numpy ints are ints (stored as int),
+        # bools are not.
+        for name in ("max_tokens", "top_k", "seed"):
+            v = getattr(self, name)
+            if type(v) is not int and isinstance(v, np.integer):
+                object.__setattr__(self, name, int(v))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
@@ -71,7 +79,8 @@ class SamplingParams:
                 raise ValueError(f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed < 2**32:
                 raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        stop = tuple(self.stop_token_ids)
+        stop = tuple(int(t) if isinstance(t, np.integer) and not isinstance(t, np.bool_) else t
+                     for t in self.stop_token_ids)
         for t in stop:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(

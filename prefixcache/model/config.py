@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from prefixcache._validate import check_positive_int
+
 __all__ = ["ATTENTION_TYPES", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES",
            "SUPPORTED_DTYPES"]
 
@@ -25,9 +27,9 @@ SLIDING_ATTENTION = "sliding_attention"
 ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
-def _positive_int(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
+def _positive_int(name: str, v: Any) -> int:
+    # The one rule for sizes (_validate): numpy ints are ints, bools are not.
+    return check_positive_int(name, v)
 
 
 def _positive_float(name: str, v: Any) -> None:
@@ -113,7 +115,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "mlp_dim", "max_position_embeddings"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         _positive_float("rms_norm_eps", self.rms_norm_eps)
         _positive_float("rope_theta", self.rope_theta)
         if self.num_heads % self.num_kv_heads:
@@ -138,9 +140,8 @@ class ModelConfig:
 
     def _check_layer_types(self) -> None:
         """Validates `sliding_window` / `layer_types` and stores a uniform tuple as None."""
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"sliding_window must be a positive int or None, got {w!r}")
+        w = check_positive_int("sliding_window", self.sliding_window, optional=True)
+        object.__setattr__(self, "sliding_window", w)
         types = self.layer_types
         if types is None:
             return

@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import prefixcache_kernels as kernels
+from prefixcache._validate import check_count, check_positive_int
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.llama import Transformer, _local_attend
@@ -148,11 +149,15 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
                          "num_blocks (one padding page is added)")
     if (page_size is None) == (block_size is None):
         raise ValueError("give exactly one of page_size and block_size")
-    pages = num_pages if num_pages is not None else num_blocks + 1
-    size = page_size if page_size is not None else block_size
-    for name, v in (("num_pages", pages), ("page_size", size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    # (the one rule for sizes: numpy ints are ints, bools are not -- _validate)
+    if num_pages is not None:
+        pages = check_positive_int("num_pages", num_pages)
+    else:
+        pages = check_count("num_blocks", num_blocks) + 1
+    if page_size is not None:
+        size = check_positive_int("page_size", page_size)
+    else:
+        size = check_positive_int("block_size", block_size)
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give mesh or sharding, not both")

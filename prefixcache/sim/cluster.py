@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache._validate import check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.cost_model import CostModel
@@ -141,8 +142,7 @@ def simulate_cluster(
       TypeError: a router that is neither a name nor a Router, a non-numeric
         arrival rate.
     """
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+    num_replicas = check_positive_int("num_replicas", num_replicas)  # (numpy ints too)
     if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
     arrival_rate = check_arrival_rate(arrival_rate)

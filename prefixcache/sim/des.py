@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache._validate import check_count
+from prefixcache._validate import ArgumentTypeError, check_count
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
@@ -468,6 +468,10 @@ def sim_cache_config(cache_config: CacheConfig | None, cost_model: CostModel,
       ValueError: a bad field (named), a policy that needs the trace's future, KV cache
         groups, a host tier without ``cost_model.host_link``.
     """
+    if not isinstance(cost_model, CostModel):  # (else an AttributeError mid-run)
+        raise ArgumentTypeError(
+            "cost_model must be a prefixcache.cost_model.CostModel (CostModel.create(model, "
+            f"accelerator)), got {type(cost_model).__name__} {cost_model!r}")
     cfg = resolve(cache_config, **keywords)
     if cfg.kv_cache_bytes is not None:
         cfg = cfg.with_pool_blocks(

@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from prefixcache._validate import check_hash_seed
+from prefixcache._validate import check_count, check_hash_seed, check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.eviction import TraceFuture, get_policy_class
 from prefixcache.core.hashing import BlockHasher
@@ -268,8 +268,9 @@ def replay(
                   kv_cache_groups=kv_cache_groups, num_host_blocks=num_host_blocks,
                   host_eviction=host_eviction, enable_caching=enable_caching,
                   host_eviction_options=host_eviction_options)
-    if not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    # (the one int rule: numpy ints are ints, bools are not -- _validate)
+    concurrency = check_positive_int("concurrency", concurrency)
+    total = check_count("total", total) if total is not None else None
     check_hash_seed(cfg.hash_seed)  # an object's str carries its address: not reproducible
     bytes_per_block = None
     if model is not None:

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from prefixcache._validate import check_int_sequence
+from prefixcache._validate import check_int_sequence, check_path
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 32000
@@ -82,6 +82,11 @@ class TraceRequest:
         if not isinstance(self.id, str) or not self.id:
             raise ValueError(f"TraceRequest.id must be a non-empty str, got {self.id!r}")
         check_int_sequence(f"TraceRequest {self.id!r} prompt", self.prompt)
+        # numpy ints are ints (the one rule, prefixcache._validate), stored as int.
+        if type(self.output_len) is not int and isinstance(self.output_len, np.integer):
+            self.output_len = int(self.output_len)
+        if type(self.priority) is not int and isinstance(self.priority, np.integer):
+            self.priority = int(self.priority)
         if not _is_int(self.output_len) or self.output_len < 0:
             raise ValueError(f"TraceRequest {self.id!r}: output_len must be an int >= 0, "
                              f"got {self.output_len!r}")
@@ -414,7 +419,7 @@ def read_trace(
         raise ValueError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
     if mooncake_tokens not in ("expand", "lazy"):
         raise ValueError(f"mooncake_tokens must be 'expand' or 'lazy', got {mooncake_tokens!r}")
-    path = os.fspath(path)
+    path = check_path("path", path)  # a str or os.PathLike (the one path rule)
     if format in ("bailian", "claude_code"):  # hash-id formats of their own
         from prefixcache.sim.trace_formats import READERS  # noqa: PLC0415 (imports us)
 
@@ -487,7 +492,7 @@ def write_trace(path: str | os.PathLike, requests: Iterable[TraceRequest | dict]
     Returns:
         The number of requests written.
     """
-    path = os.fspath(path)
+    path = check_path("path", path)  # a str or os.PathLike (the one path rule)
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".jsonl.tmp", dir=d)
     n = 0

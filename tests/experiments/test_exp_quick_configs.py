@@ -101,3 +101,55 @@ def test_quick_sim_experiments_run(local_datasets, tmp_path):
     assert len(out["rows"]) == 4 * 2
     out, work = _run("latency_by_prefix", "latency_by_prefix_mooncake", tmp_path)
     assert out["simulated"][0]["ttft_s"]["count"] == 200
+
+
+# The engine audit's quick variant trimmed for CI (measured ~8 s wall, ~10 s CPU, on
+# the shared 2-core machine; the untrimmed quick variant took ~50 s): 2 probes per
+# class, 1 warm-up trial, 64-token secrets and public prompt, two token buckets --
+# every scenario still runs, so the rows and files have the full run's shape.
+AUDIT_ENGINE_CI = {"num_probes": 2, "warmup_trials": 1, "secret_len": 64, "public_len": 64,
+                   "noise_prompt_len": (16, 64), "ordering_noise_len": 64,
+                   "ordering_burst": 2, "num_blocks": 128,
+                   "engine.token_buckets": (64, 256), "engine.max_num_batched_tokens": 256,
+                   "engine.max_model_len": 256, "engine.page_buckets": (16,)}
+
+
+def test_quick_audit_timing_engine_trimmed(tmp_path):
+    from experiments import audit_timing  # noqa: PLC0415
+
+    c = _module("audit_timing").get_config("quick")
+    c.workdir = str(tmp_path / "audit")
+    for k, v in AUDIT_ENGINE_CI.items():  # as --config.<k>=<v> overrides
+        target = c
+        *parts, last = k.split(".")
+        for p in parts:
+            target = target[p]
+        target[last] = v
+    assert c.backend == "engine"
+    out = audit_timing.run(c)
+    work = pathlib.Path(c.workdir)
+    names = list(audit_timing.SCENARIOS)
+    assert sorted(out["scenarios"]) == sorted(names) and out["skipped_scenarios"] == {}
+    rows = _read(work / "results.jsonl")
+    assert rows[0]["record"] == "provenance"  # provenance once per file
+    assert "provenance" not in rows[1] and "provenance" not in rows[-1]
+    pid = rows[0]["provenance_id"]
+    probes = [r for r in rows if r["record"] == "probe"]
+    summaries = {r["scenario"]: r for r in rows if r["record"] == "scenario"}
+    assert len(probes) == len(names) * 2 * c.num_probes
+    assert {r["provenance_id"] for r in rows[1:]} == {pid}
+    assert len({frozenset(r) for r in probes}) == 1  # one row shape
+    assert set(summaries) == set(names)
+    for name, s in summaries.items():
+        assert set(s) == {"record", "scenario", "backend", "provenance_id",
+                          *out["scenarios"][name]}
+        assert {k: s[k] for k in out["scenarios"][name]} == out["scenarios"][name]
+        assert (s["n_hit"], s["n_miss"]) == (c.num_probes, c.num_probes)
+    # What the cache does is exact (timing is not asserted): no salt, every hit guess
+    # reuses the victim's secret; a per-tenant salt, no cross-tenant hit at all.
+    assert summaries["no_salt"]["cross_tenant_hit_tokens"] == c.num_probes * c.secret_len
+    assert summaries["tenant_salt"]["cross_tenant_hit_tokens"] == 0
+    assert summaries["tenant_salt"]["manager_hit_tokens"] == 0
+    assert summaries["public_prefix_salted_rest"]["cross_tenant_private_hit_tokens"] == 0
+    assert (work / "audit_timing.png").stat().st_size
+    assert (work / "audit_timing.cells.jsonl").is_file() and (work / "provenance.json").is_file()

@@ -195,7 +195,7 @@ def test_bad_input_is_rejected_before_anything_runs():
     with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
         simulate_cluster(reqs, num_replicas=2, router="nope", cost_model=COST,
                          num_blocks=100, block_size=16)
-    with pytest.raises(ValueError, match="num_replicas must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_replicas must be a positive int"):
         simulate_cluster(reqs, num_replicas=0, router="random", cost_model=COST,
                          num_blocks=100, block_size=16)
     with pytest.raises(ValueError, match="time_scale"):

@@ -46,7 +46,8 @@ def make_router(name: str, *, num_replicas: int, block_size: int, seed: int = 0,
     try:
         return cls(num_replicas, block_size=block_size, seed=seed, **options)
     except TypeError as e:
-        raise TypeError(f"routing policy {name!r}: {e}") from None
+        # (an ArgumentTypeError, a TypeError and a ValueError, keeps both)
+        raise type(e)(f"routing policy {name!r}: {e}") from None
 
 
 __all__ = ["ROUTERS", "ReplicaLoad", "Router", "check_router_name", "make_router", "router_names"]

@@ -55,13 +55,13 @@ class Router:
     needs_events = False
 
     def __init__(self, num_replicas: int, *, block_size: int, seed: int = 0):
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.num_replicas = num_replicas
-        self.block_size = block_size
-        self.seed = seed
+        # The one int rule (prefixcache._validate): numpy ints are ints, bools are not;
+        # a seed is an int (a str or float seed was taken, and seeds Random differently).
+        from prefixcache._validate import check_int, check_positive_int  # noqa: PLC0415
+
+        self.num_replicas = check_positive_int("num_replicas", num_replicas)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.seed = check_int("seed", seed)
 
     def route(self, request, loads: Sequence[ReplicaLoad], now: float) -> int:
         """The index of the replica that serves ``request`` (arriving at ``now`` s)."""
