@@ -17,14 +17,24 @@ Public API:
 - `ragged_paged_attention_gpu(..., block_sizes=GPUBlockSizes(), interpret=False)`: Pallas
   Triton kernel with split-K (flash-decoding) merge.
 """
-from prefixcache_kernels.api import BACKENDS, check_backend_config, paged_attention, resolve_backend
+from prefixcache_kernels.api import (
+    BACKENDS,
+    KERNEL_BACKENDS,
+    check_backend_config,
+    get_backend,
+    paged_attention,
+    register_backend,
+    resolve_backend,
+)
 from prefixcache_kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
 from prefixcache_kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
 from prefixcache_kernels.reference import ragged_paged_attention_reference
+from prefixcache_kernels.registry import AttentionQuery, KernelBackend
 from prefixcache_kernels.write_kv import write_kv
 
 __all__ = [
-    "BACKENDS", "GPUBlockSizes", "check_backend_config", "TPUBlockSizes", "paged_attention",
+    "AttentionQuery", "BACKENDS", "GPUBlockSizes", "KERNEL_BACKENDS", "KernelBackend",
+    "check_backend_config", "TPUBlockSizes", "get_backend", "paged_attention",
     "ragged_paged_attention_gpu", "ragged_paged_attention_reference",
-    "ragged_paged_attention_tpu", "resolve_backend", "write_kv",
+    "ragged_paged_attention_tpu", "register_backend", "resolve_backend", "write_kv",
 ]

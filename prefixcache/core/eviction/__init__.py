@@ -46,6 +46,12 @@ def policy_names() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
+def online_policy_names() -> tuple[str, ...]:
+    """The registered policies that run without the trace's future (``needs_future``
+    False): the ones a server, the engine and the host tier offer."""
+    return tuple(name for name, cls in POLICIES.items() if not cls.needs_future)
+
+
 def get_policy_class(name: str) -> type[EvictionPolicy]:
     """The policy class registered as ``name``; ``ValueError`` naming the choices."""
     if not isinstance(name, str) or name not in POLICIES:
@@ -85,5 +91,6 @@ __all__ = [
     "PolicyError",
     "get_policy_class",
     "make_policy",
+    "online_policy_names",
     "policy_names",
 ]
