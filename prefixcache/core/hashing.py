@@ -9,15 +9,23 @@ A block's digest is ``H(serialize((parent_digest, tuple(token_ids), extra_keys))
   ``("lora", name, path)``, one ``("mm", identifier, item_offset - block_start)`` per
   multimodal item overlapping the block (offset order), ``("cache_salt", salt)`` on the
   first block only (an empty salt adds no key).
-- ``serialize`` is ``pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)`` for ``sha256``
-  and ``xxhash``, ``cbor2.dumps(obj, canonical=True)`` for ``sha256_cbor`` and
-  ``xxhash_cbor``; ``H`` is SHA-256 or ``xxhash.xxh3_128_digest``.
+- ``serialize`` is a `HashSerializer` strategy object, registered by name in the
+  read-only `SERIALIZERS`: ``pickle`` (``pickle.dumps(obj,
+  protocol=pickle.HIGHEST_PROTOCOL)``, for ``sha256`` and ``xxhash``) or ``cbor``
+  (``cbor2.dumps(obj, canonical=True)``, for ``sha256_cbor`` and ``xxhash_cbor``); ``H``
+  is SHA-256 or ``xxhash.xxh3_128_digest`` (`DIGESTS`). An algorithm's name is the
+  digest's plus the serializer's suffix (`HASH_ALGOS`, `split_hash_algo`).
 - The root is ``H(serialize(seed))``. The seed is ``str(seed)`` when one is given; else
   ``PYTHONHASHSEED`` when set; else ``"vllm-none-hash"`` for the sha256 variants and 32
   fresh random bytes (hex) for the xxhash variants (a predictable seed would let an
   attacker precompute collisions of a non-cryptographic hash).
 
-The hot path (`BlockHasher.hash_token_blocks`) has two writers of those bytes:
+The spec, below in this order: the serializers and digests, the extra keys
+(`block_extra_keys`, `canonical_extra_keys`), the token ids, then `BlockHasher`, whose
+``hash_block`` is the spec itself. A serializer whose ``writer`` is None (any new one)
+is written by its ``dumps`` only. For the two built-in serializers the hot path
+(`BlockHasher.hash_token_blocks`, with the byte tables and helpers of
+`prefixcache.core.hash_writers`) has two writers of the same bytes:
 
 - vectorised (many blocks): the serialized keys of all blocks of a sequence are written
   at once with numpy, exactly as the serializers would (a constant head with a hole for
@@ -39,6 +47,7 @@ Tests pin every message of both writers byte for byte to ``pickle.dumps`` /
 
 from __future__ import annotations
 
+import abc
 import array
 import hashlib
 import operator
@@ -46,13 +55,56 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Callable
 
 import cbor2
 import numpy as np
 
 from prefixcache._validate import check_int_sequence
+from prefixcache.core.hash_writers import (  # noqa: F401  (the fast writers' tables)
+    _PICKLE_PROTOCOL,
+    _MAX_FAST_PICKLE_FRAME,
+    _MIN_VECTOR_BLOCKS_CBOR,
+    _MIN_VECTOR_BLOCKS_PICKLE,
+    _MAX_STREAM_BLOCKS_CBOR,
+    _TAIL_CACHE_SIZE,
+    _UNSPLICEABLE,
+    _MEMO_SIZE,
+    _MEMO_GROUP,
+    _MEMO_GROUP_TOKENS,
+    _CBOR_BOUNDS,
+    _CBOR_PAYLOAD,
+    _PICKLE_BOUNDS,
+    _PICKLE_OPCODE,
+    _PICKLE_PAYLOAD,
+    _MASK_BY_LEN,
+    _cbor_token_rows,
+    _pickle_token_rows,
+    _token_tables,
+    _TABLE_BITS,
+    _CBOR_ROW,
+    _CBOR_ROW_LEN,
+    _PICKLE_ROW,
+    _PICKLE_ROW_LEN,
+    _ONE_TO,
+    _BYTE0,
+    _BYTE1,
+    _CBOR_SMALL_ITEM,
+    _PICKLE_SMALL_ITEM,
+    _MIN_STREAM_BS_PICKLE,
+    _MIN_STREAM_BLOCKS_PICKLE,
+    _PICKLE_TUPLE_N,
+    _NUMPY_STREAM_MIN_IDS,
+    _stream16,
+    _has_high,
+    _low_u16s,
+    _cbor_head,
+    _cbor_int,
+    _pickle_int,
+    _CBOR_ARRAY_HEAD,
+)
 
 try:  # NOTE: optional, as in vLLM; only the xxhash algorithms need it.
     import xxhash as _xxhash
@@ -64,6 +116,14 @@ except ImportError:  # pragma: no cover - exercised only without xxhash installe
 
 __all__ = [
     "HASH_ALGOS",
+    "DIGESTS",
+    "SERIALIZERS",
+    "CborSerializer",
+    "HashSerializer",
+    "PickleSerializer",
+    "hash_algo_names",
+    "register_serializer",
+    "split_hash_algo",
     "DEFAULT_NONE_HASH_SEED",
     "LORA_LABEL",
     "MM_LABEL",
@@ -74,7 +134,103 @@ __all__ = [
     "canonical_extra_keys",
 ]
 
-HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+# -- the spec: serializers and digests ------------------------------------------------
+class HashSerializer(abc.ABC):
+    """How a block key (and the seed of the chain root) becomes bytes: the strategy of
+    the spec, ``digest = H(serializer.dumps((parent, tuple(token_ids), extra_keys)))``.
+
+    A serializer is one small object registered by name in `SERIALIZERS`; the hash
+    algorithms are every digest (`DIGESTS`) with every serializer, named
+    ``digest + serializer.suffix`` (``sha256``, ``sha256_cbor``, ...: `HASH_ALGOS`).
+
+    Attributes:
+        name: the registry key.
+        suffix: appended to the digest's name to make the algorithm's name (``"_" +
+            name`` unless set; pickle's is "" as in vLLM).
+        writer: the fast writer that reproduces ``dumps`` byte for byte for block keys
+            (``"pickle"`` or ``"cbor"``, in `prefixcache.core.hash_writers`), or None:
+            then every key is written by ``dumps`` itself (correct, slower). A new
+            serializer leaves it None.
+    """
+
+    name: str = ""
+    writer: str | None = None
+
+    @property
+    def suffix(self) -> str:
+        return "_" + self.name
+
+    @abc.abstractmethod
+    def dumps(self, obj: Any) -> bytes:
+        """The bytes of ``obj``: a str (the seed), or a key tuple of bytes, a tuple of
+        ints and None or a tuple of tuples of str / int (the extra keys)."""
+
+
+class PickleSerializer(HashSerializer):
+    """``pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)`` (vLLM's ``sha256``)."""
+
+    name = "pickle"
+    writer = "pickle"
+    suffix = ""  # vLLM's names: "sha256", "xxhash"
+
+    def dumps(self, obj: Any) -> bytes:
+        return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
+
+
+class CborSerializer(HashSerializer):
+    """``cbor2.dumps(obj, canonical=True)`` (vLLM's ``sha256_cbor``)."""
+
+    name = "cbor"
+    writer = "cbor"
+
+    def dumps(self, obj: Any) -> bytes:
+        return cbor2.dumps(obj, canonical=True)
+
+
+# NOTE: read-only (no module-level mutable state). A new serializer: one class, one
+# line here; from a user's own package, `register_serializer` (a new registry to pass
+# as `BlockHasher(..., serializers=)`).
+SERIALIZERS = MappingProxyType({"pickle": PickleSerializer(), "cbor": CborSerializer()})
+# The digests H: SHA-256 (32 bytes) and xxHash's xxh3_128 (16 bytes, optional package).
+DIGESTS = ("sha256", "xxhash")
+
+
+def hash_algo_names(serializers: Mapping[str, HashSerializer] = SERIALIZERS) -> tuple[str, ...]:
+    """Every algorithm name: each digest with each serializer, digest-major."""
+    return tuple(d + s.suffix for d in DIGESTS for s in serializers.values())
+
+
+def register_serializer(serializer: HashSerializer,
+                        registry: Mapping[str, HashSerializer] = SERIALIZERS
+                        ) -> MappingProxyType:
+    """A new read-only registry: ``registry`` plus ``serializer`` (the given one is
+    unchanged). ``ValueError`` for a non-serializer, a taken name or suffix."""
+    if not isinstance(serializer, HashSerializer):
+        raise ValueError(f"register_serializer takes a HashSerializer, got "
+                         f"{type(serializer).__name__}")
+    if not isinstance(serializer.name, str) or not serializer.name.isidentifier():
+        raise ValueError(f"a serializer's name must be an identifier, got {serializer.name!r}")
+    taken = {s.suffix for s in registry.values()}
+    if serializer.name in registry or serializer.suffix in taken:
+        raise ValueError(f"hash serializer {serializer.name!r} (suffix "
+                         f"{serializer.suffix!r}) is already registered")
+    return MappingProxyType({**registry, serializer.name: serializer})
+
+
+def split_hash_algo(algo: str, serializers: Mapping[str, HashSerializer] = SERIALIZERS
+                    ) -> tuple[str, HashSerializer]:
+    """(digest name, serializer) of an algorithm name; ``ValueError`` naming the valid
+    ones."""
+    if isinstance(algo, str):
+        for digest in DIGESTS:
+            for ser in serializers.values():
+                if algo == digest + ser.suffix:
+                    return digest, ser
+    raise ValueError(
+        f"unknown hash algorithm {algo!r}; valid: {', '.join(hash_algo_names(serializers))}")
+
+
+HASH_ALGOS = hash_algo_names()
 
 # Seed of the chain root for the sha256 variants when PYTHONHASHSEED is unset (vLLM's
 # DEFAULT_NONE_HASH_SEED): independent processes agree on every digest.
@@ -90,111 +246,6 @@ MM_LABEL = sys.intern("mm")
 CACHE_SALT_LABEL = sys.intern("cache_salt")
 PROMPT_EMBEDS_LABEL = sys.intern("prompt_embeds")
 
-_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
-# Largest pickle frame we assemble ourselves. pickle starts a new frame once a frame
-# reaches 64 KiB (FRAME_SIZE_TARGET); bigger keys go through pickle.dumps itself.
-_MAX_FAST_PICKLE_FRAME = 64 * 1024 - 64
-# Below this many blocks the per-call numpy overhead (some 20 numpy calls) outweighs
-# its per-block savings: serialize those blocks one by one. NOTE: measured inside the
-# replay, not in isolation: in isolation CBOR's crossover is ~16 blocks, but inside the
-# replay loop the numpy path (its tables and machinery) also evicts the manager's data
-# from the caches; interleaved A/B in one process (session 2) put shared_system_prompt
-# 6-20% and multi_turn 0-10% faster with 64 than with 16, few_shot within noise.
-_MIN_VECTOR_BLOCKS_CBOR = 64
-_MIN_VECTOR_BLOCKS_PICKLE = 64
-# Up to this many blocks whose ids are all < 65536, CBOR's per-block writer (token
-# arrays cut from one byte stream, session 3) beats the vectorised one: measured in
-# isolation 1.3-1.9 vs 1.5-3.1 us per block at 64-256 blocks (vocab 32000); with ids
-# >= 65536 (a 128K vocab) the per-block writer falls back to cbor2 per block and the
-# vectorised one wins from 64 blocks (3.2-4.5 vs 6.4-8.5 us).
-# NOTE (session 6): with the stream built by numpy from _NUMPY_STREAM_MIN_IDS ids on,
-# the per-block writer also wins past 256 blocks (960 cold 16-token blocks of a
-# Mooncake prompt: ~0.45 vs ~0.8 relative time): no upper bound any more.
-_MAX_STREAM_BLOCKS_CBOR = 1 << 62
-# Bound of the per-hasher cache of serialized extra keys (cleared when full).
-_TAIL_CACHE_SIZE = 4096
-_UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can write
-# Bound of the per-hasher memo of block digests (cleared when full): 32 Ki entries,
-# 512 Ki tokens of prefixes at block size 16, about 10 MiB (+ the group entries, one
-# per run of _MEMO_GROUP blocks, about 1.2 KiB each at block size 16).
-_MEMO_SIZE = 1 << 15
-# Blocks per group entry of the memo (one lookup per run of this many known blocks):
-# _MEMO_GROUP, but runs of at most _MEMO_GROUP_TOKENS tokens (8 blocks up to block size
-# 16, 2 at 64). NOTE: none from 128 tokens per block on (session 6): a block lookup is
-# then amortised over as many tokens as a group's, and a group key only hashed the
-# same token bytes again (siphash of 32 KiB per lookup and per insert at block size
-# 512: ~4 ns per token).
-_MEMO_GROUP = 8
-_MEMO_GROUP_TOKENS = 128
-
-# The vectorised writer lays every token out in one little-endian u64 "row": the bytes
-# it writes, left-aligned (opcode / CBOR head byte, then up to 4 payload bytes) and zero
-# padded, plus its length; one boolean compaction of all rows yields the stream.
-# CBOR unsigned ints < 2**32 by class (v < 24, < 256, < 65536, < 2**32): the head byte
-# is v itself, 0x18, 0x19 or 0x1a; then the last 0/1/2/4 big-endian bytes of v.
-_CBOR_BOUNDS = np.array([24, 256, 65536], dtype=np.uint32)
-_CBOR_PAYLOAD = np.array([0, 1, 2, 4], dtype=np.uint64)
-# pickle ints < 2**31 by class (< 256, < 65536, < 2**31): BININT1 'K', BININT2 'M',
-# BININT 'J', then 1/2/4 little-endian bytes of v.
-_PICKLE_BOUNDS = np.array([256, 65536], dtype=np.uint32)
-_PICKLE_OPCODE = np.array([0x4B, 0x4D, 0x4A], dtype=np.uint64)
-_PICKLE_PAYLOAD = np.array([1, 2, 4], dtype=np.uint64)
-# Row mask by length: the low L bytes set.
-_MASK_BY_LEN = np.array(
-    [int.from_bytes(b"\1" * n, "little") for n in range(9)], dtype="<u8"
-)
-
-
-def _cbor_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CBOR items of ``u32[n]`` as (rows <u8[n], lengths i64[n])."""
-    cls = np.searchsorted(_CBOR_BOUNDS, u32, side="right")
-    payload = _CBOR_PAYLOAD[cls]
-    first = np.where(u32 < 24, u32, cls + 0x17).astype(np.uint64)  # v, 0x18 .. 0x1a
-    # Big-endian bytes read as little-endian: v with its 4 bytes reversed (any host).
-    swapped = u32.astype(">u4").view("<u4").astype(np.uint64)
-    rows = first | ((swapped >> (np.uint64(32) - np.uint64(8) * payload)) << np.uint64(8))
-    return rows.astype("<u8"), (payload + 1).astype(np.int64)
-
-
-def _pickle_token_rows(u32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """pickle int opcodes of ``u32[n]`` (all < 2**31) as (rows <u8[n], lengths i64[n])."""
-    cls = np.searchsorted(_PICKLE_BOUNDS, u32, side="right")
-    rows = _PICKLE_OPCODE[cls] | (u32.astype(np.uint64) << np.uint64(8))
-    return rows.astype("<u8"), (_PICKLE_PAYLOAD[cls] + 1).astype(np.int64)
-
-
-def _token_tables(bits: int) -> tuple[np.ndarray, ...]:
-    """Read-only rows and lengths of every id < 2**bits, for both serializers."""
-    ids = np.arange(1 << bits, dtype=np.uint32)
-    tables = (*_cbor_token_rows(ids), *_pickle_token_rows(ids))
-    for t in tables:
-        t.flags.writeable = False
-    return tables
-
-
-# NOTE: immutable lookup tables (4 MiB, built once at import): one gather per token
-# instead of a dozen numpy calls, which dominate for prompts of a few dozen blocks.
-# Ids beyond the table (vocabularies over 2**17) take the arithmetic path.
-_TABLE_BITS = 17
-_CBOR_ROW, _CBOR_ROW_LEN, _PICKLE_ROW, _PICKLE_ROW_LEN = _token_tables(_TABLE_BITS)
-_ONE_TO = np.arange(1, 1 << 12, dtype=np.int64)  # 1, 2, ... (block counts)
-# The per-block CBOR writer (`BlockHasher._cbor_chain`) reads native u64 ids bytewise:
-# byte 0 / byte 1 of an id.
-_BYTE0, _BYTE1 = (0, 1) if sys.byteorder == "little" else (7, 6)
-# CBOR items of the ids below 256 (canonical: the id itself below 24, else 0x18 and it).
-_CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in range(256))
-# pickle's opcode of the ids below 256 (BININT1 'K' and the byte).
-_PICKLE_SMALL_ITEM = tuple(b"K" + bytes([v]) for v in range(256))
-# From this many tokens per block on, pickle keys are written by `_pickle_chain` (token
-# items cut from one byte stream, as CBOR's) instead of unpacking the ids to ints for
-# pickle.dumps per block or the vectorised writer (session 6, block size 512: 14 vs 21
-# (per block) and 33 (vectorised) ns per token, sha256 included).
-_MIN_STREAM_BS_PICKLE = 64
-# ... and at any block size >= 4 from this many new blocks on, instead of the vectorised
-# writer (session 6: 960 cold 16-token blocks, ids < 65536: ~0.65x its time).
-_MIN_STREAM_BLOCKS_PICKLE = 64
-_ONE_TO.flags.writeable = False
-_PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
 
 def _fresh_str(s: str) -> str:
@@ -423,86 +474,6 @@ def _pack_tokens(token_ids: Any) -> bytes | None:
         return None  # only ids >= 2**64
 
 
-# From this many ids on, the per-block writers build their byte streams with numpy (a
-# dozen calls of fixed cost, then ~1-2 instructions per id) instead of strided bytes
-# slicing (~9 instructions per byte written, five strided passes). NOTE (session 6):
-# strided slicing was 27 instructions per token of a 512-token-block replay.
-_NUMPY_STREAM_MIN_IDS = 1024
-
-
-def _stream16(packed: bytes, n: int, cbor: bool) -> tuple[bytes, bytes, bytes, bool]:
-    """(stream, b0, b1, high) of ``n`` native u64 ids: ``stream`` holds 3 bytes per id,
-    the item of its low 16 bits as CBOR's uint16 (``0x19``, byte 1, byte 0) or pickle's
-    BININT2 (``M``, byte 0, byte 1); ``b0`` / ``b1`` the ids' bytes 0 / 1 (as
-    ``packed[_BYTE0::8]`` / ``packed[_BYTE1::8]``); ``high``: some id is >= 65536."""
-    high = bool(np.frombuffer(packed, dtype=np.uint64, count=n).max() >= 65536)
-    v = np.frombuffer(packed, dtype=np.uint8, count=8 * n).reshape(n, 8)
-    lo, hi = v[:, _BYTE0], v[:, _BYTE1]
-    # NOTE: three 1-D strided column copies; a 2-D copy (e.g. u32 words cut to their
-    # first 3 bytes) runs numpy's generic N-d loop: ~10x slower.
-    out = np.empty((n, 3), dtype=np.uint8)
-    out[:, 0] = 0x19 if cbor else 0x4D
-    out[:, 1] = hi if cbor else lo
-    out[:, 2] = lo if cbor else hi
-    stream, b0, b1 = out.tobytes(), lo.tobytes(), hi.tobytes()
-    return stream, b0, b1, high
-
-
-def _has_high(packed: bytes) -> bool:
-    """Whether some of the native u64 ids in ``packed`` is >= 65536."""
-    if len(packed) >= 8 * _NUMPY_STREAM_MIN_IDS:
-        return bool(np.frombuffer(packed, dtype=np.uint64).max() >= 65536)
-    return _low_u16s(packed, packed[_BYTE0::8], packed[_BYTE1::8]) != packed
-
-
-def _low_u16s(packed: bytes, b0: bytes, b1: bytes) -> bytearray:
-    """``packed`` (native u64 ids) with every id cut to its low 16 bits: equal to
-    ``packed`` exactly where every id is < 65536 (``b0`` / ``b1``: ``packed[_BYTE0::8]`` /
-    ``packed[_BYTE1::8]``).
-
-    NOTE: a zeroed buffer, two strided copies and one memcmp: ~10x fewer instructions
-    than masking ``int.from_bytes(packed)`` or counting zero bytes (cachegrind), which
-    walk the bytes one by one.
-    """
-    low = bytearray(len(packed))
-    low[_BYTE0::8] = b0
-    low[_BYTE1::8] = b1
-    return low
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    """Canonical CBOR head (major type, argument n)."""
-    m = major << 5
-    if n < 24:
-        return bytes([m | n])
-    if n < 256:
-        return bytes([m | 24, n])
-    if n < 65536:
-        return bytes([m | 25]) + n.to_bytes(2, "big")
-    if n < 2**32:
-        return bytes([m | 26]) + n.to_bytes(4, "big")
-    return bytes([m | 27]) + n.to_bytes(8, "big")
-
-
-def _cbor_int(v: int) -> bytes:
-    """Canonical CBOR item of an int in [-2**64, 2**64)."""
-    return _cbor_head(0, v) if v >= 0 else _cbor_head(1, -1 - v)
-
-
-def _pickle_int(v: int) -> bytes:
-    """pickle's opcodes for an int in [-2**31, 2**31) (protocol >= 1): BININT1,
-    BININT2 or BININT."""
-    if 0 <= v < 256:
-        return b"K" + bytes((v,))
-    if 0 <= v < 65536:
-        return b"M" + v.to_bytes(2, "little")
-    return b"J" + v.to_bytes(4, "little", signed=True)
-
-
-# CBOR array heads of block sizes < 256 (the per-block writer's, looked up, not built).
-_CBOR_ARRAY_HEAD = tuple(_cbor_head(4, n) for n in range(256))
-
-
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -529,6 +500,8 @@ class BlockHasher:
         "_root",
         "_digest",
         "_is_cbor",
+        "_serializer",
+        "_spec_only",
         "_digest_size",
         "_tail_cache",
         "_plan_cache",
@@ -536,25 +509,26 @@ class BlockHasher:
         "_memo",
     )
 
-    def __init__(self, algo: str = "sha256", seed: Any = None):
+    def __init__(self, algo: str = "sha256", seed: Any = None, *,
+                 serializers: Mapping[str, HashSerializer] = SERIALIZERS):
         """Args:
-        algo: "sha256" | "sha256_cbor" | "xxhash" | "xxhash_cbor".
+        algo: "sha256" | "sha256_cbor" | "xxhash" | "xxhash_cbor" (`HASH_ALGOS`), or
+          a digest with another serializer of ``serializers``.
         seed: None, a str, an int or bytes; used as ``str(seed)``. None: PYTHONHASHSEED
           when set, else "vllm-none-hash" (sha256 variants) or random (xxhash variants).
+        serializers: the serializer registry (`SERIALIZERS`, or one from
+          `register_serializer`).
 
         Raises:
           ValueError: unknown algorithm. TypeError: any other seed (an object's str
             carries its address: not reproducible across processes).
           ImportError: an xxhash algorithm without the ``xxhash`` package.
         """
-        if algo not in HASH_ALGOS:
-            raise ValueError(
-                f"unknown hash algorithm {algo!r}; valid: {', '.join(HASH_ALGOS)}"
-            )
+        digest_name, serializer = split_hash_algo(algo, serializers)
         from prefixcache._validate import check_hash_seed  # noqa: PLC0415
 
         check_hash_seed(seed)
-        if algo.startswith("xxhash"):
+        if digest_name == "xxhash":
             if _xxhash is None:
                 raise ImportError(
                     f"hash algorithm {algo!r} needs the 'xxhash' package "
@@ -566,14 +540,22 @@ class BlockHasher:
             self._digest = _sha256_digest
             self._digest_size = 32
         self._algo = algo
-        self._is_cbor = algo.endswith("_cbor")
+        self._serializer = serializer
+        # NOTE: the fast writers know two serializers byte for byte; any other writes
+        # every key with its own dumps (`_spec_only`), so no branch below ever takes
+        # "not CBOR" to mean pickle for a serializer it does not know.
+        if serializer.writer not in (None, "pickle", "cbor"):
+            raise ValueError(f"hash serializer {serializer.name!r}: unknown writer "
+                             f"{serializer.writer!r} (None, 'pickle' or 'cbor')")
+        self._spec_only = serializer.writer is None
+        self._is_cbor = serializer.writer == "cbor"
         # A CBOR key's head up to its parent: array(3), bytes(digest_size).
         self._cbor_key_head = b"\x83" + _cbor_head(2, self._digest_size)
         if seed is None:
             env_seed = os.environ.get("PYTHONHASHSEED")
             if env_seed is not None:
                 seed_str = env_seed
-            elif algo.startswith("xxhash"):
+            elif digest_name == "xxhash":
                 seed_str = os.urandom(32).hex()
             else:
                 seed_str = DEFAULT_NONE_HASH_SEED
@@ -615,11 +597,14 @@ class BlockHasher:
         return f"BlockHasher(algo={self._algo!r}, root={self._root.hex()[:16]}...)"
 
     # -- generic (reference) path ---------------------------------------------------
+    @property
+    def serializer(self) -> HashSerializer:
+        return self._serializer
+
     def serialize(self, obj: Any) -> bytes:
-        """The algorithm's serializer: pickle (HIGHEST_PROTOCOL) or canonical CBOR."""
-        if self._is_cbor:
-            return cbor2.dumps(obj, canonical=True)
-        return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
+        """The algorithm's serializer (`HashSerializer.dumps`): pickle
+        (HIGHEST_PROTOCOL), canonical CBOR or a registered one."""
+        return self._serializer.dumps(obj)
 
     def hash_object(self, obj: Any) -> bytes:
         """``H(serialize(obj))`` — vLLM's ``hash_fn(obj)``."""
@@ -695,6 +680,8 @@ class BlockHasher:
             raise ValueError(f"block_size must be an int, got {block_size!r}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if self._spec_only:  # no fast writer: every block through hash_token_blocks
+            return None
         plan = self._tail_plan(int(block_size), 1, lora, (), None)
         if plan is None:
             return None
@@ -845,10 +832,11 @@ class BlockHasher:
             parent = self._parent_bytes(parent)
         if not num_blocks:
             return []
-        if packed is None:  # ids >= 2**64: only the spec path writes those
+        if packed is None or self._spec_only:
+            # ids >= 2**64, or a serializer without a fast writer: the spec path.
             return self._hash_blocks_generic(
-                _canonical_tokens(tokens), num_blocks, block_size, start_block, parent,
-                lora, mm_features, cache_salt,
+                _canonical_tokens(token_ids[start_block * block_size :]), num_blocks,
+                block_size, start_block, parent, lora, mm_features, cache_salt,
             )
         # NOTE: block digests are pure functions of (parent, tokens, extra keys), and
         # prompts share prefixes (that is what a prefix cache is for): a bounded memo
