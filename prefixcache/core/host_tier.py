@@ -45,8 +45,8 @@ instead, and a test pins the two to the same results). Any other policy is built
 ``length`` and ``cost`` see the block's chain position and ``priority`` the priority
 of the request that cached it on the device (recorded by the tiered pool when it
 caches a block, only for such policies); a host hit is not a policy hit (the entry
-leaves the host at once). A policy that needs the trace's future (``needs_future``, e.g. ``belady``) is not
-offered for the host.
+leaves the host at once). A policy that needs the trace's future (``needs_future``,
+e.g. ``belady``) is not offered for the host.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ from prefixcache.core.block_pool import (
 from prefixcache.core.eviction import (
     DEFAULT_POLICY,
     get_policy_class,
+    is_policy_class,
     make_policy,
     online_policy_names,
+    policy_name,
 )
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -159,16 +161,18 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
     # The slots' bookkeeping only (the KV pages are the engine's): refused up front.
     check_host_memory(f"a host tier of num_host_blocks={num_host_blocks}",
                       num_host_blocks * HOST_BYTES_PER_BLOCK)
-    if not isinstance(host_eviction, str):
+    if not isinstance(host_eviction, str) and not is_policy_class(host_eviction):
         raise ArgumentTypeError(
-            f"host_eviction must be a policy name (str), got {host_eviction!r}")
+            f"host_eviction must be a policy name (str) or an EvictionPolicy subclass, "
+            f"got {host_eviction!r}")
     try:
         host_cls = get_policy_class(host_eviction)  # unknown -> ValueError naming the choices
     except ValueError as e:
         raise ValueError(f"host_eviction: {e}") from None
     if host_cls.needs_future:  # the property, never the name
         raise ValueError(
-            f"host_eviction={host_eviction!r} is not supported for the host tier (it needs "
+            f"host_eviction={policy_name(host_eviction)!r} is not supported for the host "
+            "tier (it needs "
             f"the trace's future); use one of {online_policy_names()}")
     if host_eviction_options is None:
         options: dict = {}
