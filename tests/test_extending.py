@@ -165,7 +165,8 @@ def test_kernel_backend_recipe():
     with pytest.raises(ValueError, match="toy reads float32 pages only"):
         kernels.check_backend_config("toy", kv_dtype="bfloat16", **dict(static, q_dtype="bfloat16"))
     with pytest.raises(ValueError, match="unknown backend 'toy'"):  # not registered there
-        kernels.check_backend_config("toy", kv_dtype=np.float32, **dict(static, backends=kernels.KERNEL_BACKENDS))
+        kernels.check_backend_config("toy", kv_dtype=np.float32,
+                                     **dict(static, backends=kernels.KERNEL_BACKENDS))
     # paged_attention validates the arrays, then calls the record's function; the record
     # itself may be given as the backend too (here one whose platforms are every
     # platform, so it runs on this test's CPU).
@@ -216,7 +217,8 @@ def test_hash_serializer_recipe():
     want, parent = [], h.root
     for b in range(2):
         extra = (("cache_salt", "s"),) if b == 0 else None
-        parent = hashlib.sha256(toy.dumps((parent, tuple(tokens[16 * b:16 * b + 16]), extra))).digest()
+        key = (parent, tuple(tokens[16 * b:16 * b + 16]), extra)
+        parent = hashlib.sha256(toy.dumps(key)).digest()
         want.append(parent)
     assert h.hash_token_blocks(tokens, 16, cache_salt="s") == want
     # A request (its decode path too) hashes through the same spec.
@@ -224,7 +226,8 @@ def test_hash_serializer_recipe():
     req.append_output_token_ids(list(range(20, 32)))
     assert list(req.block_hashes) == want
     # The same key under another serializer is another digest (no "not CBOR = pickle").
-    assert hashing.BlockHasher("sha256", seed=0).hash_token_blocks(tokens, 16, cache_salt="s") != want
+    pickled = hashing.BlockHasher("sha256", seed=0)
+    assert pickled.hash_token_blocks(tokens, 16, cache_salt="s") != want
     with pytest.raises(ValueError, match="already registered"):
         hashing.register_serializer(toy, serializers)
 

@@ -105,8 +105,9 @@ def test_demotion_lookup_promotion_exact_transfers_and_events(index):
     # Each demotion: the GPU removal, then the CPU store with its parent's hash.
     assert [(type(e).__name__, e.medium) for e in ev[:6]] == [
         ("BlockRemoved", "GPU"), ("BlockStored", "CPU")] * 3
+    eh = m.host_tier._event_hash
     assert [e.parent_block_hash for e in ev[1:6:2]] == [
-        m.host_tier._event_hash(h) for h in (a.block_hashes[2], a.block_hashes[1], a.block_hashes[0])]
+        eh(h) for h in (a.block_hashes[2], a.block_hashes[1], a.block_hashes[0])]
     assert all(e.token_ids == [] for e in ev[1:6:2])
     assert m.num_host_cached_blocks == 3 and m.num_cached_blocks == 5
     m.check_invariants()
