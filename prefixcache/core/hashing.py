@@ -64,18 +64,18 @@ import numpy as np
 
 from prefixcache._validate import check_int_sequence
 from prefixcache.core.hash_writers import (
-    FastWriters,
-    _sha256_digest,
-    _PICKLE_PROTOCOL,
-    _MIN_VECTOR_BLOCKS_CBOR,
     _MAX_STREAM_BLOCKS_CBOR,
-    _MEMO_SIZE,
     _MEMO_GROUP,
     _MEMO_GROUP_TOKENS,
-    _MIN_STREAM_BS_PICKLE,
+    _MEMO_SIZE,
     _MIN_STREAM_BLOCKS_PICKLE,
-    _has_high,
+    _MIN_STREAM_BS_PICKLE,
+    _MIN_VECTOR_BLOCKS_CBOR,
+    _PICKLE_PROTOCOL,
+    FastWriters,
     _cbor_head,
+    _has_high,
+    _sha256_digest,
 )
 
 try:  # NOTE: optional, as in vLLM; only the xxhash algorithms need it.
@@ -105,6 +105,7 @@ __all__ = [
     "block_extra_keys",
     "canonical_extra_keys",
 ]
+
 
 # -- the spec: serializers and digests ------------------------------------------------
 class HashSerializer(abc.ABC):
