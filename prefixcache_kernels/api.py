@@ -40,16 +40,25 @@ def _check_pallas_gpu(query: AttentionQuery) -> str | None:
   return None
 
 
-# NOTE: order matters for "auto": the first record whose platforms hold the current
-# platform, else the first that runs everywhere (the reference).
-KERNEL_BACKENDS = MappingProxyType({
-    "reference": KernelBackend("reference", ragged_paged_attention_reference),
-    "pallas_tpu": KernelBackend("pallas_tpu", ragged_paged_attention_tpu, platforms=("tpu",),
-                                interpretable=True, block_sizes=TPUBlockSizes),
-    "pallas_gpu": KernelBackend("pallas_gpu", ragged_paged_attention_gpu, platforms=("gpu",),
-                                interpretable=True, block_sizes=GPUBlockSizes,
-                                check=_check_pallas_gpu),
-})
+REFERENCE = KernelBackend("reference", ragged_paged_attention_reference)
+PALLAS_TPU = KernelBackend("pallas_tpu", ragged_paged_attention_tpu, platforms=("tpu",),
+                           interpretable=True, block_sizes=TPUBlockSizes)
+PALLAS_GPU = KernelBackend("pallas_gpu", ragged_paged_attention_gpu, platforms=("gpu",),
+                           interpretable=True, block_sizes=GPUBlockSizes,
+                           check=_check_pallas_gpu)
+
+
+def _registry(*records: KernelBackend) -> MappingProxyType:
+  registry = MappingProxyType({})
+  for record in records:
+    registry = _register(record, registry)
+  return registry
+
+
+# NOTE: registered through `register_backend`, as a user's own backend is. Order
+# matters for "auto": the first record whose platforms hold the current platform, else
+# the first that runs everywhere (the reference).
+KERNEL_BACKENDS = _registry(REFERENCE, PALLAS_TPU, PALLAS_GPU)
 # The names `backend=` takes with the built-in registry ("auto" first).
 BACKENDS = (AUTO, *KERNEL_BACKENDS)
 
