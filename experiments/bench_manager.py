@@ -243,29 +243,6 @@ def bench_one(name: str, path: str, algo: str, bs=None, nb=None) -> dict:
     return result
 
 
-def peer_import_dir(parent: str) -> str:
-    """A directory that shows the peer venv's python only ``prefixcache`` and ``experiments``.
-
-    NOTE: the checkout root also holds our ``kernels`` package (it needs jax, which the
-    peer venv lacks); transformers, imported by vLLM, probes for the Hugging Face
-    package of that name by importing it, so the root itself must not be on the peer's
-    path (nor be its working directory: ``python -m`` puts the cwd first).
-
-    Args:
-      parent: where to create it (the run's trace directory).
-
-    Returns:
-      The directory (symlinks to this checkout's two packages).
-    """
-    d = os.path.join(parent, "peer-import-path")
-    os.makedirs(d, exist_ok=True)
-    for pkg in ("prefixcache", "experiments"):
-        link = os.path.join(d, pkg)
-        if not os.path.lexists(link):
-            os.symlink(os.path.join(_REPO, pkg), link)
-    return d
-
-
 def _trace_stats(path: str) -> tuple[int, int]:
     """(requests, prompt tokens) of a JSONL trace, streamed (no token lists kept)."""
     from prefixcache.sim.trace import read_trace  # noqa: PLC0415
@@ -294,13 +271,12 @@ def bench_inprocess(
     ]
     if mooncake:
         cmd += ["--mooncake_trace", mooncake]
-    imports = peer_import_dir(_TRACE_DIR.value)
     env = dict(
         os.environ, PYTHONHASHSEED=str(_HASH_SEED.value),
-        PYTHONPATH=os.pathsep.join([imports, _PEERS.value]),
+        PYTHONPATH=os.pathsep.join([_REPO, _PEERS.value]),
         VLLM_LOGGING_STREAM="ext://sys.stderr",
     )
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=imports)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_REPO)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
     med = statistics.median

@@ -20,9 +20,8 @@ With vLLM (the peer venv's Python, our package and the peer harness on PYTHONPAT
 Under pressure (``--pressure=64,256,1024``: pool sizes in blocks; our two indexes only,
 no timing): per workload x pool x eviction policy, hits, evictions and *stranded*
 blocks -- cached but unreachable because a block before them in their chain was
-evicted -- sampled every 25 frees and at the end (tree: ``num_stranded_blocks()``,
-always 0; chain: its own ``num_stranded_blocks()`` when it has one, else counted here
-from the cached digests and each block's parent digest)::
+evicted -- at the end of the replay (the summary's ``stranded_blocks``, the manager's
+``num_stranded_blocks()``: always 0 for the tree)::
 
   python -m experiments.bench_radix --trace_dir=/tmp/radix-traces --pressure=64,256,1024
 
@@ -51,63 +50,29 @@ WORKLOADS = ("shared_system_prompt", "multi_turn", "few_shot", "mm_salt")
 def run_ours(trace, index: str, *, num_blocks: int, block_size: int, hash_algo: str,
              concurrency: int, hash_seed: int, free_order: str) -> tuple[list[dict], dict]:
     """One replay through our manager of ``index`` ("hash" or "radix")."""
-    import prefixcache.sim.replay as replay_module  # noqa: PLC0415
+    from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     records: list[dict] = []
-    kwargs = dict(
-        num_blocks=num_blocks, block_size=block_size, hash_algo=hash_algo,
-        hash_seed=hash_seed, free_order=free_order, concurrency=concurrency,
-        on_record=records.append,
-    )
-    r = replay_module.replay(trace, index=index, **kwargs)
+    r = replay(trace, index=index, num_blocks=num_blocks, block_size=block_size,
+               hash_algo=hash_algo, hash_seed=hash_seed, free_order=free_order,
+               concurrency=concurrency, on_record=records.append)
     return records, dict(r["timing"], evictions=r["evictions"], hit_tokens=r["hit_tokens"])
 
 
 def pressure(trace, index: str, *, num_blocks: int, eviction: str, block_size: int,
-             concurrency: int, hash_seed: int, sample_every: int = 25) -> dict:
+             concurrency: int, hash_seed: int) -> dict:
     """One replay of ``trace`` through ``index`` with ``num_blocks`` blocks: hits,
-    evictions, stranded blocks (max over samples every ``sample_every`` frees, and at
-    the end)."""
-    import prefixcache.sim.replay as replay_module  # noqa: PLC0415
-    from prefixcache.core import KVCacheManager  # noqa: PLC0415
-    from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
+    evictions and the stranded blocks at the end."""
+    from prefixcache.sim.replay import replay  # noqa: PLC0415
 
-    stats = {"max_stranded": 0, "frees": 0}
-    made = []
-
-    def factory(*args, **kw):
-        base = RadixKVCacheManager if index == "radix" else KVCacheManager
-        kw["eviction"] = eviction
-
-        class Measured(base):
-            def stranded(self):
-                return self.num_stranded_blocks()
-
-            def free(self, request):
-                base.free(self, request)
-                stats["frees"] += 1
-                if stats["frees"] % sample_every == 0:
-                    stats["max_stranded"] = max(stats["max_stranded"], self.stranded())
-
-        made.append(Measured(*args, **kw))
-        return made[-1]
-
-    saved = replay_module.KVCacheManager
-    replay_module.KVCacheManager = factory
-    try:
-        r = replay_module.replay(
-            trace, num_blocks=num_blocks, block_size=block_size, hash_seed=hash_seed,
-            free_order="unhashed_first", concurrency=concurrency,
-        )
-    finally:
-        replay_module.KVCacheManager = saved
-    end = made[0].stranded()
+    r = replay(trace, num_blocks=num_blocks, block_size=block_size, hash_seed=hash_seed,
+               free_order="unhashed_first", concurrency=concurrency, index=index,
+               eviction=eviction)
     return {
         "hit_rate_tokens": r["hit_rate_tokens"],
         "hit_tokens": r["hit_tokens"],
         "evictions": r["evictions"],
-        "stranded_end": end,
-        "stranded_max": max(stats["max_stranded"], end),
+        "stranded_end": r["stranded_blocks"],
     }
 
 
@@ -189,17 +154,8 @@ def main(argv=None) -> None:
             if os.environ.get("PYTHONHASHSEED") != str(args.hash_seed):
                 ap.error(f"set PYTHONHASHSEED={args.hash_seed}: vLLM seeds its hash chain from it")
             os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-            # NOTE: our top-level ``kernels`` package (jax) shadows the optional
-            # ``kernels`` package transformers probes for at import: import the peer
-            # harness (and so vLLM) without the repository root on sys.path.
-            saved = sys.path[:]
-            sys.path[:] = [args.peers_dir] + [
-                p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO
-            ]
-            try:
-                import vllm_replay as peer  # noqa: PLC0415
-            finally:
-                sys.path[:] = saved
+            sys.path.insert(0, args.peers_dir)  # the peer harness, vllm_replay.py
+            import vllm_replay as peer  # noqa: PLC0415
 
     paths = _traces(args.peers_dir, args.trace_dir,
                     [w for w in args.workloads.split(",") if w], args.seed)

@@ -77,10 +77,6 @@ def _bench(paths: list[str], max_requests: int, repeat: int, block_size: int) ->
     from prefixcache.core.request import MultiModalFeature as PMM
     from prefixcache.core.request import Request as PRequest
 
-    # NOTE: off the path again before vLLM is imported: the checkout root also holds
-    # our `kernels` package (it needs jax), and transformers (imported by vLLM) probes
-    # for the Hugging Face package of that name by importing it.
-    sys.path.remove(root)
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams

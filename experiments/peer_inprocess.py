@@ -1,12 +1,10 @@
 r"""Our replay and vLLM's, alternated in ONE interpreter: the steadiest speed ratio.
 
 Run by ``experiments.bench_manager --peer_mode=inprocess`` with the peer venv's Python
-(it needs vLLM; our package comes from ``PYTHONPATH``; no absl, no jax). ``$DIR`` holds
-only links to the checkout's ``prefixcache`` and ``experiments`` (not the checkout root,
-whose ``kernels`` package transformers would try to import: see
-``bench_manager.peer_import_dir``), and is also the working directory::
+(it needs vLLM; our package comes from ``PYTHONPATH``; no absl, no jax), from the
+checkout root::
 
-  cd $DIR && PYTHONHASHSEED=0 PYTHONPATH=$DIR:$REPO/experiments/peers \
+  cd $REPO && PYTHONHASHSEED=0 PYTHONPATH=$REPO:$REPO/experiments/peers \
       $VLLM_PY -m experiments.peer_inprocess --trace T.jsonl --hash_algos sha256,xxhash_cbor
 
 Why: on a shared 2-core machine the speed drifts by 20-40% over seconds. Two processes

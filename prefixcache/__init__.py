@@ -4,11 +4,26 @@ Public API::
 
     from prefixcache import CacheConfig, KVCacheManager, Request, MultiModalFeature, LoRARequest, BlockHasher
 
-``prefixcache.core`` holds the host-side cache (plus ``KVCacheBlock``, the events and
-``PrefixCacheStats``) and its one typed configuration ``CacheConfig``; ``prefixcache.sim``
-replays request traces through it; ``prefixcache.engine`` serves a model over it;
-``prefixcache.cost_model`` prices steps (below ``core``: no layer imports upward).
-``docs/ARCHITECTURE.md`` is the module map and the layering rules.
+The packages, top to bottom (no layer imports one above it; ``docs/ARCHITECTURE.md``
+has the contracts between them)::
+
+    prefixcache.serve        OpenAI-compatible server, metrics, KV events (extra `serve`)
+    prefixcache.engine       requests in, tokens out: scheduler, model runner, host pages
+    prefixcache.sim          trace replay, discrete-event simulation, routing (host only)
+    prefixcache.core         the host-side prefix cache and its CacheConfig (host only)
+    prefixcache.scheduling   waiting-queue policies, shared by engine and simulator
+    prefixcache.metadata     the step's index arrays for the kernels (numpy)
+    prefixcache.model        flax nnx model, checkpoint loading (HF directory, GGUF)
+    prefixcache.text         tokenizer, chat template, detokenizer (extra `text`)
+    prefixcache.cost_model   roofline step times, model shapes (host only)
+    prefixcache.kv_dtypes    KV page dtypes and byte budgets
+    prefixcache._validate    argument checks at public boundaries
+    prefixcache_kernels      JAX / Pallas paged attention (its own top-level package;
+                             never imports prefixcache)
+
+Rules: ``core``, ``sim``, ``metadata``, ``cost_model`` and ``text`` never import jax;
+no module-level mutable state (registries are read-only ``MappingProxyType``s, seeds are
+passed in); a plug-in is one file plus one registration (README "Extending").
 """
 
 from prefixcache.core import (

@@ -1,14 +1,21 @@
 """The README's "Extending" recipes, each followed with a toy plug-in defined here.
 
-Each registry is read-only (a ``MappingProxyType``); the recipe's "one registration"
-is one line in it, which the tests make with ``monkeypatch`` (a new read-only map with
-the toy added), then drive the toy through the public entry points only.
+Every registry is read-only (a ``MappingProxyType``) and no test edits one: a toy is
+registered the way a user's own package registers it without editing ours -- its class
+(or record, or instance) where a name goes (``CacheConfig(eviction=Toy)``,
+``simulate_cluster(router=Toy)``, ``paged_attention(backend=record)``), or a NEW
+registry from a ``register_*`` function handed to the call (``register_backend``,
+``register_serializer``, ``datasets.path_of(registry=...)``). The toys then run through
+the public entry points only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import types
 
+import numpy as np
 import pytest
 
 from prefixcache import CacheConfig
@@ -21,15 +28,9 @@ def _trace(n=8):
                          timestamp=0.01 * i) for i in range(n)]
 
 
-def _register(monkeypatch, module, attr, name, value):
-    monkeypatch.setattr(module, attr, types.MappingProxyType({**getattr(module, attr),
-                                                              name: value}))
-
-
-def test_eviction_policy_recipe(monkeypatch):
-    from prefixcache.core import eviction
+# ------------------------------------------------------------------ eviction policy
+def _newest_first():
     from prefixcache.core.eviction.base import KeyedPolicy
-    from prefixcache.sim.replay import replay
 
     class NewestFirst(KeyedPolicy):
         """Evict the most recently cached candidate first (MRU by cache time)."""
@@ -39,45 +40,61 @@ def test_eviction_policy_recipe(monkeypatch):
         def key(self, block):
             return -self.cached_at[block.block_id]
 
-    _register(monkeypatch, eviction, "POLICIES", "newest_first", NewestFirst)
+    return NewestFirst
+
+
+def test_eviction_policy_recipe():
+    from prefixcache.sim.replay import replay
+
+    NewestFirst = _newest_first()
     # prefix A (2 blocks), three unique prompts (3 blocks each), A again: LRU evicts A
     # (the oldest), the toy evicts the newest and keeps A's 8 tokens for the last one.
     trace = [TraceRequest(id="a0", prompt=[7] * 8 + [1], output_len=1)]
     trace += [TraceRequest(id=f"u{i}", prompt=[10 + i] * 12, output_len=1) for i in range(3)]
     trace += [TraceRequest(id="a1", prompt=[7] * 8 + [2], output_len=1)]
-    cfg = CacheConfig(num_blocks=6, block_size=4, eviction="newest_first")
+    cfg = CacheConfig(num_blocks=6, block_size=4, eviction=NewestFirst)
     hits = {}
     toy = replay(trace, cache_config=cfg,
                  on_record=lambda r: hits.__setitem__(r["id"], r["num_computed_tokens"]))
     assert toy["eviction"] == "newest_first" and toy["evictions"] > 0
     assert hits["a1"] == 8
+    assert cfg.to_dict()["eviction"] == "newest_first"  # provenance rows: its name
     lru_hits = {}
     replay(trace, cache_config=cfg.replace(eviction="lru"),
            on_record=lambda r: lru_hits.__setitem__(r["id"], r["num_computed_tokens"]))
     assert lru_hits["a1"] == 0
-    # not needing the future, it is a valid host policy too
-    assert CacheConfig(num_blocks=6, num_host_blocks=4, host_eviction="newest_first")
+    # Not needing the future, it runs in the host tier too, under every index.
+    for index in ("hash", "radix"):
+        s = replay(trace, cache_config=cfg.replace(num_host_blocks=4, index=index,
+                                                   host_eviction=NewestFirst))
+        assert s["host_eviction"] == "newest_first" and s["host_blocks_stored"] > 0
 
 
-def test_offline_policy_is_known_by_its_property_not_its_name(monkeypatch):
-    from prefixcache.core import eviction
+def test_offline_policy_is_known_by_its_property_not_its_name():
+    from prefixcache.core.eviction import online_policy_names
     from prefixcache.core.eviction.belady import BeladyPolicy
+    from prefixcache.serve.cli import parse_args
     from prefixcache.sim import des
 
     class Oracle(BeladyPolicy):
         name = "oracle"
 
-    _register(monkeypatch, eviction, "POLICIES", "oracle", Oracle)
     with pytest.raises(ValueError, match="oracle needs the trace's future"):
         des.simulate(_trace(), cost_model=des.CostModel.create("tiny", "h100"),
-                     num_blocks=8, block_size=4, eviction="oracle")
+                     num_blocks=8, block_size=4, eviction=Oracle)
     with pytest.raises(ValueError, match="host_eviction='oracle' needs the trace's future"):
-        CacheConfig(num_host_blocks=2, host_eviction="oracle")
+        CacheConfig(num_host_blocks=2, host_eviction=Oracle)
+    # The server offers exactly the registered policies that need no future.
+    assert "belady" not in online_policy_names()
+    for name in online_policy_names():
+        assert parse_args(["serve", "tiny", "--eviction", name]).eviction == name
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "tiny", "--eviction", "belady"])
 
 
-def test_router_recipe(monkeypatch):
+# --------------------------------------------------------------------------- router
+def test_router_recipe():
     from prefixcache.cost_model import CostModel
-    from prefixcache.sim import routing
     from prefixcache.sim.cluster import simulate_cluster
     from prefixcache.sim.routing.base import Router
 
@@ -87,15 +104,14 @@ def test_router_recipe(monkeypatch):
         def route(self, request, loads, now):
             return 0
 
-    _register(monkeypatch, routing, "ROUTERS", "first_replica", FirstReplica)
-    s = simulate_cluster(_trace(), num_replicas=3, router="first_replica",
+    s = simulate_cluster(_trace(), num_replicas=3, router=FirstReplica,
                          cost_model=CostModel.create("tiny", "h100"),
                          cache_config=CacheConfig(num_blocks=32, block_size=4))
     assert [r["requests"] for r in s["per_replica"]] == [8, 0, 0]
 
 
-def test_scheduling_policy_recipe(monkeypatch):
-    from prefixcache import scheduling
+# ---------------------------------------------------------------- scheduling policy
+def test_scheduling_policy_recipe():
     from prefixcache.cost_model import CostModel
     from prefixcache.scheduling.base import WaitingPolicy
     from prefixcache.sim import des
@@ -106,17 +122,153 @@ def test_scheduling_policy_recipe(monkeypatch):
         def order(self, waiting, request_of, manager):
             return list(reversed(waiting))
 
-    _register(monkeypatch, scheduling, "SCHEDULING_POLICIES", "lcfs", LastComeFirst)
     # All arrive at once into a one-sequence server: LCFS serves the last one first.
     reqs = [TraceRequest(id=str(i), prompt=[i + 1] * 8, output_len=1, timestamp=0.0)
             for i in range(4)]
-    done = []
-    des.simulate(reqs, cost_model=CostModel.create("tiny", "h100"), num_blocks=32,
-                 block_size=4, scheduler=des.SchedulerConfig(max_num_seqs=1),
-                 scheduling="lcfs", on_record=lambda r: done.append(r["id"]))
-    assert done[0] == "3" and sorted(done) == ["0", "1", "2", "3"]
+    for policy in (LastComeFirst, LastComeFirst()):  # the class, or a built instance
+        done = []
+        des.simulate(reqs, cost_model=CostModel.create("tiny", "h100"), num_blocks=32,
+                     block_size=4, scheduler=des.SchedulerConfig(max_num_seqs=1),
+                     scheduling=policy, on_record=lambda r, done=done: done.append(r["id"]))
+        assert done[0] == "3" and sorted(done) == ["0", "1", "2", "3"]
 
 
+# ------------------------------------------------------------------- kernel backend
+def test_kernel_backend_recipe():
+    import prefixcache_kernels as kernels
+
+    calls = []
+
+    def toy_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                      sm_scale, sliding_window=None, soft_cap=None, kv_scales=None):
+        """Attends to nothing: zeros (a toy; a real backend computes the reference's
+        result, `ragged_paged_attention_reference`)."""
+        calls.append((q.shape, sm_scale))
+        return q * 0
+
+    def only_f32_pages(query):
+        if np.dtype(query.kv_dtype) != np.float32:
+            return f"toy reads float32 pages only, got {np.dtype(query.kv_dtype)}"
+        return None
+
+    toy = kernels.KernelBackend("toy", toy_attention, platforms=("npu",), check=only_f32_pages)
+    backends = kernels.register_backend(toy)
+    assert "toy" not in kernels.KERNEL_BACKENDS  # the built-in registry is unchanged
+    # Selection by name and by "auto" on its platform; the reference elsewhere.
+    assert kernels.resolve_backend("auto", platform="npu", backends=backends) == "toy"
+    assert kernels.resolve_backend("auto", platform="cpu", backends=backends) == "reference"
+    with pytest.raises(ValueError, match="backend 'toy' needs a npu device"):
+        kernels.resolve_backend("toy", platform="cpu", backends=backends)
+    static = dict(page_size=16, head_dim=64, num_q_heads=4, num_kv_heads=2,
+                  q_dtype=np.float32, platform="npu", backends=backends)
+    assert kernels.check_backend_config("toy", kv_dtype=np.float32, **static) == "toy"
+    with pytest.raises(ValueError, match="toy reads float32 pages only"):
+        kernels.check_backend_config("toy", kv_dtype="bfloat16", **dict(static, q_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="unknown backend 'toy'"):  # not registered there
+        kernels.check_backend_config("toy", kv_dtype=np.float32,
+                                     **dict(static, backends=kernels.KERNEL_BACKENDS))
+    # paged_attention validates the arrays, then calls the record's function; the record
+    # itself may be given as the backend too (here one whose platforms are every
+    # platform, so it runs on this test's CPU).
+    import dataclasses
+
+    here = dataclasses.replace(toy, platforms=())
+    q = np.ones((5, 4, 64), np.float32)
+    args = (q, np.zeros((3, 16, 4, 64), np.float32), np.array([5], np.int32),
+            np.array([[0, 1]], np.int32), np.array([0, 5], np.int32), np.array([1], np.int32))
+    out = kernels.paged_attention(*args, sm_scale=0.125, backend=here)
+    assert calls == [((5, 4, 64), 0.125)] and not np.asarray(out).any()
+    with pytest.raises(ValueError, match="do not fit backend 'toy'"):  # it takes no tiles
+        kernels.paged_attention(*args, sm_scale=0.125, backend=here,
+                                block_sizes=kernels.TPUBlockSizes())
+
+
+# ------------------------------------------------------------------ hash serializer
+def test_hash_serializer_recipe():
+    from prefixcache.core import hashing
+    from prefixcache.core.request import Request
+
+    class JSONSerializer(hashing.HashSerializer):
+        """Canonical JSON of the key (bytes as hex): a toy, not vLLM-compatible."""
+
+        name = "json"
+
+        def dumps(self, obj):
+            def enc(v):
+                if isinstance(v, bytes):
+                    return {"b": v.hex()}
+                if isinstance(v, tuple):
+                    return [enc(x) for x in v]
+                return v
+
+            return json.dumps(enc(obj), separators=(",", ":")).encode()
+
+    toy = JSONSerializer()
+    serializers = hashing.register_serializer(toy)
+    assert "json" not in hashing.SERIALIZERS  # the built-in registry is unchanged
+    assert hashing.hash_algo_names(serializers) == (
+        "sha256", "sha256_cbor", "sha256_json", "xxhash", "xxhash_cbor", "xxhash_json")
+    with pytest.raises(ValueError, match="unknown hash algorithm 'sha256_json'"):
+        hashing.BlockHasher("sha256_json")  # not in the built-in registry
+    h = hashing.BlockHasher("sha256_json", seed=0, serializers=serializers)
+    assert h.serializer is toy and h.root == hashlib.sha256(toy.dumps("0")).digest()
+    tokens = list(range(40))
+    # The spec: digest = H(dumps((parent, tuple(ids), extra_keys))), chained.
+    want, parent = [], h.root
+    for b in range(2):
+        extra = (("cache_salt", "s"),) if b == 0 else None
+        key = (parent, tuple(tokens[16 * b:16 * b + 16]), extra)
+        parent = hashlib.sha256(toy.dumps(key)).digest()
+        want.append(parent)
+    assert h.hash_token_blocks(tokens, 16, cache_salt="s") == want
+    # A request (its decode path too) hashes through the same spec.
+    req = Request("r", tokens[:20], cache_salt="s", hasher=h, block_size=16)
+    req.append_output_token_ids(list(range(20, 32)))
+    assert list(req.block_hashes) == want
+    # The same key under another serializer is another digest (no "not CBOR = pickle").
+    pickled = hashing.BlockHasher("sha256", seed=0)
+    assert pickled.hash_token_blocks(tokens, 16, cache_salt="s") != want
+    with pytest.raises(ValueError, match="already registered"):
+        hashing.register_serializer(toy, serializers)
+
+
+# -------------------------------------------------------------------- index / tier
+def test_index_recipe_contract_holds_for_every_registered_index():
+    # The recipe's contract (README "Extending", an index): a class taking
+    # KVCacheManager's keywords that answers KVCacheBlocks and has free /
+    # check_invariants; KVCacheManager then binds its public methods.
+    from prefixcache.core import KVCacheManager, Request
+    from prefixcache.core.indexes import INDEXES, get_index_class
+    from prefixcache.core.kv_cache_blocks import KVCacheBlocks
+
+    for name in INDEXES:
+        cls = get_index_class(name)
+        assert callable(cls.free) and callable(cls.check_invariants), name
+        m = KVCacheManager(8, 4, index=name, eviction=_newest_first())
+        assert type(m.implementation) is cls
+        r = Request("a", list(range(9)))
+        blocks, hit = m.get_computed_blocks(r)
+        assert isinstance(blocks, KVCacheBlocks) and hit == 0
+        assert isinstance(m.allocate_slots(r, 9, hit, blocks), KVCacheBlocks)
+        m.free(r)
+        m.check_invariants()
+
+
+def test_tier_recipe_host_policy():
+    # Today's tier seam is its policy: any policy without the future, a toy's class too.
+    from prefixcache.core import KVCacheManager, Request
+
+    m = KVCacheManager(4, 2, num_host_blocks=4, host_eviction=_newest_first())
+    for i in range(4):
+        r = Request(str(i), [i * 10 + k for k in range(5)])
+        blocks, hit = m.get_computed_blocks(r)
+        assert m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+        m.free(r)
+        m.check_invariants()
+    assert m.host_blocks_stored > 0 and m.host_tier.policy.name == "newest_first"
+
+
+# ------------------------------------------------------------------------- dataset
 def test_dataset_recipe(tmp_path):
     from prefixcache.sim import datasets
     from prefixcache.sim.trace import read_trace

@@ -1,7 +1,8 @@
 """Goldens from transformers' own GGUF loading, for prefixcache's GGUF loader tests.
 
-Run in the transformers + torch venv (setup_hf_env.sh), isolated (-I) so the checkout's
-`kernels` package does not shadow Hugging Face's (transformers probes for it):
+Run in the transformers + torch venv (setup_hf_env.sh), isolated (-I: neither the
+checkout nor the user's site-packages on sys.path, so the goldens come from the peer
+venv's packages alone):
 
     ~/.cache/prefixcache-peers/hf-venv/bin/python -I experiments/peers/hf_reference.py \
         --out tests/data [--smollm2 PATH.gguf] [--skip_tiny]

@@ -13,7 +13,7 @@ compares the frames byte for byte.
     VLLM_PY=$(bash experiments/peers/setup_vllm_env.sh | tail -1)
     $VLLM_PY -I experiments/peers/kv_events_goldens.py --out tests/data/kv_events_golden.json
 
-(``-I``: keep the checkout's ``kernels`` package off ``sys.path``.) Spec encoding (JSON):
+(``-I``: only the peer venv's packages, none of the checkout's, on ``sys.path``.) Spec encoding (JSON):
 a bytes value is ``{"bytes": HEX}``; tuples are lists (msgpack writes both as arrays).
 """
 

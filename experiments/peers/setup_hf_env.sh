@@ -10,8 +10,8 @@
 # The goldens were made with torch 2.13.0+cpu, transformers 5.24.0, gguf 0.19.0
 # (recorded in the goldens' provenance). CPU torch comes from the PyTorch CPU index
 # (TORCH_INDEX_URL; plain `pip install torch` would fetch a multi-GB CUDA build).
-# Run the script with -I (isolated): from a checkout, the current directory on sys.path
-# would put our `kernels` package where transformers looks for Hugging Face's `kernels`.
+# Run the script with -I (isolated): the goldens then come from this venv's packages
+# alone, never from the checkout on sys.path.
 set -euo pipefail
 VENV="${1:-$HOME/.cache/prefixcache-peers/hf-venv}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"

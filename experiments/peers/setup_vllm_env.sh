@@ -39,8 +39,7 @@ fi
 # imports the server stack (uvicorn, watchfiles, orjson) and the model executor (einops);
 # gguf lets transformers read a GGUF's tokenizer. No torch/CUDA packages (--no-deps).
 "${PIP[@]}" --no-deps uvicorn watchfiles orjson einops gguf
-# NOTE: -I (isolated): run from a checkout, the current directory on sys.path would put
-# our `kernels` package where transformers looks for the HF `kernels` package.
+# NOTE: -I (isolated): the check sees this venv's packages only, not the checkout's.
 "$VENV/bin/python" -I - <<'PY'
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: F401
 import torch

@@ -1,6 +1,26 @@
 """Host-side prefix-caching core: hashing, requests, block pool, KV cache manager.
 
 Plain Python (no jax): fast enough to replay millions of requests without a device.
+
+Modules:
+
+* ``cache_config``: ``CacheConfig``, the one typed cache configuration every driver takes.
+* ``kv_cache_manager``: ``KVCacheManager``, the one manager class (vLLM's scheduler-facing
+  API: ``get_computed_blocks``, ``allocate_slots``, ``free``, ``take_events``,
+  ``make_prefix_cache_stats``, ``check_invariants``), over the implementation
+  ``indexes.resolve_manager_class`` picks: ``HashKVCacheManager`` (vLLM's block-hash
+  chain, here), ``radix.RadixKVCacheManager`` (SGLang's radix tree),
+  ``hybrid.HybridKVCacheManager`` (sliding-window / hybrid layouts, ``kv_groups``).
+* ``kv_cache_blocks``: ``KVCacheBlocks``, the one result type (blocks per KV cache group).
+* ``indexes``: the index and tier registries and the one rule that refuses a combination.
+* ``block_pool``: ``KVCacheBlock``, ``BlockPool`` (vLLM's free queue and hash map);
+  ``policy_pool``: the pool under any eviction policy; ``eviction/``: the policies
+  (``POLICIES``; one file each).
+* ``host_tier``: the host-memory tier (``HostTier``, ``HostHit``, ``HostTransfer``).
+* ``hashing``: the block-hash spec (serializers, digests, extra keys, ``BlockHasher``);
+  ``hash_writers``: its fast writers' tables and helpers.
+* ``request``: ``Request``, ``MultiModalFeature``, ``LoRARequest``.
+* ``events``: KV cache events (vLLM's fields); ``stats``: ``PrefixCacheStats``.
 """
 
 from prefixcache.core.block_pool import (

@@ -77,6 +77,13 @@ def _check_name(name: str, value: Any) -> str:
     return value
 
 
+def _check_policy(name: str, value: Any) -> Any:
+    """A policy name (str) or an ``EvictionPolicy`` subclass (a user's own plug-in)."""
+    from prefixcache.core.eviction import is_policy_class  # noqa: PLC0415
+
+    return value if is_policy_class(value) else _check_name(name, value)
+
+
 def _check_options(name: str, value: Any) -> dict | None:
     if value is None:
         return None
@@ -133,11 +140,14 @@ class CacheConfig:
       hash_seed: seed of the hash chain root: None (``BlockHasher``'s default), a
         str, an int or bytes (``_validate.check_hash_seed``).
       free_order: ``"append"`` or vLLM's ``"unhashed_first"``.
-      eviction: the device eviction policy (``prefixcache.core.eviction.POLICIES``).
+      eviction: the device eviction policy (``prefixcache.core.eviction.POLICIES``), or
+        an ``EvictionPolicy`` subclass of the user's own (no registration needed;
+        ``to_dict`` records its ``name``).
       eviction_options: the policy's keyword options (a mapping or None).
       index: the prefix index (``prefixcache.core.indexes.INDEXES``).
       num_host_blocks: host-tier slots under the device cache (0: none).
-      host_eviction: the host tier's policy (any policy that needs no future).
+      host_eviction: the host tier's policy (any policy that needs no future; a name or
+        a class, as ``eviction``).
       host_eviction_options: its options.
       kv_cache_groups: the model's KV cache groups (``prefixcache.core.kv_groups``;
         None: one full-attention group).
@@ -167,7 +177,7 @@ class CacheConfig:
     # ``import prefixcache.core.cache_config`` stays cheap and cycle-free.
     def __post_init__(self):
         from prefixcache.core.block_pool import FREE_ORDERS  # noqa: PLC0415
-        from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
+        from prefixcache.core.eviction import get_policy_class, policy_name  # noqa: PLC0415
         from prefixcache.core.hashing import HASH_ALGOS  # noqa: PLC0415
         from prefixcache.core.indexes import get_index_class  # noqa: PLC0415
         from prefixcache.core.kv_groups import check_kv_cache_groups  # noqa: PLC0415
@@ -205,7 +215,7 @@ class CacheConfig:
         if _check_name("free_order", self.free_order) not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {self.free_order!r}; expected one of {FREE_ORDERS}")
         try:
-            get_policy_class(_check_name("eviction", self.eviction))
+            get_policy_class(_check_policy("eviction", self.eviction))
         except ValueError as e:
             raise ValueError(f"eviction: {e}") from None
         put("eviction_options", _check_options("eviction_options", self.eviction_options))
@@ -215,12 +225,13 @@ class CacheConfig:
             raise ValueError(f"index: {e}") from None
         put("num_host_blocks", check_count("num_host_blocks", self.num_host_blocks))
         try:
-            host_cls = get_policy_class(_check_name("host_eviction", self.host_eviction))
+            host_cls = get_policy_class(_check_policy("host_eviction", self.host_eviction))
         except ValueError as e:
             raise ValueError(f"host_eviction: {e}") from None
         if host_cls.needs_future:
             raise ValueError(
-                f"host_eviction={self.host_eviction!r} needs the trace's future, which the "
+                f"host_eviction={policy_name(self.host_eviction)!r} needs the trace's "
+                "future, which the "
                 "host tier never has; use a policy with needs_future=False")
         put("host_eviction_options",
             _check_options("host_eviction_options", self.host_eviction_options))
@@ -317,6 +328,10 @@ class CacheConfig:
         for k in ("eviction_options", "host_eviction_options"):
             if d[k] is not None:
                 d[k] = dict(d[k])
+        from prefixcache.core.eviction import policy_name  # noqa: PLC0415
+
+        for k in ("eviction", "host_eviction"):  # a plug-in class: its name
+            d[k] = policy_name(d[k])
         if d["kv_cache_groups"] is not None:
             d["kv_cache_groups"] = _groups_to_rows(d["kv_cache_groups"])
         if d["hash_seed"] is not None and type(d["hash_seed"]) not in (int, str):

@@ -45,7 +45,8 @@ instead, and a test pins the two to the same results). Any other policy is built
 ``length`` and ``cost`` see the block's chain position and ``priority`` the priority
 of the request that cached it on the device (recorded by the tiered pool when it
 caches a block, only for such policies); a host hit is not a policy hit (the entry
-leaves the host at once). ``belady`` is not offered for the host.
+leaves the host at once). A policy that needs the trace's future (``needs_future``,
+e.g. ``belady``) is not offered for the host.
 """
 
 from __future__ import annotations
@@ -62,14 +63,20 @@ from prefixcache.core.block_pool import (
     InvariantError,
     KVCacheBlock,
 )
-from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
+from prefixcache.core.eviction import (
+    DEFAULT_POLICY,
+    get_policy_class,
+    is_policy_class,
+    make_policy,
+    online_policy_names,
+    policy_name,
+)
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.policy_pool import PolicyBlockPool
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
-UNSUPPORTED_HOST_POLICIES = ("belady",)  # needs the trace's future: device only
 
 
 class HostTransfer(NamedTuple):
@@ -154,18 +161,19 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
     # The slots' bookkeeping only (the KV pages are the engine's): refused up front.
     check_host_memory(f"a host tier of num_host_blocks={num_host_blocks}",
                       num_host_blocks * HOST_BYTES_PER_BLOCK)
-    if not isinstance(host_eviction, str):
+    if not isinstance(host_eviction, str) and not is_policy_class(host_eviction):
         raise ArgumentTypeError(
-            f"host_eviction must be a policy name (str), got {host_eviction!r}")
+            f"host_eviction must be a policy name (str) or an EvictionPolicy subclass, "
+            f"got {host_eviction!r}")
     try:
-        get_policy_class(host_eviction)  # unknown -> ValueError naming the choices
+        host_cls = get_policy_class(host_eviction)  # unknown -> ValueError naming the choices
     except ValueError as e:
         raise ValueError(f"host_eviction: {e}") from None
-    if host_eviction in UNSUPPORTED_HOST_POLICIES:
+    if host_cls.needs_future:  # the property, never the name
         raise ValueError(
-            f"host_eviction={host_eviction!r} is not supported for the host tier (it needs "
-            "the trace's future); use one of "
-            f"{tuple(p for p in _policy_names() if p not in UNSUPPORTED_HOST_POLICIES)}")
+            f"host_eviction={policy_name(host_eviction)!r} is not supported for the host "
+            "tier (it needs "
+            f"the trace's future); use one of {online_policy_names()}")
     if host_eviction_options is None:
         options: dict = {}
     elif isinstance(host_eviction_options, Mapping):
@@ -175,12 +183,6 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
             "host_eviction_options must be a mapping or None, got "
             f"{type(host_eviction_options).__name__}")
     return num_host_blocks, options
-
-
-def _policy_names() -> tuple[str, ...]:
-    from prefixcache.core.eviction import policy_names  # noqa: PLC0415
-
-    return policy_names()
 
 
 class HostTier:

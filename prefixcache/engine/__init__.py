@@ -1,6 +1,14 @@
-"""The serving engine: scheduler, model runner, engine loop.
+"""The serving engine: requests in, tokens out, over the real ``KVCacheManager``.
 
 Public API: `from prefixcache.engine import Engine, SamplingParams`.
+
+Modules: `engine` (`Engine(model_config, *, cache_config=..., ...)`: `generate`,
+`chat`, `step`, `metrics()`), `scheduler` (`Scheduler`: admission through a
+`prefixcache.scheduling` policy, chunked prefill, preemption, LoRA slots),
+`block_table` (one int32 row per running request), `model_runner` (`ModelRunner`: one
+jitted device step from `prefixcache.metadata`'s arrays), `host_pages` (the host tier's
+pages and their transfers), `sampler` / `sampling_params`, `outputs` (`RequestOutput`,
+metrics), `distributed` (one process per host), `faults` (fault injection points).
 """
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.model_runner import ModelRunner

@@ -1,5 +1,10 @@
 """Llama-style decoder (Flax NNX) over the paged KV cache: config, model, step, loading.
 
+Modules: `config` (`ModelConfig`), `llama` (`Transformer`, `make_kv_caches`), `step`
+(`make_step_fn`: the jitted device step over `prefixcache_kernels`), `loading` /
+`safetensors_io` (HF checkpoints), `gguf` (GGUF files), `pretrained`
+(`load_pretrained`), `lora` (adapters), `sharding` (tensor parallelism).
+
 Public API (the contract the engine codes against)::
 
     from prefixcache.model import (ModelConfig, Transformer, make_kv_caches, make_step_fn,

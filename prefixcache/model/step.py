@@ -292,9 +292,10 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     """
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a Transformer, got {type(model).__name__}")
-    if attention_backend not in kernels.BACKENDS:
+    if not (isinstance(attention_backend, kernels.KernelBackend)
+            or attention_backend in kernels.BACKENDS):
         raise ValueError(f"unknown attention_backend {attention_backend!r}; expected one of "
-                         f"{kernels.BACKENDS}")
+                         f"{kernels.BACKENDS} or a kernels.KernelBackend record")
     config = model.config
     local = functools.partial(_local_attend, sm_scale=config.head_dim ** -0.5,
                               backend=attention_backend, interpret=interpret)

@@ -5,8 +5,9 @@
 Modules: `cli` (the command and its vLLM-named flags), `app` (`build_app`: the FastAPI
 endpoints), `engine_loop` (`ServingEngine`: the one engine thread), `protocol` (request
 validation, OpenAI-style `APIError`), `metrics` (`ServerMetrics`: Prometheus, vLLM's
-names with prefix `prefixcache:`). Needs the `serve` extra (fastapi, uvicorn,
-prometheus_client; pyzmq and msgspec for KV events).
+names with prefix `prefixcache:`), `kv_events` (`KVEventPublisher`: vLLM 0.33's ZMQ
+wire format). Needs the `serve` extra (fastapi, uvicorn, prometheus_client; pyzmq and
+msgspec for KV events). Binds 127.0.0.1 unless told otherwise.
 """
 
 __all__ = ["build_app", "ServingEngine", "main"]

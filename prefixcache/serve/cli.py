@@ -75,7 +75,7 @@ def _lora_module(s: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from prefixcache.core.eviction import POLICIES
+    from prefixcache.core.eviction import online_policy_names
     from prefixcache.core.hashing import HASH_ALGOS
     from prefixcache.core.indexes import INDEXES
     from prefixcache.kv_dtypes import KV_DTYPES
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256")
-    p.add_argument("--eviction", choices=tuple(k for k in POLICIES if k != "belady"),
+    p.add_argument("--eviction", choices=online_policy_names(),
                    default="lru")
     p.add_argument("--index", choices=tuple(INDEXES), default="hash")
     p.add_argument("--scheduling-policy", choices=tuple(SCHEDULING_POLICIES), default="fcfs")

@@ -1,18 +1,21 @@
 """Trace-replay simulator: no model, no device, the real ``KVCacheManager``.
 
-* ``trace``: the JSONL trace format (ours and Mooncake's), ``output_token``.
-* ``replay``: issue 5's exact replay semantics (comparable to vLLM's manager).
+* ``trace``: the JSONL trace format (ours and Mooncake's), ``output_token``;
+  ``trace_formats``: the Qwen-Bailian and Claude Code readers.
+* ``replay``: the exact replay semantics of vLLM's manager under the peer harness
+  (``experiments/peers/vllm_replay.py``); ``misses``: why each prompt block missed.
 * ``workloads``: deterministic synthetic workloads (shared system prompt,
   multi-turn chat, few-shot, RAG with Zipf popularity, multimodal + salts +
   adapters) and a Mooncake-scale ``hash_ids`` trace generator.
-* ``cost_model``: roofline step times of a model shape on TPU v5e/v6e, H100, H200;
-  host -> device links (``HostLink``, ``HOST_LINKS``) for a host memory tier's loads.
+* ``cost_model``: re-exports ``prefixcache.cost_model`` (roofline step times of a
+  model shape on TPU v5e/v6e, H100, H200; host -> device links for a host tier).
 * ``des``: a discrete-event simulation (arrivals, batching, the cache, the cost
-  model) that yields simulated TTFT per request.
-* ``datasets``: public traces by name (the Mooncake FAST'25 traces: pinned URL +
-  SHA-256), downloaded once into ``$PREFIXCACHE_DATA`` and verified, or a local copy.
-  Imported as ``prefixcache.sim.datasets`` (not re-exported: it is also a
-  ``python -m`` command).
+  model) that yields simulated TTFT per request; ``cluster``: ``simulate_cluster``
+  over replicas and a router from ``routing/`` (one file per router, ``ROUTERS``).
+* ``compare``: one cell of a policy comparison (``experiments.compare_policies``).
+* ``datasets``: public traces by name (pinned URL + SHA-256), downloaded once into
+  ``$PREFIXCACHE_DATA`` and verified, or a local copy. Imported as
+  ``prefixcache.sim.datasets`` (not re-exported: it is also a ``python -m`` command).
 
 Host only: nothing here imports jax.
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from prefixcache._validate import check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig
+from prefixcache.core.eviction import policy_name
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.cost_model import CostModel
 from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_arrival_rate, \
@@ -154,7 +155,7 @@ def simulate_cluster(
         max_model_len=max_model_len, host_eviction_options=host_eviction_options)
     block_size, num_host_blocks, host_eviction = (
         cfg.block_size, cfg.num_host_blocks, cfg.host_eviction)
-    if isinstance(router, str):
+    if isinstance(router, str) or (isinstance(router, type) and issubclass(router, Router)):
         router = make_router(router, num_replicas=num_replicas, block_size=block_size,
                              seed=seed, **(router_options or {}))
     elif not isinstance(router, Router):
@@ -262,7 +263,8 @@ def simulate_cluster(
     prefill = [s.counts["prefill_tokens"] for s in servers]
     mean_prefill = sum(prefill) / num_replicas
     if num_host_blocks:
-        summary.update({"num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
+        summary.update({"num_host_blocks": num_host_blocks,
+                        "host_eviction": policy_name(host_eviction),
                         "host_link": cost_model.host_link.name,
                         **host_summary(counts, servers[0].host_block_bytes),
                         "host_blocks_stored": sum(s.manager.host_blocks_stored

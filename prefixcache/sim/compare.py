@@ -24,14 +24,13 @@ from typing import Any
 
 IDEAL = "ideal"  # the ``record`` of the infinite-cache row
 HASH_INDEX = "hash"
-_FALLBACK_INDEXES = ("hash", "radix")
 
-# Fields of a cell's row taken from the replay summary as they are (None when the replay
-# does not report them).
+# Fields of a cell's row taken from the replay summary as they are.
 _SUMMARY_FIELDS = ("requests", "admitted", "failed", "prompt_tokens", "hit_tokens",
                    "hit_rate_tokens", "requests_with_hit", "evictions", "stranded_blocks",
-                   "peak_cached_blocks", "mean_cached_blocks", "peak_cached_bytes",
-                   "mean_cached_bytes")
+                   "peak_cached_blocks", "mean_cached_blocks")
+# ... and the cached bytes, which the replay reports with a model only (else None).
+_BYTES_FIELDS = ("peak_cached_bytes", "mean_cached_bytes")
 # Fields that are timings (they differ between runs; everything else must not).
 TIMING_FIELDS = ("loop_s", "cell_s")
 
@@ -44,19 +43,10 @@ def policy_names() -> tuple[str, ...]:
 
 
 def index_names() -> tuple[str, ...]:
-    """The prefix indexes: ``prefixcache.core.indexes.INDEXES`` when it exists.
+    """The prefix indexes registered in ``prefixcache.core.indexes``."""
+    from prefixcache.core import indexes  # noqa: PLC0415
 
-    NOTE: before the index seam is merged the module is absent and the names are
-    ``("hash", "radix")``; only a missing module falls back, any other import error
-    propagates.
-    """
-    try:
-        from prefixcache.core.indexes import INDEXES  # noqa: PLC0415
-    except ModuleNotFoundError as e:
-        if e.name not in ("prefixcache.core.indexes",):
-            raise
-        return _FALLBACK_INDEXES
-    return tuple(INDEXES)
+    return indexes.index_names()
 
 
 def parse_names(value: str | Sequence[str], *, known: Sequence[str], what: str) -> tuple[str, ...]:
@@ -102,20 +92,10 @@ def parse_capacities(value: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def _replay_fn(replay_fn: Callable | None) -> Callable:
-    if replay_fn is not None:
-        return replay_fn
-    from prefixcache.sim.replay import replay  # noqa: PLC0415
-
-    return replay
-
-
-def check_replay_supports(policy: str, index: str, *, model: str | None = None,
-                          replay_fn: Callable | None = None) -> None:
+def check_replay_supports(policy: str, index: str, *, model: str | None = None) -> None:
     """Raises ``ValueError`` unless ``policy`` and ``index`` are registered names and
     ``model`` (when given) is a ``ModelShape`` preset: a cell asking for anything else
-    fails here, before the grid runs. ``replay_fn`` is accepted for symmetry with
-    `replay_cell` (every replay takes ``eviction`` / ``index`` / ``model``)."""
+    fails here, before the grid runs."""
     from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
 
     CacheConfig(eviction=policy, index=index)  # unknown names -> ValueError
@@ -127,7 +107,7 @@ def check_replay_supports(policy: str, index: str, *, model: str | None = None,
 
 def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: str,
                 num_blocks: int, block_size: int, model: str | None = None,
-                replay_fn: Callable | None = None, **replay_kwargs) -> dict:
+                **replay_kwargs) -> dict:
     """Replays the trace once under (``policy``, ``index``, ``num_blocks``).
 
     Args:
@@ -137,7 +117,6 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
         policy, index: registered names (``check_replay_supports`` is applied).
         num_blocks, block_size: the cache.
         model: a ``ModelShape`` preset name, for cached bytes (``None``: no bytes).
-        replay_fn: the replay (default ``prefixcache.sim.replay.replay``).
         **replay_kwargs: ``hash_algo``, ``hash_seed``, ``free_order``, ``concurrency``,
             ``max_model_len``.
 
@@ -145,8 +124,8 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
         The replay's summary.
     """
     from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
+    from prefixcache.sim.replay import replay  # noqa: PLC0415
 
-    fn = _replay_fn(replay_fn)
     check_replay_supports(policy, index, model=model)
     kwargs = dict(replay_kwargs, num_blocks=num_blocks, block_size=block_size,
                   eviction=policy, index=index)
@@ -154,7 +133,7 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
         kwargs["model"] = model
     # NOTE: an offline bound needs the future: the replay reads the trace twice.
     requests = make_requests if get_policy_class(policy).needs_future else make_requests()
-    return fn(requests, **kwargs)
+    return replay(requests, **kwargs)
 
 
 def ideal_num_blocks(requests: Iterable, block_size: int) -> int:
@@ -173,26 +152,17 @@ def ideal_num_blocks(requests: Iterable, block_size: int) -> int:
 
 def cell_row(summary: dict, *, policy: str, index: str, num_blocks: int, block_size: int,
              concurrency: int, model: str | None = None, record: str = "cell") -> dict:
-    """The published row of one cell.
-
-    ``peak_cached_bytes`` / ``mean_cached_bytes`` come from the summary, or from its
-    block counts times ``block_size`` tokens of the model's KV when it reports only
-    those; fields the replay does not report are ``None``.
-    """
+    """The published row of one cell: ``summary``'s fields (the replay's, a
+    ``KeyError`` for a missing one), ``peak_cached_bytes`` / ``mean_cached_bytes`` None
+    when the replay ran without a model."""
     row: dict[str, Any] = {"record": record, "policy": policy, "index": index,
                            "num_blocks": num_blocks, "block_size": block_size,
                            "capacity_tokens": num_blocks * block_size,
                            "concurrency": concurrency}
     for field in _SUMMARY_FIELDS:
+        row[field] = summary[field]
+    for field in _BYTES_FIELDS:
         row[field] = summary.get(field)
-    if model:
-        from prefixcache.cost_model import ModelShape  # noqa: PLC0415
-
-        per_block = ModelShape.preset(model).kv_bytes_per_token * block_size
-        for which in ("peak", "mean"):
-            blocks = row[f"{which}_cached_blocks"]
-            if row[f"{which}_cached_bytes"] is None and blocks is not None:
-                row[f"{which}_cached_bytes"] = blocks * per_block
     row["model"] = model or None
     row["loop_s"] = summary["timing"]["loop_s"]
     return row

@@ -64,6 +64,7 @@ import numpy as np
 
 from prefixcache._validate import ArgumentTypeError, check_count
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
+from prefixcache.core.eviction import policy_name
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.cost_model import CostModel
@@ -477,8 +478,9 @@ def sim_cache_config(cache_config: CacheConfig | None, cost_model: CostModel,
         cfg = cfg.with_pool_blocks(
             cost_model.shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype))
     if cfg.needs_future:
-        raise ValueError(f"{cfg.eviction} needs the trace's future (an offline bound): run "
-                         f"it through prefixcache.sim.replay (eviction={cfg.eviction!r}), not "
+        name = policy_name(cfg.eviction)
+        raise ValueError(f"{name} needs the trace's future (an offline bound): run "
+                         f"it through prefixcache.sim.replay (eviction={name!r}), not "
                          "an online simulation")
     if cfg.kv_cache_groups is not None:
         raise ValueError("kv_cache_groups: the simulated server reads one block list per "
@@ -667,7 +669,7 @@ def simulate(
     }
     if num_host_blocks:
         summary.update({
-            "num_host_blocks": num_host_blocks, "host_eviction": host_eviction,
+            "num_host_blocks": num_host_blocks, "host_eviction": policy_name(host_eviction),
             "host_link": cost_model.host_link.name, "host_load_overlap": host_load_overlap,
             **host_summary(server.counts, server.host_block_bytes),
             "host_blocks_stored": manager.host_blocks_stored - stored0,

@@ -67,7 +67,7 @@ import numpy as np
 
 from prefixcache._validate import check_count, check_hash_seed, check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
-from prefixcache.core.eviction import TraceFuture, get_policy_class
+from prefixcache.core.eviction import TraceFuture, get_policy_class, policy_name
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
@@ -556,7 +556,7 @@ def replay(
         drop_transfers()
         host = {
             "num_host_blocks": m.num_host_blocks,
-            "host_eviction": host_eviction,
+            "host_eviction": policy_name(host_eviction),
             "device_hit_tokens": m.device_hit_tokens,
             "host_hit_tokens": m.host_hit_tokens,
             "host_blocks_loaded": m.host_blocks_loaded,
@@ -577,7 +577,7 @@ def replay(
     if t_future is not None:
         timing["future_s"] = t_future
     return {
-        "eviction": eviction,
+        "eviction": policy_name(eviction),
         "index": index,
         "model": model,
         "hash_algo": hash_algo,

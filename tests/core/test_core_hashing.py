@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.core import hashing
+from prefixcache.core import hash_writers, hashing
 from prefixcache.core.hashing import (
     CACHE_SALT_LABEL,
     HASH_ALGOS,
@@ -28,6 +28,16 @@ from prefixcache.core.hashing import (
 )
 from experiments.hash_parity_vllm import BOUNDARY_TOKENS, CASES
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+
+
+def _tune(mp, name, value):
+    """Set a writer's tuning knob where it is read: the dispatcher
+    (`BlockHasher.hash_token_blocks`, in hashing) and the writers (hash_writers) hold
+    their own names of the same constant."""
+    for module in (hashing, hash_writers):
+        if hasattr(module, name):
+            mp.setattr(module, name, value)
+
 
 SEED = 1234
 # Digests computed by vLLM 0.33's own code on BOUNDARY_TOKENS / CASES (defined once, in
@@ -137,13 +147,13 @@ def path(request, monkeypatch):
     """Run a test through each writer: the numpy one (from the first block on) and the
     per-block one (however many blocks)."""
     threshold = 1 if request.param == "vectorised" else 10**9
-    monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_CBOR", threshold)
-    monkeypatch.setattr(hashing, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
+    _tune(monkeypatch, "_MIN_VECTOR_BLOCKS_CBOR", threshold)
+    _tune(monkeypatch, "_MIN_VECTOR_BLOCKS_PICKLE", threshold)
     # CBOR blocks of ids < 65536 take the per-block writer up to this many blocks.
-    monkeypatch.setattr(hashing, "_MAX_STREAM_BLOCKS_CBOR", 0 if threshold == 1 else 10**9)
+    _tune(monkeypatch, "_MAX_STREAM_BLOCKS_CBOR", 0 if threshold == 1 else 10**9)
     # pickle: the stream writer from these block sizes / new blocks on (never: vectorised).
-    monkeypatch.setattr(hashing, "_MIN_STREAM_BS_PICKLE", 10**9 if threshold == 1 else 64)
-    monkeypatch.setattr(hashing, "_MIN_STREAM_BLOCKS_PICKLE", 10**9 if threshold == 1 else 64)
+    _tune(monkeypatch, "_MIN_STREAM_BS_PICKLE", 10**9 if threshold == 1 else 64)
+    _tune(monkeypatch, "_MIN_STREAM_BLOCKS_PICKLE", 10**9 if threshold == 1 else 64)
     return request.param
 
 
@@ -245,7 +255,7 @@ def test_root_is_hash_of_serialized_seed():
 def test_config_errors(monkeypatch):
     with pytest.raises(ValueError, match="sha256, sha256_cbor, xxhash, xxhash_cbor"):
         BlockHasher("md5")
-    monkeypatch.setattr(hashing, "_xxhash", None)
+    _tune(monkeypatch, "_xxhash", None)
     with pytest.raises(ImportError, match="xxhash"):
         BlockHasher("xxhash_cbor")
     BlockHasher("sha256")  # unaffected
@@ -425,22 +435,22 @@ def test_cbor_per_block_writer_over_4096_ids(algo, high_at):
 def test_lookup_tables_equal_arithmetic_and_serializers():
     """The import-time token tables: same rows as the arithmetic writer, and the bytes
     cbor2 / pickle write, at every width boundary below the table size."""
-    ids = np.arange(1 << hashing._TABLE_BITS, dtype=np.uint32)
+    ids = np.arange(1 << hash_writers._TABLE_BITS, dtype=np.uint32)
     for table_rows, table_lens, arith in (
-        (hashing._CBOR_ROW, hashing._CBOR_ROW_LEN, hashing._cbor_token_rows),
-        (hashing._PICKLE_ROW, hashing._PICKLE_ROW_LEN, hashing._pickle_token_rows),
+        (hash_writers._CBOR_ROW, hash_writers._CBOR_ROW_LEN, hash_writers._cbor_token_rows),
+        (hash_writers._PICKLE_ROW, hash_writers._PICKLE_ROW_LEN, hash_writers._pickle_token_rows),
     ):
         rows, lens = arith(ids)
         np.testing.assert_array_equal(table_rows, rows)
         np.testing.assert_array_equal(table_lens, lens)
         assert not table_rows.flags.writeable
-    assert [cbor2.dumps(v, canonical=True) for v in range(256)] == list(hashing._CBOR_SMALL_ITEM)
-    for v in [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << hashing._TABLE_BITS) - 1]:
-        row = hashing._CBOR_ROW[v].tobytes()
-        assert row[: hashing._CBOR_ROW_LEN[v]] == cbor2.dumps(v, canonical=True)
-        assert row[hashing._CBOR_ROW_LEN[v]:] == bytes(8 - hashing._CBOR_ROW_LEN[v])
-        row = hashing._PICKLE_ROW[v].tobytes()
-        assert row[: hashing._PICKLE_ROW_LEN[v]] == _pickled_int(v)
+    assert [cbor2.dumps(v, canonical=True) for v in range(256)] == list(hash_writers._CBOR_SMALL_ITEM)
+    for v in [0, 1, 23, 24, 255, 256, 65535, 65536, (1 << hash_writers._TABLE_BITS) - 1]:
+        row = hash_writers._CBOR_ROW[v].tobytes()
+        assert row[: hash_writers._CBOR_ROW_LEN[v]] == cbor2.dumps(v, canonical=True)
+        assert row[hash_writers._CBOR_ROW_LEN[v]:] == bytes(8 - hash_writers._CBOR_ROW_LEN[v])
+        row = hash_writers._PICKLE_ROW[v].tobytes()
+        assert row[: hash_writers._PICKLE_ROW_LEN[v]] == _pickled_int(v)
 
 
 def _pickled_int(v):
@@ -496,19 +506,14 @@ def test_specialised_encoder_bytes_equal_generic_serializers(
     # CBOR: up to stream_to blocks of ids < 65536 stay with the per-block writer.
     # pickle: from pickle_stream_bs tokens per block on, the stream writer (_pickle_chain).
     # Both writers' streams: numpy-built from numpy_stream_from ids on, else strided.
-    saved = (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-             hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
-             hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE)
-    hashing._MIN_VECTOR_BLOCKS_CBOR = hashing._MIN_VECTOR_BLOCKS_PICKLE = vector_from
-    hashing._MAX_STREAM_BLOCKS_CBOR = stream_to
-    hashing._MIN_STREAM_BS_PICKLE = hashing._MIN_STREAM_BLOCKS_PICKLE = pickle_stream_bs
-    hashing._NUMPY_STREAM_MIN_IDS = numpy_stream_from
-    try:
+    knobs = dict(_MIN_VECTOR_BLOCKS_CBOR=vector_from, _MIN_VECTOR_BLOCKS_PICKLE=vector_from,
+                 _MAX_STREAM_BLOCKS_CBOR=stream_to, _MIN_STREAM_BS_PICKLE=pickle_stream_bs,
+                 _MIN_STREAM_BLOCKS_PICKLE=pickle_stream_bs,
+                 _NUMPY_STREAM_MIN_IDS=numpy_stream_from)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in knobs.items():
+            _tune(mp, name, value)
         _check_messages(algo, block_size, tokens, lora, salt, mm, start_block)
-    finally:
-        (hashing._MIN_VECTOR_BLOCKS_CBOR, hashing._MIN_VECTOR_BLOCKS_PICKLE,
-         hashing._MAX_STREAM_BLOCKS_CBOR, hashing._MIN_STREAM_BS_PICKLE,
-         hashing._NUMPY_STREAM_MIN_IDS, hashing._MIN_STREAM_BLOCKS_PICKLE) = saved
 
 
 def _check_messages(algo, block_size, tokens, lora, salt, mm, start_block):
@@ -648,7 +653,7 @@ def test_memo_skips_seen_blocks_and_keeps_digests(algo, path, monkeypatch):
                           cache_salt="s")
     assert len(msgs) == 6 and got[0] != want_a[0]
     # Bounded; clear_caches forgets.
-    monkeypatch.setattr(hashing, "_MEMO_SIZE", 8)
+    _tune(monkeypatch, "_MEMO_SIZE", 8)
     for k in range(5):
         h.hash_token_blocks(rng.integers(0, 1000, size=48).tolist(), 16)
         assert len(h._memo) <= 8
@@ -765,7 +770,7 @@ def test_low_u16s_cuts_every_id_to_its_low_16_bits(n):
     for k in range(2, 8):
         ids[k] = (1 << (8 * k)) + 0x1234
     packed = struct.pack(f"={len(ids)}Q", *ids)
-    low = hashing._low_u16s(packed, packed[hashing._BYTE0 :: 8], packed[hashing._BYTE1 :: 8])
+    low = hash_writers._low_u16s(packed, packed[hash_writers._BYTE0 :: 8], packed[hash_writers._BYTE1 :: 8])
     assert low == struct.pack(f"={len(ids)}Q", *(v & 0xFFFF for v in ids))
 
 
@@ -860,7 +865,7 @@ def test_one_item_plan_equals_the_generic_builder(
     hasher._make_tail_plan(lora, ((ident, offset, length + bs),), salt, start_block, bs)
     fast = hasher._make_tail_plan(lora, feats, salt, start_block, bs)
     generic = _GenericPlans(algo, seed=0)._make_tail_plan(lora, feats, salt, start_block, bs)
-    if generic is hashing._UNSPLICEABLE:
+    if generic is hash_writers._UNSPLICEABLE:
         assert fast is generic
         return
     n = max(generic.id_of, default=0) + 2
@@ -888,8 +893,8 @@ def test_int_encodings_at_every_width_boundary():
     opcodes (the latter cut from pickling the int alone)."""
     for v in [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, -1, -24, -25, -256, -257,
               -65536, -65537, -(2**31)]:
-        assert hashing._cbor_int(v) == cbor2.dumps(v, canonical=True), v
-        assert hashing._pickle_int(v) == _pickled_int(v), v
+        assert hash_writers._cbor_int(v) == cbor2.dumps(v, canonical=True), v
+        assert hash_writers._pickle_int(v) == _pickled_int(v), v
 
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
@@ -899,7 +904,7 @@ def test_cbor_crossover_between_the_writers_at_default_knobs(algo, high_at):
     all ids < 65536 -> the per-block writer (reusing the crossover's high-byte check),
     one id >= 65536 -> the vectorised one; both equal the spec."""
     bs, nb = 4, 100
-    assert hashing._MIN_VECTOR_BLOCKS_CBOR <= nb <= hashing._MAX_STREAM_BLOCKS_CBOR
+    assert hash_writers._MIN_VECTOR_BLOCKS_CBOR <= nb <= hash_writers._MAX_STREAM_BLOCKS_CBOR
     rng = np.random.default_rng(7)
     tokens = rng.integers(256, 65536, size=bs * nb).tolist()
     tokens[5] = tokens[6] = 0
@@ -920,10 +925,10 @@ def test_stream_writers_at_large_blocks(algo, bs, shape, numpy_from, monkeypatch
     by `_cbor_chain`, their streams built with numpy (from _NUMPY_STREAM_MIN_IDS ids:
     the 512-token case) or strided slicing, equal the spec, every message byte for
     byte, cold and through the memo."""
-    assert bs >= hashing._MIN_STREAM_BS_PICKLE
-    assert 5 * 64 + 7 < hashing._NUMPY_STREAM_MIN_IDS <= 5 * 512  # 64: strided, 512: numpy
+    assert bs >= hash_writers._MIN_STREAM_BS_PICKLE
+    assert 5 * 64 + 7 < hash_writers._NUMPY_STREAM_MIN_IDS <= 5 * 512  # 64: strided, 512: numpy
     if numpy_from is not None:
-        monkeypatch.setattr(hashing, "_NUMPY_STREAM_MIN_IDS", numpy_from)
+        _tune(monkeypatch, "_NUMPY_STREAM_MIN_IDS", numpy_from)
     rng = np.random.default_rng(bs)
     n = 5 * bs + 7
     tokens = rng.integers(256, 40000, size=n).tolist()

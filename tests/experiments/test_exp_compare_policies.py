@@ -104,16 +104,6 @@ def test_bad_input_is_refused_before_anything_runs(config, field, value, match):
     assert not (pathlib.Path(config.workdir) / cp.ROWS_FILE).exists()
 
 
-def test_a_cell_this_replay_cannot_run_is_refused(config):
-    import inspect
-
-    if "index" in inspect.signature(replay).parameters:
-        pytest.skip("the replay runs every index")
-    config.indexes = "hash,radix"
-    with pytest.raises(ValueError, match="index 'radix' cannot run"):
-        cp.run(config)
-
-
 def test_belady_bound_joins_the_grid_when_registered(config, monkeypatch):
     monkeypatch.setattr(compare, "policy_names", lambda: ("lru", "lfu", "belady"))
     monkeypatch.setattr(compare, "check_replay_supports", lambda *a, **k: None)

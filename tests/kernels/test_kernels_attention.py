@@ -6,6 +6,7 @@ page_size 8) because Pallas interpret mode is slow on CPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -214,18 +215,18 @@ def test_block_sizes_validated(make):
     make()
 
 
-def test_paged_attention_passes_block_sizes(monkeypatch):
+def test_paged_attention_passes_block_sizes():
   case = make_case(22, [(1, 9), (4, 12)], num_kv_heads=1, group=2)
   tiles = kernels.GPUBlockSizes(num_q_per_block=4, num_kv_pages_per_block=2, k_splits=2)
   seen = {}
-  real = kernels.api.ragged_paged_attention_gpu
+  real = kernels.KERNEL_BACKENDS["pallas_gpu"]
 
   def spy(*args, **kw):
     seen.update(kw)
-    return real(*args, **kw)
+    return real.attention(*args, **kw)
 
-  monkeypatch.setattr(kernels.api, "ragged_paged_attention_gpu", spy)
-  out = kernels.paged_attention(*case.args(), sm_scale=SCALE, backend="pallas_gpu",
+  out = kernels.paged_attention(*case.args(), sm_scale=SCALE,
+                                backend=dataclasses.replace(real, attention=spy),
                                 interpret=True, block_sizes=tiles)
   assert seen["block_sizes"] is tiles
   live = case.num_live_tokens

@@ -1,6 +1,5 @@
 """prefixcache.sim.compare: grid names, the replay adapter, the ideal capacity, rows."""
 
-import inspect
 
 import pytest
 
@@ -33,54 +32,38 @@ def test_parse_capacities():
 def test_names_come_from_the_registries():
     from prefixcache.core import eviction
 
+    from prefixcache.core.indexes import INDEXES
+
     assert compare.policy_names() == eviction.policy_names() and "lru" in compare.policy_names()
-    try:
-        from prefixcache.core.indexes import INDEXES
-    except ModuleNotFoundError:
-        assert compare.index_names() == ("hash", "radix")
-    else:
-        assert compare.index_names() == tuple(INDEXES)
+    assert compare.index_names() == tuple(INDEXES) and "radix" in compare.index_names()
 
 
-def _new_replay(calls):
-    """A replay with the merged signature that records its arguments (and runs lru)."""
-
-    def fn(requests, *, num_blocks, block_size, hash_algo="sha256", hash_seed=None,
-           free_order="append", concurrency=1, max_model_len=None, on_record=None,
-           record_evictions=False, progress=False, eviction="lru", eviction_options=None,
-           index="hash", model=None):
-        calls.append(dict(requests=requests, eviction=eviction, index=index, model=model,
-                          num_blocks=num_blocks))
-        reqs = list(requests() if callable(requests) else requests)
-        return {**replay(reqs, num_blocks=num_blocks, block_size=block_size),
-                "peak_cached_blocks": 7, "stranded_blocks": 0}
-
-    return fn
-
-
-def test_replay_cell_passes_policy_index_and_model_to_a_replay_that_takes_them():
+def test_replay_cell_passes_policy_index_and_model_to_the_replay():
     reqs = wl.shared_system_prompt(num_requests=4, system_len=40, unique_len=(4, 8),
                                    output_len=(2, 3))
-    calls = []
-    fn = _new_replay(calls)
+    reads = []
+
+    def make_requests():
+        reads.append(1)
+        return iter(reqs)
+
     for policy in ("lfu", "belady"):
-        s = compare.replay_cell(lambda: iter(reqs), policy=policy, index="radix",
-                                num_blocks=64, block_size=B, model="tiny", replay_fn=fn)
-        assert s["requests"] == 4
-    assert [(c["eviction"], c["index"], c["model"], c["num_blocks"]) for c in calls] == [
-        ("lfu", "radix", "tiny", 64), ("belady", "radix", "tiny", 64)]
-    # belady reads the trace twice: it gets the callable, the others one iterator.
-    assert not callable(calls[0]["requests"]) and callable(calls[1]["requests"])
+        reads.clear()
+        s = compare.replay_cell(make_requests, policy=policy, index="radix",
+                                num_blocks=64, block_size=B, model="tiny")
+        assert (s["requests"], s["eviction"], s["index"], s["model"]) == (
+            4, policy, "radix", "tiny")
+        assert s["peak_cached_bytes"] > 0
+        # belady reads the trace twice (it gets the callable), the others once.
+        assert len(reads) == (2 if policy == "belady" else 1)
 
 
-def test_this_replay_runs_lru_on_the_hash_chain_only():
-    params = inspect.signature(replay).parameters
+def test_replay_cell_hits_and_refusals():
     reqs = wl.shared_system_prompt(num_requests=3, system_len=40, unique_len=(4, 8),
                                    output_len=(2, 3))
     s = compare.replay_cell(lambda: iter(reqs), policy="lru", index="hash", num_blocks=64,
                             block_size=B, model="tiny")
     assert s["hit_tokens"] == 2 * 32
-    assert {"eviction", "index", "model"} <= set(params)  # every replay takes them
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         compare.check_replay_supports("mru", "hash")
     with pytest.raises(ValueError, match="unknown index 'btree'"):
@@ -123,20 +106,20 @@ def test_ideal_capacity_never_evicts_and_matches_the_oracle(concurrency):
 def test_cell_row_fields_and_bytes():
     reqs = wl.shared_system_prompt(num_requests=3, system_len=40, unique_len=(4, 8),
                                    output_len=(2, 3))
-    s = replay(reqs, num_blocks=64, block_size=B)
-    row = compare.cell_row({**s, "peak_cached_blocks": 10, "mean_cached_blocks": 4.5},
-                           policy="lru", index="hash", num_blocks=64, block_size=B,
+    s = replay(reqs, num_blocks=64, block_size=B, model="tiny")
+    row = compare.cell_row(s, policy="lru", index="hash", num_blocks=64, block_size=B,
                            concurrency=1, model="tiny")
     kv = 2 * 2 * 2 * 64 * 4  # tiny: 2 layers x (K, V) x 2 kv heads x 64 dims x f32
-    assert row["peak_cached_bytes"] == 10 * B * kv and row["mean_cached_bytes"] == 4.5 * B * kv
+    assert row["peak_cached_bytes"] == s["peak_cached_blocks"] * B * kv
+    assert row["mean_cached_bytes"] == s["mean_cached_blocks"] * B * kv
     assert (row["policy"], row["index"], row["num_blocks"], row["capacity_tokens"]) == (
         "lru", "hash", 64, 64 * B)
     assert row["hit_tokens"] == s["hit_tokens"] and row["loop_s"] == s["timing"]["loop_s"]
-    bare = compare.cell_row(s, policy="lru", index="hash", num_blocks=64, block_size=B,
-                            concurrency=1)
-    # What the replay does not report stays None (never a made-up number).
-    for field in ("stranded_blocks", "peak_cached_blocks", "peak_cached_bytes"):
-        assert bare[field] == s.get(field)
-    given = compare.cell_row({**s, "peak_cached_bytes": 123}, policy="lru", index="hash",
-                             num_blocks=64, block_size=B, concurrency=1, model="tiny")
-    assert given["peak_cached_bytes"] == 123
+    # Without a model the replay reports no bytes: None (never a made-up number).
+    bare = compare.cell_row(replay(reqs, num_blocks=64, block_size=B), policy="lru",
+                            index="hash", num_blocks=64, block_size=B, concurrency=1)
+    assert bare["peak_cached_bytes"] is None and bare["stranded_blocks"] == 0
+    with pytest.raises(KeyError, match="stranded_blocks"):  # a summary missing a field
+        compare.cell_row({k: v for k, v in s.items() if k != "stranded_blocks"},
+                         policy="lru", index="hash", num_blocks=64, block_size=B,
+                         concurrency=1)

@@ -2,6 +2,9 @@
 
 A router is one file in this package plus one line in ``ROUTERS`` (the registration);
 ``make_router(name, num_replicas=..., block_size=..., seed=..., **options)`` builds one.
+A router of a user's own package needs no registration: its class goes where a name
+goes (``make_router(MyRouter, ...)``), or an instance to
+``simulate_cluster(router=MyRouter(num_replicas, block_size=...))``.
 The protocol is in ``base.py``; ``prefixcache.sim.cluster`` drives them.
 """
 
@@ -41,8 +44,12 @@ def check_router_name(name: str) -> str:
 
 def make_router(name: str, *, num_replicas: int, block_size: int, seed: int = 0,
                 **options) -> Router:
-    """Build the router ``name``; an option it does not take is a ``TypeError`` naming it."""
-    cls = ROUTERS[check_router_name(name)]
+    """Build the router ``name`` (a registered name or a `Router` subclass); an option it
+    does not take is a ``TypeError`` naming it."""
+    if isinstance(name, type) and issubclass(name, Router):
+        cls, name = name, name.__name__
+    else:
+        cls = ROUTERS[check_router_name(name)]
     try:
         return cls(num_replicas, block_size=block_size, seed=seed, **options)
     except TypeError as e:
