@@ -118,14 +118,35 @@ def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
         keyed_index: the replay's index finds blocks by hash alone (hash-id prompts
             then keyed by their hash ids, as the replay does).
     """
-    def prompt_hashes(tr):
-        keyed = _hash_id_inputs(tr, block_size, keyed_index=keyed_index)  # the replay's keys for hash-id prompts
-        if keyed is not None:
-            return hasher.hash_keyed_blocks(keyed[1])
-        return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
-                                        mm_features=tr.mm, cache_salt=tr.cache_salt)
+    return TraceFuture.from_hashes(
+        _prompt_hashes(tr, hasher, block_size, keyed_index) for tr in requests)
 
-    return TraceFuture.from_hashes(prompt_hashes(tr) for tr in requests)
+
+def _prompt_hashes(tr: TraceRequest, hasher: BlockHasher, block_size: int,
+                   keyed_index: bool) -> list[bytes]:
+    """The full prompt blocks' hashes the replay's ``Request`` for ``tr`` gets (hash-id
+    prompts keyed by their hash ids, as the replay does)."""
+    keyed = _hash_id_inputs(tr, block_size, keyed_index=keyed_index)
+    if keyed is not None:
+        return hasher.hash_keyed_blocks(keyed[1])
+    return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
+                                    mm_features=tr.mm, cache_salt=tr.cache_salt)
+
+
+def _announce_waiting(requests: Iterable[TraceRequest], depth: int, on_waiting: Callable,
+                      hasher: BlockHasher, block_size: int, keyed_index: bool):
+    """The trace, in order, with the waiting queue a ``needs_waiting`` policy reads:
+    each request is announced (``on_waiting(id, prompt block hashes)``) when it enters
+    a look-ahead of ``depth`` requests, so when request ``i`` is yielded requests
+    ``i .. i + depth`` are waiting (``i``'s admission drops it in the manager)."""
+    buf: collections.deque = collections.deque()
+    for tr in requests:
+        on_waiting(tr.id, _prompt_hashes(tr, hasher, block_size, keyed_index))
+        buf.append(tr)
+        if len(buf) > depth:
+            yield buf.popleft()
+    while buf:
+        yield buf.popleft()
 
 
 def _reuse(requests: int, prompt: int, hits: int) -> dict:
@@ -182,6 +203,7 @@ def replay(
     enable_caching: bool = UNSET,
     host_eviction_options: dict | None = UNSET,
     miss_reasons: bool = False,
+    queue_depth: int | None = None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -212,6 +234,11 @@ def replay(
         progress: show a tqdm progress bar.
         total: the number of requests, when known in advance (the bar's total and
             ETA); ``None``: a bar without a total.
+        queue_depth: with a policy that reads the waiting queue (``needs_waiting``:
+            ``queue_aware``), the replay's waiting queue: before request ``i``'s lookup
+            the next ``queue_depth`` requests of the trace are waiting (announced to
+            the policy with their prompt block hashes; admission drops them). ``None``:
+            ``concurrency``. Any other policy: must be ``None``.
         miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``):
             records get ``miss_reasons`` (reason -> blocks), the summary
             ``miss_reasons`` (totals, per tenant, per adapter). Off: no cost.
@@ -270,6 +297,9 @@ def replay(
                   host_eviction_options=host_eviction_options)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    if queue_depth is not None and (
+            isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1):
+        raise ValueError(f"queue_depth must be None or an int >= 1, got {queue_depth!r}")
     check_hash_seed(cfg.hash_seed)  # an object's str carries its address: not reproducible
     bytes_per_block = None
     if model is not None:
@@ -285,6 +315,9 @@ def replay(
     host_eviction = cfg.host_eviction
     policy_cls = get_policy_class(eviction)
     keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH
+    if queue_depth is not None and not policy_cls.needs_waiting:
+        raise ValueError(f"queue_depth={queue_depth} is for a policy that reads the waiting "
+                         f"queue (needs_waiting, e.g. queue_aware), not {eviction!r}")
     options = dict(cfg.eviction_options or {})
     t_future = None
     if policy_cls.needs_future:
@@ -357,6 +390,14 @@ def replay(
     t_loop = t_hash = t_mgr = 0.0
 
     it: Iterable[TraceRequest] = requests
+    drop_waiting = None
+    if policy_cls.needs_waiting:  # the waiting queue: a look-ahead over the trace
+        if not hasattr(m, "on_waiting"):
+            raise ValueError(f"{eviction!r} reads the waiting queue, which this manager "
+                             f"({type(m.implementation).__name__}) does not report")
+        queue_depth = concurrency if queue_depth is None else queue_depth
+        it = _announce_waiting(it, queue_depth, m.on_waiting, hasher, block_size, keyed_index)
+        drop_waiting = m.drop_waiting
     bar = None
     if progress:
         from tqdm import tqdm
@@ -432,6 +473,8 @@ def replay(
             if new_blocks is None:
                 n_failed += 1
                 t_loop += t2 - t_start
+                if drop_waiting is not None:  # it leaves the queue unadmitted
+                    drop_waiting(rid)
                 if on_record is not None:
                     on_record(
                         {
@@ -538,6 +581,8 @@ def replay(
         if bar is not None:
             bar.close()
     m.check_invariants()
+    if drop_waiting is not None and m.policy.waiting_ids():  # pragma: no cover - a bug
+        raise AssertionError(f"replay leaked waiting requests: {m.policy.waiting_ids()[:5]}")
     if m.num_free_blocks != num_blocks:  # pragma: no cover - a bug, caught loudly
         raise AssertionError(f"replay leaked blocks: {num_blocks - m.num_free_blocks} held")
     counters = m.counters()
@@ -572,6 +617,8 @@ def replay(
         memory.update(host)
     if acct is not None:
         memory["miss_reasons"] = acct.summary()
+    if drop_waiting is not None:  # (only then: the default summary is unchanged)
+        memory["queue_depth"] = queue_depth
     timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
     if t_future is not None:
         timing["future_s"] = t_future
