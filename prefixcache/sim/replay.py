@@ -141,7 +141,10 @@ def _announce_waiting(requests: Iterable[TraceRequest], depth: int, on_waiting: 
     ``i .. i + depth`` are waiting (``i``'s admission drops it in the manager)."""
     buf: collections.deque = collections.deque()
     for tr in requests:
-        on_waiting(tr.id, _prompt_hashes(tr, hasher, block_size, keyed_index))
+        # NOTE: only the blocks a lookup can adopt (at most num_tokens - 1 tokens): a
+        # prompt that is exactly its cached blocks computes its last block again.
+        hashes = _prompt_hashes(tr, hasher, block_size, keyed_index)
+        on_waiting(tr.id, hashes[: (len(tr.prompt) - 1) // block_size])
         buf.append(tr)
         if len(buf) > depth:
             yield buf.popleft()
