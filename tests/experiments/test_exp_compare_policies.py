@@ -85,6 +85,22 @@ def test_local_grid_rows_equal_direct_replays(config, capsys):
     assert "hash/lru" in table and f"{cells[0]['hit_rate_tokens']:.4f}" in table
     for field in ("stranded_blocks", "peak_cached_blocks", "peak_cached_bytes"):
         assert isinstance(cells[0][field], int), field  # reported by the replay now
+    # Miss reasons per row (the replay's totals), and the distance to belady.
+    for r in all_cells + [ideal]:
+        s = replay(reqs, num_blocks=r["num_blocks"], block_size=8, concurrency=2,
+                   free_order="unhashed_first", eviction=r["policy"], miss_reasons=True)
+        assert r["miss_reasons"] == s["miss_reasons"]["reasons"]
+        assert r["missed_blocks"] == sum(r["miss_reasons"][k] for k in
+                                         ("cold", "evicted", "isolated", "partial",
+                                          "last_token"))
+        assert r["evicted_blocks"] == r["miss_reasons"]["evicted"]
+    assert ideal["evicted_blocks"] == 0 and cells[0]["evicted_blocks"] > 0
+    for r in all_cells:
+        b = bound[r["num_blocks"]]
+        assert r["belady_gap_tokens"] == b["hit_tokens"] - r["hit_tokens"]
+        assert r["belady_gap_evicted_blocks"] == r["evicted_blocks"] - b["evicted_blocks"]
+    assert "belady_gap_tokens" not in ideal
+    assert "evicted_blocks by capacity" in table
 
 
 @pytest.mark.parametrize("field, value, match", [
