@@ -45,6 +45,7 @@ def get_config(arg=None):
     c.kv_dtype = ""  # KV dtype of those bytes (prefixcache.kv_dtypes); "": the preset's
     c.miss_reasons = True  # per-row miss reasons and evicted_blocks (prefixcache.sim.misses)
     c.queue_depth = 0  # queue_aware's waiting queue in the replay (0: concurrency)
+    c.trace_tokens = "expand"  # "lazy": hash-id traces keep hash ids (same results, faster)
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""  # "": a local Ray instance

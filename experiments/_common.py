@@ -438,7 +438,11 @@ def load_requests(config, workdir: str | os.PathLike | None = None, *,
             from prefixcache.sim import datasets  # noqa: PLC0415
 
             fmt = datasets.get(config.dataset).trace_format
-        reqs = read_trace(path, format=fmt)
+        # NOTE: trace_tokens="lazy": hash-id prompts stay hash ids (the replay keys
+        # blocks by them; same results, no token expansion); configs without the
+        # field read expanded tokens, as before.
+        reqs = read_trace(path, format=fmt,
+                          mooncake_tokens=config.get("trace_tokens", "expand"))
         total = count_lines(path)
     else:
         name = config.workload.name
