@@ -42,9 +42,10 @@ because an earlier block of their chain is not cached, counted once at the end
 (freeing drops no hash, so before or after the final frees is the same count; a
 per-request peak would cost O(cached blocks) per sample and is not kept).
 
-Mooncake hash ids as block keys (opt-in, by how the trace is read): a request whose
-prompt is a `MooncakePrompt` (``read_trace(..., mooncake_tokens="lazy")``), without
-LoRA, multimodal items or salt, at a block size dividing 512, gets its prompt's full
+Hash ids as block keys (opt-in, by how the trace is read): a request whose prompt is a
+`MooncakePrompt` (``read_trace(..., mooncake_tokens="lazy")``: Mooncake's 512-token
+ids, Qwen-Bailian's 16, Claude Code's 64), without LoRA, multimodal items or salt, at a
+block size dividing the prompt's ``block_tokens``, gets its prompt's full
 blocks keyed by the hash ids (``BlockHasher.hash_keyed_blocks`` over (hash id, block
 within the id)) instead of digests of the expanded tokens; only the last partial
 block's tokens are materialised (the blocks it starts, which decode fills, are hashed
@@ -74,7 +75,7 @@ from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.sim.cost_model import ModelShape
-from prefixcache.sim.trace import MOONCAKE_BLOCK_TOKENS, MooncakePrompt, TraceRequest
+from prefixcache.sim.trace import MooncakePrompt, TraceRequest
 
 
 def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = True
@@ -87,7 +88,7 @@ def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = Tr
     if (
         not keyed_index
         or type(prompt) is not MooncakePrompt
-        or MOONCAKE_BLOCK_TOKENS % block_size
+        or prompt.block_tokens % block_size
         or tr.lora is not None
         or tr.mm
         or tr.cache_salt
@@ -95,10 +96,12 @@ def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = Tr
         return None
     n = len(prompt)
     n_full = n // block_size
-    per = MOONCAKE_BLOCK_TOKENS // block_size
+    per = prompt.block_tokens // block_size
     ids = prompt.hash_ids
+    # NOTE: ids masked to 64 bits as the token expansion does (mooncake_tokens).
     keys = [
-        ids[b // per].to_bytes(8, "little") + (b % per).to_bytes(2, "little")
+        (ids[b // per] & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        + (b % per).to_bytes(2, "little")
         for b in range(n_full)
     ]
     tokens = np.zeros(n, dtype=np.uint64)
