@@ -46,9 +46,19 @@ Outputs in ``--workdir``:
     ``belady`` (when run) as the bound; titled with the trace's file name.
   * stdout: a table of hit rates; the last line a JSON object with the paths.
 
+Miss reasons (``miss_reasons``, on by default): each row also carries ``missed_blocks``,
+``miss_reasons`` (the replay's totals: ``cold``, ``evicted``, ``isolated``, ``partial``,
+``last_token``, ``evicted_device`` / ``evicted_host``; ``prefixcache.sim.misses``) and
+``evicted_blocks`` (the evicted-block prefills that separate policies); with belady in the
+grid every cell row carries its distance to it at the same index and capacity:
+``belady_gap_tokens``, ``belady_gap_rate`` and ``belady_gap_evicted_blocks``. The table on
+stdout is followed by the evicted blocks per cell. ``queue_depth`` sets ``queue_aware``'s
+waiting queue in the replay (0: ``concurrency``).
+
 Bad input (unknown policy, index, hash algorithm, free order, model preset or
 executor; Ray missing for ``--executor=ray``; a policy or index the replay cannot run;
-a missing trace) -> ``ValueError`` naming the problem before any cell runs.
+a missing trace; a registered dataset at another block size than its own) ->
+``ValueError`` naming the problem before any cell runs.
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ def resolve_grid(config) -> dict:
     from prefixcache.sim import compare  # noqa: PLC0415
 
     _parallel.check_executor(config.executor, config.workers)
+    if config.get("dataset"):  # a hash-id trace is replayed at its own block size
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        datasets.check_block_size(config.dataset, config.block_size)
     for field in ("block_size", "concurrency"):
         v = config[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -211,3 +211,32 @@ def test_mooncake_configs_reduced(name, hits, tmp_path, local_datasets):
     assert ideal["record"] == "ideal" and ideal["requests"] == 6 and ideal["evictions"] == 0
     # The conversation trace's first lines share hash id 0; the synthetic one's do not.
     assert (ideal["hit_tokens"] > 0) == hits
+
+
+@pytest.mark.parametrize("name", ["bailian_to_c"])  # (claude_code: same path, 64)
+def test_dataset_configs_run_at_the_dataset_block_size(name, tmp_path, monkeypatch):
+    # A small file in the dataset's format placed in the data directory (trusted on first
+    # use: its checksum is recorded), then the config's quick grid at tiny capacities.
+    from prefixcache.sim import datasets
+
+    from tests.sim.test_sim_replay_hash_ids import _bailian_and_claude_code_files
+
+    bl, cc = _bailian_and_claude_code_files(tmp_path, n=40)
+    d = datasets.get(name)
+    dest = tmp_path / "data" / name / d.filename
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes((bl if d.trace_format == "bailian" else cc).read_bytes())
+    monkeypatch.setenv(datasets.ENV_VAR, str(tmp_path / "data"))
+    cfg = _load(f"compare_policies_{name}")
+    assert cfg.block_size == d.block_size and cfg.trace_tokens == "lazy"
+    cfg.workdir, cfg.capacities, cfg.workers, cfg.policies = str(tmp_path / "w"), "24", 1, \
+        "lru,queue_aware"
+    rows = _read(cp.run(cfg)["rows"])
+    assert datasets.recorded_sha256(dest) == datasets.sha256_of(dest)
+    cells = {r["policy"]: r for r in rows if r["record"] == "cell"}
+    assert set(cells) == {"lru", "queue_aware", "belady"}
+    assert cells["lru"]["evicted_blocks"] > 0 and cells["lru"]["hit_tokens"] > 0
+    assert cells["queue_aware"]["queue_depth"] == 8
+    cfg.block_size = 32
+    with pytest.raises(ValueError, match=f"must use block_size={d.block_size}, not 32"):
+        cp.run(cfg)
