@@ -1,4 +1,5 @@
-"""Compare eviction policies on the Qwen-Bailian coder-model trace (`qwen_coder_blksz_16.jsonl`; 16-token hash ids).
+"""Compare eviction policies on the Qwen-Bailian coder-model trace
+(`qwen_coder_blksz_16.jsonl`; 16-token hash ids).
 
 Runs experiments.compare_policies with every registered policy (+ belady) on the hash
 index at the dataset's own block size (refused otherwise), 8 requests at once, hash ids

@@ -1,4 +1,5 @@
-"""Compare eviction policies on the Qwen-Bailian thinking-model trace (`qwen_thinking_blksz_16.jsonl`; 16-token hash ids).
+"""Compare eviction policies on the Qwen-Bailian thinking-model trace
+(`qwen_thinking_blksz_16.jsonl`; 16-token hash ids).
 
 Runs experiments.compare_policies with every registered policy (+ belady) on the hash
 index at the dataset's own block size (refused otherwise), 8 requests at once, hash ids
@@ -11,7 +12,8 @@ Command:
   python -m experiments.compare_policies --config=configs/compare_policies_bailian_thinking.py \
       --workdir=/tmp/cp_bailian_thinking
   # quick (the first 300 requests, lru / queue_aware / pgdsf + belady, 2 capacities):
-  python -m experiments.compare_policies --config=configs/compare_policies_bailian_thinking.py:quick \
+  python -m experiments.compare_policies \
+      --config=configs/compare_policies_bailian_thinking.py:quick \
       --workdir=/tmp/cp_bailian_thinking_quick
 
 Expected: not measured yet -- no copy of this trace was reachable where this config was

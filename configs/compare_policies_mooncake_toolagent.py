@@ -1,4 +1,5 @@
-"""Compare eviction policies on the Mooncake FAST'25 tool-and-agent trace (23,608 requests, 512-token hash ids).
+"""Compare eviction policies on the Mooncake FAST'25 tool-and-agent trace (23,608 requests,
+512-token hash ids).
 
 Runs experiments.compare_policies with every registered policy (+ belady) on the hash
 index at the dataset's own block size (refused otherwise), 8 requests at once, hash ids
@@ -11,7 +12,8 @@ Command:
   python -m experiments.compare_policies --config=configs/compare_policies_mooncake_toolagent.py \
       --workdir=/tmp/cp_mooncake_toolagent
   # quick (the first 300 requests, lru / queue_aware / pgdsf + belady, 2 capacities):
-  python -m experiments.compare_policies --config=configs/compare_policies_mooncake_toolagent.py:quick \
+  python -m experiments.compare_policies \
+      --config=configs/compare_policies_mooncake_toolagent.py:quick \
       --workdir=/tmp/cp_mooncake_toolagent_quick
 
 Expected: not measured yet -- no copy of this trace was reachable where this config was

@@ -908,9 +908,10 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     def on_waiting(self, request_id, block_hashes) -> None:
         """``request_id`` joined the waiting queue with the prompt block hashes it
         can hit (``request.block_hashes[:(request.num_tokens - 1) // block_size]``: a
-        lookup adopts at most ``num_tokens - 1`` tokens): a policy with ``needs_waiting`` (``queue_aware``)
-        keeps the cached blocks it will hit until it is admitted (``allocate_slots``
-        drops it) or leaves (``drop_waiting``); a no-op for every other policy."""
+        lookup adopts at most ``num_tokens - 1`` tokens). A policy with
+        ``needs_waiting`` (``queue_aware``) keeps the cached blocks it will hit until it
+        is admitted (``allocate_slots`` drops it) or leaves (``drop_waiting``); a no-op
+        for every other policy."""
         if self._waiting_policy is not None:
             self._waiting_policy.on_waiting(request_id, block_hashes)
 

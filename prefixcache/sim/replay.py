@@ -35,6 +35,13 @@ before each request's lookup. For it, ``requests`` must be re-iterable (a list) 
 zero-arg callable returning a fresh iterator each call (e.g. ``lambda:
 read_trace(path)``: streams twice, memory stays bounded).
 
+The waiting queue (``eviction="queue_aware"``, or any policy with ``needs_waiting``): the
+replay runs one request at a time, so its queue is a look-ahead: before request ``i``'s
+lookup the requests ``i .. i + queue_depth`` (default ``concurrency``) have been
+announced to the manager (``on_waiting`` with the prompt blocks a lookup can adopt),
+and each admission drops its own request; a failed request is dropped too. Other
+policies never build the look-ahead (the default path is unchanged).
+
 Cache memory: the summary reports the blocks in the cache (held or free, cached under
 a hash) sampled after every admission (``peak_cached_blocks``, ``mean_cached_blocks``;
 in bytes with ``model=``), and ``stranded_blocks``: cached blocks no lookup can reach
