@@ -822,7 +822,8 @@ def trace_checksum(config) -> dict[str, Any] | None:
     if dataset:
         from prefixcache.sim import datasets  # noqa: PLC0415
 
-        return {"dataset": dataset, "trace": None, "sha256": datasets.get(dataset).sha256}
+        # (registered, or recorded on the dataset's first use: trust on first use)
+        return {"dataset": dataset, "trace": None, "sha256": datasets.known_sha256(dataset)}
     return None
 
 

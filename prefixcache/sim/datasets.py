@@ -112,8 +112,9 @@ class Dataset:
       trace_format: how ``prefixcache.sim.trace.read_trace`` reads it (its reader).
       num_requests: requests in the file (``None``: not known before a copy is read).
       description: one line for listings.
-      block_size: tokens per hash id (``None``: the format's, ``FORMAT_BLOCK_SIZE``);
-        a replay of the dataset uses it (``check_block_size``).
+      block_size: tokens per hash id (``None``: the format's, ``FORMAT_BLOCK_SIZE``;
+        stays ``None`` for a format without hash ids, e.g. our ``jsonl``); a replay of
+        the dataset uses it (``check_block_size``).
     """
 
     name: str
@@ -131,10 +132,7 @@ class Dataset:
             raise ValueError(f"dataset {self.name!r}: sha256 must be 64 lowercase hex digits "
                              "(or None: trust on first use)")
         if self.block_size is None:
-            if self.trace_format not in FORMAT_BLOCK_SIZE:
-                raise ValueError(f"dataset {self.name!r}: no block size for trace format "
-                                 f"{self.trace_format!r}; give block_size")
-            object.__setattr__(self, "block_size", FORMAT_BLOCK_SIZE[self.trace_format])
+            object.__setattr__(self, "block_size", FORMAT_BLOCK_SIZE.get(self.trace_format))
         elif isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or self.block_size <= 0:
             raise ValueError(f"dataset {self.name!r}: block_size must be a positive int")
@@ -345,13 +343,22 @@ def expected_sha256(dataset: Dataset, dest: str | os.PathLike) -> tuple[str | No
     return rec, f"the checksum recorded on first use ({str(sum_path(dest))!r})"
 
 
+def known_sha256(name: str, *, root: str | os.PathLike | None = None,
+                 registry: Mapping[str, Dataset] | None = None) -> str | None:
+    """Dataset ``name``'s checksum: the registered one, else the one recorded on first
+    use beside its data-directory copy, else ``None`` (never used yet)."""
+    d = get(name, registry)
+    dest = pathlib.Path(root if root is not None else data_dir()) / d.name / d.filename
+    return expected_sha256(d, dest)[0]
+
+
 def check_block_size(name: str, block_size: int,
                      registry: Mapping[str, Dataset] | None = None) -> None:
     """Raises ``DatasetError`` unless ``block_size`` is dataset ``name``'s (a replay of
     a hash-id trace uses the tokens per hash id: a larger block never matches more, a
     smaller one only splits ids)."""
     d = get(name, registry)
-    if block_size != d.block_size:
+    if d.block_size is not None and block_size != d.block_size:
         raise DatasetError(
             f"dataset {name!r} has {d.block_size}-token blocks (one hash id each); a replay "
             f"of it must use block_size={d.block_size}, not {block_size!r}")

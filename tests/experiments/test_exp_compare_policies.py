@@ -233,6 +233,8 @@ def test_dataset_configs_run_at_the_dataset_block_size(name, tmp_path, monkeypat
         "lru,queue_aware"
     rows = _read(cp.run(cfg)["rows"])
     assert datasets.recorded_sha256(dest) == datasets.sha256_of(dest)
+    assert rows[0]["provenance"]["trace_checksum"] == {
+        "dataset": name, "trace": None, "sha256": datasets.recorded_sha256(dest)}
     cells = {r["policy"]: r for r in rows if r["record"] == "cell"}
     assert set(cells) == {"lru", "queue_aware", "belady"}
     assert cells["lru"]["evicted_blocks"] > 0 and cells["lru"]["hit_tokens"] > 0

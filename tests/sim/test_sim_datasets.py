@@ -44,8 +44,7 @@ def test_registry_entries_are_pinned_and_checksummed():
         datasets.DATASETS["x"] = None  # read-only
     with pytest.raises(ValueError, match="64 lowercase hex"):
         datasets.Dataset("x", "u", "abc", "f", "mooncake", 1, "")
-    with pytest.raises(ValueError, match="no block size for trace format 'jsonl'"):
-        datasets.Dataset("x", "u", None, "f", "jsonl", 1, "")
+    assert datasets.Dataset("x", "u", None, "f", "jsonl", 1, "").block_size is None
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         datasets.Dataset("x", "u", None, "f", "bailian", 1, "", block_size=0)
 
@@ -92,6 +91,9 @@ def test_trust_on_first_use_copies_placed_or_installed(tmp_path):
     by_hand.write_bytes(PAYLOAD)
     assert datasets.path_of("tofu", root=root, registry=reg, download=False) == by_hand
     assert datasets.recorded_sha256(by_hand) == hashlib.sha256(PAYLOAD).hexdigest()
+    assert datasets.known_sha256("tofu", root=root, registry=reg) == datasets.recorded_sha256(
+        by_hand)
+    assert datasets.known_sha256("tofu", root=tmp_path / "none", registry=reg) is None
     other = tmp_path / "other.jsonl"
     other.write_bytes(PAYLOAD + b"\n")
     with pytest.raises(datasets.DatasetError, match="recorded on first use"):
