@@ -15,13 +15,15 @@ Command (the trace is the registered dataset `mooncake_conversation`; here its c
   python -m experiments.compare_policies \
       --config=configs/compare_policies_mooncake_conversation_study.py \
       --config.dataset= --config.trace=/work/shared/traces/mooncake/conversation_trace.jsonl \
-      --workdir=experiments/results/compare_policies_mooncake_conversation
+      --workdir=/tmp/cp_mooncake_conversation_study
 
-Expected (the committed results, experiments/results/compare_policies_mooncake_conversation/):
-the ideal 0.3734; lru 0.0460, 0.0671, 0.2165, 0.3331, 0.3709 from 1k to 100k blocks; belady
-reaches the ideal from 10k blocks with 0 evicted-block prefills; the README's study
-table lists every policy. 41 cells, ~13 CPU-minutes (two workers on the shared 2-core
-dev machine: ~9 min wall).
+Expected (the committed results: experiments/results/compare_policies_mooncake_conversation_study.jsonl
+and .png; the README's study table): the ideal 0.3734 (296,813 blocks); lru 0.0455,
+0.0669, 0.2165, 0.3332, 0.3710 from 1k to 100k blocks; belady 0.1826, 0.2972, then the
+ideal from 10k blocks with 0 evicted-block prefills; queue_aware 0.0468, 0.0705, 0.2174,
+0.3335, 0.3710. Every row misses the same 170,899 cold and 12,009 partial blocks. 41
+cells: 25.1 min of replay loops (loop_s), 35.4 min of cell wall time over two workers,
+17 min 51 s wall on the shared 2-core dev machine under a load average of ~5.
 """
 
 from configs import compare_policies
