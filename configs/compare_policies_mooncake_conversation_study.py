@@ -23,7 +23,7 @@ and .png; the README's study table): the ideal 0.3734 (296,813 blocks); lru 0.04
 ideal from 10k blocks with 0 evicted-block prefills; queue_aware 0.0468, 0.0705, 0.2174,
 0.3335, 0.3710. Every row misses the same 170,899 cold and 12,009 partial blocks. 41
 cells: 25.1 min of replay loops (loop_s), 35.4 min of cell wall time over two workers,
-17 min 51 s wall on the shared 2-core dev machine under a load average of ~5.
+17 min 51 s wall on the shared 2-core dev machine (other jobs running).
 """
 
 from configs import compare_policies
