@@ -10,6 +10,10 @@ carries its miss reasons (`miss_reasons`, `evicted_blocks`: the eviction-induced
 prefills) and its distance to belady (`belady_gap_*`). Hash ids stay hash ids
 (`trace_tokens="lazy"`: the same hits, no token expansion).
 
+Quick variant (`:quick`: the first 200 requests, lru / arc / queue_aware + belady at
+300, 1k and 3k blocks): lru = arc = queue_aware 0.0366, 0.0366, 0.0442 (123, 123, 82
+evicted-block prefills), belady 0.0482, 0.0593, 0.0593, the ideal 0.0593; 4.0 s of cells.
+
 Command (the trace is the registered dataset `mooncake_conversation`; here its copy in
 /work/shared/traces/mooncake):
   python -m experiments.compare_policies \
@@ -31,8 +35,11 @@ from configs import compare_policies
 
 def get_config(arg=None):
     c = compare_policies.mooncake_config("mooncake_conversation", arg)
-    c.policies = "lru,lfu,length,arc,s3fifo,pgdsf,queue_aware"  # + belady (belady_bound)
-    c.capacities = "1000,3000,10000,30000,100000"
+    if c.max_requests:  # :quick -- the first 200 requests, 300/1k/3k blocks
+        c.policies = "lru,arc,queue_aware"  # + belady
+    else:
+        c.policies = "lru,lfu,length,arc,s3fifo,pgdsf,queue_aware"  # + belady (belady_bound)
+        c.capacities = "1000,3000,10000,30000,100000"
     c.queue_depth = 8
     c.trace_tokens = "lazy"
     c.workers = 2
