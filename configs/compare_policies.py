@@ -43,6 +43,9 @@ def get_config(arg=None):
     c.model = "llama_3_1_8b"  # a prefixcache.sim.cost_model preset, for bytes ("": none)
     c.kv_bytes = ""  # KV byte budgets instead of capacities ("1GiB,4GiB"; capacities "")
     c.kv_dtype = ""  # KV dtype of those bytes (prefixcache.kv_dtypes); "": the preset's
+    c.miss_reasons = True  # per-row miss reasons and evicted_blocks (prefixcache.sim.misses)
+    c.queue_depth = 0  # queue_aware's waiting queue in the replay (0: concurrency)
+    c.trace_tokens = "expand"  # "lazy": hash-id traces keep hash ids (same results, faster)
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU
     c.ray_address = ""  # "": a local Ray instance
@@ -81,4 +84,40 @@ def mooncake_config(dataset: str, arg=None):
         c.max_requests = 200
         c.capacities = "300,1000,3000"
         c.policies = "lru,lfu,length"
+    return c
+
+
+# Capacities (blocks) per block size for the hash-id datasets without a study of their
+# own yet: about 64k to 16M tokens of KV.
+_DATASET_CAPACITIES = {16: "4096,16384,65536,262144,1048576",
+                       64: "1024,4096,16384,65536,262144",
+                       512: "1000,3000,10000,30000,50000,100000,200000"}
+
+
+def dataset_config(dataset: str, arg=None):
+    """Every registered policy on a registered hash-id dataset at its own block size
+    (``configs/compare_policies_<dataset>.py``): 8 requests at once, hash ids kept lazy,
+    xxhash with a fixed root, Llama-3.1-8B's KV for bytes; ``:quick``: the first 300
+    requests, lru / queue_aware / pgdsf (+ belady) at the two smallest capacities."""
+    from prefixcache.sim import datasets  # noqa: PLC0415
+
+    quick = _base.variant(arg)
+    d = datasets.get(dataset)
+    c = get_config()
+    src = _base.requests_config("shared_system_prompt", dataset=dataset)
+    for key in ("trace", "dataset", "workload"):
+        c[key] = src[key]
+    c.trace_format = d.trace_format
+    c.block_size = d.block_size
+    c.capacities = _DATASET_CAPACITIES[d.block_size]
+    c.policies = "all"
+    c.indexes = "hash"
+    c.concurrency = 8
+    c.hash_algo = "xxhash"
+    c.hash_seed = "0"
+    c.trace_tokens = "lazy"
+    if quick:
+        c.max_requests = 300
+        c.capacities = ",".join(c.capacities.split(",")[:2])
+        c.policies = "lru,queue_aware,pgdsf"
     return c

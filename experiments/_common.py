@@ -438,7 +438,11 @@ def load_requests(config, workdir: str | os.PathLike | None = None, *,
             from prefixcache.sim import datasets  # noqa: PLC0415
 
             fmt = datasets.get(config.dataset).trace_format
-        reqs = read_trace(path, format=fmt)
+        # NOTE: trace_tokens="lazy": hash-id prompts stay hash ids (the replay keys
+        # blocks by them; same results, no token expansion); configs without the
+        # field read expanded tokens, as before.
+        reqs = read_trace(path, format=fmt,
+                          mooncake_tokens=config.get("trace_tokens", "expand"))
         total = count_lines(path)
     else:
         name = config.workload.name
@@ -818,7 +822,8 @@ def trace_checksum(config) -> dict[str, Any] | None:
     if dataset:
         from prefixcache.sim import datasets  # noqa: PLC0415
 
-        return {"dataset": dataset, "trace": None, "sha256": datasets.get(dataset).sha256}
+        # (registered, or recorded on the dataset's first use: trust on first use)
+        return {"dataset": dataset, "trace": None, "sha256": datasets.known_sha256(dataset)}
     return None
 
 

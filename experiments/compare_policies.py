@@ -46,9 +46,19 @@ Outputs in ``--workdir``:
     ``belady`` (when run) as the bound; titled with the trace's file name.
   * stdout: a table of hit rates; the last line a JSON object with the paths.
 
+Miss reasons (``miss_reasons``, on by default): each row also carries ``missed_blocks``,
+``miss_reasons`` (the replay's totals: ``cold``, ``evicted``, ``isolated``, ``partial``,
+``last_token``, ``evicted_device`` / ``evicted_host``; ``prefixcache.sim.misses``) and
+``evicted_blocks`` (the evicted-block prefills that separate policies); with belady in the
+grid every cell row carries its distance to it at the same index and capacity:
+``belady_gap_tokens``, ``belady_gap_rate`` and ``belady_gap_evicted_blocks``. The table on
+stdout is followed by the evicted blocks per cell. ``queue_depth`` sets ``queue_aware``'s
+waiting queue in the replay (0: ``concurrency``).
+
 Bad input (unknown policy, index, hash algorithm, free order, model preset or
 executor; Ray missing for ``--executor=ray``; a policy or index the replay cannot run;
-a missing trace) -> ``ValueError`` naming the problem before any cell runs.
+a missing trace; a registered dataset at another block size than its own) ->
+``ValueError`` naming the problem before any cell runs.
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ def resolve_grid(config) -> dict:
     from prefixcache.sim import compare  # noqa: PLC0415
 
     _parallel.check_executor(config.executor, config.workers)
+    if config.get("dataset"):  # a hash-id trace is replayed at its own block size
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        datasets.check_block_size(config.dataset, config.block_size)
     for field in ("block_size", "concurrency"):
         v = config[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -137,6 +151,7 @@ def run_cell(cell: dict) -> dict:
     """
     import ml_collections  # noqa: PLC0415
 
+    from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
     from prefixcache.sim import compare  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -148,15 +163,27 @@ def run_cell(cell: dict) -> dict:
     num_blocks, record = cell["num_blocks"], "cell"
     if num_blocks == 0:
         num_blocks, record = compare.ideal_num_blocks(make_requests(), config.block_size), compare.IDEAL
+    extra = {}
+    if config.miss_reasons:
+        extra["miss_reasons"] = True
+    if config.queue_depth and get_policy_class(cell["policy"]).needs_waiting:
+        extra["queue_depth"] = config.queue_depth  # (0: the replay's default, concurrency)
     summary = compare.replay_cell(
         make_requests, policy=cell["policy"], index=cell["index"], num_blocks=num_blocks,
         block_size=config.block_size, model=config.model or None, hash_algo=config.hash_algo,
         hash_seed=config.hash_seed or None, free_order=config.free_order,
-        concurrency=config.concurrency)
+        concurrency=config.concurrency, **extra)
     row = compare.cell_row(summary, policy=cell["policy"], index=cell["index"],
                            num_blocks=num_blocks, block_size=config.block_size,
                            concurrency=config.concurrency, model=config.model or None,
                            record=record)
+    if "queue_depth" in summary:
+        row["queue_depth"] = summary["queue_depth"]
+    if config.miss_reasons:  # why the missed prompt blocks missed (prefixcache.sim.misses)
+        misses = summary["miss_reasons"]
+        row["missed_blocks"] = misses["missed_blocks"]
+        row["miss_reasons"] = misses["reasons"]
+        row["evicted_blocks"] = misses["reasons"]["evicted"]  # eviction-induced prefills
     if record == compare.IDEAL and row["evictions"]:  # pragma: no cover - a bug
         raise AssertionError(f"the ideal cell evicted {row['evictions']} blocks "
                              f"at {num_blocks} blocks")
@@ -170,21 +197,44 @@ def run_cell(cell: dict) -> dict:
     return row
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    """Token hit rate per (index, policy) and capacity, the ideal in the last column."""
+def add_belady_distance(rows: Sequence[dict]) -> None:
+    """Adds ``belady_gap_tokens`` / ``belady_gap_rate`` (belady's hit tokens / token hit
+    rate minus the row's, at the same index and capacity; negative: the row beat it)
+    and, with miss reasons, ``belady_gap_evicted_blocks`` (the row's evicted-block
+    prefills minus belady's) to every cell row, when belady is in the grid."""
+    bound = {(r["index"], r["num_blocks"]): r for r in rows
+             if r["record"] == "cell" and r["policy"] == BELADY}
+    for r in rows:
+        b = bound.get((r["index"], r["num_blocks"])) if r["record"] == "cell" else None
+        if b is None:
+            continue
+        r["belady_gap_tokens"] = b["hit_tokens"] - r["hit_tokens"]
+        r["belady_gap_rate"] = b["hit_rate_tokens"] - r["hit_rate_tokens"]
+        if r.get("evicted_blocks") is not None and b.get("evicted_blocks") is not None:
+            r["belady_gap_evicted_blocks"] = r["evicted_blocks"] - b["evicted_blocks"]
+
+
+def format_table(rows: Sequence[dict], field: str = "hit_rate_tokens") -> str:
+    """``field`` (token hit rate; or ``evicted_blocks``) per (index, policy) and
+    capacity, the ideal in the last column."""
     ideal = [r for r in rows if r["record"] == "ideal"]
     cells = [r for r in rows if r["record"] == "cell"]
     caps = sorted({r["num_blocks"] for r in cells})
     width = max([len(f"{r['index']}/{r['policy']}") for r in cells] + [12])
     head = f"{'index/policy':<{width}} " + " ".join(f"{c:>8}" for c in caps)
-    lines = [f"token hit rate by capacity (blocks of {rows[0]['block_size']} tokens)",
+    what = "token hit rate" if field == "hit_rate_tokens" else field
+
+    def fmt(v):
+        return f"{'-':>8}" if v is None else (f"{v:>8.4f}" if isinstance(v, float) else f"{v:>8}")
+
+    lines = [f"{what} by capacity (blocks of {rows[0]['block_size']} tokens)",
              head + (f" {'ideal':>8}" if ideal else "")]
     for key in dict.fromkeys((r["index"], r["policy"]) for r in cells):
         by_cap = {r["num_blocks"]: r for r in cells if (r["index"], r["policy"]) == key}
-        vals = " ".join(f"{by_cap[c]['hit_rate_tokens']:>8.4f}" if c in by_cap else f"{'-':>8}"
+        vals = " ".join(fmt(by_cap[c].get(field)) if c in by_cap else f"{'-':>8}"
                         for c in caps)
         lines.append(f"{key[0] + '/' + key[1]:<{width}} {vals}"
-                     + (f" {ideal[0]['hit_rate_tokens']:>8.4f}" if ideal else ""))
+                     + (f" {fmt(ideal[0].get(field))}" if ideal else ""))
     return "\n".join(lines)
 
 
@@ -251,6 +301,8 @@ def run(config, *, progress: bool = False) -> dict:
         run_cell, make_cells(config, grid), log=log, executor=config.executor,
         workers=config.workers, ray_address=config.ray_address, progress=progress,
         desc="compare_policies")
+    rows = [dict(r) for r in rows]
+    add_belady_distance(rows)
     source = _common.source_name(config)
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                               cache_state="cold", extra={"source": source, **{
@@ -262,6 +314,8 @@ def run(config, *, progress: bool = False) -> dict:
     plot(rows, png_path, title=f"{_common.source_label(config)}: block size {config.block_size}, "
                                f"concurrency {config.concurrency}, {config.free_order}")
     print(format_table(rows), flush=True)
+    if config.miss_reasons:
+        print(format_table(rows, field="evicted_blocks"), flush=True)
     ideal = next(r for r in rows if r["record"] == "ideal")
     return {"rows": str(rows_path), "png": str(png_path), "cells": len(rows) - 1,
             "ideal_hit_rate_tokens": ideal["hit_rate_tokens"],

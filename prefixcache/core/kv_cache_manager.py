@@ -402,6 +402,9 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         self.eviction = eviction
         self.index = DEFAULT_INDEX
         self.policy = policy
+        # A policy that reads the waiting queue (queue_aware): admission drops the
+        # request from it (``on_waiting``); None for every other policy.
+        self._waiting_policy = policy if policy is not None and policy.needs_waiting else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = bool(enable_caching)
@@ -722,6 +725,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
+            if self._waiting_policy is not None:
+                self._waiting_policy.drop_waiting(request.request_id)
             pool.touch(computed, request)
             st = _RequestState(request, computed, len(computed))
             self._states[request.request_id] = st
@@ -815,6 +820,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
+            if self._waiting_policy is not None:
+                self._waiting_policy.drop_waiting(request.request_id)
             pool.touch(device_hits, request)
             table = computed
             if loads:
@@ -905,6 +912,22 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         if self.policy is not None:
             self._bind(request)
             self.policy.on_arrival(request, index)
+
+    def on_waiting(self, request_id, block_hashes) -> None:
+        """``request_id`` joined the waiting queue with the prompt block hashes it
+        can hit (``request.block_hashes[:(request.num_tokens - 1) // block_size]``: a
+        lookup adopts at most ``num_tokens - 1`` tokens). A policy with
+        ``needs_waiting`` (``queue_aware``) keeps the cached blocks it will hit until it
+        is admitted (``allocate_slots`` drops it) or leaves (``drop_waiting``); a no-op
+        for every other policy."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.on_waiting(request_id, block_hashes)
+
+    def drop_waiting(self, request_id) -> None:
+        """``request_id`` left the waiting queue without being admitted (aborted,
+        failed); a no-op unless the policy reads the queue or the request waits."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.drop_waiting(request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (e.g. after a weight update).
@@ -1000,6 +1023,11 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 )
         if self.host_tier is not None:
             self.host_tier.check_invariants(pool.cached_block_hash_to_block)
+        if self._waiting_policy is not None:  # admission drops a request's interest
+            held = [r for r in self._waiting_policy.waiting_ids() if r in self._states]
+            if held:
+                raise InvariantError(f"requests {held[:5]} hold blocks but are still "
+                                     "waiting for the queue-aware policy (a leak)")
 
 
 def _public_methods(cls: type) -> list[str]:

@@ -349,6 +349,8 @@ class RadixKVCacheManager(HostTierAPI):
             None if cls.on_evicted is EvictionPolicy.on_evicted else self.policy.on_evicted
         )
         keyed = isinstance(self.policy, KeyedPolicy)
+        # queue_aware reads the waiting queue: admission drops the request from it.
+        self._waiting_policy = self.policy if cls.needs_waiting else None
         self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
         self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
         self.eviction = eviction
@@ -436,6 +438,16 @@ class RadixKVCacheManager(HostTierAPI):
         if self.policy.needs_future:  # belady reads the request's block hashes
             request.bind_hasher(self.hasher, self.block_size)
         self.policy.on_arrival(request, index)
+
+    def on_waiting(self, request_id, block_hashes) -> None:
+        """As ``HashKVCacheManager.on_waiting`` (``queue_aware`` only)."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.on_waiting(request_id, block_hashes)
+
+    def drop_waiting(self, request_id) -> None:
+        """As ``HashKVCacheManager.drop_waiting``."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.drop_waiting(request_id)
 
     # -------------------------------------------------------------- scheduling
     def _lookup_nodes(self, request) -> list[_Node]:
@@ -630,6 +642,8 @@ class RadixKVCacheManager(HostTierAPI):
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
+            if self._waiting_policy is not None:
+                self._waiting_policy.drop_waiting(request.request_id)
             on_hit = self._on_hit
             num_touched = 0
             if num_unlocked_hits and not nodes[-1].children:
@@ -968,6 +982,8 @@ class RadixKVCacheManager(HostTierAPI):
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
+            if self._waiting_policy is not None:
+                self._waiting_policy.drop_waiting(request.request_id)
             if num_unlocked_hits and not nodes[-1].children:
                 self.policy.discard(nodes[-1].block)  # (only the last can be a leaf)
             on_hit = self._on_hit
@@ -1409,6 +1425,11 @@ class RadixKVCacheManager(HostTierAPI):
         if not self.enable_caching and self._num_nodes:
             raise InvariantError("caching is off but the tree holds blocks")
         self.policy.check_invariants(candidates)
+        if self._waiting_policy is not None:  # admission drops a request's interest
+            held = [r for r in self._waiting_policy.waiting_ids() if r in self._states]
+            if held:
+                raise InvariantError(f"requests {held[:5]} hold blocks but are still "
+                                     "waiting for the queue-aware policy (a leak)")
         if self.host_tier is not None:
             # Exclusive tiers, the host map <-> slots, the host policy's candidates.
             self.host_tier.check_invariants(

@@ -240,6 +240,15 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []
+        # An eviction policy that reads the waiting queue (queue_aware): the manager
+        # hears of each request joining it (admission drops it there); None otherwise.
+        self._queue_watch = None
+        kv_policy = getattr(kv_cache_manager, "policy", None)
+        if kv_policy is not None and kv_policy.needs_waiting:
+            if not hasattr(kv_cache_manager, "on_waiting"):
+                raise ValueError(f"eviction {kv_policy.name!r} reads the waiting queue, which "
+                                 "this KV cache manager does not report")
+            self._queue_watch = kv_cache_manager
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
@@ -272,6 +281,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has status {state.status}, expected WAITING")
         self.requests[rid] = state
         self.waiting.append(state)
+        if self._queue_watch is not None:
+            self._announce_waiting(state.request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -292,6 +303,8 @@ class Scheduler:
         else:
             self.waiting.remove(state)
             self.policy.forget(state.request)
+            if self._queue_watch is not None:
+                self._queue_watch.drop_waiting(state.request_id)
         state.status = RequestStatus.FINISHED
         state.finish_reason = reason
         state.error = error
@@ -324,6 +337,15 @@ class Scheduler:
         state.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(state)
+        if self._queue_watch is not None:
+            self._announce_waiting(state.request)
+
+    def _announce_waiting(self, req) -> None:
+        """Tell the manager's queue-aware policy the blocks ``req`` can hit."""
+        mgr = self._queue_watch
+        req.bind_hasher(mgr.hasher, mgr.block_size)
+        mgr.on_waiting(req.request_id,
+                       req.block_hashes[: (req.num_tokens - 1) // mgr.block_size])
 
     def _release_row(self, state: EngineRequest) -> None:
         if state.block_row is not None:

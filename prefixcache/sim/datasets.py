@@ -1,9 +1,11 @@
 """Public request traces by name: download once, verify, reuse.
 
-A dataset is a named public trace with its upstream URL and the SHA-256 of its bytes.
-``path_of(name)`` returns a local, checksum-verified copy:
+A dataset is a named public trace with its upstream URL, its format (the reader) and
+block size (tokens per hash id: a replay of it uses that block size), and the SHA-256
+of its bytes where one is known. ``path_of(name)`` returns a local, checksum-verified
+copy:
 
-1. ``local_path`` given: that file, verified against the registry's checksum (nothing
+1. ``local_path`` given: that file, verified against the expected checksum (nothing
    is copied or downloaded);
 2. else ``<data_dir>/<name>/<file name>`` when it exists (a previous download, or a
    copy placed there by hand), verified;
@@ -11,25 +13,49 @@ A dataset is a named public trace with its upstream URL and the SHA-256 of its b
    sends it) into a temporary file beside the destination, verified, and only then
    renamed into place -- an interrupted or corrupt download never looks complete.
 
+The expected checksum is the registry's (``sha256``) when it has one: it always wins.
+A dataset registered without one (no copy was at hand to compute it: ``sha256=None``)
+is **trusted on first use**: the first download (or the first copy found or installed
+in the data directory) records its SHA-256 beside the file, in
+``<data_dir>/<name>/<file name>.sha256`` (``sha256sum`` format, written through a
+temporary file and a rename), and every later use verifies against that record -- a
+changed or damaged copy, or an upstream file that changed under the URL, is refused.
+A ``local_path`` outside the data directory is verified against the registered or
+recorded checksum when either exists, else used as it is (``fetch NAME --path FILE``
+installs it and records its checksum).
+
 ``data_dir()`` is ``$PREFIXCACHE_DATA`` when set, else ``$XDG_CACHE_HOME/prefixcache``
 (``~/.cache/prefixcache`` by default). Tests and CI never download: they point
 ``$PREFIXCACHE_DATA`` (or ``local_path``) at local copies and go through the same
 checks.
 
-Known datasets (``DATASETS``):
+Known datasets (``DATASETS``; block size in tokens per hash id):
 
-* ``mooncake_conversation``: the Mooncake FAST'25 conversation trace (12,031 requests,
-  ~12k input tokens, real arrival times over one hour).
-* ``mooncake_synthetic``: the Mooncake FAST'25 synthetic trace (3,993 requests, ~15k
-  input tokens, Poisson arrivals).
+* ``mooncake_conversation`` (512): the Mooncake FAST'25 conversation trace (12,031
+  requests, ~12k input tokens, real arrival times over one hour).
+* ``mooncake_synthetic`` (512): the Mooncake FAST'25 synthetic trace (3,993 requests,
+  ~15k input tokens, Poisson arrivals).
+* ``mooncake_toolagent`` (512): the same release's tool-and-agent trace (23,608
+  requests; trust on first use).
 
-Both are Apache-2.0, from kvcache-ai/Mooncake ``FAST25-release/traces/`` (Qin et al.,
-"Mooncake: A KVCache-centric Disaggregated Architecture for LLM Serving", FAST'25),
-Mooncake format (``prefixcache.sim.trace``), pinned to one upstream commit.
-
-NOTE: the release's third trace (``toolagent_trace.jsonl``, tool and agent traffic) is
-not registered: a dataset needs its checksum recorded here, and no copy of that file
-was available when this registry was written. Add it with its SHA-256 once one is.
+  The three are Apache-2.0, from kvcache-ai/Mooncake ``FAST25-release/traces/`` (Qin
+  et al., "Mooncake: A KVCache-centric Disaggregated Architecture for LLM Serving",
+  FAST'25), Mooncake format (``prefixcache.sim.trace``), pinned to one upstream commit.
+* ``bailian_to_c``, ``bailian_to_b``, ``bailian_thinking``, ``bailian_coder`` (16):
+  Alibaba's Qwen-Bailian usage traces (alibaba-edu/qwen-bailian-usagetraces-anon,
+  Apache-2.0; Wang et al., "KVCache Cache in the Wild", USENIX ATC'25):
+  ``qwen_traceA_blksz_16.jsonl`` (to-C, chat), ``qwen_traceB_blksz_16.jsonl`` (to-B,
+  API calls), ``qwen_thinking_blksz_16.jsonl``, ``qwen_coder_blksz_16.jsonl``; Bailian
+  format (``prefixcache.sim.trace_formats``). Git LFS objects, fetched through
+  GitHub's ``/raw/<commit>/`` (which serves LFS content). The thinking and coder
+  checksums are the LFS pointers' ``oid sha256`` at the pinned commit; to-C and to-B:
+  trust on first use.
+* ``claude_code_subagents``, ``claude_code_no_subagents`` (64): SemiAnalysis' Claude
+  Code agent traces (Hugging Face ``semianalysisai/cc-traces-weka-with-subagents-060826``
+  and ``semianalysisai/cc-traces-weka-no-subagents-051226``, ``traces.jsonl``: one
+  session per line, sub-agent requests among them); Claude Code format; trust on first
+  use (the URL follows the dataset's main revision: the recorded checksum then refuses
+  a changed file).
 
 Command line (prefetch, e.g. before going offline; or install a local copy)::
 
@@ -61,6 +87,16 @@ ENV_VAR = "PREFIXCACHE_DATA"
 _MOONCAKE_COMMIT = "3b5a594133958449a1feaf1c9e0fc1b553e34a28"
 _MOONCAKE_RAW = (f"https://raw.githubusercontent.com/kvcache-ai/Mooncake/{_MOONCAKE_COMMIT}"
                  "/FAST25-release/traces")
+# Qwen-Bailian: Git LFS files; github.com/<repo>/raw/<commit>/<file> serves their content
+# (raw.githubusercontent.com would serve the LFS pointer). The thinking and coder files
+# at this commit are LFS pointers whose oid is the sha256 registered below.
+_BAILIAN_REPO = "https://github.com/alibaba-edu/qwen-bailian-usagetraces-anon/raw"
+_BAILIAN_COMMIT = "0b4273a1d8a83935b9d9356e78f95c31f2ac64cf"
+# The to-C / to-B files as other projects pin them (README commit 5f7439c).
+_BAILIAN_AB_COMMIT = "5f7439c51ec248a0c585f7d90a41a6f57773b912"
+_HF = "https://huggingface.co/datasets/semianalysisai"
+# Tokens per hash id of each format (a replay of a dataset uses its format's).
+FORMAT_BLOCK_SIZE = types.MappingProxyType({"mooncake": 512, "bailian": 16, "claude_code": 64})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,24 +106,36 @@ class Dataset:
     Attributes:
       name: registry key (what configs name).
       url: where its bytes come from (``https://`` or ``file://``).
-      sha256: hex SHA-256 of the file's bytes.
+      sha256: hex SHA-256 of the file's bytes, or ``None``: trust on first use (the
+        first copy's checksum is recorded beside it; see the module docstring).
       filename: the file name in the data directory.
-      trace_format: how ``prefixcache.sim.trace.read_trace`` reads it.
-      num_requests: requests (non-blank lines) in the file.
+      trace_format: how ``prefixcache.sim.trace.read_trace`` reads it (its reader).
+      num_requests: requests in the file (``None``: not known before a copy is read).
       description: one line for listings.
+      block_size: tokens per hash id (``None``: the format's, ``FORMAT_BLOCK_SIZE``;
+        stays ``None`` for a format without hash ids, e.g. our ``jsonl``); a replay of
+        the dataset uses it (``check_block_size``).
     """
 
     name: str
     url: str
-    sha256: str
+    sha256: str | None
     filename: str
     trace_format: str
-    num_requests: int
+    num_requests: int | None
     description: str
+    block_size: int | None = None
 
     def __post_init__(self):
-        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
-            raise ValueError(f"dataset {self.name!r}: sha256 must be 64 lowercase hex digits")
+        if self.sha256 is not None and (
+                len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256)):
+            raise ValueError(f"dataset {self.name!r}: sha256 must be 64 lowercase hex digits "
+                             "(or None: trust on first use)")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", FORMAT_BLOCK_SIZE.get(self.trace_format))
+        elif isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or self.block_size <= 0:
+            raise ValueError(f"dataset {self.name!r}: block_size must be a positive int")
 
 
 def _registry(*datasets: Dataset) -> Mapping[str, Dataset]:
@@ -112,7 +160,51 @@ DATASETS: Mapping[str, Dataset] = _registry(
         filename="synthetic_trace.jsonl", trace_format="mooncake", num_requests=3993,
         description="Mooncake FAST'25 synthetic trace: 3,993 requests, ~15k input "
                     "tokens, Poisson arrivals"),
+    Dataset(
+        name="mooncake_toolagent",
+        url=f"{_MOONCAKE_RAW}/toolagent_trace.jsonl", sha256=None,
+        filename="toolagent_trace.jsonl", trace_format="mooncake", num_requests=23608,
+        description="Mooncake FAST'25 tool-and-agent trace: 23,608 requests (trust on "
+                    "first use)"),
+    Dataset(
+        name="bailian_to_c",
+        url=f"{_BAILIAN_REPO}/{_BAILIAN_AB_COMMIT}/qwen_traceA_blksz_16.jsonl", sha256=None,
+        filename="qwen_traceA_blksz_16.jsonl", trace_format="bailian", num_requests=None,
+        description="Qwen-Bailian to-C trace (chat service), 16-token hash ids (trust on "
+                    "first use)"),
+    Dataset(
+        name="bailian_to_b",
+        url=f"{_BAILIAN_REPO}/{_BAILIAN_AB_COMMIT}/qwen_traceB_blksz_16.jsonl", sha256=None,
+        filename="qwen_traceB_blksz_16.jsonl", trace_format="bailian", num_requests=None,
+        description="Qwen-Bailian to-B trace (API calls, task automation), 16-token hash "
+                    "ids (trust on first use)"),
+    Dataset(
+        name="bailian_thinking",
+        url=f"{_BAILIAN_REPO}/{_BAILIAN_COMMIT}/qwen_thinking_blksz_16.jsonl",
+        sha256="41ac36d9d1b54d084eeb6b05e9d142ba9d02f8bf79cfc9fff418d8ab7cdee906",
+        filename="qwen_thinking_blksz_16.jsonl", trace_format="bailian", num_requests=None,
+        description="Qwen-Bailian thinking-model trace, 16-token hash ids (27.9 MB)"),
+    Dataset(
+        name="bailian_coder",
+        url=f"{_BAILIAN_REPO}/{_BAILIAN_COMMIT}/qwen_coder_blksz_16.jsonl",
+        sha256="3d74974cebb7bccb69b1ca6ea210a44d9a3033443c0271ed015327284dea1aff",
+        filename="qwen_coder_blksz_16.jsonl", trace_format="bailian", num_requests=None,
+        description="Qwen-Bailian coder-model trace, 16-token hash ids (132 MB)"),
+    Dataset(
+        name="claude_code_subagents",
+        url=f"{_HF}/cc-traces-weka-with-subagents-060826/resolve/main/traces.jsonl",
+        sha256=None, filename="traces.jsonl", trace_format="claude_code", num_requests=None,
+        description="Claude Code agent sessions with sub-agents (SemiAnalysis), 64-token "
+                    "hash ids, one session per line (trust on first use)"),
+    Dataset(
+        name="claude_code_no_subagents",
+        url=f"{_HF}/cc-traces-weka-no-subagents-051226/resolve/main/traces.jsonl",
+        sha256=None, filename="traces.jsonl", trace_format="claude_code", num_requests=None,
+        description="Claude Code agent sessions without sub-agents (SemiAnalysis), "
+                    "64-token hash ids, one session per line (trust on first use)"),
 )
+
+SUM_SUFFIX = ".sha256"  # the recorded checksum of a trust-on-first-use copy, beside it
 
 _CHUNK = 1 << 20
 
@@ -166,8 +258,16 @@ def sha256_of(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def verify(path: str | os.PathLike, dataset: Dataset) -> pathlib.Path:
+def verify(path: str | os.PathLike, dataset: Dataset, expected: str | None = None,
+           *, source: str = "the registry") -> pathlib.Path:
     """Checks that ``path`` holds exactly ``dataset``'s bytes.
+
+    Args:
+      path: the file.
+      dataset: its registry entry.
+      expected: the hex digest to match (default ``dataset.sha256``; for a
+        trust-on-first-use dataset, the recorded one).
+      source: where ``expected`` comes from, for the message.
 
     Returns:
       ``path`` as a ``Path``.
@@ -175,17 +275,93 @@ def verify(path: str | os.PathLike, dataset: Dataset) -> pathlib.Path:
     Raises:
       FileNotFoundError: no such file. DatasetError: checksum mismatch (the message
       names the file, both digests and the URL to fetch a good copy from).
+      ValueError: nothing to verify against (no registered or given checksum).
     """
     path = pathlib.Path(path)
+    expected = dataset.sha256 if expected is None else expected
+    if expected is None:
+        raise ValueError(f"dataset {dataset.name!r} has no registered checksum: pass the "
+                         "recorded one (see recorded_sha256)")
     if not path.is_file():
         raise FileNotFoundError(f"dataset {dataset.name!r}: no file at {str(path)!r}")
     got = sha256_of(path)
-    if got != dataset.sha256:
+    if got != expected:
         raise DatasetError(
             f"dataset {dataset.name!r}: {str(path)!r} has sha256 {got}, expected "
-            f"{dataset.sha256} (a different or damaged file; the original is at "
+            f"{expected} from {source} (a different or damaged file; the original is at "
             f"{dataset.url})")
     return path
+
+
+def sum_path(dest: str | os.PathLike) -> pathlib.Path:
+    """Where the recorded checksum of the data-directory copy ``dest`` lives."""
+    dest = pathlib.Path(dest)
+    return dest.with_name(dest.name + SUM_SUFFIX)
+
+
+def recorded_sha256(dest: str | os.PathLike) -> str | None:
+    """The checksum recorded beside ``dest`` on first use, or ``None``.
+
+    Raises:
+      DatasetError: the record is not a sha256 line for this file name.
+    """
+    p = sum_path(dest)
+    if not p.is_file():
+        return None
+    text = p.read_text().split()
+    if (len(text) != 2 or len(text[0]) != 64 or any(c not in "0123456789abcdef" for c in text[0])
+            or text[1] != pathlib.Path(dest).name):
+        raise DatasetError(f"{str(p)!r} is not a checksum record of {pathlib.Path(dest).name!r} "
+                           "('<sha256>  <file name>'); delete it to trust the copy anew")
+    return text[0]
+
+
+def _record_sha256(dest: pathlib.Path, digest: str) -> None:
+    """Writes ``dest``'s checksum record atomically (temporary file + rename)."""
+    p = sum_path(dest)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{digest}  {dest.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, p)
+        tmp = None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def expected_sha256(dataset: Dataset, dest: str | os.PathLike) -> tuple[str | None, str]:
+    """``(digest, source)`` a copy at ``dest`` must match: the registered checksum (it
+    wins), else the one recorded beside ``dest``, else ``(None, ...)`` (first use)."""
+    if dataset.sha256 is not None:
+        return dataset.sha256, "the registry"
+    rec = recorded_sha256(dest)
+    return rec, f"the checksum recorded on first use ({str(sum_path(dest))!r})"
+
+
+def known_sha256(name: str, *, root: str | os.PathLike | None = None,
+                 registry: Mapping[str, Dataset] | None = None) -> str | None:
+    """Dataset ``name``'s checksum: the registered one, else the one recorded on first
+    use beside its data-directory copy, else ``None`` (never used yet)."""
+    d = get(name, registry)
+    dest = pathlib.Path(root if root is not None else data_dir()) / d.name / d.filename
+    return expected_sha256(d, dest)[0]
+
+
+def check_block_size(name: str, block_size: int,
+                     registry: Mapping[str, Dataset] | None = None) -> None:
+    """Raises ``DatasetError`` unless ``block_size`` is dataset ``name``'s (a replay of
+    a hash-id trace uses the tokens per hash id: a larger block never matches more, a
+    smaller one only splits ids)."""
+    d = get(name, registry)
+    if d.block_size is not None and block_size != d.block_size:
+        raise DatasetError(
+            f"dataset {name!r} has {d.block_size}-token blocks (one hash id each); a replay "
+            f"of it must use block_size={d.block_size}, not {block_size!r}")
 
 
 def path_of(name: str, *, local_path: str | os.PathLike | None = None,
@@ -213,17 +389,27 @@ def path_of(name: str, *, local_path: str | os.PathLike | None = None,
       FileNotFoundError: ``local_path`` does not exist.
     """
     dataset = get(name, registry)
-    if local_path is not None:
-        return verify(local_path, dataset)
     dest = pathlib.Path(root if root is not None else data_dir()) / dataset.name / dataset.filename
+    expected, source = expected_sha256(dataset, dest)
+    if local_path is not None:
+        if expected is None:  # nothing known yet: used as it is (install() records it)
+            if not pathlib.Path(local_path).is_file():
+                raise FileNotFoundError(f"dataset {dataset.name!r}: no file at "
+                                        f"{str(local_path)!r}")
+            return pathlib.Path(local_path)
+        return verify(local_path, dataset, expected, source=source)
     if dest.is_file():
-        return verify(dest, dataset)
+        if expected is None:  # a copy placed by hand: trust it now, verify it from now on
+            _record_sha256(dest, sha256_of(dest))
+            return dest
+        return verify(dest, dataset, expected, source=source)
     how = (f"download it from {dataset.url} to {str(dest)!r}, or set ${ENV_VAR} to a "
            f"directory holding {dataset.name}/{dataset.filename}")
     if not download:
         raise DatasetError(f"dataset {dataset.name!r} is not present locally; {how}")
     try:
-        _download(dataset, dest, progress=progress, urlopen=urlopen)
+        _download(dataset, dest, progress=progress, urlopen=urlopen, expected=expected,
+                  source=source)
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e
         raise DatasetError(
@@ -256,17 +442,31 @@ def install(name: str, path: str | os.PathLike, *, root: str | os.PathLike | Non
     import shutil  # noqa: PLC0415
 
     dataset = get(name, registry)
-    src = verify(path, dataset)
     dest = pathlib.Path(root if root is not None else data_dir()) / dataset.name / dataset.filename
-    if dest.is_file() and (dest.samefile(src) or sha256_of(dest) == dataset.sha256):
+    expected, source = expected_sha256(dataset, dest)
+    if expected is None:  # first use: this copy's checksum becomes the record
+        if not pathlib.Path(path).is_file():
+            raise FileNotFoundError(f"dataset {dataset.name!r}: no file at {str(path)!r}")
+        src = pathlib.Path(path)
+        expected = sha256_of(src)
+        if dest.is_file() and dest.samefile(src):
+            _record_sha256(dest, expected)
+            return dest
+    else:
+        src = verify(path, dataset, expected, source=source)
+    if dest.is_file() and (dest.samefile(src) or sha256_of(dest) == expected):
+        if dataset.sha256 is None and recorded_sha256(dest) is None:
+            _record_sha256(dest, expected)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
             shutil.copyfileobj(f, out, _CHUNK)
-        if sha256_of(tmp) != dataset.sha256:  # pragma: no cover - changed while copied
+        if sha256_of(tmp) != expected:  # pragma: no cover - changed while copied
             raise DatasetError(f"dataset {name!r}: {str(src)!r} changed while it was copied")
+        if dataset.sha256 is None:  # (recorded before the file appears: see _download)
+            _record_sha256(dest, expected)
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
         tmp = None
@@ -277,8 +477,14 @@ def install(name: str, path: str | os.PathLike, *, root: str | os.PathLike | Non
 
 
 def _download(dataset: Dataset, dest: pathlib.Path, *, progress: bool,
-              urlopen: Callable) -> None:
-    """Downloads ``dataset`` to ``dest`` via a verified temporary file."""
+              urlopen: Callable, expected: str | None = None,
+              source: str = "the registry") -> None:
+    """Downloads ``dataset`` to ``dest`` via a verified temporary file.
+
+    ``expected``: the digest to match (``None``: first use -- the download's own digest
+    is recorded beside ``dest`` before the file is renamed into place, so a copy in the
+    data directory always has its record).
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
     try:
@@ -300,10 +506,12 @@ def _download(dataset: Dataset, dest: pathlib.Path, *, progress: bool,
             finally:
                 if bar is not None:
                     bar.close()
-        if h.hexdigest() != dataset.sha256:
+        if expected is None:
+            _record_sha256(dest, h.hexdigest())  # trust on first use
+        elif h.hexdigest() != expected:
             raise DatasetError(
                 f"dataset {dataset.name!r}: the download from {dataset.url} has sha256 "
-                f"{h.hexdigest()}, expected {dataset.sha256}; nothing was kept")
+                f"{h.hexdigest()}, expected {expected} from {source}; nothing was kept")
         os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
         tmp = None
@@ -335,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(f"data directory: {data_dir()} (${ENV_VAR})")
         for d in DATASETS.values():
-            print(f"{d.name}: {d.description}\n  {d.url}\n  sha256 {d.sha256}")
+            dest = data_dir() / d.name / d.filename
+            digest = d.sha256 or (f"{recorded_sha256(dest)} (recorded on first use)"
+                                  if recorded_sha256(dest) else "none yet (trust on first use)")
+            print(f"{d.name}: {d.description}\n  {d.url}\n  {d.trace_format} format, "
+                  f"{d.block_size}-token blocks\n  sha256 {digest}")
         return 0
     try:
         if args.path is not None:

@@ -35,6 +35,13 @@ before each request's lookup. For it, ``requests`` must be re-iterable (a list) 
 zero-arg callable returning a fresh iterator each call (e.g. ``lambda:
 read_trace(path)``: streams twice, memory stays bounded).
 
+The waiting queue (``eviction="queue_aware"``, or any policy with ``needs_waiting``): the
+replay runs one request at a time, so its queue is a look-ahead: before request ``i``'s
+lookup the requests ``i .. i + queue_depth`` (default ``concurrency``) have been
+announced to the manager (``on_waiting`` with the prompt blocks a lookup can adopt),
+and each admission drops its own request; a failed request is dropped too. Other
+policies never build the look-ahead (the default path is unchanged).
+
 Cache memory: the summary reports the blocks in the cache (held or free, cached under
 a hash) sampled after every admission (``peak_cached_blocks``, ``mean_cached_blocks``;
 in bytes with ``model=``), and ``stranded_blocks``: cached blocks no lookup can reach
@@ -42,9 +49,10 @@ because an earlier block of their chain is not cached, counted once at the end
 (freeing drops no hash, so before or after the final frees is the same count; a
 per-request peak would cost O(cached blocks) per sample and is not kept).
 
-Mooncake hash ids as block keys (opt-in, by how the trace is read): a request whose
-prompt is a `MooncakePrompt` (``read_trace(..., mooncake_tokens="lazy")``), without
-LoRA, multimodal items or salt, at a block size dividing 512, gets its prompt's full
+Hash ids as block keys (opt-in, by how the trace is read): a request whose prompt is a
+`MooncakePrompt` (``read_trace(..., mooncake_tokens="lazy")``: Mooncake's 512-token
+ids, Qwen-Bailian's 16, Claude Code's 64), without LoRA, multimodal items or salt, at a
+block size dividing the prompt's ``block_tokens``, gets its prompt's full
 blocks keyed by the hash ids (``BlockHasher.hash_keyed_blocks`` over (hash id, block
 within the id)) instead of digests of the expanded tokens; only the last partial
 block's tokens are materialised (the blocks it starts, which decode fills, are hashed
@@ -74,7 +82,7 @@ from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.sim.cost_model import ModelShape
-from prefixcache.sim.trace import MOONCAKE_BLOCK_TOKENS, MooncakePrompt, TraceRequest
+from prefixcache.sim.trace import MooncakePrompt, TraceRequest
 
 
 def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = True
@@ -87,7 +95,7 @@ def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = Tr
     if (
         not keyed_index
         or type(prompt) is not MooncakePrompt
-        or MOONCAKE_BLOCK_TOKENS % block_size
+        or prompt.block_tokens % block_size
         or tr.lora is not None
         or tr.mm
         or tr.cache_salt
@@ -95,10 +103,12 @@ def _hash_id_inputs(tr: TraceRequest, block_size: int, *, keyed_index: bool = Tr
         return None
     n = len(prompt)
     n_full = n // block_size
-    per = MOONCAKE_BLOCK_TOKENS // block_size
+    per = prompt.block_tokens // block_size
     ids = prompt.hash_ids
+    # NOTE: ids masked to 64 bits as the token expansion does (mooncake_tokens).
     keys = [
-        ids[b // per].to_bytes(8, "little") + (b % per).to_bytes(2, "little")
+        (ids[b // per] & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+        + (b % per).to_bytes(2, "little")
         for b in range(n_full)
     ]
     tokens = np.zeros(n, dtype=np.uint64)
@@ -118,14 +128,38 @@ def trace_future(requests: Iterable[TraceRequest], hasher: BlockHasher,
         keyed_index: the replay's index finds blocks by hash alone (hash-id prompts
             then keyed by their hash ids, as the replay does).
     """
-    def prompt_hashes(tr):
-        keyed = _hash_id_inputs(tr, block_size, keyed_index=keyed_index)  # the replay's keys for hash-id prompts
-        if keyed is not None:
-            return hasher.hash_keyed_blocks(keyed[1])
-        return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
-                                        mm_features=tr.mm, cache_salt=tr.cache_salt)
+    return TraceFuture.from_hashes(
+        _prompt_hashes(tr, hasher, block_size, keyed_index) for tr in requests)
 
-    return TraceFuture.from_hashes(prompt_hashes(tr) for tr in requests)
+
+def _prompt_hashes(tr: TraceRequest, hasher: BlockHasher, block_size: int,
+                   keyed_index: bool) -> list[bytes]:
+    """The full prompt blocks' hashes the replay's ``Request`` for ``tr`` gets (hash-id
+    prompts keyed by their hash ids, as the replay does)."""
+    keyed = _hash_id_inputs(tr, block_size, keyed_index=keyed_index)
+    if keyed is not None:
+        return hasher.hash_keyed_blocks(keyed[1])
+    return hasher.hash_token_blocks(tr.prompt, block_size, lora=tr.lora,
+                                    mm_features=tr.mm, cache_salt=tr.cache_salt)
+
+
+def _announce_waiting(requests: Iterable[TraceRequest], depth: int, on_waiting: Callable,
+                      hasher: BlockHasher, block_size: int, keyed_index: bool):
+    """The trace, in order, with the waiting queue a ``needs_waiting`` policy reads:
+    each request is announced (``on_waiting(id, prompt block hashes)``) when it enters
+    a look-ahead of ``depth`` requests, so when request ``i`` is yielded requests
+    ``i .. i + depth`` are waiting (``i``'s admission drops it in the manager)."""
+    buf: collections.deque = collections.deque()
+    for tr in requests:
+        # NOTE: only the blocks a lookup can adopt (at most num_tokens - 1 tokens): a
+        # prompt that is exactly its cached blocks computes its last block again.
+        hashes = _prompt_hashes(tr, hasher, block_size, keyed_index)
+        on_waiting(tr.id, hashes[: (len(tr.prompt) - 1) // block_size])
+        buf.append(tr)
+        if len(buf) > depth:
+            yield buf.popleft()
+    while buf:
+        yield buf.popleft()
 
 
 def _reuse(requests: int, prompt: int, hits: int) -> dict:
@@ -182,6 +216,7 @@ def replay(
     enable_caching: bool = UNSET,
     host_eviction_options: dict | None = UNSET,
     miss_reasons: bool = False,
+    queue_depth: int | None = None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -212,6 +247,11 @@ def replay(
         progress: show a tqdm progress bar.
         total: the number of requests, when known in advance (the bar's total and
             ETA); ``None``: a bar without a total.
+        queue_depth: with a policy that reads the waiting queue (``needs_waiting``:
+            ``queue_aware``), the replay's waiting queue: before request ``i``'s lookup
+            the next ``queue_depth`` requests of the trace are waiting (announced to
+            the policy with their prompt block hashes; admission drops them). ``None``:
+            ``concurrency``. Any other policy: must be ``None``.
         miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``):
             records get ``miss_reasons`` (reason -> blocks), the summary
             ``miss_reasons`` (totals, per tenant, per adapter). Off: no cost.
@@ -271,6 +311,8 @@ def replay(
     # (the one int rule: numpy ints are ints, bools are not -- _validate)
     concurrency = check_positive_int("concurrency", concurrency)
     total = check_count("total", total) if total is not None else None
+    if queue_depth is not None:
+        queue_depth = check_positive_int("queue_depth", queue_depth)
     check_hash_seed(cfg.hash_seed)  # an object's str carries its address: not reproducible
     bytes_per_block = None
     if model is not None:
@@ -286,6 +328,9 @@ def replay(
     host_eviction = cfg.host_eviction
     policy_cls = get_policy_class(eviction)
     keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH
+    if queue_depth is not None and not policy_cls.needs_waiting:
+        raise ValueError(f"queue_depth={queue_depth} is for a policy that reads the waiting "
+                         f"queue (needs_waiting, e.g. queue_aware), not {eviction!r}")
     options = dict(cfg.eviction_options or {})
     t_future = None
     if policy_cls.needs_future:
@@ -358,6 +403,14 @@ def replay(
     t_loop = t_hash = t_mgr = 0.0
 
     it: Iterable[TraceRequest] = requests
+    drop_waiting = None
+    if policy_cls.needs_waiting:  # the waiting queue: a look-ahead over the trace
+        if not hasattr(m, "on_waiting"):
+            raise ValueError(f"{eviction!r} reads the waiting queue, which this manager "
+                             f"({type(m.implementation).__name__}) does not report")
+        queue_depth = concurrency if queue_depth is None else queue_depth
+        it = _announce_waiting(it, queue_depth, m.on_waiting, hasher, block_size, keyed_index)
+        drop_waiting = m.drop_waiting
     bar = None
     if progress:
         from tqdm import tqdm
@@ -433,6 +486,8 @@ def replay(
             if new_blocks is None:
                 n_failed += 1
                 t_loop += t2 - t_start
+                if drop_waiting is not None:  # it leaves the queue unadmitted
+                    drop_waiting(rid)
                 if on_record is not None:
                     on_record(
                         {
@@ -539,6 +594,8 @@ def replay(
         if bar is not None:
             bar.close()
     m.check_invariants()
+    if drop_waiting is not None and m.policy.waiting_ids():  # pragma: no cover - a bug
+        raise AssertionError(f"replay leaked waiting requests: {m.policy.waiting_ids()[:5]}")
     if m.num_free_blocks != num_blocks:  # pragma: no cover - a bug, caught loudly
         raise AssertionError(f"replay leaked blocks: {num_blocks - m.num_free_blocks} held")
     counters = m.counters()
@@ -573,6 +630,8 @@ def replay(
         memory.update(host)
     if acct is not None:
         memory["miss_reasons"] = acct.summary()
+    if drop_waiting is not None:  # (only then: the default summary is unchanged)
+        memory["queue_depth"] = queue_depth
     timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
     if t_future is not None:
         timing["future_s"] = t_future

@@ -14,7 +14,9 @@ probability), truncates the last block to ``input_length``, names the request
 ``f"mc-{line_number}"`` and converts the timestamp to seconds. With
 ``mooncake_tokens="lazy"`` the prompt is a `MooncakePrompt` instead of a list: the same
 token ids, expanded only where read, and its ``hash_ids``; the replay then keys the
-prompt's blocks by the hash ids themselves (see ``prefixcache.sim.replay``).
+prompt's blocks by the hash ids themselves (see ``prefixcache.sim.replay``). The
+Qwen-Bailian (16 tokens per id) and Claude Code (64) readers of
+``prefixcache.sim.trace_formats`` take the same option (the prompt's ``block_tokens``).
 
 Decode tokens are a function of the request id: step ``k`` of request ``id`` emits
 ``output_token(id, k) = 1 + crc32(f"{id}:{k}") % 1000``, so multi-turn traces can embed
@@ -167,44 +169,54 @@ def mooncake_tokens(
 
 
 class MooncakePrompt(Sequence):
-    """A Mooncake prompt as its hash ids: the token ids `read_trace` would expand them
-    to, computed only where read (``mooncake_block_tokens`` of each id, the last block
-    cut to the prompt's length).
+    """A hash-id prompt as its hash ids: the token ids a reader would expand them to,
+    computed only where read (``mooncake_block_tokens`` of each id, the last block cut
+    to the prompt's length). Any block size: Mooncake's 512 tokens per id, Qwen-Bailian's
+    16, Claude Code's 64 (``block_tokens``; ``HashIdPrompt`` is the same class).
 
-    Compares equal to the expanded list. The replay reads only ``hash_ids`` and
-    ``len()`` (the blocks' keys come from the ids; see ``prefixcache.sim.replay``).
+    Compares equal to the expanded list. The replay reads only ``hash_ids``,
+    ``block_tokens`` and ``len()`` (the blocks' keys come from the ids; see
+    ``prefixcache.sim.replay``).
 
     Attributes:
-        hash_ids: the Mooncake hash ids, one per 512-token block (the last may be partial).
+        hash_ids: the hash ids, one per ``block_tokens``-token block (the last may be
+            partial).
         vocab_size: token ids lie in [1, vocab_size).
+        block_tokens: tokens per hash id.
     """
 
-    __slots__ = ("hash_ids", "vocab_size", "_len")
+    __slots__ = ("hash_ids", "vocab_size", "block_tokens", "_len")
 
-    def __init__(self, hash_ids: Sequence[int], length: int, vocab_size: int = DEFAULT_VOCAB_SIZE):
-        if len(hash_ids) != math.ceil(length / MOONCAKE_BLOCK_TOKENS) or length <= 0:
+    def __init__(self, hash_ids: Sequence[int], length: int, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                 block_tokens: int = MOONCAKE_BLOCK_TOKENS):
+        if not _is_int(block_tokens) or block_tokens <= 0:
+            raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if length <= 0 or len(hash_ids) != math.ceil(length / block_tokens):
             raise ValueError(
                 f"{len(hash_ids)} hash ids do not cover {length} tokens in "
-                f"{MOONCAKE_BLOCK_TOKENS}-token blocks"
+                f"{block_tokens}-token blocks"
             )
         self.hash_ids = tuple(hash_ids)
         self.vocab_size = vocab_size
+        self.block_tokens = block_tokens
         self._len = length
 
     def __len__(self) -> int:
         return self._len
 
     def block(self, k: int) -> np.ndarray:
-        """Token ids of the k-th 512-token block (cut at the prompt's end): i64[<= 512]."""
-        toks = mooncake_block_tokens(self.hash_ids[k], vocab_size=self.vocab_size)
-        return toks[: self._len - k * MOONCAKE_BLOCK_TOKENS]
+        """Token ids of the k-th block (cut at the prompt's end): i64[<= block_tokens]."""
+        bt = self.block_tokens
+        toks = mooncake_block_tokens(self.hash_ids[k], block_tokens=bt,
+                                     vocab_size=self.vocab_size)
+        return toks[: self._len - k * bt]
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             start, stop, step = index.indices(self._len)
             if step != 1 or start >= stop:
                 return [self[i] for i in range(start, stop, step)]
-            bt = MOONCAKE_BLOCK_TOKENS
+            bt = self.block_tokens
             lo, hi = start // bt, (stop - 1) // bt + 1
             toks = np.concatenate([self.block(k) for k in range(lo, hi)])
             return toks[start - lo * bt : stop - lo * bt].tolist()
@@ -213,7 +225,7 @@ class MooncakePrompt(Sequence):
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError("MooncakePrompt index out of range")
-        return int(self.block(i // MOONCAKE_BLOCK_TOKENS)[i % MOONCAKE_BLOCK_TOKENS])
+        return int(self.block(i // self.block_tokens)[i % self.block_tokens])
 
     def __iter__(self) -> Iterator[int]:
         for k in range(len(self.hash_ids)):
@@ -225,7 +237,7 @@ class MooncakePrompt(Sequence):
     def __eq__(self, other) -> bool:
         if isinstance(other, MooncakePrompt):
             return self.hash_ids == other.hash_ids and self._len == other._len and (
-                self.vocab_size == other.vocab_size
+                self.vocab_size == other.vocab_size and self.block_tokens == other.block_tokens
             )
         if isinstance(other, (list, tuple)):
             return len(other) == self._len and self.tolist() == list(other)
@@ -234,7 +246,11 @@ class MooncakePrompt(Sequence):
     __hash__ = None  # compares equal to lists
 
     def __repr__(self) -> str:
-        return f"MooncakePrompt({len(self.hash_ids)} hash ids, {self._len} tokens)"
+        return (f"MooncakePrompt({len(self.hash_ids)} hash ids of {self.block_tokens} "
+                f"tokens, {self._len} tokens)")
+
+
+HashIdPrompt = MooncakePrompt  # the general name: a prompt of any hash-id format
 
 
 def check_hash_id_blocks(where: str, n_in, n_out, hash_ids, block_tokens: int,
@@ -400,10 +416,11 @@ def read_trace(
             Qwen-Bailian and Claude Code formats of ``prefixcache.sim.trace_formats``
             (never guessed by ``"auto"``).
         vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
-        mooncake_tokens: ``"expand"`` (a Mooncake prompt is the list of its token ids)
-            or ``"lazy"`` (a `MooncakePrompt`: the same ids, expanded only where read,
-            and the hash ids; the replay then keys blocks by hash ids -- same hits,
-            evictions and records, no token hashing).
+        mooncake_tokens: ``"expand"`` (a hash-id prompt -- Mooncake, Bailian, Claude
+            Code -- is the list of its token ids) or ``"lazy"`` (a `MooncakePrompt`:
+            the same ids, expanded only where read, and the hash ids; the replay then
+            keys blocks by hash ids -- same hits, evictions and records, no token
+            hashing).
 
     Yields:
         ``TraceRequest`` per non-blank line, in file order (memory O(1) in the trace).
@@ -423,7 +440,7 @@ def read_trace(
     if format in ("bailian", "claude_code"):  # hash-id formats of their own
         from prefixcache.sim.trace_formats import READERS  # noqa: PLC0415 (imports us)
 
-        return READERS[format](path, vocab_size=vocab_size)
+        return READERS[format](path, vocab_size=vocab_size, lazy=mooncake_tokens == "lazy")
     return _read(path, format, vocab_size, mooncake_tokens == "lazy")
 
 

@@ -29,6 +29,11 @@ tokens, so a larger block never matches more and a smaller one only splits ids.
   reader yields every request in order of its absolute arrival (ties: file order).
   Request ids are ``f"cc-{session}-{k}"``.
 
+``lazy=True`` (``read_trace(..., mooncake_tokens="lazy")``) yields each prompt as a
+``MooncakePrompt`` of the format's block size instead of the expanded list: the replay
+then keys blocks by the hash ids (no tokens materialised), with the same hits,
+evictions and records as the expanded path.
+
 Every malformed field is a ``TraceError`` naming ``path:line`` and the field. Host
 only: nothing here imports jax.
 """
@@ -42,6 +47,7 @@ from typing import Iterator
 
 from prefixcache.sim.trace import (
     DEFAULT_VOCAB_SIZE,
+    MooncakePrompt,
     TraceError,
     TraceRequest,
     check_hash_id_blocks,
@@ -56,9 +62,12 @@ BAILIAN_TYPES = ("text", "search", "image", "file")
 _MASK64 = (1 << 64) - 1
 
 
-def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZE
-                 ) -> Iterator[TraceRequest]:
-    """Stream a Qwen-Bailian trace (module docstring) as ``TraceRequest``s, file order."""
+def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                 lazy: bool = False) -> Iterator[TraceRequest]:
+    """Stream a Qwen-Bailian trace (module docstring) as ``TraceRequest``s, file order.
+
+    ``lazy``: prompts are ``MooncakePrompt``s of 16-token ids (not expanded; the replay
+    keys blocks by the ids)."""
     path = os.fspath(path)
     bt = BLOCK_TOKENS["bailian"]
     seen: set[int] = set()
@@ -89,7 +98,8 @@ def read_bailian(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZ
                              f"seconds >= 0, got {ts!r}")
         n_in, n_out, ids = obj["input_length"], obj["output_length"], obj["hash_ids"]
         check_hash_id_blocks(where, n_in, n_out, ids, bt)
-        prompt = mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[:n_in].tolist()
+        prompt = (MooncakePrompt(ids, n_in, vocab_size, block_tokens=bt) if lazy else
+                  mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[:n_in].tolist())
         yield TraceRequest(id=f"bl-{chat_id}", prompt=prompt, output_len=n_out,
                            timestamp=float(ts))
 
@@ -99,13 +109,16 @@ def _session_key(session: str) -> int:
 
 
 def read_claude_code(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                     session_interval: float = 0.0) -> Iterator[TraceRequest]:
+                     session_interval: float = 0.0, lazy: bool = False
+                     ) -> Iterator[TraceRequest]:
     """Stream a Claude Code agent trace (module docstring), in order of arrival.
 
     Args:
         path: one session per JSON line (gzip when the name ends in ``.gz``).
         vocab_size: token ids of the expanded blocks lie in ``[1, vocab_size)``.
         session_interval: seconds between the starts of consecutive sessions (>= 0).
+        lazy: prompts are ``MooncakePrompt``s of the session's ``block_size``-token ids
+            (local ids already keyed by the session), not expanded.
 
     NOTE: the whole file is read before the first request is yielded (sessions overlap
     in time, so the first arrival may be in the last line): memory O(trace).
@@ -113,10 +126,10 @@ def read_claude_code(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB
     if isinstance(session_interval, bool) or not _is_time(session_interval) or session_interval < 0:
         raise ValueError(f"session_interval must be a finite number >= 0, "
                          f"got {session_interval!r}")
-    return _read_claude_code(os.fspath(path), vocab_size, float(session_interval))
+    return _read_claude_code(os.fspath(path), vocab_size, float(session_interval), bool(lazy))
 
 
-def _read_claude_code(path: str, vocab_size: int, session_interval: float
+def _read_claude_code(path: str, vocab_size: int, session_interval: float, lazy: bool
                       ) -> Iterator[TraceRequest]:
     heap: list[tuple[float, int, int, TraceRequest]] = []
     seen: set[str] = set()
@@ -163,10 +176,12 @@ def _read_claude_code(path: str, vocab_size: int, session_interval: float
             if key:
                 # Local ids: the same number in two sessions is different content.
                 ids = [((h * 0x9E3779B97F4A7C15) ^ key) & _MASK64 for h in ids]
-            prompt = mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[: r["in"]]
+            prompt = (MooncakePrompt(ids, r["in"], vocab_size, block_tokens=bt) if lazy else
+                      mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[: r["in"]]
+                      .tolist())
             ts = start + float(t)
             heapq.heappush(heap, (ts, order, i, TraceRequest(
-                id=f"cc-{sid}-{i}", prompt=prompt.tolist(), output_len=r["out"],
+                id=f"cc-{sid}-{i}", prompt=prompt, output_len=r["out"],
                 timestamp=ts)))
             order += 1
     while heap:

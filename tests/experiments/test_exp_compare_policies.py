@@ -85,6 +85,22 @@ def test_local_grid_rows_equal_direct_replays(config, capsys):
     assert "hash/lru" in table and f"{cells[0]['hit_rate_tokens']:.4f}" in table
     for field in ("stranded_blocks", "peak_cached_blocks", "peak_cached_bytes"):
         assert isinstance(cells[0][field], int), field  # reported by the replay now
+    # Miss reasons per row (the replay's totals), and the distance to belady.
+    for r in all_cells + [ideal]:
+        s = replay(reqs, num_blocks=r["num_blocks"], block_size=8, concurrency=2,
+                   free_order="unhashed_first", eviction=r["policy"], miss_reasons=True)
+        assert r["miss_reasons"] == s["miss_reasons"]["reasons"]
+        assert r["missed_blocks"] == sum(r["miss_reasons"][k] for k in
+                                         ("cold", "evicted", "isolated", "partial",
+                                          "last_token"))
+        assert r["evicted_blocks"] == r["miss_reasons"]["evicted"]
+    assert ideal["evicted_blocks"] == 0 and cells[0]["evicted_blocks"] > 0
+    for r in all_cells:
+        b = bound[r["num_blocks"]]
+        assert r["belady_gap_tokens"] == b["hit_tokens"] - r["hit_tokens"]
+        assert r["belady_gap_evicted_blocks"] == r["evicted_blocks"] - b["evicted_blocks"]
+    assert "belady_gap_tokens" not in ideal
+    assert "evicted_blocks by capacity" in table
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -185,3 +201,34 @@ def test_mooncake_configs_reduced(name, hits, tmp_path, local_datasets):
     assert ideal["record"] == "ideal" and ideal["requests"] == 6 and ideal["evictions"] == 0
     # The conversation trace's first lines share hash id 0; the synthetic one's do not.
     assert (ideal["hit_tokens"] > 0) == hits
+
+
+@pytest.mark.parametrize("name", ["bailian_to_c"])  # (claude_code: same path, 64)
+def test_dataset_configs_run_at_the_dataset_block_size(name, tmp_path, monkeypatch):
+    # A small file in the dataset's format placed in the data directory (trusted on first
+    # use: its checksum is recorded), then the config's quick grid at tiny capacities.
+    from prefixcache.sim import datasets
+
+    from tests.sim.test_sim_replay_hash_ids import _bailian_and_claude_code_files
+
+    bl, cc = _bailian_and_claude_code_files(tmp_path, n=40)
+    d = datasets.get(name)
+    dest = tmp_path / "data" / name / d.filename
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes((bl if d.trace_format == "bailian" else cc).read_bytes())
+    monkeypatch.setenv(datasets.ENV_VAR, str(tmp_path / "data"))
+    cfg = _load(f"compare_policies_{name}")
+    assert cfg.block_size == d.block_size and cfg.trace_tokens == "lazy"
+    cfg.workdir, cfg.capacities, cfg.workers, cfg.policies = str(tmp_path / "w"), "24", 1, \
+        "lru,queue_aware"
+    rows = _read(cp.run(cfg)["rows"])
+    assert datasets.recorded_sha256(dest) == datasets.sha256_of(dest)
+    assert rows[0]["provenance"]["trace_checksum"] == {
+        "dataset": name, "trace": None, "sha256": datasets.recorded_sha256(dest)}
+    cells = {r["policy"]: r for r in rows if r["record"] == "cell"}
+    assert set(cells) == {"lru", "queue_aware", "belady"}
+    assert cells["lru"]["evicted_blocks"] > 0 and cells["lru"]["hit_tokens"] > 0
+    assert cells["queue_aware"]["queue_depth"] == 8
+    cfg.block_size = 32
+    with pytest.raises(ValueError, match=f"must use block_size={d.block_size}, not 32"):
+        cp.run(cfg)

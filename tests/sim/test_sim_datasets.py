@@ -26,15 +26,90 @@ class _Resp(io.BytesIO):
 
 
 def test_registry_entries_are_pinned_and_checksummed():
-    assert set(datasets.DATASETS) == {"mooncake_conversation", "mooncake_synthetic"}
+    assert set(datasets.DATASETS) == {
+        "mooncake_conversation", "mooncake_synthetic", "mooncake_toolagent", "bailian_to_c",
+        "bailian_to_b", "bailian_thinking", "bailian_coder", "claude_code_subagents",
+        "claude_code_no_subagents"}
     for d in datasets.DATASETS.values():
-        assert d.url.startswith("https://raw.githubusercontent.com/kvcache-ai/Mooncake/")
-        assert "/main/" not in d.url  # pinned to a commit, not a moving branch
-        assert d.url.endswith("/" + d.filename) and d.trace_format == "mooncake"
+        assert d.url.endswith("/" + d.filename)
+        assert d.block_size == {"mooncake": 512, "bailian": 16, "claude_code": 64}[d.trace_format]
+        if d.trace_format != "claude_code":  # (a Hugging Face dataset: its main revision)
+            assert "/main/" not in d.url  # pinned to a commit, not a moving branch
+    for name in ("mooncake_conversation", "mooncake_synthetic", "bailian_thinking",
+                 "bailian_coder"):
+        assert datasets.DATASETS[name].sha256 is not None
+    for name in ("mooncake_toolagent", "bailian_to_c", "bailian_to_b", "claude_code_subagents"):
+        assert datasets.DATASETS[name].sha256 is None  # trust on first use
     with pytest.raises(TypeError):
         datasets.DATASETS["x"] = None  # read-only
     with pytest.raises(ValueError, match="64 lowercase hex"):
         datasets.Dataset("x", "u", "abc", "f", "mooncake", 1, "")
+    assert datasets.Dataset("x", "u", None, "f", "jsonl", 1, "").block_size is None
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        datasets.Dataset("x", "u", None, "f", "bailian", 1, "", block_size=0)
+
+
+def _tofu(url):
+    return {"tofu": datasets.Dataset(name="tofu", url=url, sha256=None, filename="t.jsonl",
+                                     trace_format="mooncake", num_requests=None,
+                                     description="no checksum known")}
+
+
+def test_trust_on_first_use_records_then_refuses_a_corrupted_copy(tmp_path):
+    src = tmp_path / "upstream.jsonl"
+    src.write_bytes(PAYLOAD)
+    reg, root = _tofu(src.as_uri()), tmp_path / "data"
+    path = datasets.path_of("tofu", root=root, registry=reg, progress=False)
+    record = datasets.sum_path(path)
+    assert record.read_text() == f"{hashlib.sha256(PAYLOAD).hexdigest()}  t.jsonl\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["t.jsonl", "t.jsonl.sha256"]
+    assert datasets.path_of("tofu", root=root, registry=reg, download=False) == path
+    path.write_bytes(PAYLOAD + b"\n")  # a damaged (second) copy
+    with pytest.raises(datasets.DatasetError, match="recorded on first use"):
+        datasets.path_of("tofu", root=root, registry=reg, download=False)
+    # Upstream changed under the URL: the new download is refused, nothing is kept.
+    path.unlink()
+    src.write_bytes(b'{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [8]}\n')
+    with pytest.raises(datasets.DatasetError, match="the download from .* expected .* recorded"):
+        datasets.path_of("tofu", root=root, registry=reg, progress=False)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["t.jsonl.sha256"]
+    # A local path is verified against the record; a registered checksum wins over it.
+    with pytest.raises(datasets.DatasetError, match="recorded on first use"):
+        datasets.path_of("tofu", root=root, registry=reg, local_path=src)
+    pinned = {"tofu": datasets.Dataset("tofu", src.as_uri(), hashlib.sha256(
+        src.read_bytes()).hexdigest(), "t.jsonl", "mooncake", None, "")}
+    assert datasets.path_of("tofu", root=root, registry=pinned, progress=False).is_file()
+    record.write_text("not a checksum\n")
+    with pytest.raises(datasets.DatasetError, match="not a checksum record"):
+        datasets.path_of("tofu", root=root, registry=reg, download=False)
+
+
+def test_trust_on_first_use_copies_placed_or_installed(tmp_path):
+    reg, root = _tofu("https://example.invalid/t.jsonl"), tmp_path / "data"
+    by_hand = root / "tofu" / "t.jsonl"
+    by_hand.parent.mkdir(parents=True)
+    by_hand.write_bytes(PAYLOAD)
+    assert datasets.path_of("tofu", root=root, registry=reg, download=False) == by_hand
+    assert datasets.recorded_sha256(by_hand) == hashlib.sha256(PAYLOAD).hexdigest()
+    assert datasets.known_sha256("tofu", root=root, registry=reg) == datasets.recorded_sha256(
+        by_hand)
+    assert datasets.known_sha256("tofu", root=tmp_path / "none", registry=reg) is None
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(PAYLOAD + b"\n")
+    with pytest.raises(datasets.DatasetError, match="recorded on first use"):
+        datasets.install("tofu", other, root=root, registry=reg)
+    fresh = tmp_path / "fresh"
+    dest = datasets.install("tofu", other, root=fresh, registry=reg)  # first use: recorded
+    assert datasets.recorded_sha256(dest) == hashlib.sha256(PAYLOAD + b"\n").hexdigest()
+    assert datasets.path_of("tofu", local_path=other, root=fresh, registry=reg) == other
+
+
+def test_block_size_of_a_dataset():
+    datasets.check_block_size("bailian_coder", 16)
+    with pytest.raises(datasets.DatasetError, match="16-token blocks .* block_size=16, not 512"):
+        datasets.check_block_size("bailian_to_c", 512)
+    with pytest.raises(datasets.DatasetError, match="block_size=64"):
+        datasets.check_block_size("claude_code_subagents", 16)
 
 
 def test_unknown_name_lists_the_known_ones():
@@ -49,7 +124,8 @@ def test_data_dir_env_var_and_default():
 
 
 def test_local_copies_through_the_data_dir(local_datasets):
-    for name, d in datasets.DATASETS.items():
+    for name in ("mooncake_conversation", "mooncake_synthetic"):  # (the local copies)
+        d = datasets.DATASETS[name]
         path = datasets.path_of(name, download=False)  # verified against the registry
         assert path == local_datasets / name / d.filename
         with open(path, "rb") as f:

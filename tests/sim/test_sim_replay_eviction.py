@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from prefixcache.core.eviction import policy_names
+from prefixcache.core.eviction import get_policy_class, policy_names
 from prefixcache.sim import workloads
 from prefixcache.sim.cost_model import ModelShape
 from prefixcache.sim.replay import replay
@@ -59,8 +59,12 @@ def _hits(reqs, nb, bs, policies):
 @pytest.mark.parametrize("workload", sorted(_WORKLOADS))
 def test_belady_hits_at_least_every_online_policy(traces, workload):
     reqs = traces[workload]
+    # NOTE: queue_aware reads the replay's look-ahead (the next `concurrency` requests):
+    # it can beat belady's next-use order (multi_turn, 32 blocks: 3072 vs 2896 hit
+    # tokens; belady is no proven bound here, see belady.py), so it is not compared.
+    online = [p for p in policy_names() if not get_policy_class(p).needs_waiting]
     for nb in (32, 96, 400):
-        hits = _hits(reqs, nb, 16, policy_names())
+        hits = _hits(reqs, nb, 16, online)
         assert all(hits["belady"] >= h for h in hits.values()), (nb, hits)
 
 

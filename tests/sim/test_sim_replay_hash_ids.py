@@ -126,3 +126,69 @@ def test_lazy_prompts_under_the_radix_index_take_the_token_path(tmp_path, evicti
     assert ids == tok and s_ids == s_tok
     _, s_hash = run("lazy", "hash")
     assert s_tok["hit_tokens"] <= s_hash["hit_tokens"] * 1.05  # same order as the chain's
+
+
+def _bailian_and_claude_code_files(tmp_path, n=90, seed=5):
+    """A Bailian file (16-token ids) and a Claude Code file (64-token ids, two sessions,
+    local scope) whose prompts share prefixes of ids, as multi-turn chats do."""
+    import random
+
+    rng = random.Random(seed)
+    roots = [[rng.randrange(1 << 40) for _ in range(rng.randrange(2, 12))] for _ in range(6)]
+    bl, sessions = [], {"a": [], "b": []}
+    for i in range(n):
+        ids = rng.choice(roots) + [rng.randrange(1 << 40) for _ in range(rng.randrange(1, 6))]
+        n_in = 16 * (len(ids) - 1) + rng.randrange(1, 17)
+        bl.append({"chat_id": i, "parent_chat_id": -1, "timestamp": float(i),
+                   "input_length": n_in, "output_length": rng.randrange(1, 20),
+                   "type": "text", "turn": 1, "hash_ids": ids})
+        cc_ids = ids[: max(1, len(ids) // 2)]
+        sessions["ab"[i % 2]].append({"t": float(i), "in": 64 * (len(cc_ids) - 1)
+                                      + rng.randrange(1, 65), "out": rng.randrange(1, 40),
+                                      "hash_ids": cc_ids, "model": "m"})
+    b = tmp_path / "bl.jsonl"
+    b.write_text("".join(json.dumps(x) + "\n" for x in bl))
+    c = tmp_path / "cc.jsonl"
+    c.write_text("".join(json.dumps({"id": k, "block_size": 64, "hash_id_scope": "local",
+                                     "requests": v}) + "\n" for k, v in sessions.items()))
+    return b, c
+
+
+@pytest.mark.parametrize("fmt,block_size,num_blocks", [
+    ("bailian", 16, 160), ("bailian", 8, 320), ("claude_code", 64, 40), ("claude_code", 16, 160)])
+def test_hash_id_path_equals_token_path_on_bailian_and_claude_code(
+        tmp_path, fmt, block_size, num_blocks):
+    from prefixcache.sim.trace import HashIdPrompt
+
+    b, c = _bailian_and_claude_code_files(tmp_path)
+    path = b if fmt == "bailian" else c
+    lazy = list(read_trace(path, format=fmt, mooncake_tokens="lazy"))
+    expanded = list(read_trace(path, format=fmt))
+    assert all(type(r.prompt) is HashIdPrompt for r in lazy)
+    assert {r.prompt.block_tokens for r in lazy} == {16 if fmt == "bailian" else 64}
+    assert [r.prompt for r in lazy[:5]] == [r.prompt for r in expanded[:5]]  # same tokens
+    for policy in ("lru", "belady"):
+        out = []
+        for reqs in (expanded, lazy):
+            recs = []
+            s = replay(reqs, num_blocks=num_blocks, block_size=block_size, hash_seed=0,
+                       concurrency=4, eviction=policy, on_record=recs.append,
+                       record_evictions=True, miss_reasons=True)
+            s.pop("timing"), s.pop("requests_per_s"), s.pop("prompt_tokens_per_s")
+            out.append((recs, s))
+        (tok, s_tok), (ids, s_ids) = out
+        assert s_tok["evictions"] > 0 and s_tok["hit_tokens"] > 0, policy
+        assert ids == tok and s_ids == s_tok, policy
+
+
+def test_hash_id_prompt_of_any_block_size():
+    from prefixcache.sim.trace import HashIdPrompt, mooncake_tokens
+
+    p = HashIdPrompt([5, 6, 7], 40, block_tokens=16)
+    assert len(p) == 40 and p.tolist() == mooncake_tokens([5, 6, 7], block_tokens=16)[:40].tolist()
+    assert p[17] == p.tolist()[17] and p[10:20] == p.tolist()[10:20]
+    assert HashIdPrompt([5], 16, block_tokens=16) != HashIdPrompt([5], 16, block_tokens=64)
+    with pytest.raises(ValueError, match="do not cover 40 tokens in 16-token blocks"):
+        HashIdPrompt([5, 6], 40, block_tokens=16)
+    with pytest.raises(ValueError, match="block_tokens"):
+        HashIdPrompt([5], 4, block_tokens=0)

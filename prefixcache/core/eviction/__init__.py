@@ -23,6 +23,7 @@ from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
 from prefixcache.core.eviction.pgdsf import PGDSFPolicy
 from prefixcache.core.eviction.priority import PriorityPolicy
+from prefixcache.core.eviction.queue_aware import QueueAwarePolicy
 from prefixcache.core.eviction.s3fifo import S3FIFOPolicy
 from prefixcache.core.eviction.slru import SLRUPolicy
 
@@ -39,6 +40,7 @@ POLICIES = MappingProxyType({
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "pgdsf": PGDSFPolicy,
+    "queue_aware": QueueAwarePolicy,
 })
 
 DEFAULT_POLICY = "lru"

@@ -25,7 +25,11 @@ Notifications, in the order the index makes them for one block's life::
 ``position`` is the block's index in its request's block table (its depth in the hash
 chain / the tree, 0 = first block). A driver that knows the trace calls
 ``on_arrival(request, index)`` once per request, before its first lookup (only the
-offline ``belady`` bound needs it).
+offline ``belady`` bound needs it). A driver with a waiting queue (the engine's
+scheduler, the replay's look-ahead) reports it to policies with ``needs_waiting``
+through the manager: ``on_waiting(request_id, block_hashes)`` when a request joins the
+queue, ``drop_waiting(request_id)`` when it leaves (the manager itself drops it at
+admission); only ``queue_aware`` reads it.
 
 Every policy here is a *keyed* policy: ``key(block)`` is computed when the block becomes
 a candidate, and ``pop`` returns the candidate with the smallest key (a lazy-deletion
@@ -55,11 +59,15 @@ class EvictionPolicy:
             the trace (``belady``); a manager built without one raises.
         needs_block_size: the constructor takes ``block_size=`` (tokens per block);
             ``make_policy`` passes the index's own (``cost``).
+        needs_waiting: the policy reads the waiting queue (``on_waiting`` /
+            ``drop_waiting``, forwarded by the manager; ``queue_aware``); drivers and
+            managers make those calls only for such a policy (no cost otherwise).
     """
 
     name = "base"
     needs_future = False
     needs_block_size = False
+    needs_waiting = False
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -81,6 +89,17 @@ class EvictionPolicy:
 
     def on_arrival(self, request, index: int) -> None:
         """Trace request number ``index`` arrives (called before its first lookup)."""
+
+    def on_waiting(self, request_id, block_hashes) -> None:
+        """``request_id`` joined the waiting queue holding ``block_hashes``
+        (``needs_waiting`` policies only)."""
+
+    def drop_waiting(self, request_id) -> None:
+        """``request_id`` left the waiting queue (``needs_waiting`` policies only)."""
+
+    def waiting_ids(self) -> list:
+        """Requests the policy holds as waiting (none unless ``needs_waiting``)."""
+        return []
 
     # -- candidate set -----------------------------------------------------------
     def add(self, block) -> None:

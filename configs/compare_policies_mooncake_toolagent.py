@@ -1,0 +1,27 @@
+"""Compare eviction policies on the Mooncake FAST'25 tool-and-agent trace (23,608 requests,
+512-token hash ids).
+
+Runs experiments.compare_policies with every registered policy (+ belady) on the hash
+index at the dataset's own block size (refused otherwise), 8 requests at once, hash ids
+kept lazy (no token expansion), with miss reasons per row; capacities and the rest in
+configs/compare_policies.py (dataset_config). The trace is the registered dataset
+`mooncake_toolagent` (prefixcache.sim.datasets): downloaded once into $PREFIXCACHE_DATA; its
+checksum is registered or recorded on first download and verified on every later use.
+
+Command:
+  python -m experiments.compare_policies --config=configs/compare_policies_mooncake_toolagent.py \
+      --workdir=/tmp/cp_mooncake_toolagent
+  # quick (the first 300 requests, lru / queue_aware / pgdsf + belady, 2 capacities):
+  python -m experiments.compare_policies \
+      --config=configs/compare_policies_mooncake_toolagent.py:quick \
+      --workdir=/tmp/cp_mooncake_toolagent_quick
+
+Expected: not measured yet -- no copy of this trace was reachable where this config was
+written (offline); the first run records the figures.
+"""
+
+from configs import compare_policies
+
+
+def get_config(arg=None):
+    return compare_policies.dataset_config("mooncake_toolagent", arg)
