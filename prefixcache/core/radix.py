@@ -308,8 +308,13 @@ class RadixKVCacheManager(HostTierAPI):
             raise ValueError(
                 f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
             )
-        # The one composition rule (a sliding-window layout is refused with its reason).
-        resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
+        # The one composition rule (a refused layout or tier raises with its reason); a
+        # sliding-window layout is another class's (radix_hybrid).
+        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
+                is not RadixKVCacheManager:
+            raise ValueError(
+                f"{type(self).__name__} serves the radix index over one full-attention "
+                f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
         num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
                                                         host_eviction_options)
         if num_host_blocks and not enable_caching:
