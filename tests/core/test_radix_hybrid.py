@@ -68,7 +68,7 @@ def _shape(m, blocks):
 
 
 # ------------------------------------------------------- radix == hash, unbounded
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ["full,sw8", "full,sw6,sw13", "sw8"])
 @pytest.mark.parametrize("workload", sorted(SMALL))
 def test_unbounded_radix_hits_equal_hash_hits_on_the_workloads(workload, layout):
     reqs = workloads.generate(workload, **SMALL[workload])
@@ -120,8 +120,6 @@ def _drive(m, ops, check=True):
                 n = min(chunk, r.num_tokens - r.num_computed_tokens)
                 assert m.allocate_slots(r, n) is not None
                 r.num_computed_tokens += n
-                if check:
-                    m.check_invariants()
             for t in range(num_out):
                 r.append_output_token_ids(70 + t % 5)
                 assert m.allocate_slots(r, 1) is not None
@@ -140,8 +138,11 @@ def _drive(m, ops, check=True):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unbounded_hits_equal_with_chunked_prefill_and_duplicates(layout, seed):
     ops = _script(seed)
-    got = {index: _drive(_manager(layout, 3000, index=index), ops, check=index == "radix")
-           for index in INDEXES}
+    got = {}
+    for index in INDEXES:
+        m = _manager(layout, 2000, index=index)
+        got[index] = _drive(m, ops, check=index == "radix")
+        assert m.num_evictions == 0
     assert got["radix"] == got["hash"]
     assert any(h for h, _ in got["hash"]) or layout == "full,sw1"  # (W = 1 never hits)
 
@@ -267,7 +268,8 @@ def _future(prompts):
     return TraceFuture.from_hashes(h.hash_token_blocks(p, BS) for p in prompts)
 
 
-@pytest.mark.parametrize("layout", ["full,sw8", "sw8", "full,sw6,sw13"])
+# (full + one window under every policy: tests/core/test_core_compose_matrix.py)
+@pytest.mark.parametrize("layout", ["sw8", "full,sw6,sw13"])
 @pytest.mark.parametrize("eviction", sorted(POLICIES))
 def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layout, eviction):
     rng = random.Random(7)
