@@ -82,6 +82,7 @@ from prefixcache.core.block_pool import (
 from prefixcache.core.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, event_extra_keys
 from prefixcache.core.eviction import make_policy
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
@@ -216,6 +217,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"RadixHybridKVCacheManager serves sliding-window / multi-group layouts, "
                 f"not kv_cache_groups={kv_cache_groups!r}")
         groups = check_kv_cache_groups(kv_cache_groups)
+        check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:

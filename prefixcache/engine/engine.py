@@ -143,7 +143,7 @@ class Engine:
     `num_blocks` blocks take num_blocks x `kv_group_size` layer pages. A sliding group
     holds only the blocks overlapping the window (the earlier ones go back to the cache,
     their slots read the padding page), and each layer reads its group's table. Such models need eviction "lru" and
-    index "hash" (ValueError here otherwise).
+    index "hash" or "radix" (`core/radix_hybrid.py`; ValueError here otherwise).
 
     Attributes:
       num_blocks: allocatable blocks of the pool (given, or derived from the budget).

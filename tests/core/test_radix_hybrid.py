@@ -64,7 +64,8 @@ def _decode(m, req, n, token=99):
 
 def _shape(m, blocks):
     """Per group: the hit's block count and which slots are null."""
-    return [[b is m.null_block for b in g] for g in blocks.blocks]
+    null = getattr(m, "null_block", None)  # (one full-attention group: none)
+    return [[b is null for b in g] for g in blocks.blocks]
 
 
 # ------------------------------------------------------- radix == hash, unbounded
@@ -134,7 +135,7 @@ def _drive(m, ops, check=True):
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + ["full,sw1"])
+@pytest.mark.parametrize("layout", LAYOUTS + ["full,sw1", "full,full"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unbounded_hits_equal_with_chunked_prefill_and_duplicates(layout, seed):
     ops = _script(seed)
@@ -145,6 +146,9 @@ def test_unbounded_hits_equal_with_chunked_prefill_and_duplicates(layout, seed):
         assert m.num_evictions == 0
     assert got["radix"] == got["hash"]
     assert any(h for h, _ in got["hash"]) or layout == "full,sw1"  # (W = 1 never hits)
+    if layout == "full,full":  # no sliding window: the plain radix index's hits
+        m = KVCacheManager(2000, BS, index="radix", free_order="unhashed_first")
+        assert [(h, s[:1]) for h, s in got["radix"]] == _drive(m, ops)
 
 
 # ------------------------------------------------------------ hand-worked cases
