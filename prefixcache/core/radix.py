@@ -1208,16 +1208,12 @@ class RadixKVCacheManager(HostTierAPI):
         return stats
 
     # -------------------------------------------------------------- checking
-    def check_invariants(self) -> None:
-        """Verify the tree, locks, pool and request bookkeeping (module docstring);
-        raise ``InvariantError`` naming the block or request if broken."""
+    def _check_free_queue(self) -> None:
+        """The free queue holds exactly the ``ref_cnt == 0`` blocks, the
+        ``_num_free_unhashed`` unhashed ones first (``InvariantError`` if not); shared
+        with ``radix_hybrid``."""
         blocks = self.blocks
         n = self.num_blocks
-        bs = self.block_size
-        for i, b in enumerate(blocks):
-            if b.block_id != i:
-                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
-        # Free queue: exactly the ref_cnt-0 blocks, unhashed ones first.
         q = self._free
         seen: set[int] = set()
         prev = q.head
@@ -1258,6 +1254,17 @@ class RadixKVCacheManager(HostTierAPI):
                 )
             if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
                 raise InvariantError(f"block {b.block_id} is not free but has queue links")
+
+    def check_invariants(self) -> None:
+        """Verify the tree, locks, pool and request bookkeeping (module docstring);
+        raise ``InvariantError`` naming the block or request if broken."""
+        blocks = self.blocks
+        n = self.num_blocks
+        bs = self.block_size
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+        self._check_free_queue()
         # Tree: every node reachable, one block each, keys consistent.
         locks: dict[int, int] = {}
         num_nodes = num_unlocked = 0

@@ -980,37 +980,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         null = self.null_block
         if null.block_hash is not None or null.prev_free_block or null.next_free_block:
             raise InvariantError("the null block was cached or queued")
-        # Free queue: exactly the ref_cnt-0 blocks, unhashed ones first.
-        q = self._free
-        seen: set[int] = set()
-        prev = q.head
-        cur = q.head.next_free_block
-        pos = 0
-        while cur is not q.tail:
-            if cur is None or cur.prev_free_block is not prev:
-                raise InvariantError(f"free queue broken after block {prev.block_id}")
-            bid = cur.block_id
-            if not 0 <= bid < n or blocks[bid] is not cur or bid in seen:
-                raise InvariantError(f"free queue holds block {bid} twice or foreign")
-            if cur.ref_cnt != 0:
-                raise InvariantError(f"block {bid} is in the free queue with ref_cnt {cur.ref_cnt}")
-            if (cur.block_hash is None) != (pos < self._num_free_unhashed):
-                raise InvariantError(
-                    f"free queue position {pos} (block {bid}) is outside its part: the first "
-                    f"{self._num_free_unhashed} free blocks are the unhashed ones")
-            seen.add(bid)
-            prev = cur
-            cur = cur.next_free_block
-            pos += 1
-        if pos != q.num_free_blocks or pos < self._num_free_unhashed:
-            raise InvariantError(
-                f"free queue holds {pos} blocks, num_free_blocks {q.num_free_blocks}, "
-                f"{self._num_free_unhashed} unhashed counted")
-        for b in blocks:
-            if (b.ref_cnt == 0) != (b.block_id in seen):
-                raise InvariantError(
-                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but is "
-                    f"{'' if b.block_id in seen else 'not '}in the free queue")
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+        self._check_free_queue()  # (radix.py's: the queue, unhashed blocks first)
         # Tree.
         in_tree: dict[int, _HybridNode] = {}
         locks: dict[int, int] = {}  # id(node) -> paths counted below
