@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prefixcache.core import KVCacheManager, Request
 from prefixcache._validate import ArgumentTypeError
@@ -384,3 +386,73 @@ def test_replay_runs_the_radix_index_on_sliding_window_layouts_with_belady():
                eviction="belady", kv_cache_groups=parse_kv_groups("full,sw8"))
     assert s["index"] == "radix" and s["evictions"] > 0 and s["hit_tokens"] > 0
     assert s["stranded_blocks"] == 0
+
+
+# ---------------------------------------------------------------- hypothesis
+_STEMS = [list(range(1, 13)), [1, 2, 3, 4, 20, 21, 22, 23], [30] * 9]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.sampled_from(["full,sw4", "full,sw5", "full,sw8,sw3", "sw6", "sw6,full,sw6",
+                            "full,full", "full,sw1"]),
+    num_blocks=st.integers(2, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    eviction=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
+    ops=st.lists(st.one_of(
+        st.tuples(st.just("new"), st.integers(0, 2), st.lists(st.integers(0, 3), max_size=10),
+                  st.integers(1, 16)),
+        st.tuples(st.just("decode"), st.integers(0, 5), st.integers(1, 12)),
+        st.tuples(st.just("free"), st.integers(0, 5)),
+        st.tuples(st.just("lookup"), st.integers(0, 2), st.integers(0, 12)),
+    ), max_size=30),
+)
+def test_random_sequences_keep_invariants_and_never_strand(layout, num_blocks, block_size,
+                                                            eviction, ops):
+    m = KVCacheManager(num_blocks, block_size, index="radix", eviction=eviction,
+                       kv_cache_groups=parse_kv_groups(layout))
+    running: list[Request] = []
+    n = 0
+    for op in ops:
+        if op[0] == "new":  # admit, then prefill in chunks of op[3] tokens
+            req = Request(f"r{n}", _STEMS[op[1]] + op[2])
+            n += 1
+            blocks, hit = m.get_computed_blocks(req)
+            assert hit % block_size == 0 and hit < req.num_tokens
+            assert all(len(g) == hit // block_size for g in blocks.blocks)
+            k = min(op[3], req.num_tokens - hit)
+            if m.allocate_slots(req, k, hit, blocks) is None:
+                m.check_invariants()
+                continue
+            req.num_computed_tokens = hit + k
+            running.append(req)
+            while req.num_computed_tokens < req.num_tokens:
+                m.check_invariants()
+                k = min(op[3], req.num_tokens - req.num_computed_tokens)
+                if m.allocate_slots(req, k) is None:
+                    m.free(running.pop())  # (preempted: drops everything)
+                    break
+                req.num_computed_tokens += k
+        elif op[0] == "decode" and running:
+            req = running[op[1] % len(running)]
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            for step in range(op[2]):
+                req.append_output_token_ids(7 + step % 3)
+                if m.allocate_slots(req, 1) is None:
+                    break
+                m.check_invariants()
+                req.num_computed_tokens += 1
+        elif op[0] == "free" and running:
+            m.free(running.pop(op[1] % len(running)))
+        elif op[0] == "lookup":  # peek and lookup agree, change no block state
+            req = Request(f"q{n}", _STEMS[op[1]][: op[2] + 1])
+            before = (m.free_block_ids(), m.cached_block_ids())
+            assert m.peek_computed_tokens(req) == m.get_computed_blocks(req)[1]
+            assert (m.free_block_ids(), m.cached_block_ids()) == before
+        m.check_invariants()
+        assert m.num_stranded_blocks() == 0
+    for req in running:
+        m.free(req)
+    m.check_invariants()
+    assert m.num_free_blocks == num_blocks and m.usage == 0.0  # nothing leaked
