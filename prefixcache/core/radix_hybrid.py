@@ -891,8 +891,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         if sw_ids:
             self._release(st, [(g, i) for i in range(num_slots - 1, len(path) - 1, -1)
                                for g in sw_ids])
+        # (slots before every sliding table's window are null: only unlock there)
+        lo = min(st.num_null[g] for g in sw_ids) if sw_ids else len(path)
         for i in range(len(path) - 1, -1, -1):
-            if sw_ids:
+            if i >= lo:
                 self._release(st, [(g, i) for g in sw_ids])
             self._unlock(path[i], req, i)
 
