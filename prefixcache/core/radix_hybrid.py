@@ -79,7 +79,13 @@ from prefixcache.core.block_pool import (
     _bytes_block_hash,
     _int_block_hash,
 )
-from prefixcache.core.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, event_extra_keys
+from prefixcache.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    event_extra_keys,
+)
 from prefixcache.core.eviction import make_policy
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import check_host_args
@@ -1096,7 +1102,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             parent = self._roots.get(st.ns)
             for k, node in enumerate(path):
                 if id(node) not in nodes_by_id or node.parent is not parent:
-                    raise InvariantError(f"request {rid!r}: path node #{k} is not attached in order")
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} is not attached in order")
                 if node.key != keys[k]:
                     raise InvariantError(f"request {rid!r}: path node #{k} has another key")
                 for b in node.blocks:
@@ -1115,7 +1122,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                         f"request {rid!r} group {g}: {num_null} leading null slots, tracked "
                         f"{st.num_null[g]}")
                 if num_null and self._is_full[g]:
-                    raise InvariantError(f"request {rid!r}: full-attention group {g} has null slots")
+                    raise InvariantError(
+                        f"request {rid!r}: full-attention group {g} has null slots")
                 for i, b in enumerate(table):
                     if b is null:
                         if i >= num_null:
