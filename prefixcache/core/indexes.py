@@ -7,7 +7,9 @@ the group layout does the work:
     * ``"hash"``: vLLM's block-hash chain (``kv_cache_manager.HashKVCacheManager`` for
       one full-attention group; ``hybrid.HybridKVCacheManager`` for any other layout,
       ``kv_groups.HYBRID_MANAGER``);
-    * ``"radix"``: SGLang's radix tree (``radix.RadixKVCacheManager``).
+    * ``"radix"``: SGLang's radix tree (``radix.RadixKVCacheManager`` for one
+      full-attention group; ``radix_hybrid.RadixHybridKVCacheManager``, SGLang's SWA
+      radix cache, for any other layout: ``LAYOUT_INDEXES``).
 
 The registry names each as ``"module:Class"`` and imports it only when selected.
 ``resolve_manager_class`` is the ONE place a combination of index x group layout x
@@ -27,6 +29,13 @@ INDEXES = MappingProxyType({
 
 DEFAULT_INDEX = "hash"
 
+# The implementation of an index for a layout other than one full-attention group
+# (sliding-window / hybrid), by index name; the hash index's is vLLM's hybrid manager,
+# ``kv_groups.HYBRID_MANAGER`` (resolved there). Every index has one (a test pins it).
+LAYOUT_INDEXES = MappingProxyType({
+    "radix": "prefixcache.core.radix_hybrid:RadixHybridKVCacheManager",
+})
+
 # Tiers below the device pool, by name (``KVCacheManager(num_host_blocks=N)`` selects
 # "host"); each entry is the tier's class.
 TIERS = MappingProxyType({
@@ -36,10 +45,6 @@ TIERS = MappingProxyType({
 # The combinations no implementation serves yet, each with its reason. Keys:
 # (what the layout is, what else is asked). Everything not listed runs.
 COMBINATION_RULES = MappingProxyType({
-    ("hybrid", "index"): (
-        "the radix index keys one unbroken token path per request; sliding-window "
-        "groups release blocks before the window, and only the hash index (vLLM's "
-        "per-group hash map) finds such partial prefixes"),
     ("hybrid", "tier"): (
         "the host tier demotes one full-attention group's blocks; per-group host pages "
         "for sliding-window layouts are not built"),
@@ -80,8 +85,6 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     if not is_hybrid(groups):
         return None
     asked = []
-    if index != DEFAULT_INDEX:
-        asked.append(("index", f"index={index!r}"))
     # (a bad num_host_blocks value is the tier's own check, in the implementation)
     if type(num_host_blocks) is int and num_host_blocks > 0:
         asked.append(("tier", f"num_host_blocks={num_host_blocks}"))
@@ -102,7 +105,9 @@ def resolve_manager_class(index: str, kv_cache_groups, eviction: str = "lru",
         from prefixcache.core.kv_groups import is_hybrid, layout_manager_class
 
         if is_hybrid(tuple(kv_cache_groups)):
-            return layout_manager_class(kv_cache_groups)
+            if index == DEFAULT_INDEX:
+                return layout_manager_class(kv_cache_groups)
+            return _load(LAYOUT_INDEXES, "index", index)
     return get_index_class(index)
 
 
@@ -110,6 +115,7 @@ __all__ = [
     "COMBINATION_RULES",
     "DEFAULT_INDEX",
     "INDEXES",
+    "LAYOUT_INDEXES",
     "TIERS",
     "get_index_class",
     "index_names",

@@ -310,8 +310,13 @@ class RadixKVCacheManager(HostTierAPI):
             raise ValueError(
                 f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
             )
-        # The one composition rule (a sliding-window layout is refused with its reason).
-        resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
+        # The one composition rule (a refused layout or tier raises with its reason); a
+        # sliding-window layout is another class's (radix_hybrid).
+        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
+                is not RadixKVCacheManager:
+            raise ValueError(
+                f"{type(self).__name__} serves the radix index over one full-attention "
+                f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
         num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
                                                         host_eviction_options)
         if num_host_blocks and not enable_caching:
@@ -1228,16 +1233,12 @@ class RadixKVCacheManager(HostTierAPI):
         return stats
 
     # -------------------------------------------------------------- checking
-    def check_invariants(self) -> None:
-        """Verify the tree, locks, pool and request bookkeeping (module docstring);
-        raise ``InvariantError`` naming the block or request if broken."""
+    def _check_free_queue(self) -> None:
+        """The free queue holds exactly the ``ref_cnt == 0`` blocks, the
+        ``_num_free_unhashed`` unhashed ones first (``InvariantError`` if not); shared
+        with ``radix_hybrid``."""
         blocks = self.blocks
         n = self.num_blocks
-        bs = self.block_size
-        for i, b in enumerate(blocks):
-            if b.block_id != i:
-                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
-        # Free queue: exactly the ref_cnt-0 blocks, unhashed ones first.
         q = self._free
         seen: set[int] = set()
         prev = q.head
@@ -1278,6 +1279,17 @@ class RadixKVCacheManager(HostTierAPI):
                 )
             if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
                 raise InvariantError(f"block {b.block_id} is not free but has queue links")
+
+    def check_invariants(self) -> None:
+        """Verify the tree, locks, pool and request bookkeeping (module docstring);
+        raise ``InvariantError`` naming the block or request if broken."""
+        blocks = self.blocks
+        n = self.num_blocks
+        bs = self.block_size
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+        self._check_free_queue()
         # Tree: every node reachable, one block each, keys consistent.
         locks: dict[int, int] = {}
         num_nodes = num_unlocked = 0

@@ -143,7 +143,7 @@ class Engine:
     `num_blocks` blocks take num_blocks x `kv_group_size` layer pages. A sliding group
     holds only the blocks overlapping the window (the earlier ones go back to the cache,
     their slots read the padding page), and each layer reads its group's table. Such models need eviction "lru" and
-    index "hash" (ValueError here otherwise).
+    index "hash" or "radix" (`core/radix_hybrid.py`; ValueError here otherwise).
 
     Attributes:
       num_blocks: allocatable blocks of the pool (given, or derived from the budget).
@@ -1122,9 +1122,11 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
     from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
     windows = sorted({w for w, _ in groups if w is not None})
-    if eviction != "lru" or index != "hash":
+    # NOTE: both indexes serve sliding-window layers (hash: vLLM's hybrid manager;
+    # radix: core/radix_hybrid.py, SGLang's SWA radix cache).
+    if eviction != "lru" or index not in ("hash", "radix"):
         raise ValueError(f"sliding-window layers (window {windows}) need eviction='lru' and "
-                         f"index='hash' (the hybrid KV cache manager is vLLM's); got "
+                         f"index='hash' or 'radix' (the hybrid KV cache managers); got "
                          f"eviction={eviction!r}, index={index!r}")
     if manager_kwargs and manager_kwargs.get("eviction_options"):
         raise ValueError("sliding-window layers: eviction_options are not supported by the "

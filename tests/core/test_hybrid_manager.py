@@ -249,7 +249,6 @@ def test_bad_groups(make, match):
     ({"num_host_blocks": 4}, "not supported with sliding-window"),
     ({"eviction": "belady"}, "needs the trace's future"),
     ({"eviction": "nope"}, "nope"),
-    ({"index": "radix"}, "not supported with sliding-window"),
     ({"free_order": "fifo"}, "free_order"),
     ({"num_blocks": 0}, "num_blocks"),
 ])

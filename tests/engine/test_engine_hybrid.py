@@ -204,7 +204,6 @@ def test_plain_model_keeps_one_table_and_one_metadata():
     "kw, match",
     [
         (dict(eviction="lfu"), "need eviction='lru' and index='hash'"),
-        (dict(index="radix"), "need eviction='lru' and index='hash'"),
         (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
         (dict(manager_kwargs={"eviction_options": {"x": 1}}), "eviction_options"),
         (dict(num_host_blocks=8), "host tier is not supported for models with sliding"),

@@ -1,0 +1,1156 @@
+"""The radix index for sliding-window and hybrid layouts (SGLang 0.5's SWA radix cache).
+
+``KVCacheManager(num_blocks, block_size, index="radix", kv_cache_groups=groups)`` builds
+``RadixHybridKVCacheManager`` when the layout has a sliding-window group (or several
+full-attention groups): the radix tree of ``core/radix.py`` (same keys, namespaces,
+lookup walk, lock counts), with one block per KV cache group on every node, answering
+exactly what the hash index's hybrid manager answers (per-group ``KVCacheBlocks``, block
+tables with null slots, ``get_block_ids`` as one list per group).
+
+    blocks, num_hit = manager.get_computed_blocks(request)   # blocks.blocks[g]
+    new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
+    manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
+
+Nodes. A node is one block position of a cached prefix (the tree key of
+``radix.block_keys``); ``node.blocks[g]`` is group g's cached block there or ``None``
+(a *tombstone*: that group's KV was evicted; SGLang's ``swa_tombstone``). Full-attention
+groups hold a block on every node (SGLang: full KV on every node); sliding-window groups
+may be tombstoned on any node; a ``W == 1`` group is never cached (vLLM's reachable
+mask: no block is ever needed). A node with no block left is kept while it has children
+or a running path through it (its key still leads a walk to deeper cached blocks), and
+dropped otherwise.
+
+Hit rule (vLLM 0.33's hybrid coordinator, which the hash index follows): walk the tree
+by the request's keys (at most ``(num_tokens - 1) // block_size`` blocks), then on that
+path full attention takes the longest prefix whose full blocks are all present (every
+node: the whole path), and each sliding-window spec the longest prefix ending in a run
+of ``ceil((W - 1) / block_size)`` present blocks (or the present run at the start),
+looping until every spec agrees. On a cache that never evicts this gives the hash
+index's hits, block for block (``tests/core/test_radix_hybrid.py``).
+
+Locks and release (SGLang's ``full_lock_ref`` / ``swa_lock_ref``). A running request
+locks every node of its path (the path lock: a locked node is never removed). Its
+sliding-window blocks that fall wholly before the window of its next token are released
+and their table slots nulled (vLLM's ``remove_skipped_blocks``): held by nobody, such a
+block stays cached and becomes evictable on its own -- the window's lock is the block's
+``ref_cnt``. At admission the hit's slots before the window become null slots without
+being touched.
+
+Eviction, one pool (vLLM's: every group draws from one shared pool of blocks, so one
+policy orders every group's victims). Candidates: every free cached sliding-window block
+(tombstoned where it is evicted, interior nodes included), and the full-attention blocks
+of unlocked leaves (a leaf is evicted whole: its full blocks and any sliding blocks left),
+so full KV is evicted leaf by leaf and nothing strands. Free blocks without a hash are
+reused first. Available blocks = free unhashed + free cached sliding-window blocks +
+full blocks of unlocked nodes.
+
+Invariants (``check_invariants``):
+    * Every cached block is exactly one node's ``blocks[g]`` (its group), with a hash
+      (the request's chained digest at the node's depth); every node is reachable; a
+      node without blocks has children or a lock; full groups never tombstone.
+    * ``node.lock`` = running paths through it (locks never grow with depth); a block
+      held by a request that is a node's sits on a locked node.
+    * Each ``ref_cnt`` = the table slots holding the block; the free queue is exactly
+      the ``ref_cnt == 0`` blocks, unhashed ones first.
+    * Tables: one per group, equal lengths; null slots only as a leading run of a
+      sliding-window table; a slot on the path is null, the node's block, or an uncached
+      duplicate; slots past the path hold no hash.
+    * The policy's candidates are exactly the free cached sliding-window blocks and the
+      full blocks of unlocked leaves.
+    * A call that raises changes nothing. NOTE: one that returns ``None`` may have
+      released a running request's blocks before its window, as vLLM does (and the hash
+      index's hybrid manager).
+
+NOTE: the host tier is not served with sliding-window layouts by either index (per-group
+host pages are not built: ``indexes.COMBINATION_RULES``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.block_pool import (
+    FREE_ORDERS,
+    FreeKVCacheBlockQueue,
+    InvariantError,
+    KVCacheBlock,
+    _bytes_block_hash,
+    _int_block_hash,
+)
+from prefixcache.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    event_extra_keys,
+)
+from prefixcache.core.eviction import make_policy
+from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.host_tier import check_host_args
+from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
+from prefixcache.core.kv_cache_manager import (
+    _admission_checks,
+    _bad_num_computed_tokens,
+)
+from prefixcache.core.kv_groups import (
+    FullAttentionSpec,
+    check_kv_cache_groups,
+    lookup_groups,
+)
+from prefixcache.core.radix import (
+    RadixKVCacheManager,
+    _namespace,
+    _num_unlocked_suffix,
+    _RadixState,
+    block_keys,
+)
+from prefixcache.core.request import Request
+from prefixcache.core.stats import PrefixCacheStats
+
+_new = object.__new__
+
+INDEX_NAME = "radix"
+
+
+class _HybridNode:
+    """One cached block position (a root: ``blocks is None``, ``key`` = namespace).
+
+    Attributes:
+        key: the position's child key under ``parent`` (``radix.block_keys``).
+        parent: the parent node (a root for a request's block 0).
+        children: child key -> node.
+        blocks: per group, the cached ``KVCacheBlock`` or ``None`` (a tombstone).
+        lock: running requests whose path holds this node.
+    """
+
+    __slots__ = ("key", "parent", "children", "blocks", "lock")
+
+    def __init__(self, key, parent: "_HybridNode | None", blocks: list | None):
+        self.key = key
+        self.parent = parent
+        self.children: dict[Any, _HybridNode] = {}
+        self.blocks = blocks
+        self.lock = 0
+
+    def __repr__(self) -> str:
+        ids = None if self.blocks is None else [
+            b.block_id if b is not None else None for b in self.blocks]
+        return f"_HybridNode(blocks={ids}, lock={self.lock}, children={len(self.children)})"
+
+
+class _HybridRadixState(_RadixState):
+    """A running request: ``radix._RadixState`` (``blocks`` is group 0's table) plus
+
+    Attributes:
+        tables: one block table per group (null slots included; equal lengths).
+        num_null: per group, the length of the table's leading run of null slots.
+        idle_nc: with ``idle_until``, the decode fast path's bounds (as the hybrid
+            manager's ``idle_total`` / ``idle_nc``).
+    """
+
+    __slots__ = ("tables", "num_null", "idle_nc")
+
+    def __init__(self, request, tables, path, ns, bs: int, num_null):
+        super().__init__(request, tables[0], path, ns, bs)
+        self.tables = tables
+        self.num_null = num_null
+        self.idle_nc = -1
+
+
+class RadixHybridKVCacheManager(RadixKVCacheManager):
+    """Block tables per KV cache group over one shared pool, found in a radix tree.
+
+    Same constructor keywords, calls, return values and errors as the hash index's
+    hybrid manager (``kv_groups.HYBRID_MANAGER``): ``get_computed_blocks`` answers
+    ``PerGroupKVCacheBlocks`` (null slots are ``null_block``, id ``num_blocks``), and
+    every eviction policy runs (module docstring, "Eviction"). Inherits the radix
+    index's lookup walk, keys, counters and event queue.
+
+    Args:
+        num_blocks, block_size, enable_caching, hash_algo, hash_seed, free_order,
+        log_stats, enable_events, max_model_len, int_event_hashes, eviction,
+        eviction_options: as ``RadixKVCacheManager`` (``free_order`` is validated; the
+            tree always reuses unhashed free blocks first).
+        kv_cache_groups: the layout (``kv_groups.KVCacheGroup`` list; a sliding-window
+            group or more than one group).
+        index: must be ``"radix"``.
+        num_host_blocks: must be 0 (refused by ``indexes.refusal`` otherwise).
+
+    Attributes:
+        kv_cache_groups: the checked groups (tuple); ``num_groups``.
+        null_block: the null slot's block (``block_id == num_blocks``).
+        policy: the ``EvictionPolicy`` object (over every group's blocks).
+    """
+
+    KEYS_BY_BLOCK_HASH = False
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        kv_cache_groups=None,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed=None,
+        free_order: str = "append",
+        log_stats: bool = True,
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+        int_event_hashes: bool = True,
+        eviction: str = "lru",
+        eviction_options: Mapping[str, Any] | None = None,
+        index: str = INDEX_NAME,
+        num_host_blocks: int = 0,
+        host_eviction: str = "lru",
+        host_eviction_options: Mapping[str, Any] | None = None,
+    ):
+        from prefixcache.core.indexes import resolve_manager_class
+
+        if index != INDEX_NAME:
+            raise ValueError(
+                f"RadixHybridKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}")
+        if kv_cache_groups is None:
+            raise ValueError("RadixHybridKVCacheManager needs kv_cache_groups (a layout with "
+                             "a sliding-window group); one full-attention group is "
+                             "RadixKVCacheManager's")
+        # The one composition rule (a host tier is refused with its reason).
+        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
+                is not RadixHybridKVCacheManager:
+            raise ValueError(
+                f"RadixHybridKVCacheManager serves sliding-window / multi-group layouts, "
+                f"not kv_cache_groups={kv_cache_groups!r}")
+        groups = check_kv_cache_groups(kv_cache_groups)
+        check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if free_order not in FREE_ORDERS:
+            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+            or max_model_len <= 0
+        ):
+            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        if eviction_options is not None and not isinstance(eviction_options, Mapping):
+            raise ValueError(
+                f"eviction_options must be a mapping or None, got {eviction_options!r}")
+        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                                  **dict(eviction_options or {}))
+        self.eviction = eviction
+        self.index = INDEX_NAME
+        self.kv_cache_groups = groups
+        self.num_groups = len(groups)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = bool(enable_caching)
+        self.free_order = free_order
+        self.log_stats = bool(log_stats)
+        self.enable_events = bool(enable_events)
+        self.max_model_len = max_model_len
+        self._max_len = max_model_len if max_model_len is not None else 1 << 62
+        self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
+        # Per group: the window W (None: full attention), whether its blocks are cached.
+        self._windows = [g.spec.sliding_window for g in groups]
+        self._cacheable = [w is None or w > 1 for w in self._windows]
+        self._full_ids = [g for g, w in enumerate(self._windows) if w is None]
+        self._sw_ids = [g for g, w in enumerate(self._windows) if w is not None]
+        self._is_full = [w is None for w in self._windows]
+        self._num_full = len(self._full_ids)
+        self._specs = lookup_groups(groups)
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        # NOTE: the padding page (hybrid.py's convention): never pooled, queued or cached.
+        self.null_block = KVCacheBlock(num_blocks)
+        self._free = FreeKVCacheBlockQueue(self.blocks)
+        self._num_free_unhashed = num_blocks  # the free queue's head part
+        self._num_free_sw = 0  # free cached sliding-window blocks (all candidates)
+        self._num_unlocked_full = 0  # full-attention blocks of unlocked nodes
+        self._owner: list[_HybridNode | None] = [None] * num_blocks  # block id -> node
+        self._owner_group = [0] * num_blocks  # block id -> its group (while cached)
+        self._roots: dict[Any, _HybridNode] = {}
+        self._num_nodes = 0
+        self._num_cached = 0
+        self._epoch = 0  # tree changes that can invalidate _lookup (evictions, resets)
+        self._lookup: tuple | None = None  # (request, nodes, hit lists, epoch)
+        self._extras_memo: dict[tuple, dict[int, tuple]] = {}
+        self._states: dict[Any, _HybridRadixState] = {}
+        self._states_by_request: dict[Any, _HybridRadixState] = {}
+        self._no_new_blocks = empty_blocks(len(groups), per_group=True)
+        self._empty = self._no_new_blocks
+        self.events = []
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if self.log_stats else None)
+        self.num_lookups = 0
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_failed_allocations = 0
+        self.device_hit_tokens = 0
+        self.num_evictions = 0
+        self.num_blocks_cached = 0
+        self.num_blocks_allocated = 0
+        self.host_tier = None
+        self.num_host_blocks = 0
+        self.host_eviction = host_eviction
+        self.host_hit_tokens = 0
+
+    @property
+    def null_block_id(self) -> int:
+        """The id of null slots in ``get_block_ids`` (the padding page, ``num_blocks``)."""
+        return self.num_blocks
+
+    # ---------------------------------------------------------------- lookups
+    def _find(self, spec, ids, nodes, max_n: int):
+        """One spec's hit on the path ``nodes[:max_n]`` (vLLM's single-type managers'
+        ``find_longest_cache_hit``): ``(per-group lists, blocks)``."""
+        if isinstance(spec, FullAttentionSpec):  # every node holds its full blocks
+            return [[node.blocks[g] for node in nodes[:max_n]] for g in ids], max_n
+        need = -(-(spec.sliding_window - 1) // self.block_size)
+        null = self.null_block
+        computed = [[null] * max_n for _ in ids]
+        n = 0
+        found = False
+        for i in range(max_n - 1, -1, -1):
+            bl = nodes[i].blocks
+            got = [bl[g] for g in ids]
+            if None not in got:
+                for c, b in zip(computed, got):
+                    c[i] = b
+                n += 1
+                if n >= need:
+                    for c in computed:
+                        del c[i + n:]
+                    found = True
+                    break
+            else:
+                n = 0
+        if not found:
+            for c in computed:
+                del c[n:]
+        return computed, len(computed[0])
+
+    def _longest_hit(self, nodes) -> tuple[list[list[KVCacheBlock]], int]:
+        """vLLM's coordinator ``find_longest_cache_hit`` over the tree path ``nodes``
+        (blocks past the path are misses in every group): per-group hit lists and the
+        hit in blocks."""
+        specs = self._specs
+        n_groups = self.num_groups
+        by_group: list = [None] * n_groups
+        if len(specs) == 1:
+            spec, ids = specs[0]
+            hit = len(nodes)
+            while True:  # groups of one spec: repeat until the length is stable
+                blocks, curr = self._find(spec, ids, nodes, hit)
+                if curr >= hit:
+                    break
+                hit = curr
+            for g, b in zip(ids, blocks):
+                by_group[g] = b
+            return by_group, curr
+        simple = len(specs) == 2 and isinstance(specs[0][0], FullAttentionSpec)
+        hit = len(nodes)
+        len_by_group = [0] * n_groups
+        while True:
+            curr = hit
+            for spec, ids in specs:
+                if isinstance(spec, FullAttentionSpec) and by_group[ids[0]] is not None:
+                    if len_by_group[ids[0]] < curr:
+                        curr = len_by_group[ids[0]]
+                    continue
+                blocks, curr = self._find(spec, ids, nodes, curr)
+                for g, b in zip(ids, blocks):
+                    by_group[g] = b
+                    len_by_group[g] = curr
+            if curr >= hit:
+                break
+            hit = curr
+            if simple:
+                break
+        for g in self._full_ids:
+            del by_group[g][hit:]
+        return [b if b is not None else [] for b in by_group], hit
+
+    def get_computed_blocks(self, request):
+        """The longest prefix hit valid for every group (module docstring, "Hit rule").
+
+        Changes no block state; only statistics.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``: ``blocks.blocks[g]`` is group g's hit
+            slots (a sliding-window group's slots before its window are ``null_block``).
+        """
+        if not self.enable_caching:
+            return self._no_new_blocks, 0
+        nodes = self._lookup_nodes(request)  # (checks the request, binds the hasher)
+        lists, hit = self._longest_hit(nodes)
+        # NOTE: allocate_slots adopts these nodes without walking again while the tree
+        # has changed no block since (the epoch counts evictions).
+        self._lookup = (request, nodes[:hit], self._epoch)
+        num_hit = hit * self.block_size
+        self.num_lookups += 1
+        self.num_lookup_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = tuple(lists)
+        return r, num_hit
+
+    def peek_computed_tokens(self, request) -> int:
+        """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
+        if not self.enable_caching:
+            return 0
+        return self._longest_hit(self._lookup_nodes(request))[1] * self.block_size
+
+    # ------------------------------------------------------------- allocation
+    def _check_hit_blocks(self, new_computed_blocks):
+        """The per-group hit lists as a list of lists (structure checked), or None."""
+        if new_computed_blocks is None:
+            return None
+        if isinstance(new_computed_blocks, KVCacheBlocks):
+            new_computed_blocks = new_computed_blocks.blocks
+        if not isinstance(new_computed_blocks, (tuple, list)) or len(new_computed_blocks) != (
+                self.num_groups) or not all(isinstance(g, (list, tuple))
+                                            for g in new_computed_blocks):
+            raise ArgumentTypeError(
+                f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
+                f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
+        out = []
+        null = self.null_block
+        n = len(new_computed_blocks[0])
+        for g, blocks in enumerate(new_computed_blocks):
+            blocks = list(blocks)
+            if len(blocks) != n:
+                raise ValueError(
+                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has {n}: "
+                    "every group's hit covers the same tokens")
+            for b in blocks:
+                if b is null:
+                    if self._is_full[g]:
+                        raise ValueError(
+                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
+                            "full attention")
+                    continue
+                if type(b) is not KVCacheBlock:
+                    raise ArgumentTypeError(
+                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
+                bid = b.block_id
+                if (not 0 <= bid < self.num_blocks or self.blocks[bid] is not b
+                        or self._owner[bid] is None or self._owner_group[bid] != g):
+                    raise ValueError(
+                        f"block {bid} is not a cached block of group {g} of this manager")
+            out.append(blocks)
+        return out
+
+    def _hit_path(self, request, hits, num_local_computed: int) -> list[_HybridNode]:
+        """The path nodes of the hit lists ``hits``; ``ValueError`` unless hit slot #i
+        of group g is null or node #i's block of group g, with no null slot inside the
+        window (what ``get_computed_blocks`` returned for this request)."""
+        n = len(hits[0])
+        lk = self._lookup
+        if lk is not None and lk[0] is request and lk[2] == self._epoch and n <= len(lk[1]):
+            nodes = lk[1][:n]
+        else:
+            nodes = self._lookup_nodes(request)[:n]
+        null = self.null_block
+        bs = self.block_size
+        for g, blocks in enumerate(hits):
+            skipped = self._skipped_tokens(g, num_local_computed) // bs
+            for i, b in enumerate(blocks):
+                if i >= len(nodes) or (b is not null and nodes[i].blocks[g] is not b) or (
+                        b is null and i >= skipped):
+                    raise ValueError(
+                        f"new_computed_blocks[{g}] #{i} is not the cached block #{i} of "
+                        f"request {request.request_id!r}'s prefix in its window: pass the "
+                        "tuple get_computed_blocks returned for this request, unchanged")
+        return nodes
+
+    def _skipped_tokens(self, group_id: int, num_computed_tokens: int) -> int:
+        """vLLM's ``get_num_skipped_tokens``: tokens before the window of the next token
+        (0 for full attention)."""
+        w = self._windows[group_id]
+        if w is None:
+            return 0
+        s = num_computed_tokens - w + 1
+        return s if s > 0 else 0
+
+    def allocate_slots(
+        self,
+        request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks=None,
+        num_lookahead_tokens: int = 0,
+    ):
+        """Give ``request`` slots for ``num_new_tokens`` more tokens in every group.
+
+        As the hash index's hybrid manager's ``allocate_slots`` (same arguments, counts
+        and errors; per-group hit lists): a running request's sliding-window blocks
+        wholly before the window of its next token are released first (they stay
+        cached, evictable); a new request locks its hit path, touches its hit blocks
+        from the window on (earlier slots become null), and every block full after the
+        step enters the tree (a duplicate key: the node's block is kept, a tombstoned
+        group slot takes the request's block).
+
+        Returns:
+            The new blocks per group (``PerGroupKVCacheBlocks``), or ``None`` when the
+            available blocks do not suffice (see the module docstring's NOTE).
+        """
+        try:
+            st = self._states_by_request[request]
+        except (KeyError, TypeError):
+            st = None
+        if st is not None:
+            nc = request.num_computed_tokens
+            if (
+                type(nc) is int and nc >= 0
+                and type(num_new_tokens) is int and num_new_tokens > 0
+                and not num_new_computed_tokens and not new_computed_blocks
+                and not num_lookahead_tokens
+                and nc + num_new_tokens <= st.idle_until and nc <= st.idle_nc
+            ):
+                return self._no_new_blocks  # a decode step that needs nothing
+        hits = self._check_hit_blocks(new_computed_blocks)
+        flat = hits[0] if hits is not None else None
+        st, computed, total, need, num_new_computed_tokens = _admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, flat,
+            num_lookahead_tokens)
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        nodes = self._hit_path(request, hits, num_local_computed) if computed else []
+        # --- validated from here on --------------------------------------------
+        bs = self.block_size
+        null = self.null_block
+        n_groups = self.num_groups
+        if st is not None:
+            self._remove_skipped(st, num_local_computed)  # (may precede a None)
+        num_required = -(-need // bs)
+        num_alloc = 0
+        if st is not None:
+            for table in st.tables:
+                if num_required > len(table):
+                    num_alloc += num_required - len(table)
+        else:
+            # Locking the path takes its unlocked nodes' full blocks out of the
+            # available ones; touching a free sliding-window hit block takes it.
+            num_alloc += self._num_full * _num_unlocked_suffix(nodes)
+            for g in range(n_groups):
+                hit = hits[g] if hits is not None else ()
+                skipped = self._skipped_tokens(g, num_local_computed) // bs
+                num_alloc += max(num_required - max(skipped, len(hit)), 0)
+                if not self._is_full[g]:
+                    num_alloc += sum(1 for b in hit[skipped:] if b.ref_cnt == 0)
+        if num_alloc > self.num_available_blocks:
+            self.num_failed_allocations += 1
+            return None
+        if st is None:
+            for node in nodes:
+                self._lock(node)
+            q = self._free
+            on_hit = self.policy.on_hit
+            tables = []
+            num_null = []
+            for g in range(n_groups):
+                hit = hits[g] if hits is not None else []
+                skipped = self._skipped_tokens(g, num_local_computed) // bs
+                kept = hit[skipped:]
+                sliding = not self._is_full[g]
+                for b in kept:
+                    if b.ref_cnt == 0:
+                        q.remove(b)
+                        if sliding:
+                            self._num_free_sw -= 1
+                            self.policy.discard(b)
+                    b.ref_cnt += 1
+                    on_hit(b, request)
+                tables.append([null] * skipped + kept)
+                num_null.append(skipped)
+            st = _HybridRadixState(request, tables, list(nodes), _namespace(request), bs,
+                                   num_null)
+            self._states[request.request_id] = st
+            self._states_by_request[request] = st
+            self._lookup = None  # NOTE: holds no request past its admission
+            if self.log_stats and self.enable_caching:
+                self.prefix_cache_stats.record(
+                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
+            self.device_hit_tokens += num_new_computed_tokens
+        new_blocks = []
+        for table in st.tables:
+            n = num_required - len(table)
+            if n > 0:
+                got = self._take_blocks(n)
+                table.extend(got)
+                new_blocks.append(got)
+            else:
+                new_blocks.append([])
+        if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)
+            hashes = request.block_hashes
+            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            if num_full > len(st.path):
+                self._cache(st, num_full, hashes)
+        st.idle_until, st.idle_nc = self._idle_bounds(st)
+        r = _new(PerGroupKVCacheBlocks)
+        r.blocks = tuple(new_blocks)
+        return r
+
+    def _idle_bounds(self, st: _HybridRadixState) -> tuple[int, int]:
+        """``(idle_until, idle_nc)`` for the state's tables now (the hybrid manager's
+        rule): past them a step needs a block, caches one or releases one."""
+        bs = self.block_size
+        total = len(st.tables[0]) * bs
+        if self._max_len < total:
+            total = self._max_len
+        if self.enable_caching:
+            full = (len(st.path) + 1) * bs - 1
+            if full < total:
+                total = full
+        nc = 1 << 62
+        for g, w in enumerate(self._windows):
+            if w is not None:
+                limit = (st.num_null[g] + 1) * bs + w - 2
+                if limit < nc:
+                    nc = limit
+        return total, nc
+
+    # ------------------------------------------------------------ tree state
+    def _lock(self, node: _HybridNode) -> None:
+        """One more running path through ``node``."""
+        if not node.lock:
+            self._num_unlocked_full -= self._num_full
+            if not node.children:
+                discard = self.policy.discard
+                for g in self._full_ids:
+                    discard(node.blocks[g])
+        node.lock += 1
+
+    def _unlock(self, node: _HybridNode, request, position: int) -> None:
+        """One running path less through ``node`` (its blocks already released)."""
+        node.lock -= 1
+        if node.lock:
+            return
+        policy = self.policy
+        for g in self._full_ids:
+            policy.on_release(node.blocks[g], request, position)
+        self._num_unlocked_full += self._num_full
+        if not node.children:
+            if self._num_full:
+                for g in self._full_ids:
+                    policy.add(node.blocks[g])
+            elif all(b is None for b in node.blocks):
+                self._drop_node(node)
+
+    def _drop_node(self, node: _HybridNode) -> None:
+        """Remove the unlocked, blockless leaf ``node``; then any parent left an
+        unlocked blockless leaf (an unlocked full leaf becomes a candidate)."""
+        while True:
+            parent = node.parent
+            del parent.children[node.key]
+            node.parent = None
+            self._num_nodes -= 1
+            self._epoch += 1
+            if parent.blocks is None:  # a root
+                if not parent.children:
+                    del self._roots[parent.key]
+                return
+            if parent.lock or parent.children:
+                return
+            if self._num_full:
+                for g in self._full_ids:
+                    self.policy.add(parent.blocks[g])
+                return
+            if any(b is not None for b in parent.blocks):
+                return
+            node = parent
+
+    def _uncache(self, b: KVCacheBlock, g: int) -> None:
+        """Drop the free cached block ``b`` of group ``g`` from the tree's bookkeeping:
+        it becomes a free unhashed block at the queue's head."""
+        if b.ref_cnt:
+            raise InvariantError(f"evicting block {b.block_id} with ref_cnt {b.ref_cnt}")
+        if self.enable_events:
+            self.events.append(BlockRemoved(
+                block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
+                group_idx=g))
+        b.block_hash = None
+        self._owner[b.block_id] = None
+        self._num_cached -= 1
+        self.num_evictions += 1
+        self.policy.on_evicted(b)
+        q = self._free
+        q.remove(b)
+        q.prepend_n((b,))
+        self._num_free_unhashed += 1
+
+    def _evict(self, b: KVCacheBlock) -> None:
+        """Evict the candidate ``b`` (just popped from the policy): a sliding-window
+        block is tombstoned on its node; a full block takes its whole leaf."""
+        bid = b.block_id
+        node = self._owner[bid]
+        g = self._owner_group[bid]
+        self._epoch += 1
+        if not self._is_full[g]:
+            self._num_free_sw -= 1
+            node.blocks[g] = None
+            self._uncache(b, g)
+            if not node.lock and not node.children and all(x is None for x in node.blocks):
+                self._drop_node(node)
+            return
+        if node.lock or node.children:
+            raise InvariantError(
+                f"evicting full-attention block {bid}: lock {node.lock}, "
+                f"{len(node.children)} children")
+        discard = self.policy.discard
+        for g2, b2 in enumerate(node.blocks):
+            if b2 is None:
+                continue
+            if b2 is not b:
+                discard(b2)
+            if self._is_full[g2]:
+                self._num_unlocked_full -= 1
+            else:
+                self._num_free_sw -= 1
+            node.blocks[g2] = None
+            self._uncache(b2, g2)
+        self._drop_node(node)
+
+    def _take_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop ``n`` blocks (caller checked availability): unhashed free blocks first,
+        then the policy's victims, evicted."""
+        while self._num_free_unhashed < n:
+            self._evict(self.policy.pop())
+        out = self._free.popleft_n(n)
+        self._num_free_unhashed -= n
+        for b in out:
+            b.ref_cnt = 1
+        self.num_blocks_allocated += n
+        return out
+
+    def _release(self, st: _HybridRadixState, slots) -> None:
+        """Drop one reference from each table slot ``(group, position)`` of ``slots``
+        (in that order, null slots skipped): cached blocks that become free go to the
+        queue's tail (a sliding-window one becomes a candidate), unhashed ones to its
+        head."""
+        tables = st.tables
+        null = self.null_block
+        is_full = self._is_full
+        policy = self.policy
+        request = st.request
+        tail = []
+        head = []
+        for g, i in slots:
+            b = tables[g][i]
+            if b is null:
+                continue
+            rc = b.ref_cnt - 1
+            b.ref_cnt = rc
+            if rc:
+                continue
+            if b.block_hash is None:
+                head.append(b)
+            else:
+                tail.append(b)
+                if not is_full[g]:
+                    self._num_free_sw += 1
+                    policy.on_release(b, request, i)
+                    policy.add(b)
+        q = self._free
+        q.append_n(tail)
+        if head:
+            q.prepend_n(head)
+            self._num_free_unhashed += len(head)
+
+    def _remove_skipped(self, st: _HybridRadixState, num_computed_tokens: int) -> None:
+        """vLLM's ``remove_skipped_blocks``: release each sliding-window table's blocks
+        wholly before the window (last slot first, stopping at a null one); their slots
+        become null."""
+        bs = self.block_size
+        null = self.null_block
+        for g, table in enumerate(st.tables):
+            if self._is_full[g]:
+                continue
+            n = self._skipped_tokens(g, num_computed_tokens) // bs
+            if n > len(table):
+                n = len(table)
+            first = n
+            while first > 0 and table[first - 1] is not null:
+                first -= 1
+            if first < n:
+                self._release(st, [(g, i) for i in range(n - 1, first - 1, -1)])
+                for i in range(first, n):
+                    table[i] = null
+                st.num_null[g] = n
+
+    def _cache(self, st: _HybridRadixState, num_full: int, hashes: Sequence[bytes]) -> None:
+        """Enter the request's positions ``len(st.path) .. num_full - 1`` into the tree."""
+        request = st.request
+        path = st.path
+        tables = st.tables
+        first = len(path)
+        if path:
+            parent = path[-1]
+        else:
+            parent = self._roots.get(st.ns)
+            if parent is None:
+                parent = self._roots[st.ns] = _HybridNode(st.ns, None, None)
+        bs = self.block_size
+        if first >= st.plain_from:
+            kb = request.token_bytes(first * bs, num_full * bs)
+            w = 8 * bs
+            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
+        else:
+            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        null = self.null_block
+        cacheable = self._cacheable
+        owner = self._owner
+        owner_group = self._owner_group
+        on_cached = self.policy.on_cached
+        events = self.enable_events
+        stored: list[list[int]] = [[] for _ in tables]
+        for i, key in enumerate(keys, first):
+            h = hashes[i]
+            child = parent.children.get(key)
+            if child is None:
+                child = _HybridNode(key, parent, [None] * len(tables))
+                child.lock = 1
+                parent.children[key] = child
+                self._num_nodes += 1
+            else:
+                self._lock(child)
+            cb = child.blocks
+            for g, table in enumerate(tables):
+                b = table[i]
+                if cb[g] is not None or b is null or not cacheable[g]:
+                    continue  # (a duplicate stays uncached: block tables are append-only)
+                if b.block_hash is not None:
+                    raise InvariantError(
+                        f"group {g} block {b.block_id} is being cached but already has a hash")
+                b.block_hash = h
+                cb[g] = b
+                owner[b.block_id] = child
+                owner_group[b.block_id] = g
+                self._num_cached += 1
+                self.num_blocks_cached += 1
+                on_cached(b, h, request, i)
+                if events:
+                    stored[g].append(i)
+            path.append(child)
+            parent = child
+        if events:
+            for g, positions in enumerate(stored):
+                self._stored_events(request, hashes, positions, g)
+
+    def _stored_events(self, request, hashes, positions: list[int], g: int) -> None:
+        """``BlockStored`` for group ``g``'s newly cached positions, one per run."""
+        spec = self.kv_cache_groups[g].spec
+        bs = self.block_size
+        lora = request.lora
+        eh = self._event_hash
+        k = 0
+        while k < len(positions):
+            j = k
+            while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
+                j += 1
+            a, b = positions[k], positions[j] + 1
+            extra = [event_extra_keys(request, s * bs, (s + 1) * bs) for s in range(a, b)]
+            self.events.append(BlockStored(
+                block_hashes=[eh(h) for h in hashes[a:b]],
+                parent_block_hash=eh(hashes[a - 1]) if a else None,
+                token_ids=list(request.all_token_ids[a * bs:b * bs]),
+                block_size=bs,
+                lora_id=lora.int_id if lora is not None else None,
+                medium=MEDIUM_GPU,
+                lora_name=lora.name if lora is not None else None,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+                group_idx=g,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
+            ))
+            k = j + 1
+
+    def free(self, request) -> None:
+        """Release a request's blocks (null slots skipped) and unlock its path deepest
+        first (see the NOTE for the order).
+
+        Raises:
+            ValueError: the request holds no blocks here (nothing changed).
+        """
+        rid = request.request_id if isinstance(request, Request) else request
+        try:
+            st = self._states.pop(rid, None)
+        except TypeError:
+            st = None
+        if st is None:
+            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        del self._states_by_request[st.request]
+        # NOTE: the order the policy learns of releases: full blocks (stamped when their
+        # node unlocks), the uncached tail, then position by position from the deepest,
+        # each position's sliding-window blocks before its node -- so with LRU the
+        # blocks released before the window go first, then the request's positions
+        # deepest first (as the radix index frees its last block first).
+        req = st.request
+        num_slots = len(st.tables[0])
+        path = st.path
+        full_ids = self._full_ids
+        sw_ids = self._sw_ids
+        self._release(st, [(g, i) for g in full_ids for i in range(num_slots - 1, -1, -1)])
+        if sw_ids:
+            self._release(st, [(g, i) for i in range(num_slots - 1, len(path) - 1, -1)
+                               for g in sw_ids])
+        # (slots before every sliding table's window are null: only unlock there)
+        lo = min(st.num_null[g] for g in sw_ids) if sw_ids else len(path)
+        for i in range(len(path) - 1, -1, -1):
+            if i >= lo:
+                self._release(st, [(g, i) for g in sw_ids])
+            self._unlock(path[i], req, i)
+
+    # ------------------------------------------------------------- inspection
+    def _state(self, request_id) -> _HybridRadixState:
+        st = self._states.get(request_id)
+        if st is None:
+            raise ValueError(f"unknown request id {request_id!r}: it holds no blocks")
+        return st
+
+    def get_block_ids(self, request_id) -> tuple[list[int], ...]:
+        """The request's block tables as ids, one list per group; null slots are
+        ``null_block_id``."""
+        return tuple([b.block_id for b in t] for t in self._state(request_id).tables)
+
+    def get_blocks(self, request_id) -> tuple[list[KVCacheBlock], ...]:
+        """The request's block objects per group (copies of the lists)."""
+        return tuple(list(t) for t in self._state(request_id).tables)
+
+    def num_held_blocks(self, request_id) -> tuple[int, ...]:
+        """Real (non-null) blocks the request holds, per group."""
+        null = self.null_block
+        return tuple(sum(b is not null for b in t) for t in self._state(request_id).tables)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation may take now: free unhashed blocks, free cached
+        sliding-window blocks and the full blocks of unlocked nodes."""
+        return self._num_free_unhashed + self._num_free_sw + self._num_unlocked_full
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently in the tree (every group's)."""
+        return self._num_cached
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree (block positions, tombstones included)."""
+        return self._num_nodes
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of all blocks currently in the tree, ascending."""
+        return [i for i, node in enumerate(self._owner) if node is not None]
+
+    def num_stranded_blocks(self) -> int:
+        """Cached blocks no lookup can reach (O(tree)); always 0: only leaves lose their
+        full blocks and a node is dropped only without blocks and children."""
+        reachable = 0
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                reachable += sum(b is not None for b in child.blocks)
+                stack.append(child)
+        return sum(1 for b in self.blocks if b.block_hash is not None) - reachable
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. ``False`` (nothing changed) while any block is held."""
+        if self._free.num_free_blocks != self.num_blocks:
+            return False
+        for i, node in enumerate(self._owner):
+            if node is not None:
+                self.blocks[i].block_hash = None
+                self._owner[i] = None
+        self._roots = {}
+        self._epoch += 1
+        self._lookup = None
+        self._num_nodes = self._num_cached = 0
+        self._num_free_sw = self._num_unlocked_full = 0
+        self._num_free_unhashed = self.num_blocks
+        self.policy.clear()
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """Verify the tree, locks, pool and tables (module docstring); raise
+        ``InvariantError`` naming the block or request if broken."""
+        blocks = self.blocks
+        n = self.num_blocks
+        bs = self.block_size
+        null = self.null_block
+        if null.block_hash is not None or null.prev_free_block or null.next_free_block:
+            raise InvariantError("the null block was cached or queued")
+        for i, b in enumerate(blocks):
+            if b.block_id != i:
+                raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
+        self._check_free_queue()  # (radix.py's: the queue, unhashed blocks first)
+        # Tree.
+        in_tree: dict[int, _HybridNode] = {}
+        locks: dict[int, int] = {}  # id(node) -> paths counted below
+        nodes_by_id: dict[int, _HybridNode] = {}
+        num_nodes = num_free_sw = num_unlocked_full = 0
+        candidates: list[int] = []
+        for ns, root in self._roots.items():
+            if root.key != ns or root.blocks is not None or root.parent is not None:
+                raise InvariantError(f"root of namespace {ns!r} is malformed")
+            if not root.children:
+                raise InvariantError(f"root of namespace {ns!r} has no children")
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for key, child in node.children.items():
+                    if child.key != key or child.parent is not node or child.blocks is None:
+                        raise InvariantError(f"{child!r} is linked wrongly")
+                    if id(child) in nodes_by_id:
+                        raise InvariantError(f"{child!r} is in the tree twice")
+                    nodes_by_id[id(child)] = child
+                    locks[id(child)] = 0
+                    num_nodes += 1
+                    if len(child.blocks) != self.num_groups:
+                        raise InvariantError(f"{child!r} has no slot per group")
+                    if not child.lock and not child.children and all(
+                            b is None for b in child.blocks):
+                        raise InvariantError(f"{child!r} is an unlocked leaf without blocks")
+                    if node.blocks is not None and not node.lock and child.lock:
+                        raise InvariantError(f"{child!r} is locked under the unlocked {node!r}")
+                    for g, b in enumerate(child.blocks):
+                        if b is None:
+                            if self._is_full[g]:
+                                raise InvariantError(
+                                    f"{child!r} has no block of full-attention group {g}")
+                            continue
+                        if not self._cacheable[g]:
+                            raise InvariantError(f"{child!r} caches group {g} (window 1)")
+                        bid = b.block_id
+                        if (not 0 <= bid < n or blocks[bid] is not b or self._owner[bid]
+                                is not child or self._owner_group[bid] != g or bid in in_tree):
+                            raise InvariantError(
+                                f"block {bid} of {child!r} (group {g}) is not filed as its")
+                        if b.block_hash is None:
+                            raise InvariantError(f"block {bid} is in the tree without a hash")
+                        in_tree[bid] = child
+                        if self._is_full[g]:
+                            if not child.lock:
+                                num_unlocked_full += 1
+                                if not child.children:
+                                    candidates.append(bid)
+                        elif b.ref_cnt == 0:
+                            num_free_sw += 1
+                            candidates.append(bid)
+                        if b.ref_cnt and not child.lock:
+                            raise InvariantError(f"block {bid} is held but its node is unlocked")
+                    stack.append(child)
+        for b in blocks:
+            if (b.block_hash is not None) != (b.block_id in in_tree):
+                raise InvariantError(
+                    f"block {b.block_id} has hash {b.block_hash!r} but is "
+                    f"{'' if b.block_id in in_tree else 'not '}in the tree")
+            if self._owner[b.block_id] is not None and b.block_id not in in_tree:
+                raise InvariantError(f"block {b.block_id} maps to a detached node")
+        for name, got, want in (("nodes", num_nodes, self._num_nodes),
+                                ("cached blocks", len(in_tree), self._num_cached),
+                                ("free cached sliding blocks", num_free_sw, self._num_free_sw),
+                                ("unlocked full blocks", num_unlocked_full,
+                                 self._num_unlocked_full)):
+            if got != want:
+                raise InvariantError(f"tree holds {got} {name}, counted {want}")
+        num_free_unhashed = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None)
+        if num_free_unhashed != self._num_free_unhashed:
+            raise InvariantError(
+                f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}")
+        # Requests.
+        refs = [0] * n
+        if len(self._states_by_request) != len(self._states):
+            raise InvariantError("states by request object and by id differ in number")
+        for rid, st in self._states.items():
+            req = st.request
+            if req.request_id != rid or self._states_by_request.get(req) is not st:
+                raise InvariantError(f"state of {rid!r} is filed wrongly")
+            bad = _bad_num_computed_tokens(req)
+            if bad:
+                raise InvariantError(bad)
+            tables = st.tables
+            if len(tables) != self.num_groups or st.blocks is not tables[0]:
+                raise InvariantError(f"request {rid!r}: {len(tables)} tables")
+            if len({len(t) for t in tables}) != 1:
+                raise InvariantError(f"request {rid!r}: tables of different lengths")
+            total, nc = self._idle_bounds(st)
+            # NOTE: after a None return the window bound may lag (conservative).
+            if st.idle_until != total or st.idle_nc > nc:
+                raise InvariantError(
+                    f"request {rid!r}: fast-path bounds ({st.idle_until}, {st.idle_nc}) vs "
+                    f"({total}, {nc})")
+            if -(-req.num_computed_tokens // bs) > len(tables[0]):
+                raise InvariantError(
+                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
+                    f"{len(tables[0])} slots")
+            path = st.path
+            if len(path) > len(tables[0]):
+                raise InvariantError(f"request {rid!r}: path of {len(path)} > its slots")
+            if st.ns != _namespace(req):
+                raise InvariantError(f"request {rid!r}: namespace {st.ns!r} is not its own")
+            hashes = req.block_hashes if self.enable_caching else ()
+            keys = block_keys(req, 0, len(path), bs) if path else []
+            parent = self._roots.get(st.ns)
+            for k, node in enumerate(path):
+                if id(node) not in nodes_by_id or node.parent is not parent:
+                    raise InvariantError(
+                        f"request {rid!r}: path node #{k} is not attached in order")
+                if node.key != keys[k]:
+                    raise InvariantError(f"request {rid!r}: path node #{k} has another key")
+                for b in node.blocks:
+                    if b is not None and (k >= len(hashes) or b.block_hash != hashes[k]):
+                        raise InvariantError(
+                            f"request {rid!r}: path node #{k} (block {b.block_id}) is not "
+                            "cached under the request's block hash")
+                locks[id(node)] += 1
+                parent = node
+            for g, table in enumerate(tables):
+                num_null = 0
+                while num_null < len(table) and table[num_null] is null:
+                    num_null += 1
+                if num_null != st.num_null[g]:
+                    raise InvariantError(
+                        f"request {rid!r} group {g}: {num_null} leading null slots, tracked "
+                        f"{st.num_null[g]}")
+                if num_null and self._is_full[g]:
+                    raise InvariantError(
+                        f"request {rid!r}: full-attention group {g} has null slots")
+                for i, b in enumerate(table):
+                    if b is null:
+                        if i >= num_null:
+                            raise InvariantError(
+                                f"request {rid!r} group {g}: a null slot after a real block")
+                        continue
+                    if blocks[b.block_id] is not b:
+                        raise InvariantError(f"request {rid!r} holds a foreign block {b.block_id}")
+                    refs[b.block_id] += 1
+                    if b.block_hash is None:
+                        continue
+                    if i >= len(path) or path[i].blocks[g] is not b:
+                        raise InvariantError(
+                            f"request {rid!r} group {g} slot {i} (block {b.block_id}) has a "
+                            "hash but is not its path node's block")
+        for b in blocks:
+            if b.ref_cnt != refs[b.block_id]:
+                raise InvariantError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} slots "
+                    "hold it")
+        for key, node in nodes_by_id.items():
+            if node.lock != locks[key]:
+                raise InvariantError(
+                    f"{node!r} has lock {node.lock} but {locks[key]} running paths hold it")
+        if not self.enable_caching and self._num_nodes:
+            raise InvariantError("caching is off but the tree holds blocks")
+        self.policy.check_invariants(candidates)
+
+
+__all__ = ["RadixHybridKVCacheManager"]
