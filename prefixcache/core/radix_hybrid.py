@@ -70,7 +70,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from prefixcache._validate import ArgumentTypeError
+from prefixcache._validate import (ArgumentTypeError, check_positive_int, check_release_inputs,
+                                   held_state)
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     FreeKVCacheBlockQueue,
@@ -224,17 +225,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"not kv_cache_groups={kv_cache_groups!r}")
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        # (the one int rule: numpy ints are ints, bools are not -- _validate)
+        block_size = check_positive_int("block_size", block_size)
+        num_blocks = check_positive_int("num_blocks", num_blocks)
         if free_order not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
-            or max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len must be a positive int or None, got {max_model_len!r}")
+        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
         if eviction_options is not None and not isinstance(eviction_options, Mapping):
             raise ValueError(
                 f"eviction_options must be a mapping or None, got {eviction_options!r}")
@@ -875,13 +871,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         Raises:
             ValueError: the request holds no blocks here (nothing changed).
         """
-        rid = request.request_id if isinstance(request, Request) else request
-        try:
-            st = self._states.pop(rid, None)
-        except TypeError:
-            st = None
-        if st is None:
-            raise ValueError(f"unknown request id {rid!r}: it holds no blocks")
+        # The one rule (_validate.held_state): the admitted Request or its id; and what
+        # the release reads is checked first, so it cannot fail half way.
+        rid, st = held_state(self._states, request)
+        if type(st.request._priority) is not int:
+            check_release_inputs(st.request)
+        del self._states[rid]
         del self._states_by_request[st.request]
         # NOTE: the order the policy learns of releases: full blocks (stamped when their
         # node unlocks), the uncached tail, then position by position from the deepest,
