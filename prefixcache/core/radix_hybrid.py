@@ -107,7 +107,6 @@ from prefixcache.core.radix import (
     _RadixState,
     block_keys,
 )
-from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
