@@ -48,6 +48,10 @@ COMBINATION_RULES = MappingProxyType({
     ("hybrid", "tier"): (
         "the host tier demotes one full-attention group's blocks; per-group host pages "
         "for sliding-window layouts are not built"),
+    ("hybrid", "waiting"): (
+        "a waiting-queue policy protects the blocks a waiting request will hit, which "
+        "with sliding-window groups depend on where each group's hit ends; the per-group "
+        "waiting hooks are not built"),
 })
 
 
@@ -88,6 +92,14 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     # (a bad num_host_blocks value is the tier's own check, in the implementation)
     if type(num_host_blocks) is int and num_host_blocks > 0:
         asked.append(("tier", f"num_host_blocks={num_host_blocks}"))
+    from prefixcache.core.eviction import get_policy_class, policy_name
+
+    try:
+        waiting = get_policy_class(eviction).needs_waiting
+    except ValueError:  # an unknown policy: the implementation's own check names it
+        waiting = False
+    if waiting:
+        asked.append(("waiting", f"eviction={policy_name(eviction)!r}"))
     for what, text in asked:
         return (f"{text} is not supported with sliding-window KV cache groups: "
                 f"{COMBINATION_RULES[('hybrid', what)]}")

@@ -283,6 +283,10 @@ def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layou
     prompts = [list(rng.choice(stems)) + [rng.randrange(30, 40) for _ in range(rng.randrange(1, 8))]
                for _ in range(30)]
     opts = {"future": _future(prompts)} if POLICIES[eviction].needs_future else None
+    if POLICIES[eviction].needs_waiting:  # one rule refuses it for both indexes (its reason)
+        with pytest.raises(ValueError, match="waiting-queue policy"):
+            _manager(layout, 24, eviction=eviction, eviction_options=opts)
+        return
     m = _manager(layout, 24, eviction=eviction, eviction_options=opts)
     windows = [g.spec.sliding_window for g in m.kv_cache_groups]
     null = m.null_block_id
