@@ -110,6 +110,8 @@ def _groups_from_value(value):
                 spec = kg.FullAttentionSpec()
             elif kind == kg.SlidingWindowSpec.kind:
                 spec = kg.SlidingWindowSpec(row.get("sliding_window"))
+            elif kind in kg.GROUP_KINDS:  # a kind whose spec has no field (mamba)
+                spec = kg.group_manager_class(kind).spec_class()
             else:
                 raise ValueError(f"kv_cache_groups[{i}]: unknown kind {kind!r}")
             groups.append(kg.KVCacheGroup(spec, tuple(row.get("layer_names", ()))))

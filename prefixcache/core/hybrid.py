@@ -1,8 +1,17 @@
-"""KV cache manager for sliding-window and hybrid models (vLLM 0.33's hybrid manager).
+"""KV cache manager for sliding-window, state-space and hybrid models (vLLM 0.33's
+``HybridKVCacheCoordinator``).
 
-``KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)`` returns this class
-when the layout has a sliding-window group (``prefixcache.core.kv_groups``); a single
-full-attention group keeps the default ``KVCacheManager``, untouched.
+``KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)`` builds this class
+when the layout is anything but one full-attention group (``prefixcache.core.kv_groups``);
+a single full-attention group keeps the default ``KVCacheManager``, untouched.
+
+This class is the coordinator: the scheduler-facing API, the shared pool, the
+per-request tables and the alignment of hits across groups (``_lookup_hit``, vLLM's
+fixed-point ``find_longest_cache_hit``). Everything that depends on a group's kind --
+its longest hit, its skipped tokens and their release to the null block, the blocks a
+step needs, the decode fast path's bound, its null-slot invariant -- is a call on the
+group's single-type manager (``prefixcache.core.groups``, one per group, built from
+``kv_groups.GROUP_KINDS``); there is no per-kind branch here.
 
 One block table per KV cache group, one shared block pool, blocks cached under
 ``(block hash, group id)`` keys (vLLM's ``BlockHashWithGroupId``: the digest followed
@@ -20,7 +29,9 @@ same count as the main check; its per-request cap ``max_admission_blocks_per_req
 is ``ceil(max_model_len / block_size) + 1`` with the manager's default
 ``max_in_flight_tokens = max_model_len``, never below the prompt's blocks),
 ``num_in_flight_tokens`` (0 in a synchronous step), partial-block hash hits (off
-unless Mamba groups), EAGLE drops, external (connector) tokens, sparse retention.
+unless Mamba groups hash finer than a block), EAGLE drops, external (connector) tokens,
+sparse retention. With a state-space group the pre-check IS modelled (a prefill is then
+split, ``prefill_chunks``, so its first chunk is not the whole sequence).
 
     blocks, num_hit = manager.get_computed_blocks(request)     # one list per group
     new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
@@ -456,6 +467,43 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         if not self.enable_caching:
             return 0
         return self._longest_hit(request)[1]
+
+    def prefill_chunks(self, request, num_computed_tokens: int) -> list[int]:
+        """The chunk sizes a scheduler splits the rest of ``request``'s prompt into,
+        from ``num_computed_tokens`` (the hit ``get_computed_blocks`` just returned):
+        vLLM's ``Scheduler._mamba_block_aligned_split``, each chunk ending at the
+        earliest stop any group kind asks for (``SingleTypeManager.prefill_stops``:
+        a state-space group stops at the prompt's last block boundary and at the
+        junction, the longest single-group hit). One chunk when no kind asks.
+
+        Call it before ``allocate_slots`` (the junction is read from the cache as it
+        is then); changes nothing.
+        """
+        if type(request) is not Request:
+            _check_request(request)
+        n = request.num_tokens
+        if (type(num_computed_tokens) is not int or not 0 <= num_computed_tokens < n):
+            raise ValueError(
+                f"num_computed_tokens must be an int in [0, {n}) for request "
+                f"{request.request_id!r}, got {num_computed_tokens!r}")
+        if not self._aligned:
+            return [n - num_computed_tokens]
+        junction = 0
+        if self.enable_caching:
+            _, hit, longest = self._lookup_hit(request)
+            if longest > hit:
+                junction = longest
+        bs = self.block_size
+        chunks = []
+        start = num_computed_tokens
+        while start < n:
+            stops = [(start // bs + 1) * bs] if start % bs else []
+            for k in self._aligned:
+                stops.extend(k.prefill_stops(request, start, junction))
+            end = min((s for s in stops if start < s < n), default=n)
+            chunks.append(end - start)
+            start = end
+        return chunks
 
     # ------------------------------------------------------------- allocation
     def _check_hit_blocks(self, new_computed_blocks):

@@ -27,6 +27,13 @@ Rules (vLLM's, checked by ``check_kv_cache_groups`` before anything is built):
 
 Groups with equal specs are looked up together (vLLM's ``SpecGroup``): a block hit
 counts only if every group of the spec has the block cached.
+
+Group kinds. A kind is a spec class and a single-type manager class in one file of
+``prefixcache.core.groups`` (``full_attention``, ``sliding_window``, ``mamba``: a
+state-space group whose per-request state is a fixed-size snapshot, vLLM's
+``MambaSpec`` in "align" mode), registered once in ``GROUP_KINDS`` by the spec's
+``kind`` name as a lazy ``"module:ManagerClass"`` string. The hybrid manager
+(``core.hybrid``) is a coordinator over one such manager per group.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
 GROUP_KINDS = MappingProxyType({
     "full_attention": "prefixcache.core.groups.full_attention:FullAttentionManager",
     "sliding_window": "prefixcache.core.groups.sliding_window:SlidingWindowManager",
-
+    "mamba": "prefixcache.core.groups.mamba:MambaManager",
 })
 
 
@@ -148,6 +155,13 @@ def is_hybrid(groups: Sequence[KVCacheGroup]) -> bool:
     return not (len(groups) == 1 and isinstance(groups[0].spec, FullAttentionSpec))
 
 
+def needs_aligned_prefill(groups: Sequence[KVCacheGroup]) -> bool:
+    """Whether a (checked) layout has a group kind whose prefills must stop where it
+    keeps a state (``SingleTypeManager.aligned_prefill``: state-space groups), so a
+    scheduler splits them (``HybridKVCacheManager.prefill_chunks``)."""
+    return any(group_manager_class(g.spec.kind).aligned_prefill for g in groups)
+
+
 def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
     """Groups from the peer harness's ``--kv-groups`` form: comma-separated ``full``,
     ``sw<W>`` or ``mamba``, one group (of one layer, ``layers.<i>``) each; ``"full,sw32"``
@@ -214,5 +228,6 @@ __all__ = [
     "layout_manager_class",
     "lookup_groups",
     "manager_class_for_groups",
+    "needs_aligned_prefill",
     "parse_kv_groups",
 ]
