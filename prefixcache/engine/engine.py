@@ -227,7 +227,11 @@ class Engine:
                 needs_aligned_prefill,
             )
 
-            if needs_aligned_prefill(check_kv_cache_groups(manager_kwargs["kv_cache_groups"])):
+            try:
+                given = check_kv_cache_groups(manager_kwargs["kv_cache_groups"])
+            except (TypeError, ValueError):  # refused below either way
+                given = ()
+            if needs_aligned_prefill(given):
                 raise ValueError(
                     "kv_cache_groups has a state-space (Mamba) group: the engine's model has "
                     "no state-space layers, so it cannot run one; study the layout with "

@@ -171,12 +171,21 @@ def test_bad_state_specs_and_combinations():
         KVCacheManager(16, 4, kv_cache_groups=parse_kv_groups("full,mamba"), index="radix")
 
 
-def test_the_engine_refuses_a_state_group_up_front():
+def test_the_engine_refuses_a_state_group_up_front(monkeypatch):
+    import prefixcache.engine.engine as engine_mod
     from prefixcache.engine.engine import Engine
+    from prefixcache.model.config import ModelConfig
 
+    def boom(*a, **k):
+        raise AssertionError("built before the configuration was checked")
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", boom)
     cfg = CacheConfig(num_blocks=8, block_size=4, kv_cache_groups="full,mamba")
     with pytest.raises(ValueError, match="no state-space layers"):
         Engine(None, cache_config=cfg)
+    with pytest.raises(ValueError, match="no state-space layers"):
+        Engine(ModelConfig.tiny_hybrid(), num_blocks=8, block_size=4,
+               manager_kwargs={"kv_cache_groups": parse_kv_groups("full,mamba")})
 
 
 def test_cache_config_rows_round_trip_a_state_group():
