@@ -1,7 +1,8 @@
 r"""A/B of the hybrid (sliding-window) manager: the working tree against an earlier
 commit, in ONE process (``ab_replay``'s method, with KV cache groups).
 
-  python -m experiments.ab_hybrid --base=main --layouts=full,sw32 --rounds=10
+  python -m experiments.ab_hybrid --base=main --layouts='full;sw32' --rounds=10 \
+      --workloads=multi_turn,few_shot,shared_system_prompt --num_blocks=1023
 
 Each round replays the same trace through the base revision's ``prefixcache`` (exported
 by ``ab_replay.export_base`` as ``prefixcache_base``) and the working tree back to back,
@@ -20,23 +21,26 @@ import statistics
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import app, flags  # noqa: F401 (flags: --layouts)
 
 from experiments import _common
-from experiments.ab_replay import export_base
 
-_BASE = flags.DEFINE_string("base", None, "Git revision to compare against (required).")
-_WORKLOADS = flags.DEFINE_list(
-    "workloads", ["multi_turn", "few_shot", "shared_system_prompt"],
-    "Workload generators (prefixcache.sim.workloads names).")
+# NOTE: ab_replay's flags (--base, --workloads, --rounds, --num_blocks, --block_size,
+# --concurrency, --seed, ...) are this script's too; it adds --layouts.
+from experiments.ab_replay import (
+    _BASE,
+    _BLOCK_SIZE,
+    _CONCURRENCY,
+    _NUM_BLOCKS,
+    _ROUNDS,
+    _SEED,
+    _WORKLOADS,
+    export_base,
+)
+
 _LAYOUTS = flags.DEFINE_list(
     "layouts", ["full;sw32", "full;sw32;sw64"],
     "KV cache layouts, groups separated by ';' (parse_kv_groups entries).")
-_ROUNDS = flags.DEFINE_integer("rounds", 8, "Timed rounds of each side.")
-_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 1023, "Allocatable blocks.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-_CONCURRENCY = flags.DEFINE_integer("concurrency", 8, "Requests holding blocks at once.")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 
 def _side(runs: list[dict]) -> dict:

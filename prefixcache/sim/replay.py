@@ -358,7 +358,7 @@ def replay(
     # tagged requests only (an untagged trace pays one truth test per request); the
     # untagged remainder is the totals minus these (``_breakdown``).
     tagged: dict[tuple[str | None, str | None], list[int]] = {}
-    n_req = n_admitted = n_failed = n_trunc = n_early = n_with_hit = 0
+    n_req = n_admitted = n_failed = n_trunc = n_prefill_cut = n_early = n_with_hit = 0
     prompt_tokens = admitted_prompt = hit_tokens = output_appended = 0
     t_loop = t_hash = t_mgr = 0.0
 
@@ -509,7 +509,7 @@ def replay(
                         rec["prefill_truncated_at"] = prefill_cut
             running.append(req)
             if prefill_cut is not None:  # a later chunk found no room: no decode
-                n_trunc += 1
+                n_prefill_cut += 1
                 t_loop += perf() - t_start
                 if rec is not None:
                     on_record(rec)
@@ -626,6 +626,8 @@ def replay(
         "admitted": n_admitted,
         "failed": n_failed,
         "decode_truncated": n_trunc,
+        # (layouts whose prefills are split: prompts cut short by a later chunk)
+        **({"prefill_truncated": n_prefill_cut} if prefill_chunks is not None else {}),
         "early_finishes": n_early,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_appended,
