@@ -82,6 +82,11 @@ from prefixcache.core.stats import PrefixCacheStats
 _new = object.__new__
 
 
+def _overrides(kind, name: str) -> bool:
+    """Whether ``kind``'s class overrides ``SingleTypeManager.<name>``."""
+    return getattr(type(kind), name) is not getattr(SingleTypeManager, name)
+
+
 class HybridBlockPool(BlockPool):
     """The shared pool of a hybrid manager: ``BlockPool`` whose hash map keys carry
     the group id (``block.block_hash`` is the key), plus the null block.
@@ -362,11 +367,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._lookup = [(self._kinds[ids[0]], ids) for _, ids in lookup_groups(groups)]
         self._no_lookahead = [k for k in self._kinds if not k.supports_lookahead]
         self._aligned = [k for k in self._kinds if k.aligned_prefill]
-        # The kinds that release blocks before a request ends (the others' no-op
-        # remove_skipped_blocks is not called on every step).
-        self._releasing = [
-            k for k in self._kinds
-            if type(k).remove_skipped_blocks is not SingleTypeManager.remove_skipped_blocks]
+        # NOTE: the step's hot loops call a kind only where it overrides the base
+        # (full attention's) rule; the base rules are inlined below (same result).
+        self._releasing = [k.remove_skipped_blocks for k in self._kinds
+                           if _overrides(k, "remove_skipped_blocks")]
+        self._limits = [k.idle_limit for k in self._kinds if _overrides(k, "idle_limit")]
+        self._own_counts = any(_overrides(k, "blocks_to_allocate") for k in self._kinds)
+        self._own_allocs = [k if _overrides(k, "allocate_new_blocks") else None
+                            for k in self._kinds]
+        self._caching = [k.caches_blocks for k in self._kinds]
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
@@ -643,10 +652,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 self.num_failed_allocations += 1
                 return None
         num_alloc = 0
-        for k in kinds:
-            num_alloc += k.blocks_to_allocate(
-                st, hits[k.group_id] if hits is not None else None, num_required,
-                num_local_computed)
+        if st is not None and not self._own_counts:  # (the base rule, inlined)
+            for table in st.tables:
+                if num_required > len(table):
+                    num_alloc += num_required - len(table)
+        else:
+            for k in kinds:
+                num_alloc += k.blocks_to_allocate(
+                    st, hits[k.group_id] if hits is not None else None, num_required,
+                    num_local_computed)
         if num_alloc > free_blocks:
             self.num_failed_allocations += 1
             return None
@@ -665,17 +679,29 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             if self.log_stats and self.enable_caching:
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
-        new_blocks = [k.allocate_new_blocks(st, num_required) for k in kinds]
+        new_blocks = []
+        for own, table in zip(self._own_allocs, st.tables):
+            if own is not None:
+                new_blocks.append(own.allocate_new_blocks(st, num_required))
+                continue
+            n = num_required - len(table)  # (the base rule, inlined)
+            if n > 0:
+                got = pool.get_new_blocks(n)
+                table.extend(got)
+                new_blocks.append(got)
+            else:
+                new_blocks.append([])
         if self.enable_caching:
             request.bind_hasher(self.hasher, bs)
             hashes = request.block_hashes
             num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
-            for k, table in zip(kinds, st.tables):
-                g = k.group_id
+            caching = self._caching
+            for g, table in enumerate(st.tables):
                 done = st.num_cached[g]
                 if done >= num_full:
                     continue
-                k.cache_blocks(request, table, hashes, done, num_full)
+                if caching[g]:
+                    pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
         self._set_idle_bounds(st)
         r = _new(PerGroupKVCacheBlocks)
@@ -694,8 +720,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             if full < total:
                 total = full
         nc = 1 << 62
-        for k in self._kinds:
-            limit = k.idle_limit(st)
+        for idle_limit in self._limits:
+            limit = idle_limit(st)
             if limit < nc:
                 nc = limit
         return total, nc
@@ -706,8 +732,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     def _remove_skipped(self, st: _HybridState, num_computed_tokens: int) -> None:
         """vLLM's ``remove_skipped_blocks``: each group's kind releases the blocks the
         next token no longer needs (their slots become null), groups in order."""
-        for k in self._releasing:
-            k.remove_skipped_blocks(st, num_computed_tokens)
+        for remove_skipped_blocks in self._releasing:
+            remove_skipped_blocks(st, num_computed_tokens)
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last

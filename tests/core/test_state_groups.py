@@ -153,6 +153,21 @@ def test_random_sequences_keep_invariants(layout, eviction, num_blocks, ops):
     assert m.num_free_blocks == num_blocks and m.usage == 0.0  # nothing leaked
 
 
+@pytest.mark.parametrize("layout", ["full,sw8", "full,mamba", "mamba"])
+def test_lookups_follow_a_reset_prefix_cache(layout):
+    m = KVCacheManager(32, 4, kv_cache_groups=parse_kv_groups(layout))
+    req, _, _ = _new(m, "a", range(21))
+    m.free(req)
+    probe = Request("p", list(range(21)))
+    assert m.peek_computed_tokens(probe) > 0
+    assert m.reset_prefix_cache()
+    assert m.peek_computed_tokens(probe) == 0
+    req, _, _ = _new(m, "b", range(21))  # cached again in the new map
+    m.free(req)
+    assert m.peek_computed_tokens(probe) > 0
+    m.check_invariants()
+
+
 # ------------------------------------------------------------------------ bad input
 def test_bad_state_specs_and_combinations():
     with pytest.raises(ValueError, match="mamba_cache_mode"):

@@ -37,6 +37,8 @@ class SingleTypeManager:
         aligned_prefill: prefills must stop where the kind keeps a state
             (``prefill_stops``), so a scheduler splits them (vLLM's Mamba "align").
         supports_lookahead: ``num_lookahead_tokens`` is modelled.
+        caches_blocks: the kind's full blocks are cached (under ``(hash, group id)``
+            keys, by the coordinator as each step fills them; an instance may set it).
 
     Args:
         spec: the group's spec; group_id: its index in the layout.
@@ -45,6 +47,7 @@ class SingleTypeManager:
     """
 
     spec_class: type = type(None)
+    caches_blocks = True
     downward_closed = False
     allows_null_hits = False
     aligned_prefill = False
@@ -58,13 +61,12 @@ class SingleTypeManager:
         self.null_block = coordinator.block_pool.null_block
         self.policy = coordinator.policy
         self.suffix = group_suffix(group_id)
-        self._cached = coordinator.block_pool.cached_block_hash_to_block
 
     # ---------------------------------------------------------------- lookups
     def get_cached(self, h: bytes, group_ids, suffixes) -> list | None:
         """vLLM's ``BlockPool.get_cached_block``: one cached block per group, or None
         if any group misses (the first inserted block of a key)."""
-        cached = self._cached
+        cached = self.block_pool.cached_block_hash_to_block  # (reset replaces it)
         out = []
         for g in group_ids:
             b = cached.get(h + suffixes[g])
@@ -128,16 +130,6 @@ class SingleTypeManager:
             table.extend(got)
             return got
         return []
-
-    def cache_blocks(self, request, table, hashes, num_cached: int, num_full: int) -> None:
-        """Cache ``table[num_cached:num_full]`` under ``(hash, group id)`` keys."""
-        self.block_pool.cache_group_blocks(request, table, hashes, num_cached, num_full,
-                                           self.block_size, self.group_id)
-
-    @property
-    def caches_blocks(self) -> bool:
-        """Whether the kind caches its full blocks at all (a hit can use them)."""
-        return True
 
     def remove_skipped_blocks(self, st, num_computed_tokens: int) -> None:
         """vLLM's ``remove_skipped_blocks``: release blocks the next token no longer

@@ -39,6 +39,9 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, spec, group_id, coordinator):
         super().__init__(spec, group_id, coordinator)
         self.window = spec.sliding_window
+        # NOTE: vLLM's reachable_block_mask (dense retention, alignment = block
+        # size) caches every block, except W == 1: no block is ever needed.
+        self.caches_blocks = self.window > 1
 
     def find_longest_cache_hit(self, hashes, max_length, group_ids, suffixes):
         """``SlidingWindowManager.find_longest_cache_hit``: from the right, the first
@@ -75,23 +78,14 @@ class SlidingWindowManager(SingleTypeManager):
         s = num_computed_tokens - self.window + 1
         return s if s > 0 else 0
 
-    @property
-    def caches_blocks(self) -> bool:
-        # NOTE: vLLM's reachable_block_mask (dense retention, alignment = block
-        # size) caches every block, except W == 1: no block is ever needed.
-        return self.window > 1
-
-    def cache_blocks(self, request, table, hashes, num_cached, num_full) -> None:
-        if self.window > 1:
-            super().cache_blocks(request, table, hashes, num_cached, num_full)
-
     def remove_skipped_blocks(self, st, num_computed_tokens: int) -> None:
         """Release the table's blocks wholly before the window (last slot first,
         stopping at a null one); their slots become null. One ``free_blocks`` call."""
         g = self.group_id
         table = st.tables[g]
         null = self.null_block
-        n = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        n = num_computed_tokens - self.window + 1  # (num_skipped_tokens, inlined)
+        n = n // self.block_size if n > 0 else 0
         if n > len(table):
             n = len(table)
         freed = []
