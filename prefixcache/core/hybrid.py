@@ -634,8 +634,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         pool = self.block_pool
         kinds = self._kinds
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        if st is not None:
-            self._remove_skipped(st, num_local_computed)  # (may precede a None)
+        if st is not None:  # vLLM's remove_skipped_blocks (may precede a None)
+            for remove_skipped_blocks in self._releasing:
+                remove_skipped_blocks(st, num_local_computed)
         num_required = -(-need // bs)
         free_blocks = pool.free_block_queue.num_free_blocks
         if st is None and self._aligned and total < request.num_tokens:
@@ -728,12 +729,6 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
 
     def _set_idle_bounds(self, st: _HybridState) -> None:
         st.idle_total, st.idle_nc = self._idle_bounds(st)
-
-    def _remove_skipped(self, st: _HybridState, num_computed_tokens: int) -> None:
-        """vLLM's ``remove_skipped_blocks``: each group's kind releases the blocks the
-        next token no longer needs (their slots become null), groups in order."""
-        for remove_skipped_blocks in self._releasing:
-            remove_skipped_blocks(st, num_computed_tokens)
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
