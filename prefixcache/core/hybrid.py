@@ -250,8 +250,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         * Each block's ``ref_cnt`` equals the number of table slots (over all running
           requests and groups) that hold it; ``ref_cnt == 0`` blocks are exactly the
           free queue. A block sits in at most one group's tables.
-        * Null slots (``null_block``, id ``num_blocks``) appear only in
-          sliding-window tables, and only as a leading run.
+        * Null slots (``null_block``, id ``num_blocks``) follow each group kind's
+          rule (``SingleTypeManager.check_slots``): none in full attention, a
+          leading run in a sliding window, all but the running state block and the
+          previous step's in a state-space group.
         * A request's first ``num_cached[g]`` non-null slots of group g are cached
           under ``hash + group id``; its later blocks hold no key.
         * A sliding-window table holds, after each ``allocate_slots``, real blocks
@@ -269,8 +271,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         log_stats, enable_events, max_model_len, int_event_hashes: as
             ``KVCacheManager`` (``free_order="unhashed_first"`` is vLLM's order).
         kv_cache_groups: the layout (``kv_groups.KVCacheGroup`` list).
-        eviction, eviction_options, index: only the defaults (``"lru"``, ``None``,
-            ``"hash"``); others raise ``ValueError``.
+        eviction, eviction_options: any registered policy (``"lru"`` keeps vLLM's
+            free queue; others run through the policy pool); index: only ``"hash"``
+            (others raise ``ValueError``).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.
