@@ -4,9 +4,11 @@ Runs experiments.hybrid_state on the generated `multi_turn` workload (120 six-tu
 conversations, seed 0) and `shared_system_prompt` (300 requests), 16-token blocks, 8 requests
 at once, vLLM's free order: every (layout, eviction policy, capacity) cell replays the
 trace through a fresh KVCacheManager. Layouts: "full,full" (a model of two
-full-attention layer groups) and "full,mamba" (one of them a state-space group, vLLM
+full-attention layer groups), "full,mamba" (one of them a state-space group, vLLM
 0.33's Mamba "align" rules: a state kept per block boundary a step ends on, at most two
-state blocks held per running request, prompts split where a state must be kept).
+state blocks held per running request, prompts split where a state must be kept) and
+"full,mamba_r0" (the same with vLLM's prefix_cache_retention_interval=0: only the states
+at the prompt's replay boundary and at the lookup's junction are kept).
 
 Command:
   python -m experiments.hybrid_state --config=configs/hybrid_state.py --workdir=/tmp/hybrid_state
@@ -33,7 +35,10 @@ def get_config(arg=None):
         "shared_system_prompt": {**_base.WORKLOAD_KWARGS["shared_system_prompt"],
                                  "num_requests": 300},
     })
-    c.layouts = "full;full|full;mamba"  # '|' between layouts, ';' between groups
+    # '|' between layouts, ';' between groups (kv_groups.parse_kv_groups entries);
+    # mamba_r0: the state group with vLLM's retention_interval=0 (Marconi-style
+    # admission: only the replay boundary's and the junction's states are cached).
+    c.layouts = "full;full|full;mamba|full;mamba_r0"
     c.policies = "lru,lfu,s3fifo"  # prefixcache.core.eviction names (no future-readers)
     c.capacities = "2048,8192"  # blocks
     c.block_size = 16

@@ -379,6 +379,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._own_allocs = [k if _overrides(k, "allocate_new_blocks") else None
                             for k in self._kinds]
         self._caching = [k.caches_blocks for k in self._kinds]
+        self._own_caches = [k if _overrides(k, "cache_blocks") else None for k in self._kinds]
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
@@ -489,7 +490,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         junction, the longest single-group hit). One chunk when no kind asks.
 
         Call it before ``allocate_slots`` (the junction is read from the cache as it
-        is then); changes nothing.
+        is then); it changes no block state (a kind that keeps a state at the
+        junction notes it: ``SingleTypeManager.note_junction``).
         """
         if type(request) is not Request:
             _check_request(request)
@@ -505,6 +507,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             _, hit, longest = self._lookup_hit(request)
             if longest > hit:
                 junction = longest
+        for k in self._aligned:
+            k.note_junction(request, junction)
         bs = self.block_size
         chunks = []
         start = num_computed_tokens
@@ -700,11 +704,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             hashes = request.block_hashes
             num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
             caching = self._caching
+            own_caches = self._own_caches
             for g, table in enumerate(st.tables):
                 done = st.num_cached[g]
                 if done >= num_full:
                     continue
-                if caching[g]:
+                if own_caches[g] is not None:
+                    own_caches[g].cache_blocks(request, table, hashes, done, num_full)
+                elif caching[g]:
                     pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
         self._set_idle_bounds(st)
@@ -857,7 +864,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                             f"block {b.block_id} is in the tables of groups {owner[b.block_id]} "
                             f"and {g}")
                     refs[b.block_id] += 1
-                    if i < st.num_cached[g] and kind.caches_blocks:
+                    if i < st.num_cached[g] and kind.caches_blocks and (
+                            kind.dense_caching or b.block_hash is not None):
                         if i >= len(hashes) or b.block_hash != hashes[i] + suffix:
                             raise InvariantError(
                                 f"request {rid!r} group {g} slot {i} (block {b.block_id}) "

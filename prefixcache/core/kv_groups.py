@@ -166,7 +166,8 @@ def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
     """Groups from the peer harness's ``--kv-groups`` form: comma-separated ``full``,
     ``sw<W>`` or ``mamba``, one group (of one layer, ``layers.<i>``) each; ``"full,sw32"``
     is a full-attention group and a sliding-window group of W = 32, ``"full,mamba"`` a
-    full-attention group and a state-space group (``groups.mamba.MambaSpec()``)."""
+    full-attention group and a state-space group (``groups.mamba.MambaSpec()``;
+    ``mamba_r0``: ``MambaSpec(retention_interval=0)``)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"kv groups must be a non-empty string such as 'full,sw32', got {text!r}")
     groups = []
@@ -175,11 +176,13 @@ def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
             spec = FullAttentionSpec()
         elif part.startswith("sw") and part[2:].isascii() and part[2:].isdigit():
             spec = SlidingWindowSpec(int(part[2:]))
-        elif part == "mamba":
-            spec = group_manager_class("mamba").spec_class()
+        elif part in ("mamba", "mamba_r0"):
+            spec = group_manager_class("mamba").spec_class(
+                retention_interval=None if part == "mamba" else 0)
         else:
             raise ValueError(
-                f"bad kv group {part!r} in {text!r}: expected 'full', 'sw<W>' or 'mamba'")
+                f"bad kv group {part!r} in {text!r}: expected 'full', 'sw<W>', 'mamba' "
+                "or 'mamba_r0'")
         groups.append(KVCacheGroup(spec, (f"layers.{i}",)))
     return tuple(groups)
 

@@ -85,6 +85,25 @@ def test_a_state_hit_stops_at_the_last_kept_state_and_the_prefill_stops_at_the_j
     m.free(r3)
 
 
+def test_sparse_retention_keeps_only_the_replay_boundary_and_the_junction():
+    dense = KVCacheManager(64, 4, kv_cache_groups=parse_kv_groups("full,mamba"))
+    sparse = KVCacheManager(64, 4, kv_cache_groups=parse_kv_groups("full,mamba_r0"))
+    follow = Request("x", list(range(30)) + [900 + i for i in range(10)] + [1])
+    for m in (dense, sparse):
+        req, _, chunks = _new(m, "a", range(30))
+        assert chunks == [28, 2]
+        _decode(m, req, 10)  # reaches 32, 36, 40: dense keeps those states, sparse not
+        m.free(req)
+    assert dense.peek_computed_tokens(follow) == 40
+    assert sparse.peek_computed_tokens(follow) == 28  # the replay boundary (29 -> 28)
+    # The junction's state is kept: a sibling sharing 12 tokens stops its prefill
+    # there, and the next sibling hits it.
+    r, hit, chunks = _new(sparse, "b", list(range(12)) + [3] * 9)
+    assert hit == 0 and chunks == [12, 8, 1]
+    sparse.free(r)
+    assert sparse.peek_computed_tokens(Request("c", list(range(12)) + [4] * 9)) == 12
+
+
 def test_state_only_layout_is_unitary_and_hits_the_rightmost_state():
     m = KVCacheManager(32, 4, kv_cache_groups=parse_kv_groups("mamba"))
     assert type(m.implementation) is HybridKVCacheManager
@@ -98,7 +117,8 @@ def test_state_only_layout_is_unitary_and_hits_the_rightmost_state():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    layout=st.sampled_from(["full,mamba", "mamba", "full,sw8,mamba", "mamba,full,mamba"]),
+    layout=st.sampled_from(["full,mamba", "mamba", "full,sw8,mamba", "mamba,full,mamba",
+                            "full,mamba_r0"]),
     eviction=st.sampled_from(["lru", "lfu"]),
     num_blocks=st.integers(6, 40),
     ops=st.lists(st.one_of(
@@ -172,6 +192,9 @@ def test_lookups_follow_a_reset_prefix_cache(layout):
 def test_bad_state_specs_and_combinations():
     with pytest.raises(ValueError, match="mamba_cache_mode"):
         MambaSpec("none")
+    for bad in (16, -1, True, 0.0):
+        with pytest.raises(ValueError, match="retention_interval"):
+            MambaSpec(retention_interval=bad)
     with pytest.raises(ValueError, match="bad kv group"):
         parse_kv_groups("full,mamba2")
     m = KVCacheManager(16, 4, kv_cache_groups=parse_kv_groups("full,mamba"))

@@ -4,7 +4,8 @@
 ``make_goldens.py`` there ran ``experiments/peers/vllm_replay.py --kv-groups ...mamba...``
 (vLLM's ``KVCacheManager`` with ``MambaSpec`` groups, ``mamba_cache_mode="align"``: its
 hybrid coordinator, ``MambaManager`` and shared block pool; prompts split by its
-scheduler's ``_mamba_block_aligned_split``) on the trace cuts of
+scheduler's ``_mamba_block_aligned_split``; some runs with vLLM's
+``prefix_cache_retention_interval=0``, ours ``MambaSpec(retention_interval=0)``) on the trace cuts of
 ``tests/data/replay_golden/`` with small pools. Our replay with the same groups,
 ``num_blocks = N - 1`` and ``free_order="unhashed_first"`` must give the same hits,
 prefill chunks, failures, truncations and evictions request by request, and every
@@ -19,7 +20,8 @@ import pathlib
 
 import pytest
 
-from prefixcache.core.kv_groups import parse_kv_groups
+from prefixcache.core.groups.mamba import MambaSpec
+from prefixcache.core.kv_groups import KVCacheGroup, parse_kv_groups
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import read_trace
 
@@ -38,6 +40,10 @@ def test_state_replay_matches_vllm(run):
     vllm = [json.loads(line) for line in (DATA / run["vllm_out"]).read_text().splitlines()]
     num_blocks = run["num_blocks_vllm"] - 1
     groups = parse_kv_groups(run["kv_groups"])
+    if run.get("retention_interval") is not None:  # vLLM's prefix_cache_retention_interval
+        groups = tuple(
+            KVCacheGroup(MambaSpec(retention_interval=run["retention_interval"]), g.layer_names)
+            if isinstance(g.spec, MambaSpec) else g for g in groups)
     ours = []
     summary = replay(
         read_trace(TRACES / run["trace"]),

@@ -39,6 +39,8 @@ class SingleTypeManager:
         supports_lookahead: ``num_lookahead_tokens`` is modelled.
         caches_blocks: the kind's full blocks are cached (under ``(hash, group id)``
             keys, by the coordinator as each step fills them; an instance may set it).
+        dense_caching: every full block a step fills is cached (else the kind's
+            ``cache_blocks`` picks some, and a held block may carry no key).
 
     Args:
         spec: the group's spec; group_id: its index in the layout.
@@ -48,6 +50,7 @@ class SingleTypeManager:
 
     spec_class: type = type(None)
     caches_blocks = True
+    dense_caching = True
     downward_closed = False
     allows_null_hits = False
     aligned_prefill = False
@@ -93,6 +96,10 @@ class SingleTypeManager:
         when it is longer than the hit, else 0)."""
         return ()
 
+    def note_junction(self, request, junction: int) -> None:
+        """The longest single-group hit of ``request``'s lookup (0 if no longer than
+        the joint hit), given by ``prefill_chunks`` to ``aligned_prefill`` kinds."""
+
     # ------------------------------------------------------------- allocation
     def blocks_to_allocate(self, st, hit, num_required: int, num_local_computed: int) -> int:
         """vLLM's ``get_num_blocks_to_allocate``: blocks the step takes from the free
@@ -130,6 +137,12 @@ class SingleTypeManager:
             table.extend(got)
             return got
         return []
+
+    def cache_blocks(self, request, table, hashes, num_cached: int, num_full: int) -> None:
+        """Cache ``table[num_cached:num_full]`` under ``(hash, group id)`` keys (the
+        coordinator inlines this rule for kinds that do not override it)."""
+        self.block_pool.cache_group_blocks(request, table, hashes, num_cached, num_full,
+                                           self.block_size, self.group_id)
 
     def remove_skipped_blocks(self, st, num_computed_tokens: int) -> None:
         """vLLM's ``remove_skipped_blocks``: release blocks the next token no longer

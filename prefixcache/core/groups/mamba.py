@@ -28,10 +28,14 @@ peer harness drives; ``tests/data/replay_golden_state``):
   trimmed to it) and sliding windows.
 * **Admission.** A step takes at most one new block of this group, plus the hit block
   if it sits in the free queue.
+* **Sparse retention** (``MambaSpec(retention_interval=0)``, vLLM's
+  ``prefix_cache_retention_interval=0``): only the states a later request can resume
+  at are cached -- the prompt's replay boundary and the lookup's junction (vLLM's
+  Marconi-style admission); decode and intermediate chunk states are not.
 
 NOTE: not modelled (off in the configuration above): speculative blocks, prefill
 checkpoint blocks, partial (sub-block) hash hits and their copy-on-write, sparse
-retention (``prefix_cache_retention_interval``), vLLM's "cached this step" deferral (a
+retention intervals other than 0 (``MambaSpec.retention_interval``), vLLM's "cached this step" deferral (a
 hit on a block cached in the same scheduler step waits a step: the replay schedules one
 request per step, so it never applies), lookahead slots (refused), the "none" and "all"
 cache modes (refused: vLLM serves prefix caching with "align" only).
@@ -54,9 +58,17 @@ class MambaSpec:
 
     Args:
         mamba_cache_mode: ``"align"`` (vLLM's prefix-caching mode; the only one).
+        retention_interval: which states are cached (vLLM's
+            ``prefix_cache_retention_interval`` for this group): ``None`` every full
+            block's state (dense, vLLM's default); ``0`` only the states a later
+            request can resume at -- the prompt's replay boundary (its last block
+            boundary before its last token) and the junction of its lookup (the
+            longest single-group hit, Marconi's branch point): vLLM's Marconi-style
+            admission. Other intervals are not modelled.
     """
 
     mamba_cache_mode: str = "align"
+    retention_interval: int | None = None
     kind = "mamba"  # vLLM's KV event spec kind
 
     def __post_init__(self):
@@ -64,6 +76,11 @@ class MambaSpec:
             raise ValueError(
                 f"mamba_cache_mode must be one of {_CACHE_MODES} (vLLM's prefix caching of "
                 f"state-space layers), got {self.mamba_cache_mode!r}")
+        r = self.retention_interval
+        if r is not None and (type(r) is not int or r != 0):
+            raise ValueError(
+                f"retention_interval must be None (dense) or 0 (only the states a later "
+                f"request can resume at); got {r!r} (sparse intervals are not modelled)")
 
     @property
     def sliding_window(self) -> None:
@@ -85,6 +102,10 @@ class MambaManager(SingleTypeManager):
         # _num_retired_blocks.
         self._last_state: dict[str, int] = {}
         self._retired: dict[str, int] = {}
+        # retention_interval=0: only reachable boundaries' states are cached; the
+        # junction of each request's lookup (by id, from prefill_chunks).
+        self.dense_caching = spec.retention_interval is None
+        self._junctions: dict[str, int] = {}
 
     def find_longest_cache_hit(self, hashes, max_length, group_ids, suffixes):
         """``MambaManager.find_longest_cache_hit``: the rightmost cached block within
@@ -107,6 +128,28 @@ class MambaManager(SingleTypeManager):
         bs = self.block_size
         return ((request.num_tokens - 1) // bs * bs,
                 start + (junction - start) // bs * bs if junction else 0)
+
+    def note_junction(self, request, junction: int) -> None:
+        if not self.dense_caching:
+            self._junctions[request.request_id] = junction
+
+    def cache_blocks(self, request, table, hashes, num_cached, num_full) -> None:
+        """Dense: every full block. ``retention_interval=0`` (vLLM's
+        ``reachable_block_mask``): only the blocks ending on the replay boundary
+        ``num_prompt_tokens - 1`` and on the lookup's junction, block-aligned down."""
+        if self.dense_caching:
+            super().cache_blocks(request, table, hashes, num_cached, num_full)
+            return
+        bs = self.block_size
+        null = self.null_block
+        boundaries = [request.num_prompt_tokens - 1]
+        junction = self._junctions.get(request.request_id, 0)
+        if junction:
+            boundaries.append(junction)
+        for b in sorted({t // bs - 1 for t in boundaries}):
+            if num_cached <= b < num_full and table[b] is not null:
+                self.block_pool.cache_group_blocks(request, table, hashes, b, b + 1, bs,
+                                                   self.group_id)
 
     def blocks_to_allocate(self, st, hit, num_required, num_local_computed) -> int:
         held = len(st.tables[self.group_id]) if st is not None else 0
@@ -186,6 +229,7 @@ class MambaManager(SingleTypeManager):
         rid = st.request.request_id
         self._last_state.pop(rid, None)
         self._retired.pop(rid, None)
+        self._junctions.pop(rid, None)
         table = st.tables[self.group_id]
         null = self.null_block
         if self.policy is None:

@@ -42,6 +42,12 @@ CONFIGS = [
     ("few_shot", 400, 2, "xxhash", "full,mamba"),
     ("few_shot", 250, 3, "sha256", "full,mamba,mamba"),
     ("few_shot", 194, 1, "sha256", "full,mamba"),  # truncated prefills and decodes
+    # vLLM's prefix_cache_retention_interval=0 (ours: MambaSpec(retention_interval=0)):
+    # only the replay boundary's and the junction's states are cached.
+    ("multi_turn", 120, 3, "sha256", "full,mamba", 0),
+    ("multi_turn", 43, 1, "sha256", "full,mamba", 0),
+    ("shared_system_prompt", 200, 2, "sha256", "full,mamba", 0),
+    ("few_shot", 400, 2, "xxhash", "mamba", 0),
 ]
 BLOCK_SIZE = 16
 
@@ -57,18 +63,21 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     manifest = {"block_size": BLOCK_SIZE, "free_order": "unhashed_first",
                 "traces": "../replay_golden", "runs": []}
-    for name, n, c, algo, groups in CONFIGS:
+    for name, n, c, algo, groups, *rest in CONFIGS:
+        retention = rest[0] if rest else None
         trace = os.path.join(TRACES, f"{name}.trace.jsonl.gz")
         plain = f"/tmp/{name}.hybrid_golden.jsonl"
         with gzip.open(trace, "rb") as g, open(plain, "wb") as f:
             f.write(g.read())
-        out = f"{name}.N{n}.C{c}.{algo}.{groups.replace(',', '-')}.vllm.jsonl"
+        out = (f"{name}.N{n}.C{c}.{algo}.{groups.replace(',', '-')}"
+               + ("" if retention is None else f".r{retention}") + ".vllm.jsonl")
         env = dict(os.environ, PYTHONHASHSEED="0")
         res = subprocess.run(
             [args.vllm_python, os.path.join(args.peers, "vllm_replay.py"),
              "--trace", plain, "--num-blocks", str(n), "--block-size", str(BLOCK_SIZE),
              "--hash-algo", algo, "--concurrency", str(c), "--events",
-             "--kv-groups", groups, "--out", os.path.join(args.out, out)],
+             "--kv-groups", groups, "--out", os.path.join(args.out, out)]
+            + ([] if retention is None else ["--retention-interval", str(retention)]),
             check=True, capture_output=True, text=True, env=env,
         )
         s = json.loads(res.stdout.strip().splitlines()[-1])
@@ -82,6 +91,7 @@ def main():
         manifest["runs"].append(
             dict(trace=f"{name}.trace.jsonl.gz", vllm_out=out, num_blocks_vllm=n,
                  concurrency=c, hash_algo=algo, kv_groups=groups,
+                 retention_interval=retention,
                  **{k: s[k] for k in keep})
         )
         print(out, {k: s[k] for k in keep}, flush=True)
