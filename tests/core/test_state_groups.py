@@ -226,12 +226,13 @@ def test_the_engine_refuses_a_state_group_up_front(monkeypatch):
                manager_kwargs={"kv_cache_groups": parse_kv_groups("full,mamba")})
 
 
-def test_cache_config_rows_round_trip_a_state_group():
-    cfg = CacheConfig(num_blocks=8, block_size=4, kv_cache_groups="full,mamba")
-    again = CacheConfig(num_blocks=8, block_size=4,
-                        kv_cache_groups=[dataclasses.asdict(g.spec) | {
-                            "kind": g.spec.kind, "layer_names": list(g.layer_names)}
-                            for g in cfg.kv_cache_groups])
+@pytest.mark.parametrize("layout", ["full,mamba", "full,sw8,mamba_r0"])
+def test_cache_config_rows_round_trip_a_state_group(layout):
+    from prefixcache.core.cache_config import _groups_to_rows
+
+    cfg = CacheConfig(num_blocks=8, block_size=4, kv_cache_groups=layout)
+    rows = _groups_to_rows(cfg.kv_cache_groups)
+    again = CacheConfig(num_blocks=8, block_size=4, kv_cache_groups=rows)
     assert again.kv_cache_groups == cfg.kv_cache_groups
 
 
