@@ -21,6 +21,9 @@ The layouts cover full + Mamba (one pass of the coordinator loop), a Mamba-only 
 (unitary), full + sliding window + Mamba (the loop runs until all agree), two Mamba
 groups (looked up together) and Mamba listed first; pools small enough that
 evictions, early finishes, failed admissions and truncated prefills and decodes happen.
+Runs with a sixth field pass ``--retention-interval`` (vLLM's
+``prefix_cache_retention_interval``; 0: only the replay boundary's and the junction's
+states are cached -- ours ``MambaSpec(retention_interval=0)``), stored as ``*.r0.vllm.jsonl``.
 """
 
 import argparse
