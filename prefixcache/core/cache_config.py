@@ -96,8 +96,10 @@ def _check_options(name: str, value: Any) -> dict | None:
 
 
 def _groups_to_rows(groups) -> list[dict]:
+    # (a kind's own spec fields follow: MambaSpec's mamba_cache_mode, retention_interval)
     return [{"kind": g.spec.kind, "sliding_window": g.spec.sliding_window,
-             "layer_names": list(g.layer_names)} for g in groups]
+             "layer_names": list(g.layer_names), **dataclasses.asdict(g.spec)}
+            for g in groups]
 
 
 def _groups_from_value(value):
@@ -117,6 +119,10 @@ def _groups_from_value(value):
                 spec = kg.FullAttentionSpec()
             elif kind == kg.SlidingWindowSpec.kind:
                 spec = kg.SlidingWindowSpec(row.get("sliding_window"))
+            elif kind in kg.GROUP_KINDS:  # another kind: its spec's fields from the row
+                cls = kg.group_manager_class(kind).spec_class
+                spec = cls(**{f.name: row[f.name] for f in dataclasses.fields(cls)
+                              if f.name in row})
             else:
                 raise ValueError(f"kv_cache_groups[{i}]: unknown kind {kind!r}")
             groups.append(kg.KVCacheGroup(spec, tuple(row.get("layer_names", ()))))

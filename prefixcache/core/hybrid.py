@@ -1,8 +1,17 @@
-"""KV cache manager for sliding-window and hybrid models (vLLM 0.33's hybrid manager).
+"""KV cache manager for sliding-window, state-space and hybrid models (vLLM 0.33's
+``HybridKVCacheCoordinator``).
 
-``KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)`` returns this class
-when the layout has a sliding-window group (``prefixcache.core.kv_groups``); a single
-full-attention group keeps the default ``KVCacheManager``, untouched.
+``KVCacheManager(num_blocks, block_size, kv_cache_groups=groups)`` builds this class
+when the layout is anything but one full-attention group (``prefixcache.core.kv_groups``);
+a single full-attention group keeps the default ``KVCacheManager``, untouched.
+
+This class is the coordinator: the scheduler-facing API, the shared pool, the
+per-request tables and the alignment of hits across groups (``_lookup_hit``, vLLM's
+fixed-point ``find_longest_cache_hit``). Everything that depends on a group's kind --
+its longest hit, its skipped tokens and their release to the null block, the blocks a
+step needs, the decode fast path's bound, its null-slot invariant -- is a call on the
+group's single-type manager (``prefixcache.core.groups``, one per group, built from
+``kv_groups.GROUP_KINDS``); there is no per-kind branch here.
 
 One block table per KV cache group, one shared block pool, blocks cached under
 ``(block hash, group id)`` keys (vLLM's ``BlockHashWithGroupId``: the digest followed
@@ -20,7 +29,9 @@ same count as the main check; its per-request cap ``max_admission_blocks_per_req
 is ``ceil(max_model_len / block_size) + 1`` with the manager's default
 ``max_in_flight_tokens = max_model_len``, never below the prompt's blocks),
 ``num_in_flight_tokens`` (0 in a synchronous step), partial-block hash hits (off
-unless Mamba groups), EAGLE drops, external (connector) tokens, sparse retention.
+unless Mamba groups hash finer than a block), EAGLE drops, external (connector) tokens,
+sparse retention. With a state-space group the pre-check IS modelled (a prefill is then
+split, ``prefill_chunks``, so its first chunk is not the whole sequence).
 
     blocks, num_hit = manager.get_computed_blocks(request)     # one list per group
     new = manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
@@ -39,7 +50,6 @@ The kernels mask keys before the window, so the padding page is never attended.
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import Sequence
 
 from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
@@ -59,10 +69,11 @@ from prefixcache.core.kv_cache_manager import (
     _bad_num_computed_tokens,
     _check_request,
 )
+from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager
+from prefixcache.core.groups.base import group_suffix as _group_suffix
 from prefixcache.core.kv_groups import (
-    FullAttentionSpec,
-    SlidingWindowSpec,
     check_kv_cache_groups,
+    group_manager_class,
     lookup_groups,
 )
 from prefixcache.core.request import Request
@@ -71,11 +82,10 @@ from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
-_KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 
-
-def _group_suffix(group_id: int) -> bytes:
-    return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
+def _overrides(kind, name: str) -> bool:
+    """Whether ``kind``'s class overrides ``SingleTypeManager.<name>``."""
+    return getattr(type(kind), name) is not getattr(SingleTypeManager, name)
 
 
 class HybridBlockPool(BlockPool):
@@ -241,8 +251,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         * Each block's ``ref_cnt`` equals the number of table slots (over all running
           requests and groups) that hold it; ``ref_cnt == 0`` blocks are exactly the
           free queue. A block sits in at most one group's tables.
-        * Null slots (``null_block``, id ``num_blocks``) appear only in
-          sliding-window tables, and only as a leading run.
+        * Null slots (``null_block``, id ``num_blocks``) follow each group kind's
+          rule (``SingleTypeManager.check_slots``): none in full attention, a
+          leading run in a sliding window, all but the running state block and the
+          previous step's in a state-space group.
         * A request's first ``num_cached[g]`` non-null slots of group g are cached
           under ``hash + group id``; its later blocks hold no key.
         * A sliding-window table holds, after each ``allocate_slots``, real blocks
@@ -260,8 +272,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         log_stats, enable_events, max_model_len, int_event_hashes: as
             ``KVCacheManager`` (``free_order="unhashed_first"`` is vLLM's order).
         kv_cache_groups: the layout (``kv_groups.KVCacheGroup`` list).
-        eviction, eviction_options, index: only the defaults (``"lru"``, ``None``,
-            ``"hash"``); others raise ``ValueError``.
+        eviction, eviction_options: any registered policy (``"lru"`` keeps vLLM's
+            free queue; others run through the policy pool); index: only ``"hash"``
+            (others raise ``ValueError``).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.
@@ -345,9 +358,24 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
         self.null_block = self.block_pool.null_block
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
-        # Per group: the window W (None for full attention).
-        self._windows = [g.spec.sliding_window for g in groups]
-        self._lookup = lookup_groups(groups)
+        # One single-type manager per group (kv_groups.GROUP_KINDS): every per-kind
+        # rule below is a call on ``self._kinds[g]``.
+        self._kinds = [group_manager_class(g.spec.kind)(g.spec, i, self)
+                       for i, g in enumerate(groups)]
+        # vLLM's SpecGroups: (the first group's manager, the group ids), full first.
+        self._lookup = [(self._kinds[ids[0]], ids) for _, ids in lookup_groups(groups)]
+        self._no_lookahead = [k for k in self._kinds if not k.supports_lookahead]
+        self._aligned = [k for k in self._kinds if k.aligned_prefill]
+        # NOTE: the step's hot loops call a kind only where it overrides the base
+        # (full attention's) rule; the base rules are inlined below (same result).
+        self._releasing = [k.remove_skipped_blocks for k in self._kinds
+                           if _overrides(k, "remove_skipped_blocks")]
+        self._limits = [k.idle_limit for k in self._kinds if _overrides(k, "idle_limit")]
+        self._own_counts = any(_overrides(k, "blocks_to_allocate") for k in self._kinds)
+        self._own_allocs = [k if _overrides(k, "allocate_new_blocks") else None
+                            for k in self._kinds]
+        self._caching = [k.caches_blocks for k in self._kinds]
+        self._own_caches = [k if _overrides(k, "cache_blocks") else None for k in self._kinds]
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
@@ -369,115 +397,55 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return self.num_blocks
 
     # ---------------------------------------------------------------- lookups
-    def _skipped_tokens(self, group_id: int, num_computed_tokens: int) -> int:
-        """vLLM's ``get_num_skipped_tokens``: tokens before the window of the next
-        token (0 for full attention)."""
-        w = self._windows[group_id]
-        if w is None:
-            return 0
-        s = num_computed_tokens - w + 1
-        return s if s > 0 else 0
-
-    def _get_cached(self, h: bytes, group_ids: list[int]) -> list[KVCacheBlock] | None:
-        """vLLM's ``BlockPool.get_cached_block``: one cached block per group, or None
-        if any group misses (the first inserted block of a key)."""
-        cached = self.block_pool.cached_block_hash_to_block
-        out = []
-        for g in group_ids:
-            b = cached.get(h + self._suffix[g])
-            if b is None:
-                return None
-            if type(b) is dict:
-                b = next(iter(b.values()))
-            out.append(b)
-        return out
-
-    def _full_hit(self, hashes, max_length: int, group_ids):
-        """``FullAttentionManager.find_longest_cache_hit``: cached blocks from the left."""
-        bs = self.block_size
-        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
-        for h in islice(hashes, max_length // bs):
-            got = self._get_cached(h, group_ids)
-            if got is None:
-                break
-            for c, b in zip(computed, got):
-                c.append(b)
-        return computed, len(computed[0]) * bs
-
-    def _sliding_hit(self, hashes, max_length: int, group_ids, window: int):
-        """``SlidingWindowManager.find_longest_cache_hit``: from the right, the first
-        run of ``ceil((W - 1) / block_size)`` cached blocks ends the hit (earlier slots
-        null); without one, the cached run at the start (shorter than the window)."""
-        bs = self.block_size
-        need = -(-(window - 1) // bs)
-        max_num_blocks = max_length // bs
-        null = self.null_block
-        computed = [[null] * max_num_blocks for _ in group_ids]
-        n = 0
-        found = False
-        for i in range(max_num_blocks - 1, -1, -1):
-            got = self._get_cached(hashes[i], group_ids)
-            if got is not None:
-                for c, b in zip(computed, got):
-                    c[i] = b
-                n += 1
-                if n >= need:
-                    for c in computed:
-                        del c[i + n:]
-                    found = True
-                    break
-            else:
-                n = 0
-        if not found:
-            for c in computed:
-                del c[n:]
-        return computed, len(computed[0]) * bs
-
-    def _find(self, spec, hashes, max_length, group_ids):
-        if isinstance(spec, SlidingWindowSpec):
-            return self._sliding_hit(hashes, max_length, group_ids, spec.sliding_window)
-        return self._full_hit(hashes, max_length, group_ids)
-
     def _longest_hit(self, request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """vLLM's coordinator ``find_longest_cache_hit`` (hit <= num_tokens - 1)."""
+        return self._lookup_hit(request)[:2]
+
+    def _lookup_hit(self, request):
+        """``(blocks per group, hit tokens, longest single-spec hit)``; the last is
+        vLLM's ``hit_length + num_uncached_common_prefix_tokens``."""
         request.bind_hasher(self.hasher, self.block_size)
         hashes = request.block_hashes
         max_len = request.num_tokens - 1
         n_groups = self.num_groups
+        suffixes = self._suffix
         if n_groups == 1:  # UnitaryKVCacheCoordinator: one search
-            spec, ids = self._lookup[0]
-            blocks, hit = self._find(spec, hashes, max_len, ids)
-            return (blocks[0],), hit
+            kind, ids = self._lookup[0]
+            blocks, hit = kind.find_longest_cache_hit(hashes, max_len, ids, suffixes)
+            return (blocks[0],), hit, hit
         # HybridKVCacheCoordinator: each spec accepts the candidate length or lowers
         # it; repeat until none lowers it (one pass for full + one other spec).
         lookup = self._lookup
-        simple = len(lookup) == 2 and isinstance(lookup[0][0], FullAttentionSpec)
+        simple = len(lookup) == 2 and lookup[0][0].downward_closed
         hit_length = max_len
+        longest = 0
         by_group: list[list[KVCacheBlock] | None] = [None] * n_groups
         len_by_group = [0] * n_groups
         while True:
             curr = hit_length
-            for spec, ids in lookup:
-                if isinstance(spec, FullAttentionSpec) and by_group[ids[0]] is not None:
+            for kind, ids in lookup:
+                if kind.downward_closed and by_group[ids[0]] is not None:
                     # Downward-closed: looked up once, trimmed to the final length.
                     if len_by_group[ids[0]] < curr:
                         curr = len_by_group[ids[0]]
                     continue
-                blocks, curr = self._find(spec, hashes, curr, ids)
+                blocks, curr = kind.find_longest_cache_hit(hashes, curr, ids, suffixes)
                 for g, b in zip(ids, blocks):
                     by_group[g] = b
                     len_by_group[g] = curr
+                if curr > longest:
+                    longest = curr
             if curr >= hit_length:
                 break
             hit_length = curr
             if simple:
                 break
         num_blocks = -(-hit_length // self.block_size)
-        for spec, ids in lookup:
-            if isinstance(spec, FullAttentionSpec):
+        for kind, ids in lookup:
+            if kind.downward_closed:
                 for g in ids:
                     del by_group[g][num_blocks:]
-        return tuple(b if b is not None else [] for b in by_group), hit_length
+        return tuple(b if b is not None else [] for b in by_group), hit_length, longest
 
     def get_computed_blocks(self, request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix hit valid for every group.
@@ -509,6 +477,46 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             return 0
         return self._longest_hit(request)[1]
 
+    def prefill_chunks(self, request, num_computed_tokens: int) -> list[int]:
+        """The chunk sizes a scheduler splits the rest of ``request``'s prompt into,
+        from ``num_computed_tokens`` (the hit ``get_computed_blocks`` just returned):
+        vLLM's ``Scheduler._mamba_block_aligned_split``, each chunk ending at the
+        earliest stop any group kind asks for (``SingleTypeManager.prefill_stops``:
+        a state-space group stops at the prompt's last block boundary and at the
+        junction, the longest single-group hit). One chunk when no kind asks.
+
+        Call it before ``allocate_slots`` (the junction is read from the cache as it
+        is then); it changes no block state (a kind that keeps a state at the
+        junction notes it: ``SingleTypeManager.note_junction``).
+        """
+        if type(request) is not Request:
+            _check_request(request)
+        n = request.num_tokens
+        if (type(num_computed_tokens) is not int or not 0 <= num_computed_tokens < n):
+            raise ValueError(
+                f"num_computed_tokens must be an int in [0, {n}) for request "
+                f"{request.request_id!r}, got {num_computed_tokens!r}")
+        if not self._aligned:
+            return [n - num_computed_tokens]
+        junction = 0
+        if self.enable_caching:
+            _, hit, longest = self._lookup_hit(request)
+            if longest > hit:
+                junction = longest
+        for k in self._aligned:
+            k.note_junction(request, junction)
+        bs = self.block_size
+        chunks = []
+        start = num_computed_tokens
+        while start < n:
+            stops = [(start // bs + 1) * bs] if start % bs else []
+            for k in self._aligned:
+                stops.extend(k.prefill_stops(request, start, junction))
+            end = min((s for s in stops if start < s < n), default=n)
+            chunks.append(end - start)
+            start = end
+        return chunks
+
     # ------------------------------------------------------------- allocation
     def _check_hit_blocks(self, new_computed_blocks):
         """The per-group hit lists as a list of lists (validated), or None."""
@@ -535,7 +543,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             suffix = self._suffix[g]
             for b in blocks:
                 if b is null:
-                    if self._windows[g] is None:
+                    if not self._kinds[g].allows_null_hits:
                         raise ValueError(
                             f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
                             "full attention")
@@ -558,8 +566,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         hashes = request.block_hashes
         null = self.null_block
         for g, blocks in enumerate(hits):
-            w = self._windows[g]
-            if not (w is None or w > 1):
+            if not self._kinds[g].caches_blocks:
                 continue
             suffix = self._suffix[g]
             for i, b in enumerate(blocks):
@@ -620,40 +627,55 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             num_lookahead_tokens)
         if flat:
             self._check_hit_positions(request, hits)
+        if num_lookahead_tokens and self._no_lookahead:
+            raise ValueError(
+                f"num_lookahead_tokens={num_lookahead_tokens} with a "
+                f"{type(self._no_lookahead[0].spec).__name__} group: lookahead slots are not "
+                "modelled for it (vLLM allocates none in its 'align' mode)")
         # --- validated: vLLM's allocate_slots from here on --------------------
         bs = self.block_size
         pool = self.block_pool
-        null = self.null_block
-        n_groups = self.num_groups
+        kinds = self._kinds
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        if st is not None:
-            self._remove_skipped(st, num_local_computed)  # (may precede a None)
+        if st is not None:  # vLLM's remove_skipped_blocks (may precede a None)
+            for remove_skipped_blocks in self._releasing:
+                remove_skipped_blocks(st, num_local_computed)
         num_required = -(-need // bs)
+        free_blocks = pool.free_block_queue.num_free_blocks
+        if st is None and self._aligned and total < request.num_tokens:
+            # vLLM's full_sequence_must_fit (scheduler_reserve_full_isl, its default):
+            # a first chunk of a split prefill is admitted only if the whole
+            # sequence's blocks would fit too.
+            full = request.num_tokens
+            if self.max_model_len is not None and self.max_model_len < full:
+                full = self.max_model_len
+            num_full_required = -(-full // bs)
+            if sum(k.blocks_to_allocate(None, hits[k.group_id] if hits is not None else None,
+                                        num_full_required, num_local_computed)
+                   for k in kinds) > free_blocks:
+                self.num_failed_allocations += 1
+                return None
         num_alloc = 0
-        if st is not None:
+        if st is not None and not self._own_counts:  # (the base rule, inlined)
             for table in st.tables:
                 if num_required > len(table):
                     num_alloc += num_required - len(table)
         else:
-            for g in range(n_groups):
-                hit = hits[g] if hits is not None else ()
-                skipped = self._skipped_tokens(g, num_local_computed) // bs
-                num_alloc += max(num_required - max(skipped, len(hit)), 0)
-                # Hit blocks in the free queue leave it when touched.
-                num_alloc += sum(
-                    1 for b in islice(hit, skipped, None) if b is not null and b.ref_cnt == 0)
-        if num_alloc > pool.free_block_queue.num_free_blocks:
+            for k in kinds:
+                num_alloc += k.blocks_to_allocate(
+                    st, hits[k.group_id] if hits is not None else None, num_required,
+                    num_local_computed)
+        if num_alloc > free_blocks:
             self.num_failed_allocations += 1
             return None
         if st is None:
             tables = []
             num_null = []
-            for g in range(n_groups):
-                hit = hits[g] if hits is not None else []
-                skipped = self._skipped_tokens(g, num_local_computed) // bs
-                kept = hit[skipped:]
-                pool.touch([b for b in kept if b is not null], request)
-                tables.append([null] * skipped + kept)
+            for k in kinds:
+                table, skipped = k.add_hit_blocks(
+                    request, hits[k.group_id] if hits is not None else None,
+                    num_local_computed)
+                tables.append(table)
                 num_null.append(skipped)
             st = _HybridState(request, tables, [len(t) for t in tables], num_null)
             self._states[request.request_id] = st
@@ -662,8 +684,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
         new_blocks = []
-        for table in st.tables:
-            n = num_required - len(table)
+        for own, table in zip(self._own_allocs, st.tables):
+            if own is not None:
+                new_blocks.append(own.allocate_new_blocks(st, num_required))
+                continue
+            n = num_required - len(table)  # (the base rule, inlined)
             if n > 0:
                 got = pool.get_new_blocks(n)
                 table.extend(got)
@@ -674,14 +699,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             request.bind_hasher(self.hasher, bs)
             hashes = request.block_hashes
             num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            caching = self._caching
+            own_caches = self._own_caches
             for g, table in enumerate(st.tables):
                 done = st.num_cached[g]
                 if done >= num_full:
                     continue
-                w = self._windows[g]
-                # NOTE: vLLM's reachable_block_mask (dense retention, alignment = block
-                # size) caches every block, except W == 1: no block is ever needed.
-                if w is None or w > 1:
+                if own_caches[g] is not None:
+                    own_caches[g].cache_blocks(request, table, hashes, done, num_full)
+                elif caching[g]:
                     pool.cache_group_blocks(request, table, hashes, done, num_full, bs, g)
                 st.num_cached[g] = num_full
         self._set_idle_bounds(st)
@@ -701,43 +727,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             if full < total:
                 total = full
         nc = 1 << 62
-        for g, w in enumerate(self._windows):
-            if w is not None:
-                # One more computed token than this moves the window past the first
-                # real block: release it.
-                limit = (st.num_null[g] + 1) * bs + w - 2
-                if limit < nc:
-                    nc = limit
+        for idle_limit in self._limits:
+            limit = idle_limit(st)
+            if limit < nc:
+                nc = limit
         return total, nc
 
     def _set_idle_bounds(self, st: _HybridState) -> None:
         st.idle_total, st.idle_nc = self._idle_bounds(st)
-
-    def _remove_skipped(self, st: _HybridState, num_computed_tokens: int) -> None:
-        """vLLM's ``remove_skipped_blocks``: release each sliding-window table's blocks
-        wholly before the window (last slot first, stopping at a null one); their
-        slots become null. One ``free_blocks`` call per group, groups in order."""
-        bs = self.block_size
-        null = self.null_block
-        for g, table in enumerate(st.tables):
-            if self._windows[g] is None:
-                continue
-            n = self._skipped_tokens(g, num_computed_tokens) // bs
-            if n > len(table):
-                n = len(table)
-            freed = []
-            for i in range(n - 1, -1, -1):
-                b = table[i]
-                if b is null:
-                    break
-                freed.append(b)
-                table[i] = null
-            if freed:
-                st.num_null[g] = n  # nulls are the table's head: slots 0 .. n-1 now
-                if self.policy is None:
-                    self.block_pool.free_blocks(freed, st.request)
-                else:  # (positions n - len(freed) .. n - 1, for the policy)
-                    self.block_pool.free_blocks(freed, st.request, n - len(freed))
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
@@ -753,14 +750,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             check_release_inputs(st.request)
         del self._states[rid]
         del self._states_by_request[st.request]
-        null = self.null_block
-        for table in st.tables:
-            blocks = [b for b in reversed(table) if b is not null]
-            if blocks:
-                if self.policy is None:
-                    self.block_pool.free_blocks(blocks, st.request)
-                else:  # (the table's non-null slots are its tail, for the policy)
-                    self.block_pool.free_blocks(blocks, st.request, len(table) - len(blocks))
+        for k in self._kinds:
+            k.free(st)
 
     # ------------------------------------------------------------- inspection
     def _state(self, request_id) -> _HybridState:
@@ -849,20 +840,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     f"request {rid!r}: fast-path bounds ({st.idle_total}, {st.idle_nc}) "
                     f"vs ({total}, {nc})")
             for g, table in enumerate(st.tables):
-                w = self._windows[g]
-                num_null = 0
-                while num_null < len(table) and table[num_null] is null:
-                    num_null += 1
-                if num_null != st.num_null[g]:
-                    raise InvariantError(
-                        f"request {rid!r} group {g}: {num_null} leading null slots, "
-                        f"tracked {st.num_null[g]}")
-                if num_null and w is None:
-                    raise InvariantError(f"request {rid!r}: full-attention group {g} has null slots")
-                if any(b is null for b in table[num_null:]):
-                    raise InvariantError(
-                        f"request {rid!r} group {g}: a null slot after a real block "
-                        f"{[b.block_id for b in table]}")
+                kind = self._kinds[g]
+                kind.check_slots(st, rid)  # the kind's rule on null slots
                 if -(-req.num_computed_tokens // bs) > len(table):
                     raise InvariantError(
                         f"request {rid!r} group {g}: {req.num_computed_tokens} computed "
@@ -881,7 +860,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                             f"block {b.block_id} is in the tables of groups {owner[b.block_id]} "
                             f"and {g}")
                     refs[b.block_id] += 1
-                    if i < st.num_cached[g] and (w is None or w > 1):
+                    if i < st.num_cached[g] and kind.caches_blocks and (
+                            kind.dense_caching or b.block_hash is not None):
                         if i >= len(hashes) or b.block_hash != hashes[i] + suffix:
                             raise InvariantError(
                                 f"request {rid!r} group {g} slot {i} (block {b.block_id}) "

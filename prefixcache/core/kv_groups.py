@@ -27,6 +27,13 @@ Rules (vLLM's, checked by ``check_kv_cache_groups`` before anything is built):
 
 Groups with equal specs are looked up together (vLLM's ``SpecGroup``): a block hit
 counts only if every group of the spec has the block cached.
+
+Group kinds. A kind is a spec class and a single-type manager class in one file of
+``prefixcache.core.groups`` (``full_attention``, ``sliding_window``, ``mamba``: a
+state-space group whose per-request state is a fixed-size snapshot, vLLM's
+``MambaSpec`` in "align" mode), registered once in ``GROUP_KINDS`` by the spec's
+``kind`` name as a lazy ``"module:ManagerClass"`` string. The hybrid manager
+(``core.hybrid``) is a coordinator over one such manager per group.
 """
 
 from __future__ import annotations
@@ -36,52 +43,50 @@ import importlib
 from types import MappingProxyType
 from typing import Sequence, Union
 
-from prefixcache._validate import ArgumentTypeError, check_count
+from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.groups.full_attention import FullAttentionSpec
+from prefixcache.core.groups.sliding_window import SlidingWindowSpec
 
 # NOTE: the hybrid manager's class, imported only when a layout needs it (the
 # registry form of core/indexes.py: one entry, no import cost on the default path).
 HYBRID_MANAGER = "prefixcache.core.hybrid:HybridKVCacheManager"
 
 
-@dataclasses.dataclass(frozen=True)
-class FullAttentionSpec:
-    """Full (causal) attention: every earlier token's KV is kept until the request ends."""
-
-    kind = "full_attention"  # vLLM's KV event spec kind
-
-    @property
-    def sliding_window(self) -> None:
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class SlidingWindowSpec:
-    """Sliding-window attention: a query at position p attends to positions
-    ``p - sliding_window + 1 .. p`` (the window counts the query's own token, as
-    vLLM's ``SlidingWindowSpec`` and the kernels' mask do).
-
-    Args:
-        sliding_window: W, a positive int.
-    """
-
-    sliding_window: int
-    kind = "sliding_window"
-
-    def __post_init__(self):
-        # NOTE: numpy ints are accepted (as int), bools and floats are not.
-        object.__setattr__(
-            self, "sliding_window", check_count("sliding_window", self.sliding_window, min=1))
-
-
 KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
 
-# NOTE: the group kinds, by their ``kind`` name (read-only): a new kind is one spec
-# class plus one entry here (and its lookup/allocation rule in the hybrid manager).
+# NOTE: the group kinds, by their spec's ``kind`` name (read-only): a new kind is one
+# file of ``prefixcache.core.groups`` (its spec class and its ``SingleTypeManager``
+# subclass, whose ``spec_class`` is the spec) plus one entry here, a lazy
+# "module:ManagerClass" string (the file is imported when a layout uses the kind).
 GROUP_KINDS = MappingProxyType({
-    FullAttentionSpec.kind: FullAttentionSpec,
-    SlidingWindowSpec.kind: SlidingWindowSpec,
+    "full_attention": "prefixcache.core.groups.full_attention:FullAttentionManager",
+    "sliding_window": "prefixcache.core.groups.sliding_window:SlidingWindowManager",
+    "mamba": "prefixcache.core.groups.mamba:MambaManager",
 })
-_SPECS = tuple(GROUP_KINDS.values())
+
+
+def group_manager_class(kind: str) -> type:
+    """The single-type manager class of group kind ``kind`` (``GROUP_KINDS``),
+    imported on first use; ``ValueError`` naming the kinds for an unknown one."""
+    try:
+        target = GROUP_KINDS[kind]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown KV cache group kind {kind!r}: registered kinds are "
+            f"{sorted(GROUP_KINDS)} (kv_groups.GROUP_KINDS)") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _spec_names() -> str:
+    return " or ".join(group_manager_class(k).spec_class.__name__ for k in GROUP_KINDS)
+
+
+def _is_spec(spec) -> bool:
+    kind = getattr(type(spec), "kind", None)
+    if type(kind) is not str or kind not in GROUP_KINDS:
+        return False
+    return isinstance(spec, group_manager_class(kind).spec_class)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +103,9 @@ class KVCacheGroup:
     layer_names: tuple[str, ...]
 
     def __post_init__(self):
-        if not isinstance(self.spec, _SPECS):
+        if not _is_spec(self.spec):
             raise ArgumentTypeError(
-                f"KVCacheGroup spec must be a {' or '.join(c.__name__ for c in _SPECS)} "
+                f"KVCacheGroup spec must be a {_spec_names()} "
                 f"(kv_groups.GROUP_KINDS), got {self.spec!r}")
         names = self.layer_names
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
@@ -150,10 +155,19 @@ def is_hybrid(groups: Sequence[KVCacheGroup]) -> bool:
     return not (len(groups) == 1 and isinstance(groups[0].spec, FullAttentionSpec))
 
 
+def needs_aligned_prefill(groups: Sequence[KVCacheGroup]) -> bool:
+    """Whether a (checked) layout has a group kind whose prefills must stop where it
+    keeps a state (``SingleTypeManager.aligned_prefill``: state-space groups), so a
+    scheduler splits them (``HybridKVCacheManager.prefill_chunks``)."""
+    return any(group_manager_class(g.spec.kind).aligned_prefill for g in groups)
+
+
 def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
-    """Groups from the peer harness's ``--kv-groups`` form: comma-separated ``full``
-    or ``sw<W>``, one group (of one layer, ``layers.<i>``) each; ``"full,sw32"`` is a
-    full-attention group and a sliding-window group of W = 32."""
+    """Groups from the peer harness's ``--kv-groups`` form: comma-separated ``full``,
+    ``sw<W>`` or ``mamba``, one group (of one layer, ``layers.<i>``) each; ``"full,sw32"``
+    is a full-attention group and a sliding-window group of W = 32, ``"full,mamba"`` a
+    full-attention group and a state-space group (``groups.mamba.MambaSpec()``;
+    ``mamba_r0``: ``MambaSpec(retention_interval=0)``)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"kv groups must be a non-empty string such as 'full,sw32', got {text!r}")
     groups = []
@@ -162,8 +176,13 @@ def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
             spec = FullAttentionSpec()
         elif part.startswith("sw") and part[2:].isascii() and part[2:].isdigit():
             spec = SlidingWindowSpec(int(part[2:]))
+        elif part in ("mamba", "mamba_r0"):
+            spec = group_manager_class("mamba").spec_class(
+                retention_interval=None if part == "mamba" else 0)
         else:
-            raise ValueError(f"bad kv group {part!r} in {text!r}: expected 'full' or 'sw<W>'")
+            raise ValueError(
+                f"bad kv group {part!r} in {text!r}: expected 'full', 'sw<W>', 'mamba' "
+                "or 'mamba_r0'")
         groups.append(KVCacheGroup(spec, (f"layers.{i}",)))
     return tuple(groups)
 
@@ -207,9 +226,11 @@ __all__ = [
     "KVCacheSpec",
     "SlidingWindowSpec",
     "check_kv_cache_groups",
+    "group_manager_class",
     "is_hybrid",
     "layout_manager_class",
     "lookup_groups",
     "manager_class_for_groups",
+    "needs_aligned_prefill",
     "parse_kv_groups",
 ]

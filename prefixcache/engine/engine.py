@@ -222,6 +222,20 @@ class Engine:
             raise ValueError("pass eviction=, index=, num_host_blocks= and host_eviction= "
                              "to Engine, not in manager_kwargs")
         if manager_kwargs and "kv_cache_groups" in manager_kwargs:
+            from prefixcache.core.kv_groups import (  # noqa: PLC0415
+                check_kv_cache_groups,
+                needs_aligned_prefill,
+            )
+
+            try:
+                given = check_kv_cache_groups(manager_kwargs["kv_cache_groups"])
+            except (TypeError, ValueError):  # refused below either way
+                given = ()
+            if needs_aligned_prefill(given):
+                raise ValueError(
+                    "kv_cache_groups has a state-space (Mamba) group: the engine's model has "
+                    "no state-space layers, so it cannot run one; study the layout with "
+                    "prefixcache.sim.replay.replay(kv_cache_groups=...)")
             raise ValueError("kv_cache_groups come from the model config (its sliding-window "
                              "layers), not from manager_kwargs")
         num_host_blocks = check_count("num_host_blocks", num_host_blocks)
@@ -1016,6 +1030,13 @@ def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:
         type(v) is type(_ENGINE_CACHE[k]) and v == _ENGINE_CACHE[k])}
     cfg = cache_config.replace(**given) if given else cache_config
     if cfg.kv_cache_groups is not None:
+        from prefixcache.core.kv_groups import needs_aligned_prefill  # noqa: PLC0415
+
+        if needs_aligned_prefill(cfg.kv_cache_groups):
+            raise ValueError(
+                "cache_config.kv_cache_groups has a state-space (Mamba) group: the engine's "
+                "model has no state-space layers, so it cannot run one; study the layout "
+                "with prefixcache.sim.replay.replay(kv_cache_groups=...)")
         raise ValueError("cache_config.kv_cache_groups must be None: an Engine's KV cache "
                          "groups come from its model config (sliding-window layers)")
     if manager_kwargs and set(_ENGINE_MANAGER_FIELDS) & set(manager_kwargs):

@@ -79,7 +79,7 @@ from prefixcache.core.eviction import TraceFuture, get_policy_class, policy_name
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
 from prefixcache.core.kv_cache_manager import KVCacheManager
-from prefixcache.core.kv_groups import is_hybrid
+from prefixcache.core.kv_groups import is_hybrid, needs_aligned_prefill
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.sim.cost_model import ModelShape
 from prefixcache.sim.trace import MooncakePrompt, TraceRequest
@@ -380,6 +380,12 @@ def replay(
     hasher = m.hasher
     # NOTE: a group layout's get_block_ids is one list per group; records hold lists.
     per_group_ids = is_hybrid(m.kv_cache_groups)
+    # NOTE: a state-space group's prefill stops where it keeps a state (vLLM's
+    # _mamba_block_aligned_split): the first chunk is the admission, the others are
+    # scheduled as decode steps are (finishing the oldest others to make room).
+    prefill_chunks = (
+        m.prefill_chunks if per_group_ids and needs_aligned_prefill(m.kv_cache_groups)
+        else None)
     arrivals = policy_cls.needs_future  # the manager wants on_arrival calls
     on_arrival = m.on_arrival
     # Cached blocks after each admission: two counters of the hash index's pool (no
@@ -398,7 +404,7 @@ def replay(
     # tagged requests only (an untagged trace pays one truth test per request); the
     # untagged remainder is the totals minus these (``_breakdown``).
     tagged: dict[tuple[str | None, str | None], list[int]] = {}
-    n_req = n_admitted = n_failed = n_trunc = n_early = n_with_hit = 0
+    n_req = n_admitted = n_failed = n_trunc = n_prefill_cut = n_early = n_with_hit = 0
     prompt_tokens = admitted_prompt = hit_tokens = output_appended = 0
     t_loop = t_hash = t_mgr = 0.0
 
@@ -476,11 +482,29 @@ def replay(
                 if acct is not None:
                     acct.observe(take_events())  # the cache as this lookup sees it
                 computed, num_hit = get_computed_blocks(req)
-                new_blocks = allocate_slots(req, num_prompt - num_hit, num_hit, computed)
+                if prefill_chunks is None:
+                    new_blocks = allocate_slots(req, num_prompt - num_hit, num_hit, computed)
+                else:
+                    chunks = prefill_chunks(req, num_hit)
+                    new_blocks = allocate_slots(req, chunks[0], num_hit, computed)
                 if new_blocks is not None or not running:
                     break
                 free(running.popleft())
                 n_early += 1
+            prefill_cut = None
+            if prefill_chunks is not None and new_blocks is not None and len(chunks) > 1:
+                done = num_hit + chunks[0]
+                for i, c in enumerate(chunks[1:], 1):
+                    req.num_computed_tokens = done
+                    nb = allocate_slots(req, c)
+                    while nb is None and running:
+                        free(running.popleft())  # the oldest other (req is not running yet)
+                        n_early += 1
+                        nb = allocate_slots(req, c)
+                    if nb is None:
+                        prefill_cut = i
+                        break
+                    done += c
             t2 = perf()
             t_mgr += t2 - t1
             if new_blocks is None:
@@ -534,7 +558,20 @@ def replay(
                     rec["evictions_so_far"] = m.num_evictions
                 if reasons is not None:
                     rec["miss_reasons"] = reasons
+                if prefill_chunks is not None and len(chunks) > 1:
+                    # the chunks computed (those before the one that found no room)
+                    rec["prefill_chunks"] = chunks[:prefill_cut]
+                    if prefill_cut is not None:
+                        rec["prefill_truncated_at"] = prefill_cut
             running.append(req)
+            if prefill_cut is not None:  # a later chunk found no room: no decode
+                n_prefill_cut += 1
+                t_loop += perf() - t_start
+                if rec is not None:
+                    on_record(rec)
+                if bar is not None:
+                    bar.update(1)
+                continue
             req.num_computed_tokens = num_prompt  # scheduler bookkeeping: on no clock
             t3 = perf()
             req.append_output_token_ids(out_tokens[0])
@@ -649,6 +686,8 @@ def replay(
         "admitted": n_admitted,
         "failed": n_failed,
         "decode_truncated": n_trunc,
+        # (layouts whose prefills are split: prompts cut short by a later chunk)
+        **({"prefill_truncated": n_prefill_cut} if prefill_chunks is not None else {}),
         "early_finishes": n_early,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_appended,

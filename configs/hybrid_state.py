@@ -1,0 +1,52 @@
+"""Hybrid state-space layout (full attention + Mamba) vs full attention only, per policy.
+
+Runs experiments.hybrid_state on the generated `multi_turn` workload (120 six-turn
+conversations, seed 0) and `shared_system_prompt` (300 requests), 16-token blocks, 8 requests
+at once, vLLM's free order: every (layout, eviction policy, capacity) cell replays the
+trace through a fresh KVCacheManager. Layouts: "full,full" (a model of two
+full-attention layer groups), "full,mamba" (one of them a state-space group, vLLM
+0.33's Mamba "align" rules: a state kept per block boundary a step ends on, at most two
+state blocks held per running request, prompts split where a state must be kept) and
+"full,mamba_r0" (the same with vLLM's prefix_cache_retention_interval=0: only the states
+at the prompt's replay boundary and at the lookup's junction are kept).
+
+Command:
+  python -m experiments.hybrid_state --config=configs/hybrid_state.py --workdir=/tmp/hybrid_state
+
+Outputs: <workdir>/hybrid_state.jsonl (one row per cell with provenance: hit tokens and
+rate, prefill chunks, evictions, peak and mean cached blocks); the last stdout line the
+rows' summary. Figures: notes of the groups task (notes9/groups.md).
+"""
+
+import ml_collections
+
+from configs import _base
+
+
+def get_config(arg=None):
+    quick = _base.variant(arg)
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.workdir = ""
+    c.workloads = "multi_turn,shared_system_prompt"  # prefixcache.sim.workloads names
+    # Each workload's generator arguments (configs/_base.py's, smaller).
+    c.workload_kwargs = ml_collections.ConfigDict({
+        "multi_turn": {**_base.WORKLOAD_KWARGS["multi_turn"], "num_conversations": 120},
+        "shared_system_prompt": {**_base.WORKLOAD_KWARGS["shared_system_prompt"],
+                                 "num_requests": 300},
+    })
+    # '|' between layouts, ';' between groups (kv_groups.parse_kv_groups entries);
+    # mamba_r0: the state group with vLLM's retention_interval=0 (Marconi-style
+    # admission: only the replay boundary's and the junction's states are cached).
+    c.layouts = "full;full|full;mamba|full;mamba_r0"
+    c.policies = "lru,lfu,s3fifo"  # prefixcache.core.eviction names (no future-readers)
+    c.capacities = "2048,8192"  # blocks
+    c.block_size = 16
+    c.concurrency = 8
+    c.free_order = "unhashed_first"
+    c.hash_algo = "sha256"
+    if quick:
+        c.workloads = "multi_turn"
+        c.policies = "lru"
+        c.capacities = "2048"
+    return c
