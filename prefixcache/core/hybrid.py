@@ -326,8 +326,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"(prefixcache.sim.replay.replay(..., eviction={eviction!r}))")
         if index != DEFAULT_INDEX:
             raise ValueError(
-                f"index={index!r} is not supported with sliding-window KV cache groups "
-                f"(only {DEFAULT_INDEX!r}, vLLM's hash chain)")
+                f"HybridKVCacheManager is the {DEFAULT_INDEX!r} index's implementation for "
+                f"KV cache groups, got index={index!r} (KVCacheManager(index=...) builds "
+                f"the one registered for it, prefixcache.core.indexes)")
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.kv_cache_groups = groups
         self.num_groups = len(groups)

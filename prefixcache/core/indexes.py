@@ -52,6 +52,16 @@ COMBINATION_RULES = MappingProxyType({
         "a waiting-queue policy protects the blocks a waiting request will hit, which "
         "with sliding-window groups depend on where each group's hit ends; the per-group "
         "waiting hooks are not built"),
+    ("state", "index"): (
+        "a state-space (Mamba) group keeps one state snapshot per cached block boundary; "
+        "only the hash index (vLLM's MambaManager rules) keeps them -- state checkpoints "
+        "on radix tree nodes (Marconi's design) are not built"),
+})
+
+# The group kinds each index's layout implementation serves (the hash index serves
+# every registered kind, ``kv_groups.GROUP_KINDS``).
+LAYOUT_INDEX_KINDS = MappingProxyType({
+    "radix": ("full_attention", "sliding_window"),
 })
 
 
@@ -88,6 +98,12 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     groups = check_kv_cache_groups(kv_cache_groups)
     if not is_hybrid(groups):
         return None
+    if index != DEFAULT_INDEX:
+        served = LAYOUT_INDEX_KINDS.get(index, ())
+        for g in groups:
+            if g.spec.kind not in served:
+                return (f"index={index!r} is not supported with a {g.spec.kind!r} KV cache "
+                        f"group: {COMBINATION_RULES[('state', 'index')]}")
     asked = []
     # (a bad num_host_blocks value is the tier's own check, in the implementation)
     if type(num_host_blocks) is int and num_host_blocks > 0:
@@ -101,7 +117,8 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     if waiting:
         asked.append(("waiting", f"eviction={policy_name(eviction)!r}"))
     for what, text in asked:
-        return (f"{text} is not supported with sliding-window KV cache groups: "
+        return (f"{text} is not supported with KV cache groups other than one "
+                f"full-attention group: "
                 f"{COMBINATION_RULES[('hybrid', what)]}")
     return None
 

@@ -246,7 +246,7 @@ def test_bad_groups(make, match):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"num_host_blocks": 4}, "not supported with sliding-window"),
+    ({"num_host_blocks": 4}, "not supported with KV cache groups other than one full-attention group"),
     ({"eviction": "belady"}, "needs the trace's future"),
     ({"eviction": "nope"}, "nope"),
     ({"free_order": "fifo"}, "free_order"),
