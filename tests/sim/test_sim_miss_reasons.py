@@ -45,7 +45,8 @@ def test_hand_computed_reasons():
     ]
     mr = summary["miss_reasons"]
     assert mr["reasons"] == {"cold": 5, "evicted": 0, "isolated": 2, "partial": 2,
-                             "last_token": 1, "evicted_device": 0, "evicted_host": 0}
+                             "last_token": 1, "window": 0, "preempted": 0,
+                             "evicted_device": 0, "evicted_host": 0}
     assert mr["missed_blocks"] == sum(_missed(r) for r in recs) == 10
     assert mr["per_tenant"]["t1"]["isolated"] == 2 and mr["per_tenant"][""]["isolated"] == 0
 
