@@ -123,15 +123,14 @@ class MissAccountant:
         self._device: collections.Counter = collections.Counter()  # events: key -> blocks
         self._host: set = set()
         self._dropped: dict = {}  # key -> "device" | "host": the tier that dropped it last
-        # plain key of a token prefix -> the set of keys it was cached under by requests
-        # with extra keys (module docstring)
-        self._extras_content: dict = {}
+        # plain keys of the token prefixes requests with extra keys cached (module
+        # docstring): a never-cached key was never registered, so "cached under another
+        # key" is plain membership
+        self._extras_content: set = set()
         self._lost: dict = {}  # request id -> full blocks it had computed when preempted
         self._plain_memo = None  # (request, its plain chain) of the last lookup
-        self.totals: collections.Counter = collections.Counter()
-        self.per_tenant: dict[Any, collections.Counter] = {}
-        self.per_adapter: dict[Any, collections.Counter] = {}
-        self.num_missed_blocks = 0
+        # (cache salt or None, LoRA name or None) -> reasons summed
+        self._by_tag: dict[tuple, collections.Counter] = {}
 
     @classmethod
     def for_manager(cls, manager) -> "MissAccountant":
@@ -281,13 +280,11 @@ class MissAccountant:
                     if chain_reason is None or windowed:
                         chain_sub = d
                 elif plain is None:
-                    others = content.get(k) if content else None
-                    r = "isolated" if others else "cold"
+                    r = "isolated" if k in content else "cold"
                 else:
                     pk = plain[i]
-                    others = content.get(pk)
-                    r = "isolated" if (pk in dev or pk in host or pk in dropped
-                                       or (others and others != {k})) else "cold"
+                    r = "isolated" if (pk in content or pk in dev or pk in host
+                                       or pk in dropped) else "cold"
                 if chain_reason is None or windowed:
                     chain_reason = r
                     if r != "evicted":
@@ -318,28 +315,54 @@ class MissAccountant:
             reasons = self.classify(request, num_hit_tokens, plain)
         self._plain_memo = None
         if plain is not None:
-            content = self._extras_content
-            for pk, k in zip(plain, request.block_hashes):
-                content.setdefault(pk, set()).add(k)
+            self._extras_content.update(plain)
         if self._lost:
             self._lost.pop(request.request_id, None)
-        totals = self.totals
-        for r, v in reasons.items():
-            totals[r] += v
-            if r in REASONS:
-                self.num_missed_blocks += v
-        salt = request.cache_salt or None
-        lora = request.lora.name if request.lora is not None else None
-        self.per_tenant.setdefault(salt, collections.Counter()).update(reasons)
-        self.per_adapter.setdefault(lora, collections.Counter()).update(reasons)
+        lora = request.lora
+        tag = (request.cache_salt or None, None if lora is None else lora.name)
+        c = self._by_tag.get(tag)
+        if c is None:
+            c = self._by_tag[tag] = collections.Counter()
+        c.update(reasons)
         return reasons
+
+    @property
+    def totals(self) -> collections.Counter:
+        """Every admission's reasons (and evicted sub-counts) summed."""
+        out: collections.Counter = collections.Counter()
+        for c in self._by_tag.values():
+            out.update(c)
+        return out
+
+    def _per(self, pos: int) -> dict[Any, collections.Counter]:
+        out: dict[Any, collections.Counter] = {}
+        for tag, c in self._by_tag.items():
+            out.setdefault(tag[pos], collections.Counter()).update(c)
+        return out
+
+    @property
+    def per_tenant(self) -> dict[Any, collections.Counter]:
+        """Reasons summed per cache salt (``None``: no salt)."""
+        return self._per(0)
+
+    @property
+    def per_adapter(self) -> dict[Any, collections.Counter]:
+        """Reasons summed per LoRA name (``None``: the base model)."""
+        return self._per(1)
+
+    @property
+    def num_missed_blocks(self) -> int:
+        """Missed blocks over all admissions (the reasons' sum)."""
+        t = self.totals
+        return sum(t[r] for r in REASONS)
 
     def summary(self) -> dict[str, Any]:
         """Totals (every reason, zeros included), and the breakdowns by tenant (cache
         salt; ``""`` = no salt) and adapter (LoRA name; ``""`` = base model)."""
+        totals = self.totals
         return {
-            "missed_blocks": self.num_missed_blocks,
-            "reasons": full_reasons(self.totals),
+            "missed_blocks": sum(totals[r] for r in REASONS),
+            "reasons": full_reasons(totals),
             "per_tenant": {("" if k is None else k): full_reasons(v)
                            for k, v in self.per_tenant.items()},
             "per_adapter": {("" if k is None else k): full_reasons(v)
