@@ -251,9 +251,9 @@ class HostTier:
         self.num_evicted = 0  # host entries dropped by the host policy
         self.num_dropped = 0  # demotions refused: host full, every entry pinned
         self.num_discarded = 0  # host entries dropped because the device cached the hash
-        # Miss accounting's hook (as ``BlockPool.drop_listener``): told of entries the
-        # host policy drops (``dropped(block_hash, "host")``).
-        self.drop_listener = None
+        # Miss accounting's hook (as ``BlockPool.evicted_by``): entries the host policy
+        # drops are set to "host" in it (the tiered pool's reset hands it the new dict).
+        self.evicted_by: dict | None = None
 
     def __len__(self) -> int:
         return len(self.hash_to_slot) + len(self._pinned)
@@ -278,8 +278,8 @@ class HostTier:
                 return
             old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
-            if self.drop_listener is not None:
-                self.drop_listener.dropped(old, "host")
+            if self.evicted_by is not None:
+                self.evicted_by[old] = "host"
             if self.enable_events:
                 self._removed(old)
         elif len(policy):
@@ -288,8 +288,8 @@ class HostTier:
             del on_host[old]
             policy.on_evicted(slot)
             self.num_evicted += 1
-            if self.drop_listener is not None:
-                self.drop_listener.dropped(old, "host")
+            if self.evicted_by is not None:
+                self.evicted_by[old] = "host"
             if self.enable_events:
                 self._removed(old)
         else:
@@ -490,6 +490,7 @@ class _TieredPool:
         if not super().reset_prefix_cache():
             return False
         self.host_tier.clear()
+        self.host_tier.evicted_by = self.evicted_by  # (the reset's new dict, or None)
         return True
 
 
@@ -500,7 +501,7 @@ class TieredBlockPool(_TieredPool, BlockPool):
         """``BlockPool.get_new_blocks`` with the demotions of the host lru fast path
         inlined (no events): one loop, no Python call per demoted block."""
         tier = self.host_tier
-        if tier.policy is not None or self.enable_events or self.drop_listener is not None:
+        if tier.policy is not None or self.enable_events or self.evicted_by is not None:
             return super().get_new_blocks(num_blocks)  # -> _TieredPool._evict per block
         q = self.free_block_queue
         if num_blocks > q.num_free_blocks:

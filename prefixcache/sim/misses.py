@@ -33,9 +33,10 @@ How the cache's state is known (``MissAccountant.for_manager``):
 
 * probe (the hash index with one full-attention group, host tier or not): the key is
   looked up in the pool's hash map and the host tier's, at the lookup; a key not cached
-  was "ever cached" iff it is in ``dropped`` (key -> tier), which the pool's and the
-  host tier's ``drop_listener`` hook fills at each eviction. No events, no work per
-  cached block: the cost is one probe per missed block and one call per eviction.
+  was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the pool's and the
+  host tier's ``evicted_by`` hook fills at each eviction (a reset gives the pool a new
+  dict). No events, no work per cached block: one dict store per eviction, and per
+  admission set operations over the missed blocks' keys.
 * events (the radix index, sliding-window layouts): the accountant follows the
   manager's KV events (``observe``), which it must be built to queue
   (``enable_events=True, int_event_hashes=False``); in a group layout only the first
@@ -145,15 +146,15 @@ class MissAccountant:
         if isinstance(impl, HashKVCacheManager):
             acct = cls(manager.block_size, manager.hasher)
             pool = impl.block_pool
-            if pool.drop_listener is not None:
+            if pool.evicted_by is not None:
                 raise ValueError("this manager already has a miss accountant attached")
             acct.uses_events = False
             acct._pool = pool
-            pool.drop_listener = acct
+            pool.evicted_by = acct._dropped
             tier = impl.host_tier
             if tier is not None:
                 acct._tier = tier
-                tier.drop_listener = acct
+                tier.evicted_by = acct._dropped
             return acct
         if not getattr(impl, "enable_events", False):
             raise ValueError(
@@ -162,14 +163,9 @@ class MissAccountant:
         g, windowed = _tracked_group(groups)
         return cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
 
-    # -- the cache's state: probe mode's hook ------------------------------------------
-    def dropped(self, block_hash: bytes, tier: str) -> None:
-        """``drop_listener`` hook: a block lost ``block_hash`` (evicted by ``tier``)."""
-        self._dropped[block_hash] = tier
-
     def cleared(self) -> None:
-        """``drop_listener`` hook: the prefix cache was reset (a reset is not an
-        eviction for capacity: later misses are classified as for a fresh cache)."""
+        """The prefix cache was reset (a reset is not an eviction for capacity: later
+        misses are classified as for a fresh cache)."""
         self._dropped.clear()
         self._extras_content.clear()
 
@@ -237,21 +233,56 @@ class MissAccountant:
         hit = num_hit_tokens // bs
         reasons: dict[str, int] = {}
         if num_full > hit:
-            hashes = request.block_hashes
             if self.uses_events:
                 dev, host = self._device, self._host
             else:
-                dev = self._pool.cached_block_hash_to_block
+                pool = self._pool
+                if pool.evicted_by is not self._dropped:  # the pool was reset
+                    self.cleared()
+                    self._dropped = pool.evicted_by
+                dev = pool.cached_block_hash_to_block
                 tier = self._tier
                 host = () if tier is None else tier.hash_to_slot
             dropped = self._dropped
             content = self._extras_content
             lost = self._lost.get(request.request_id, 0) if self._lost else 0
             windowed = self.windowed
+            # NOTE: one slice (the view's per-item indexing is a Python-level call).
+            ks = request.block_hashes[hit:num_full]
+            if (plain is None and not lost and dev.keys().isdisjoint(ks)
+                    and (not host or host.isdisjoint(ks) if type(host) is set
+                         else not host or host.keys().isdisjoint(ks))):
+                # The common case, at C speed: no missed block is cached, so each one is
+                # classified alone (no chain), and a chain's keys are distinct.
+                kset = set(ks)
+                if len(kset) == len(ks):
+                    ev = kset.intersection(dropped) if dropped else ()
+                    ne = len(ev)
+                    if ne:
+                        nh = (sum(1 for k in ev if dropped[k] == "host")
+                              if self._tier is not None or self.uses_events else 0)
+                        if ne - nh:
+                            reasons["evicted_device"] = ne - nh
+                        if nh:
+                            reasons["evicted_host"] = nh
+                        reasons["evicted"] = ne
+                        if content:
+                            kset.difference_update(ev)
+                    rest = len(ks) - ne
+                    if rest:
+                        ni = len(kset.intersection(content)) if content else 0
+                        if rest - ni:
+                            reasons["cold"] = rest - ni
+                        if ni:
+                            reasons["isolated"] = ni
+                    if n > num_full * bs:
+                        reasons["partial"] = 1
+                    return reasons
+            hashes = ks
             chain_reason = None  # the reason of the first missed block
             chain_sub = None  # and its tier, when it was evicted
             for i in range(hit, num_full):
-                k = hashes[i]
+                k = hashes[i - hit]
                 if k in dev or k in host:
                     if i == num_full - 1 and n == num_full * bs and i == hit:
                         r = "last_token"
