@@ -256,7 +256,7 @@ class MissAccountant:
                 # classified alone (no chain), and a chain's keys are distinct.
                 kset = set(ks)
                 if len(kset) == len(ks):
-                    ev = kset.intersection(dropped) if dropped else ()
+                    ev = dropped.keys() & kset if dropped else ()  # (iterates the smaller)
                     ne = len(ev)
                     if ne:
                         nh = (sum(1 for k in ev if dropped[k] == "host")
