@@ -252,32 +252,38 @@ class MissAccountant:
             if (plain is None and not lost and dev.keys().isdisjoint(ks)
                     and (not host or host.isdisjoint(ks) if type(host) is set
                          else not host or host.keys().isdisjoint(ks))):
-                # The common case, at C speed: no missed block is cached, so each one is
-                # classified alone (no chain), and a chain's keys are distinct.
-                kset = set(ks)
-                if len(kset) == len(ks):
-                    ev = dropped.keys() & kset if dropped else ()  # (iterates the smaller)
-                    ne = len(ev)
-                    if ne:
-                        nh = (sum(1 for k in ev if dropped[k] == "host")
-                              if self._tier is not None or self.uses_events else 0)
-                        if ne - nh:
-                            reasons["evicted_device"] = ne - nh
-                        if nh:
-                            reasons["evicted_host"] = nh
-                        reasons["evicted"] = ne
-                        if content:
-                            kset.difference_update(ev)
-                    rest = len(ks) - ne
-                    if rest:
-                        ni = len(kset.intersection(content)) if content else 0
-                        if rest - ni:
-                            reasons["cold"] = rest - ni
-                        if ni:
-                            reasons["isolated"] = ni
-                    if n > num_full * bs:
-                        reasons["partial"] = 1
-                    return reasons
+                # The common case: no missed block is cached, so each one is classified
+                # alone (no chain). A block is cached only with every block before it
+                # (its key chains its parent's), so "ever cached" is a prefix of the run:
+                # its evicted blocks are the first ``ne``, found by bisection (a dict of
+                # every evicted key is large: each probe is a cache miss).
+                lo, hi = 0, len(ks)
+                if dropped:
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if ks[mid] in dropped:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                ne = lo
+                if ne:
+                    nh = (sum(1 for k in ks[:ne] if dropped[k] == "host")
+                          if self._tier is not None or self.uses_events else 0)
+                    if ne - nh:
+                        reasons["evicted_device"] = ne - nh
+                    if nh:
+                        reasons["evicted_host"] = nh
+                    reasons["evicted"] = ne
+                rest = len(ks) - ne
+                if rest:
+                    ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
+                    if rest - ni:
+                        reasons["cold"] = rest - ni
+                    if ni:
+                        reasons["isolated"] = ni
+                if n > num_full * bs:
+                    reasons["partial"] = 1
+                return reasons
             hashes = ks
             chain_reason = None  # the reason of the first missed block
             chain_sub = None  # and its tier, when it was evicted
