@@ -209,3 +209,36 @@ def test_bad_input():
     MissAccountant.for_manager(h)
     with pytest.raises(ValueError, match="already has a miss accountant"):
         MissAccountant.for_manager(h)
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_des_preempted_and_the_sum_per_request(index):
+    # The DES preempts (6 blocks of 4, six requests growing by decode): re-admissions
+    # lose KV they had computed -> ``preempted``; a request never preempted has exactly
+    # its first admission's missed blocks.
+    from prefixcache.sim import cost_model as cm
+    from prefixcache.sim import des
+
+    toy = cm.CostModel(
+        cm.ModelShape(num_layers=1, d_model=4, num_q_heads=2, num_kv_heads=1, head_dim=2,
+                      ffn_dim=8, vocab_size=10, dtype_bytes=2),
+        cm.Accelerator("toy", peak_flops=1000.0, hbm_bandwidth=1e30, hbm_bytes=1e6))
+    reqs = [TraceRequest(id=f"r{i}", prompt=[i + 1] * 12, output_len=8, timestamp=0.0)
+            for i in range(6)]
+    recs = []
+    summary = des.simulate(reqs, cost_model=toy, num_blocks=6, block_size=BS, index=index,
+                           miss_reasons=True, on_record=recs.append)
+    assert summary["preemptions"] > 0 and summary["finished"] == 6
+    mr = summary["miss_reasons"]
+    assert mr["reasons"]["preempted"] > 0
+    assert sum(sum(v for k, v in r["miss_reasons"].items() if k in REASONS)
+               for r in recs) == mr["missed_blocks"]
+    for r in recs:
+        if not r["num_preemptions"]:
+            assert sum(r["miss_reasons"].get(k, 0) for k in REASONS) == (
+                -(-r["prompt_tokens"] // BS) - r["num_cached_tokens"] // BS)
+            assert "preempted" not in r["miss_reasons"]
+    plain = des.simulate(reqs, cost_model=toy, num_blocks=6, block_size=BS, index=index)
+    assert "miss_reasons" not in plain
+    assert {k: v for k, v in plain.items() if k != "makespan_s"} == {
+        k: v for k, v in summary.items() if k not in ("makespan_s", "miss_reasons")}
