@@ -501,7 +501,7 @@ class TieredBlockPool(_TieredPool, BlockPool):
         """``BlockPool.get_new_blocks`` with the demotions of the host lru fast path
         inlined (no events): one loop, no Python call per demoted block."""
         tier = self.host_tier
-        if tier.policy is not None or self.enable_events or self.evicted_by is not None:
+        if tier.policy is not None or self.enable_events:
             return super().get_new_blocks(num_blocks)  # -> _TieredPool._evict per block
         q = self.free_block_queue
         if num_blocks > q.num_free_blocks:
@@ -514,6 +514,7 @@ class TieredBlockPool(_TieredPool, BlockPool):
         slots = tier.slots
         record = tier.transfers.append
         popitem = on_host.popitem
+        evicted_by = self.evicted_by  # miss accounting's hook (None: off)
         num_evicted = num_stored = num_host_evicted = 0
         for block in ret:
             h = block.block_hash
@@ -525,12 +526,16 @@ class TieredBlockPool(_TieredPool, BlockPool):
                 else:
                     block.block_hash = None
                     num_evicted += 1
+                    if evicted_by is not None:
+                        evicted_by[h] = "device"
                     if free:
                         slot = slots[free.popleft()]
                     elif on_host:
                         # NOTE: positional: a keyword argument costs a keyword parse.
-                        slot = popitem(False)[1]  # the least recently demoted
+                        old, slot = popitem(False)  # the least recently demoted
                         num_host_evicted += 1
+                        if evicted_by is not None:
+                            evicted_by[old] = "host"
                     else:  # every host entry is pinned by the promotion in progress
                         tier.num_dropped += 1
                         block.ref_cnt = 1
