@@ -267,7 +267,7 @@ class MissAccountant:
                             hi = mid
                 ne = lo
                 if ne:
-                    nh = (sum(1 for k in ks[:ne] if dropped[k] == "host")
+                    nh = (list(map(dropped.__getitem__, ks[:ne])).count("host")
                           if self._tier is not None or self.uses_events else 0)
                     if ne - nh:
                         reasons["evicted_device"] = ne - nh
