@@ -249,7 +249,7 @@ class MissAccountant:
             windowed = self.windowed
             # NOTE: one slice (the view's per-item indexing is a Python-level call).
             ks = request.block_hashes[hit:num_full]
-            if (plain is None and not lost and dev.keys().isdisjoint(ks)
+            if (not lost and dev.keys().isdisjoint(ks)
                     and (not host or host.isdisjoint(ks) if type(host) is set
                          else not host or host.keys().isdisjoint(ks))):
                 # The common case: no missed block is cached, so each one is classified
@@ -276,7 +276,18 @@ class MissAccountant:
                     reasons["evicted"] = ne
                 rest = len(ks) - ne
                 if rest:
-                    ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
+                    if plain is None:
+                        ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
+                    else:  # the same tokens cached under another key (or registered)
+                        pks = plain[hit + ne:num_full]
+                        found = content.intersection(pks) if content else set()
+                        found.update(dev.keys() & pks)
+                        if dropped:
+                            found.update(dropped.keys() & pks)
+                        if host:
+                            found.update(host.intersection(pks) if type(host) is set
+                                         else host.keys() & pks)
+                        ni = len(found)
                     if rest - ni:
                         reasons["cold"] = rest - ni
                     if ni:
