@@ -278,6 +278,10 @@ class BlockPool:
         self.num_blocks_cached = 0  # blocks that entered the hash map
         self.num_blocks_allocated = 0  # blocks popped from the free queue
         self.num_blocks_cleared = 0  # cached blocks dropped by reset_prefix_cache
+        # Miss accounting's hook (``prefixcache.sim.misses``): a dict that each eviction
+        # sets ``evicted_by[block_hash] = "device"`` in (a reset replaces it with a new
+        # empty dict); ``None`` (the default) costs one test per eviction.
+        self.evicted_by: dict | None = None
 
     # ------------------------------------------------------------------ lookups
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -382,6 +386,8 @@ class BlockPool:
             )
         block.block_hash = None
         self.num_evictions += 1
+        if self.evicted_by is not None:
+            self.evicted_by[h] = "device"
         if self.enable_events:
             self.events.append(
                 BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_GPU, group_idx=0)
@@ -504,6 +510,8 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
+        if self.evicted_by is not None:
+            self.evicted_by = {}
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         return True

@@ -253,6 +253,9 @@ class HostTier:
         self.num_evicted = 0  # host entries dropped by the host policy
         self.num_dropped = 0  # demotions refused: host full, every entry pinned
         self.num_discarded = 0  # host entries dropped because the device cached the hash
+        # Miss accounting's hook (as ``BlockPool.evicted_by``): entries the host policy
+        # drops are set to "host" in it (the tiered pool's reset hands it the new dict).
+        self.evicted_by: dict | None = None
 
     def __len__(self) -> int:
         return len(self.hash_to_slot) + len(self._pinned)
@@ -277,6 +280,8 @@ class HostTier:
                 return
             old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
+            if self.evicted_by is not None:
+                self.evicted_by[old] = "host"
             if self.enable_events:
                 self._removed(old)
         elif len(policy):
@@ -285,6 +290,8 @@ class HostTier:
             del on_host[old]
             policy.on_evicted(slot)
             self.num_evicted += 1
+            if self.evicted_by is not None:
+                self.evicted_by[old] = "host"
             if self.enable_events:
                 self._removed(old)
         else:
@@ -485,6 +492,7 @@ class _TieredPool:
         if not super().reset_prefix_cache():
             return False
         self.host_tier.clear()
+        self.host_tier.evicted_by = self.evicted_by  # (the reset's new dict, or None)
         return True
 
 
@@ -508,6 +516,7 @@ class TieredBlockPool(_TieredPool, BlockPool):
         slots = tier.slots
         record = tier.transfers.append
         popitem = on_host.popitem
+        evicted_by = self.evicted_by  # miss accounting's hook (None: off)
         num_evicted = num_stored = num_host_evicted = 0
         for block in ret:
             h = block.block_hash
@@ -519,12 +528,16 @@ class TieredBlockPool(_TieredPool, BlockPool):
                 else:
                     block.block_hash = None
                     num_evicted += 1
+                    if evicted_by is not None:
+                        evicted_by[h] = "device"
                     if free:
                         slot = slots[free.popleft()]
                     elif on_host:
                         # NOTE: positional: a keyword argument costs a keyword parse.
-                        slot = popitem(False)[1]  # the least recently demoted
+                        old, slot = popitem(False)  # the least recently demoted
                         num_host_evicted += 1
+                        if evicted_by is not None:
+                            evicted_by[old] = "host"
                     else:  # every host entry is pinned by the promotion in progress
                         tier.num_dropped += 1
                         block.ref_cnt = 1

@@ -134,6 +134,10 @@ class Engine:
         `kv_bytes_per_block` covers all layers in `kv_dtype`, scales included; so one
         budget holds about twice the blocks in fp8/int8 as in bf16. A budget below two
         blocks (one block and the padding page) is a ValueError.
+      miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``:
+        cold / evicted by tier / isolated / partial / last_token / preempted) into
+        `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`. The hash
+        index of one full-attention group only (ValueError otherwise). False: no cost.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -189,7 +193,7 @@ class Engine:
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
-                 tokenizer=None, cache_config=None):
+                 tokenizer=None, cache_config=None, miss_reasons: bool = False):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -247,6 +251,15 @@ class Engine:
         if kv_cache_groups is not None and num_host_blocks:
             raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier is not "
                              "supported for models with sliding-window layers")
+        if miss_reasons:
+            from prefixcache.sim.misses import uses_probes  # noqa: PLC0415
+
+            if not uses_probes(index, kv_cache_groups):
+                raise ValueError(
+                    "miss_reasons=True: the engine classifies misses by probing the hash "
+                    "index of one full-attention group; index="
+                    f"{index!r}{' with sliding-window layers' if kv_cache_groups else ''} "
+                    "is not supported (replay a trace with miss_reasons=True instead)")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -331,6 +344,11 @@ class Engine:
                                    max_model_len=max_model_len,
                                    scheduling_policy=policy,
                                    max_loras=max_loras if enable_lora else None)
+        self.miss_reasons = bool(miss_reasons)
+        if miss_reasons:  # (checked before anything was built: _check_miss_reasons)
+            from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
+
+            self.scheduler.miss_accountant = MissAccountant.for_manager(self.kv_cache_manager)
         program = None
         if share_programs_with is not None:
             if model is not None and model is not share_programs_with.model:
@@ -861,7 +879,18 @@ class Engine:
             queue_s=(None if state.first_scheduled_time is None
                      else state.first_scheduled_time - start),
             num_preemptions=state.num_preemptions,
-            num_output_tokens=state.num_output_tokens)
+            num_output_tokens=state.num_output_tokens,
+            miss_reasons=(None if state.miss_reasons is None else dict(state.miss_reasons)))
+        acct = self.scheduler.miss_accountant
+        if acct is not None:
+            acct.forget(req)
+            if state.miss_reasons:
+                lora = req.lora
+                tag = (req.cache_salt or "", "" if lora is None else lora.name)
+                c = self._miss_by_tag.get(tag)
+                if c is None:
+                    c = self._miss_by_tag[tag] = collections.Counter()
+                c.update(state.miss_reasons)
         out = RequestOutput(
             request_id=state.request_id, prompt_token_ids=list(req.prompt_token_ids),
             token_ids=list(req.output_token_ids), finish_reason=state.finish_reason,
@@ -947,6 +976,7 @@ class Engine:
         self._num_prompt_tokens = self._num_cached_tokens = self._num_hit_requests = 0
         self._per_tenant: dict[str, list[int]] = {}
         self._per_adapter: dict[str, list[int]] = {}
+        self._miss_by_tag: dict[tuple[str, str], collections.Counter] = {}
         self._num_computed_tokens = self._num_steps = 0
         self._usage_sum = self._usage_peak = 0.0
         self._num_usage_samples = 0
@@ -1004,7 +1034,26 @@ class Engine:
             kv_cache_bytes=self.kv_cache_bytes,
             per_tenant=_reuse_groups(self._per_tenant),
             per_adapter=_reuse_groups(self._per_adapter),
+            miss_reasons=self._miss_summary(),
             **self._host_metrics())
+
+    def _miss_summary(self) -> dict | None:
+        """The finished requests' miss reasons summed, per tenant and per adapter."""
+        if not self.miss_reasons:
+            return None
+        from prefixcache.sim.misses import REASONS, full_reasons  # noqa: PLC0415
+
+        total: collections.Counter = collections.Counter()
+        tenants: dict[str, collections.Counter] = {}
+        adapters: dict[str, collections.Counter] = {}
+        for (salt, lora), c in self._miss_by_tag.items():
+            total.update(c)
+            tenants.setdefault(salt, collections.Counter()).update(c)
+            adapters.setdefault(lora, collections.Counter()).update(c)
+        return {"missed_blocks": sum(total[r] for r in REASONS),
+                "reasons": full_reasons(total),
+                "per_tenant": {k: full_reasons(v) for k, v in tenants.items()},
+                "per_adapter": {k: full_reasons(v) for k, v in adapters.items()}}
 
 
 # The Engine's cache keywords and their defaults: with `cache_config`, a keyword at a

@@ -17,6 +17,11 @@ class RequestMetrics:
       queue_s: arrival to first scheduled, seconds (None if never scheduled).
       num_preemptions: how often it was preempted (by recompute).
       num_output_tokens: tokens generated.
+      miss_reasons: why its prompt blocks missed (``prefixcache.sim.misses``: reason ->
+        blocks, evicted sub-counts ``evicted_device`` / ``evicted_host`` beside), summed
+        over its admissions (a re-admission after a preemption looks up its prompt and
+        output so far again); None unless the engine was built with
+        ``miss_reasons=True``.
     """
 
     num_prompt_tokens: int
@@ -26,6 +31,7 @@ class RequestMetrics:
     queue_s: float | None
     num_preemptions: int
     num_output_tokens: int
+    miss_reasons: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,9 @@ class EngineMetrics:
         adapter name (``""``: requests without one): ``{name: {"requests",
         "prompt_tokens", "cached_tokens", "token_hit_rate"}}``; each sums to
         num_prompt_tokens / num_cached_tokens.
+      miss_reasons: the finished requests' miss reasons summed (``Engine(miss_reasons=
+        True)``; None otherwise): ``{"missed_blocks", "reasons", "per_tenant",
+        "per_adapter"}`` as the replay summary's ``miss_reasons``.
     """
 
     num_requests: int
@@ -131,6 +140,7 @@ class EngineMetrics:
     kv_cache_bytes: int | None = None
     per_tenant: dict | None = None
     per_adapter: dict | None = None
+    miss_reasons: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -87,6 +87,8 @@ class EngineRequest:
         otherwise).
       text: the engine's text state of a request with stop strings (None otherwise; the
         scheduler never reads it).
+      miss_reasons: reason -> missed blocks, summed over its admissions (first and
+        after each preemption), when the engine accounts misses (None otherwise).
     """
 
     request: "Request"
@@ -105,6 +107,7 @@ class EngineRequest:
     admitted: bool = False
     block_row: int | None = None
     text: Any = None
+    miss_reasons: dict | None = None
 
     @property
     def request_id(self) -> str:
@@ -252,6 +255,8 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        # Miss accounting (``prefixcache.sim.misses.MissAccountant``; None: off, no cost)
+        self.miss_accountant = None
         # NOTE: engine-side int32 block tables, appended from allocate_slots' new blocks,
         # so a step never rebuilds whole tables from the manager (see block_table.py).
         self.block_tables = BlockTables(max_num_seqs, pad_id=kv_cache_manager.num_blocks)
@@ -327,6 +332,8 @@ class Scheduler:
         # NOTE: preemption by recompute, as vLLM: the blocks go back to the free queue
         # (still cached, so re-admission usually hits its own prefix again).
         assert state.status is RequestStatus.RUNNING, state.request_id
+        if self.miss_accountant is not None:  # (its computed blocks, before the free)
+            self.miss_accountant.preempted(state.request)
         self.kv_cache_manager.free(state.request)
         self._release_row(state)
         state.request.num_computed_tokens = 0
@@ -529,6 +536,9 @@ class Scheduler:
             hit_blocks, num_hit = mgr.get_computed_blocks(req)
         else:  # pragma: no cover - waiting requests never keep computed tokens
             hit_blocks, num_hit = None, req.num_computed_tokens
+        acct = self.miss_accountant
+        if acct is not None:  # (before the allocation changes the cache)
+            reasons = acct.lookup(req, num_hit)
         num_new = min(req.num_tokens - num_hit, budget)
         assert num_new > 0, (state.request_id, req.num_tokens, num_hit)
         new_blocks = mgr.allocate_slots(
@@ -546,6 +556,13 @@ class Scheduler:
         self.running.append(state)
         state.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_hit
+        if acct is not None:
+            acct.admit(req, num_hit, reasons)
+            if state.miss_reasons is None:
+                state.miss_reasons = {}
+            mr = state.miss_reasons
+            for r, v in reasons.items():
+                mr[r] = mr.get(r, 0) + v
         if not state.admitted:
             state.admitted = True
             state.num_cached_tokens = num_hit

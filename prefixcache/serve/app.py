@@ -35,7 +35,8 @@ class _Choice:
     """One choice's decoding state on the handler side (detokenizer, stop strings)."""
 
     __slots__ = ("index", "prompt_index", "request_id", "detok", "token_ids", "text",
-                 "finish_reason", "cached_tokens", "done", "stopped_by_string", "error")
+                 "finish_reason", "cached_tokens", "done", "stopped_by_string", "error",
+                 "miss_reasons")
 
     def __init__(self, index, prompt_index, request_id, detok):
         self.index, self.prompt_index, self.request_id = index, prompt_index, request_id
@@ -44,6 +45,7 @@ class _Choice:
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.miss_reasons: dict | None = None
         self.done = False
         self.stopped_by_string = False
         self.error: str | None = None
@@ -74,6 +76,7 @@ class _Choice:
         """The rest of the text once the engine finished the request."""
         self.done = True
         self.cached_tokens = out.metrics.num_cached_tokens
+        self.miss_reasons = out.metrics.miss_reasons
         if out.finish_reason == "error":
             self.error = out.error or "the engine rejected the request"
             return ""
@@ -143,10 +146,20 @@ class _Handler:
         prompt = sum(len(p) for p in gen.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         # NOTE: n choices share a prompt: its cached tokens are those of its first choice.
-        cached = sum(self.choices[i * gen.n].cached_tokens for i in range(len(gen.prompts)))
+        firsts = [self.choices[i * gen.n] for i in range(len(gen.prompts))]
+        cached = sum(c.cached_tokens for c in firsts)
+        details = {"cached_tokens": cached}
+        if any(c.miss_reasons is not None for c in firsts):  # serve --miss-reasons
+            # NOTE: a vendor extension (OpenAI clients keep unknown fields): missed
+            # prompt blocks by reason, summed over the prompts (prefixcache.sim.misses).
+            misses: dict[str, int] = {}
+            for c in firsts:
+                for r, v in (c.miss_reasons or {}).items():
+                    misses[r] = misses.get(r, 0) + v
+            details["prefixcache_block_miss_reasons"] = misses
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": details}
 
     def first_error(self) -> str | None:
         for c in self.choices:

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", choices=tuple(INDEXES), default="hash")
     p.add_argument("--scheduling-policy", choices=tuple(SCHEDULING_POLICIES), default="fcfs")
     p.add_argument("--num-host-blocks", type=_non_negative_int, default=0)
+    p.add_argument("--miss-reasons", action="store_true",
+                   help="classify missed prompt blocks (cold, evicted, isolated, partial, "
+                   "last_token, preempted): per request in usage.prompt_tokens_details."
+                   "prefixcache_block_miss_reasons, summed in "
+                   "prefixcache:prompt_block_misses_total{reason=...} (hash index only)")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
                    metavar="NAME=PATH")
@@ -168,6 +173,8 @@ def build_engine(args):
         scheduling_policy=args.scheduling_policy, num_host_blocks=args.num_host_blocks,
         seed=args.seed,
         kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+    if args.miss_reasons:
+        kw["miss_reasons"] = True
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = args.kv_cache_memory
     else:

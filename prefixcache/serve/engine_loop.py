@@ -294,6 +294,8 @@ class ServingEngine:
                     m.success(o.finish_reason).inc()
                     m.prompt_tokens.inc(len(o.prompt_token_ids))
                     m.generation_tokens.inc(len(o.token_ids))
+                    if o.metrics.miss_reasons:
+                        m.add_misses(o.metrics.miss_reasons)
             if new:
                 a.sent += len(new)
                 if m is not None:
@@ -306,6 +308,8 @@ class ServingEngine:
         if m is not None:
             for o in finished.values():  # aborted after their client left
                 m.success(o.finish_reason).inc()
+                if o.metrics.miss_reasons:
+                    m.add_misses(o.metrics.miss_reasons)
             self._step_metrics()
         self._flush_deliveries(out)
 

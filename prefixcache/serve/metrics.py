@@ -17,6 +17,7 @@ engine thread updates them after each step; `GET /metrics` renders the registry.
 | `prefixcache:prompt_tokens_total`, `prefixcache:generation_tokens_total` | counter | tokens of finished requests |
 | `prefixcache:request_success_total` | counter | finished requests by `finished_reason` |
 | `prefixcache:num_preemptions_total` | counter | preemptions by recompute |
+| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.sim.misses.REASONS`; only with `serve --miss-reasons`) |
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class ServerMetrics:
         self._success = counter("request_success", "Finished requests by reason.",
                                 lab + ["finished_reason"])
         self._preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self._misses = counter("prompt_block_misses",
+                               "Missed prompt blocks of finished requests, by reason "
+                               "(serve --miss-reasons).", lab + ["reason"])
         self._running = Gauge(PREFIX + "num_requests_running", "Requests running.", lab,
                               registry=r)
         self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting.", lab,
@@ -84,6 +88,15 @@ class ServerMetrics:
 
     def success(self, reason: str):
         return self._success.labels(self._model_name, reason)
+
+    def add_misses(self, miss_reasons) -> None:
+        """Count a finished request's miss reasons (``RequestMetrics.miss_reasons``;
+        the evicted sub-counts are not reasons of their own and are left out)."""
+        from prefixcache.sim.misses import REASONS  # noqa: PLC0415
+
+        for r, v in miss_reasons.items():
+            if v and r in REASONS:
+                self._misses.labels(self._model_name, r).inc(v)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""

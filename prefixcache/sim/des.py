@@ -115,6 +115,7 @@ class _SimRequest:
     num_preemptions: int = 0
     finished: bool = False
     queued_blocks: int = 0  # blocks it needed when it was last queued
+    miss_reasons: dict | None = None  # summed over its admissions (miss accounting)
 
 
 def check_arrival_rate(arrival_rate) -> float | None:
@@ -232,6 +233,10 @@ class Server:
         self.counts = collections.Counter()
         self.queued_blocks = 0  # blocks the queued requests still need (at enqueue time)
         self.host_block_bytes: int | None = None
+        # Miss accounting (``prefixcache.sim.misses``; None: off, no cost) and, when it
+        # follows events, the manager's ``take_events``.
+        self.miss_accountant = None
+        self.miss_events = None
         if host_tier_on(manager):
             cost_model.load_time(0)  # no host_link -> ValueError before anything runs
             self.host_block_bytes = cost_model.block_bytes(manager.block_size)
@@ -278,7 +283,12 @@ class Server:
         fit now (admission stops for the step). One that can never fit fails."""
         manager = self.manager
         req = s.req
+        acct = self.miss_accountant
+        if acct is not None and self.miss_events is not None:
+            acct.observe(self.miss_events())  # the cache as this lookup sees it
         blocks, hit = manager.get_computed_blocks(req)
+        if acct is not None:  # (before the allocation changes the cache)
+            reasons = acct.lookup(req, hit)
         n = min(req.num_tokens - hit, budget)
         host = self.host_block_bytes is not None
         if host:
@@ -292,6 +302,13 @@ class Server:
             return None
         self._dequeue(s)
         req.num_computed_tokens = hit
+        if acct is not None:
+            acct.admit(req, hit, reasons)
+            mr = s.miss_reasons
+            if mr is None:
+                mr = s.miss_reasons = {}
+            for r, v in reasons.items():
+                mr[r] = mr.get(r, 0) + v
         if s.first_scheduled_s is None:
             s.first_scheduled_s = self.now
             s.num_cached_tokens = hit
@@ -334,6 +351,8 @@ class Server:
                 victim = None
                 while manager.allocate_slots(req, n) is None:
                     victim = running.pop()
+                    if self.miss_accountant is not None:  # its computed blocks, first
+                        self.miss_accountant.preempted(victim.req)
                     manager.free(victim.req)
                     victim.req.num_computed_tokens = 0
                     victim.num_preemptions += 1
@@ -415,6 +434,9 @@ class Server:
                     "output_tokens": k + 1, "num_preemptions": s.num_preemptions}
                 if host:
                     rec["num_host_tokens"] = s.num_host_tokens
+                if self.miss_accountant is not None:
+                    self.miss_accountant.forget(req)
+                    rec["miss_reasons"] = s.miss_reasons or {}
                 self.on_finish(s, rec)
         if finished:
             self.running = [s for s in self.running if not s.finished]
@@ -559,6 +581,7 @@ def simulate(
     host_load_overlap: bool = False,
     index: str = UNSET,
     max_model_len: int | None = UNSET,
+    miss_reasons: bool = False,
 ) -> dict[str, Any]:
     """Runs the discrete-event simulation.
 
@@ -605,7 +628,10 @@ def simulate(
       / ``host_hit_tokens`` (``hit_tokens`` is their sum), ``host_hit_share``,
       ``host_blocks_loaded``, ``host_bytes_loaded``, ``host_load_steps``,
       ``host_load_s`` (time the steps took beyond their compute because of loads),
-      ``host_load_overlap``, ``host_blocks_stored`` (demotions).
+      ``host_load_overlap``, ``host_blocks_stored`` (demotions). With
+      ``miss_reasons=True`` (``prefixcache.sim.misses``: why each missed prompt block
+      missed, ``preempted`` included) records get ``miss_reasons`` (summed over the
+      request's admissions) and the summary ``miss_reasons`` (as the replay's).
 
     Raises:
       ValueError: missing/unsorted timestamps, a bad arrival rate, a bad
@@ -625,7 +651,16 @@ def simulate(
     make_scheduling_policy(scheduling)  # an unknown name fails before anything runs
     if not isinstance(host_load_overlap, bool):
         raise ValueError(f"host_load_overlap must be a bool, got {host_load_overlap!r}")
-    manager = KVCacheManager(**cfg.manager_kwargs(), log_stats=False)
+    manager_kw = cfg.manager_kwargs()
+    acct = None
+    if miss_reasons:
+        from prefixcache.sim.misses import MissAccountant, uses_probes  # noqa: PLC0415
+
+        if not uses_probes(cfg.index, cfg.kv_cache_groups):
+            manager_kw.update(enable_events=True, int_event_hashes=False)
+    manager = KVCacheManager(**manager_kw, log_stats=False)
+    if miss_reasons:  # (before the warm-up: its evictions are remembered)
+        acct = MissAccountant.for_manager(manager)
     warmed = 0 if warmup is None else warm_up(manager, warmup)
     evictions0 = manager.num_evictions
     stored0 = manager.host_blocks_stored if num_host_blocks else 0
@@ -646,6 +681,10 @@ def simulate(
     totals = _Totals(emit)
     server = Server(manager, cost_model, scheduler, on_finish=totals.finish, on_fail=totals.fail,
                     scheduling=scheduling, host_load_overlap=host_load_overlap)
+    if acct is not None:
+        server.miss_accountant = acct
+        if acct.uses_events:
+            server.miss_events = manager.take_events
     server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.
@@ -674,6 +713,8 @@ def simulate(
             **host_summary(server.counts, server.host_block_bytes),
             "host_blocks_stored": manager.host_blocks_stored - stored0,
         })
+    if acct is not None:
+        summary["miss_reasons"] = acct.summary()
     return summary
 
 

@@ -1,9 +1,8 @@
 """Why a prompt block missed: one reason per block that was not a prefix-cache hit.
 
 The first question of every prefix-caching study ("why is my hit rate low?") asked of
-each block. ``MissAccountant`` follows a manager's KV events (which blocks are cached
-on the device and in the host tier, and which left it) and, at each admission, gives
-every prompt block after the hit one reason:
+each block. At each admission ``MissAccountant`` gives every prompt block after the hit
+one reason:
 
 * ``partial``: the prompt's last block is not full (only full blocks are cached);
 * ``last_token``: the prompt is a whole number of blocks, all cached, but a lookup
@@ -16,16 +15,32 @@ every prompt block after the hit one reason:
 * ``isolated``: the key was never cached, but the same tokens (the same token prefix)
   were, under another key: another cache salt, LoRA adapter or multimodal item;
 * ``cold``: neither the key nor its tokens were ever cached;
+* ``window`` (sliding-window layouts): the block is cached in the full-attention group
+  but the lookup stopped before it, because a sliding-window group does not hold the
+  window ending there (released to the null block, or evicted);
+* ``preempted`` (the engine): the request had computed the block itself before it was
+  preempted by recompute, and lost it (a re-admission's missed blocks below what it
+  had computed);
 * a block that is still cached but unreachable because an earlier block of its chain
-  missed takes the reason of the first missed block (the chain was broken there).
-
-``window`` (outside a sliding window, or a state checkpoint not kept) and
-``preempted`` (recomputed after a preemption) need the engine's or a hybrid manager's
-view; this accountant serves one full-attention group and refuses a manager built with
-sliding-window groups.
+  missed takes the reason of the first missed block (the chain was broken there; in a
+  sliding-window layout, of the nearest earlier block that is not cached, else
+  ``window``).
 
 Invariant (tested as a property): the reasons of an admission sum exactly to its
-missed prompt blocks, ``ceil(num_prompt_tokens / block_size) - num_hit_blocks``.
+missed prompt blocks, ``ceil(num_tokens / block_size) - num_hit_blocks``.
+
+How the cache's state is known (``MissAccountant.for_manager``):
+
+* probe (the hash index with one full-attention group, host tier or not): the key is
+  looked up in the pool's hash map and the host tier's, at the lookup; a key not cached
+  was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the pool's and the
+  host tier's ``evicted_by`` hook fills at each eviction (a reset gives the pool a new
+  dict). No events, no work per cached block: one dict store per eviction, and per
+  admission set operations over the missed blocks' keys.
+* events (the radix index, sliding-window layouts): the accountant follows the
+  manager's KV events (``observe``), which it must be built to queue
+  (``enable_events=True, int_event_hashes=False``); in a group layout only the first
+  full-attention group's events are followed.
 
 How ``isolated`` is found cheaply: a request without extra keys (no salt, adapter or
 multimodal item) keys its blocks by their tokens alone, so its block hash *is* the
@@ -35,7 +50,7 @@ hasher's memo) and registers it; a block then is ``isolated`` when its plain key
 cached under another key. (A replay keying blocks by Mooncake hash ids has no extra
 keys, so nothing is isolated there.)
 
-Zero cost when not used (the replay builds one only with ``miss_reasons=True``). Host
+Zero cost when not used (the replay and the engine build one only when asked). Host
 only: nothing here imports jax.
 """
 
@@ -46,7 +61,33 @@ from typing import Any, Iterable, Mapping
 
 from prefixcache.core.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored
 
-REASONS = ("cold", "evicted", "isolated", "partial", "last_token")
+REASONS = ("cold", "evicted", "isolated", "partial", "last_token", "window", "preempted")
+# Sub-counts of ``evicted`` (not reasons of their own: they do not add to the sum).
+EVICTED_BY = ("evicted_device", "evicted_host")
+
+
+def uses_probes(index: str, kv_cache_groups) -> bool:
+    """Whether a manager built with this index and layout is followed by probes (no
+    events needed); ``False``: build it with ``enable_events=True,
+    int_event_hashes=False`` and call ``observe``."""
+    from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
+    from prefixcache.core.kv_groups import is_hybrid  # noqa: PLC0415
+
+    if index != DEFAULT_INDEX:
+        return False
+    return kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups))
+
+
+def _tracked_group(kv_cache_groups) -> tuple[int, bool]:
+    """(the group whose events are followed, whether the layout has sliding windows)."""
+    from prefixcache.core.kv_groups import FullAttentionSpec, is_hybrid  # noqa: PLC0415
+
+    if kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups)):
+        return 0, False
+    for g, group in enumerate(kv_cache_groups):
+        if isinstance(group.spec, FullAttentionSpec):
+            return g, True
+    return 0, True  # only sliding-window groups: the first one's cached keys
 
 
 class MissAccountant:
@@ -56,38 +97,88 @@ class MissAccountant:
         block_size: the manager's tokens per block.
         hasher: the manager's ``BlockHasher`` (for the plain token chain of requests
             with extra keys); ``None``: ``isolated`` is never reported.
+        track_group: in events mode, the KV cache group whose events are followed.
+        windowed: the layout has sliding-window groups (cached but unreachable blocks
+            are ``window`` misses).
 
-    Use: build the manager with ``enable_events=True, int_event_hashes=False``; before
-    each admission's final lookup call ``observe(manager.take_events())``; after a
-    successful admission call ``admit(request, num_hit_tokens)``, which returns the
-    request's reasons and adds them to the totals.
+    Built directly it follows events (``observe``); ``for_manager`` picks probes where
+    the manager allows them. Use, per admission: ``observe(manager.take_events())``
+    (events mode) before the lookup; ``lookup(request, num_hit_tokens)`` right after
+    ``get_computed_blocks`` (before ``allocate_slots`` changes the cache); after a
+    successful admission ``admit(request, num_hit_tokens, reasons)`` adds them to the
+    totals. ``preempted(request)`` before a request's blocks are freed by a
+    preemption.
     """
 
-    def __init__(self, block_size: int, hasher=None):
+    def __init__(self, block_size: int, hasher=None, *, track_group: int = 0,
+                 windowed: bool = False):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self.hasher = hasher
-        self._device: collections.Counter = collections.Counter()  # key -> cached blocks
+        self.track_group = track_group
+        self.windowed = windowed
+        self.uses_events = True
+        self._pool = None  # probe mode: the pool (its hash map is re-read: reset swaps it)
+        self._tier = None  # probe mode: the host tier, if any
+        self._device: collections.Counter = collections.Counter()  # events: key -> blocks
         self._host: set = set()
         self._dropped: dict = {}  # key -> "device" | "host": the tier that dropped it last
-        self._ever: set = set()  # keys ever cached (either tier) since the last reset
-        # plain key of a token prefix -> the set of keys it was cached under by requests
-        # with extra keys (module docstring)
-        self._extras_content: dict = {}
-        self.totals: collections.Counter = collections.Counter()
-        self.per_tenant: dict[Any, collections.Counter] = {}
-        self.per_adapter: dict[Any, collections.Counter] = {}
-        self.num_missed_blocks = 0
+        # plain keys of the token prefixes requests with extra keys cached (module
+        # docstring): a never-cached key was never registered, so "cached under another
+        # key" is plain membership
+        self._extras_content: set = set()
+        self._lost: dict = {}  # request id -> full blocks it had computed when preempted
+        self._plain_memo = None  # (request, its plain chain) of the last lookup
+        # (cache salt or None, LoRA name or None) -> reasons summed
+        self._by_tag: dict[tuple, collections.Counter] = {}
+
+    @classmethod
+    def for_manager(cls, manager) -> "MissAccountant":
+        """An accountant for ``manager`` (a ``KVCacheManager``): probes for the hash
+        index with one full-attention group (installs the pool's and the host tier's
+        ``drop_listener``); events otherwise (``ValueError`` if the manager was not
+        built with ``enable_events=True, int_event_hashes=False``)."""
+        from prefixcache.core.kv_cache_manager import HashKVCacheManager  # noqa: PLC0415
+
+        impl = getattr(manager, "implementation", manager)
+        groups = getattr(manager, "kv_cache_groups", None)
+        if isinstance(impl, HashKVCacheManager):
+            acct = cls(manager.block_size, manager.hasher)
+            pool = impl.block_pool
+            if pool.evicted_by is not None:
+                raise ValueError("this manager already has a miss accountant attached")
+            acct.uses_events = False
+            acct._pool = pool
+            pool.evicted_by = acct._dropped
+            tier = impl.host_tier
+            if tier is not None:
+                acct._tier = tier
+                tier.evicted_by = acct._dropped
+            return acct
+        if not getattr(impl, "enable_events", False):
+            raise ValueError(
+                f"miss accounting follows the events of a {type(impl).__name__}: build "
+                "it with enable_events=True, int_event_hashes=False")
+        g, windowed = _tracked_group(groups)
+        return cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
+
+    def cleared(self) -> None:
+        """The prefix cache was reset (a reset is not an eviction for capacity: later
+        misses are classified as for a fresh cache)."""
+        self._dropped.clear()
+        self._extras_content.clear()
 
     # -- the cache's state, from the manager's events ---------------------------------
     def observe(self, events: Iterable) -> None:
-        dev, host, dropped, ever = self._device, self._host, self._dropped, self._ever
+        dev, host, dropped = self._device, self._host, self._dropped
+        group = self.track_group
         for ev in events:
             t = type(ev)
             if t is BlockStored:
+                if ev.group_idx != group:
+                    continue
                 hashes = ev.block_hashes
-                ever.update(hashes)
                 if ev.medium == MEDIUM_CPU:
                     host.update(hashes)
                 else:
@@ -96,6 +187,8 @@ class MissAccountant:
                     for k in hashes:
                         dropped.pop(k, None)
             elif t is BlockRemoved:
+                if ev.group_idx != group:
+                    continue
                 on_host = ev.medium == MEDIUM_CPU
                 for k in ev.block_hashes:
                     if on_host:
@@ -107,13 +200,9 @@ class MissAccountant:
                     if k not in host and k not in dev:
                         dropped[k] = "host" if on_host else "device"
             elif t is AllBlocksCleared:
-                # NOTE: a reset is not an eviction for capacity: the cache starts over,
-                # and later misses are classified as for a fresh cache.
                 dev.clear()
                 host.clear()
-                dropped.clear()
-                ever.clear()
-                self._extras_content.clear()
+                self.cleared()
 
     # -- classification ------------------------------------------------------------
     def _plain_keys(self, request) -> list | None:
@@ -121,91 +210,217 @@ class MissAccountant:
         if self.hasher is None or not (request.cache_salt or request.lora is not None
                                        or request.mm_features):
             return None
-        n = request.num_prompt_tokens // self.block_size * self.block_size
-        return self.hasher.hash_token_blocks(request.prompt_token_ids[:n], self.block_size)
+        memo = self._plain_memo
+        n = request.num_tokens // self.block_size * self.block_size
+        if memo is not None and memo[0] is request and len(memo[1]) == n // self.block_size:
+            return memo[1]
+        plain = self.hasher.hash_token_blocks(request.all_token_ids[:n], self.block_size)
+        self._plain_memo = (request, plain)
+        return plain
+
+    def lookup(self, request, num_hit_tokens: int) -> dict[str, int]:
+        """The reasons of ``request``'s missed blocks for a lookup that hit
+        ``num_hit_tokens`` (call it before ``allocate_slots``; no totals changed)."""
+        return self.classify(request, num_hit_tokens, self._plain_keys(request))
 
     def classify(self, request, num_hit_tokens: int, plain=None) -> dict[str, int]:
         """The reasons of ``request``'s missed prompt blocks (no totals changed).
 
         ``plain``: the request's plain token chain (``_plain_keys``), if known."""
         bs = self.block_size
-        n = request.num_prompt_tokens
+        n = request.num_tokens
         num_full = n // bs
         hit = num_hit_tokens // bs
         reasons: dict[str, int] = {}
         if num_full > hit:
-            hashes = request.block_hashes
-            dev, host, ever = self._device, self._host, self._ever
+            if self.uses_events:
+                dev, host = self._device, self._host
+            else:
+                pool = self._pool
+                if pool.evicted_by is not self._dropped:  # the pool was reset
+                    self.cleared()
+                    self._dropped = pool.evicted_by
+                dev = pool.cached_block_hash_to_block
+                tier = self._tier
+                host = () if tier is None else tier.hash_to_slot
+            dropped = self._dropped
             content = self._extras_content
+            lost = self._lost.get(request.request_id, 0) if self._lost else 0
+            windowed = self.windowed
+            # NOTE: one slice (the view's per-item indexing is a Python-level call).
+            ks = request.block_hashes[hit:num_full]
+            if (not lost and dev.keys().isdisjoint(ks)
+                    and (not host or host.isdisjoint(ks) if type(host) is set
+                         else not host or host.keys().isdisjoint(ks))):
+                # The common case: no missed block is cached, so each one is classified
+                # alone (no chain). A block is cached only with every block before it
+                # (its key chains its parent's), so "ever cached" is a prefix of the run:
+                # its evicted blocks are the first ``ne``, found by bisection (a dict of
+                # every evicted key is large: each probe is a cache miss).
+                lo, hi = 0, len(ks)
+                if dropped:
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if ks[mid] in dropped:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                ne = lo
+                if ne:
+                    nh = (list(map(dropped.__getitem__, ks[:ne])).count("host")
+                          if self._tier is not None or self.uses_events else 0)
+                    if ne - nh:
+                        reasons["evicted_device"] = ne - nh
+                    if nh:
+                        reasons["evicted_host"] = nh
+                    reasons["evicted"] = ne
+                rest = len(ks) - ne
+                if rest:
+                    if plain is None:
+                        ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
+                    else:  # the same tokens cached under another key (or registered)
+                        pks = plain[hit + ne:num_full]
+                        found = content.intersection(pks) if content else set()
+                        found.update(dev.keys() & pks)
+                        if dropped:
+                            found.update(dropped.keys() & pks)
+                        if host:
+                            found.update(host.intersection(pks) if type(host) is set
+                                         else host.keys() & pks)
+                        ni = len(found)
+                    if rest - ni:
+                        reasons["cold"] = rest - ni
+                    if ni:
+                        reasons["isolated"] = ni
+                if n > num_full * bs:
+                    reasons["partial"] = 1
+                return reasons
+            hashes = ks
             chain_reason = None  # the reason of the first missed block
             chain_sub = None  # and its tier, when it was evicted
             for i in range(hit, num_full):
-                k = hashes[i]
+                k = hashes[i - hit]
                 if k in dev or k in host:
                     if i == num_full - 1 and n == num_full * bs and i == hit:
                         r = "last_token"
+                    elif i < lost:
+                        r = "preempted"
                     elif chain_reason is not None:
                         r = chain_reason
                         if chain_sub is not None:  # evicted upstream: by the same tier
                             reasons[chain_sub] += 1
+                    elif windowed:
+                        r = "window"
                     else:
                         raise AssertionError(
                             f"request {request.request_id!r}: block {i} is cached and "
                             f"reachable but the lookup hit only {hit} blocks: the "
                             "accountant and the manager disagree (were all events observed?)")
-                elif k in ever:
+                    if windowed:  # cached: the break is upstream (or the window)
+                        reasons[r] = reasons.get(r, 0) + 1
+                        continue
+                elif i < lost:
+                    r = "preempted"
+                elif k in dropped:
                     r = "evicted"
-                    d = "evicted_" + self._dropped.get(k, "device")
+                    d = "evicted_" + dropped[k]
                     reasons[d] = reasons.get(d, 0) + 1
-                    if chain_reason is None:
+                    if chain_reason is None or windowed:
                         chain_sub = d
                 elif plain is None:
-                    others = content.get(k) if content else None
-                    r = "isolated" if others else "cold"
+                    r = "isolated" if k in content else "cold"
                 else:
                     pk = plain[i]
-                    others = content.get(pk)
-                    r = "isolated" if (pk in ever or (others and others != {k})) else "cold"
-                if chain_reason is None:
+                    r = "isolated" if (pk in content or pk in dev or pk in host
+                                       or pk in dropped) else "cold"
+                if chain_reason is None or windowed:
                     chain_reason = r
+                    if r != "evicted":
+                        chain_sub = None
                 reasons[r] = reasons.get(r, 0) + 1
         if n > num_full * bs:
             reasons["partial"] = reasons.get("partial", 0) + 1
         return reasons
 
-    def admit(self, request, num_hit_tokens: int) -> dict[str, int]:
-        """Classify an admitted request, add it to the totals, and (a request with
-        extra keys) register its tokens' plain keys. Returns its reasons."""
+    def preempted(self, request) -> None:
+        """``request`` is being preempted (before its blocks are freed): its computed
+        full blocks are ``preempted`` misses at its re-admission."""
+        lost = request.num_computed_tokens // self.block_size
+        if lost > self._lost.get(request.request_id, 0):
+            self._lost[request.request_id] = lost
+
+    def forget(self, request) -> None:
+        """``request`` finished: drop its preemption record (if any)."""
+        if self._lost:
+            self._lost.pop(request.request_id, None)
+
+    def admit(self, request, num_hit_tokens: int, reasons=None) -> dict[str, int]:
+        """Add an admitted request's reasons to the totals (``reasons``: what
+        ``lookup`` answered; ``None``: classified now) and (a request with extra keys)
+        register its tokens' plain keys. Returns its reasons."""
         plain = self._plain_keys(request)
-        reasons = self.classify(request, num_hit_tokens, plain)
+        if reasons is None:
+            reasons = self.classify(request, num_hit_tokens, plain)
+        self._plain_memo = None
         if plain is not None:
-            content = self._extras_content
-            for pk, k in zip(plain, request.block_hashes):
-                content.setdefault(pk, set()).add(k)
-        totals = self.totals
-        for r, v in reasons.items():
-            totals[r] += v
-            if r in REASONS:
-                self.num_missed_blocks += v
-        salt = request.cache_salt or None
-        lora = request.lora.name if request.lora is not None else None
-        self.per_tenant.setdefault(salt, collections.Counter()).update(reasons)
-        self.per_adapter.setdefault(lora, collections.Counter()).update(reasons)
+            self._extras_content.update(plain)
+        if self._lost:
+            self._lost.pop(request.request_id, None)
+        lora = request.lora
+        tag = (request.cache_salt or None, None if lora is None else lora.name)
+        c = self._by_tag.get(tag)
+        if c is None:
+            c = self._by_tag[tag] = collections.Counter()
+        c.update(reasons)
         return reasons
+
+    @property
+    def totals(self) -> collections.Counter:
+        """Every admission's reasons (and evicted sub-counts) summed."""
+        out: collections.Counter = collections.Counter()
+        for c in self._by_tag.values():
+            out.update(c)
+        return out
+
+    def _per(self, pos: int) -> dict[Any, collections.Counter]:
+        out: dict[Any, collections.Counter] = {}
+        for tag, c in self._by_tag.items():
+            out.setdefault(tag[pos], collections.Counter()).update(c)
+        return out
+
+    @property
+    def per_tenant(self) -> dict[Any, collections.Counter]:
+        """Reasons summed per cache salt (``None``: no salt)."""
+        return self._per(0)
+
+    @property
+    def per_adapter(self) -> dict[Any, collections.Counter]:
+        """Reasons summed per LoRA name (``None``: the base model)."""
+        return self._per(1)
+
+    @property
+    def num_missed_blocks(self) -> int:
+        """Missed blocks over all admissions (the reasons' sum)."""
+        t = self.totals
+        return sum(t[r] for r in REASONS)
 
     def summary(self) -> dict[str, Any]:
         """Totals (every reason, zeros included), and the breakdowns by tenant (cache
         salt; ``""`` = no salt) and adapter (LoRA name; ``""`` = base model)."""
-        def full(c: Mapping[str, int]) -> dict[str, int]:
-            d = {r: int(c.get(r, 0)) for r in REASONS}
-            d["evicted_device"] = int(c.get("evicted_device", 0))
-            d["evicted_host"] = int(c.get("evicted_host", 0))
-            return d
-
+        totals = self.totals
         return {
-            "missed_blocks": self.num_missed_blocks,
-            "reasons": full(self.totals),
-            "per_tenant": {("" if k is None else k): full(v) for k, v in self.per_tenant.items()},
-            "per_adapter": {("" if k is None else k): full(v)
+            "missed_blocks": sum(totals[r] for r in REASONS),
+            "reasons": full_reasons(totals),
+            "per_tenant": {("" if k is None else k): full_reasons(v)
+                           for k, v in self.per_tenant.items()},
+            "per_adapter": {("" if k is None else k): full_reasons(v)
                             for k, v in self.per_adapter.items()},
         }
+
+
+def full_reasons(c: Mapping[str, int]) -> dict[str, int]:
+    """Every reason and evicted sub-count of ``c``, zeros included."""
+    d = {r: int(c.get(r, 0)) for r in REASONS}
+    for r in EVICTED_BY:
+        d[r] = int(c.get(r, 0))
+    return d

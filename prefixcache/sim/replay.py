@@ -362,19 +362,19 @@ def replay(
     elif callable(requests):
         requests = requests()
     manager_kw.update(hash_seed=hash_seed, eviction_options=options or None)
-    if miss_reasons:  # the accountant follows the cache through its events
-        manager_kw.update(enable_events=True, int_event_hashes=False)
+    acct = acct_events = None
+    if miss_reasons:
+        from prefixcache.sim.misses import MissAccountant, uses_probes  # noqa: PLC0415
+
+        if not uses_probes(index, cfg.kv_cache_groups):  # the radix index, group layouts
+            manager_kw.update(enable_events=True, int_event_hashes=False)
     m = KVCacheManager(**manager_kw, log_stats=False)
     tiered = m.num_host_blocks > 0  # (validated by the manager)
-    acct = None
     if miss_reasons:
-        if cfg.kv_cache_groups is not None and getattr(m, "num_groups", 1) != 1:
-            raise ValueError("miss_reasons=True serves one full-attention KV cache group "
-                             "(sliding-window 'window' misses are not classified yet)")
-        from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
-
-        acct = MissAccountant(block_size, m.hasher)
-        take_events = m.take_events
+        acct = MissAccountant.for_manager(m)
+        acct_lookup = acct.lookup
+        if acct.uses_events:
+            acct_events = m.take_events
     drop_transfers = m.host_tier.drop_transfers if tiered else None
     peak_host = 0
     hasher = m.hasher
@@ -479,9 +479,11 @@ def replay(
                 on_arrival(req, n_req - 1)
             # ---- admission --------------------------------------------------
             while True:
-                if acct is not None:
-                    acct.observe(take_events())  # the cache as this lookup sees it
+                if acct_events is not None:
+                    acct.observe(acct_events())  # the cache as this lookup sees it
                 computed, num_hit = get_computed_blocks(req)
+                if acct is not None:  # (before the allocation changes the cache)
+                    reasons = acct_lookup(req, num_hit)
                 if prefill_chunks is None:
                     new_blocks = allocate_slots(req, num_prompt - num_hit, num_hit, computed)
                 else:
@@ -526,7 +528,10 @@ def replay(
                     bar.update(1)
                 continue
             n_admitted += 1
-            reasons = acct.admit(req, num_hit) if acct is not None else None
+            if acct is not None:
+                acct.admit(req, num_hit, reasons)
+            else:
+                reasons = None
             if pool is not None:
                 c = pool.num_blocks_cached - pool.num_evictions
             else:

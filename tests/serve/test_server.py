@@ -497,3 +497,34 @@ def test_kv_events_reach_the_publisher(engine, tiny_tokenizer):
     events = [e for b in pub.batches for e in b]
     assert sum(isinstance(e, BlockStored) for e in events) >= 1
     assert isinstance(events[-1], AllBlocksCleared)
+
+
+def test_miss_reasons_in_usage_and_prometheus(engine):
+    # serve --miss-reasons: per request in usage.prompt_tokens_details (vendor field),
+    # summed as prefixcache:prompt_block_misses_total{reason=...}.
+    assert parse_args(["serve", "tiny", "--miss-reasons"]).miss_reasons is True
+    eng = Engine(ModelConfig.tiny(), max_num_seqs=16, seq_buckets=(16,),
+                 share_programs_with=engine, miss_reasons=True, **ENGINE_KW)
+    srv = ServerThread(build_app(eng, served_model_name="tiny", tokenizer=None))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        prompt = _prompt(80, 2 * BLOCK + 3)
+        r1 = c.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        r2 = c.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"cache_salt": "other"})
+        d1 = r1.usage.prompt_tokens_details.model_extra["prefixcache_block_miss_reasons"]
+        d2 = r2.usage.prompt_tokens_details.model_extra["prefixcache_block_miss_reasons"]
+        assert d1 == {"cold": 2, "partial": 1}
+        assert d2 == {"isolated": 2, "partial": 1}  # same tokens, another salt
+        srv.wait_idle()
+        from prometheus_client.parser import text_string_to_metric_families
+
+        got = {}
+        for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+            for s in fam.samples:
+                if s.name == "prefixcache:prompt_block_misses_total":
+                    got[s.labels["reason"]] = s.value
+        assert got == {"cold": 2.0, "isolated": 2.0, "partial": 2.0}
+    finally:
+        srv.close()
+    assert engine.miss_reasons is False  # (the other tests' engine: no extra field)

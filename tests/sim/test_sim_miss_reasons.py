@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from prefixcache.core import KVCacheManager
+from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from prefixcache.sim import workloads
 from prefixcache.sim.misses import REASONS, MissAccountant
 from prefixcache.sim.replay import replay
@@ -45,7 +47,8 @@ def test_hand_computed_reasons():
     ]
     mr = summary["miss_reasons"]
     assert mr["reasons"] == {"cold": 5, "evicted": 0, "isolated": 2, "partial": 2,
-                             "last_token": 1, "evicted_device": 0, "evicted_host": 0}
+                             "last_token": 1, "window": 0, "preempted": 0,
+                             "evicted_device": 0, "evicted_host": 0}
     assert mr["missed_blocks"] == sum(_missed(r) for r in recs) == 10
     assert mr["per_tenant"]["t1"]["isolated"] == 2 and mr["per_tenant"][""]["isolated"] == 0
 
@@ -91,14 +94,21 @@ def test_a_salt_change_moves_hits_to_isolated_not_cold():
     assert s1["miss_reasons"]["reasons"]["cold"] == s0["miss_reasons"]["reasons"]["cold"]
 
 
-@settings(max_examples=25, deadline=None)
+SLIDING = (KVCacheGroup(FullAttentionSpec(), ("full",)),
+           KVCacheGroup(SlidingWindowSpec(8), ("swa",)))
+
+
+@settings(max_examples=30, deadline=None)
 @given(workload=st.sampled_from(["multi_turn", "shared_system_prompt", "rag", "mm_salt"]),
        eviction=st.sampled_from(["lru", "lfu", "arc", "s3fifo", "fifo"]),
        index=st.sampled_from(["hash", "radix"]),
        num_host_blocks=st.sampled_from([0, 8]),
+       sliding=st.booleans(),
        num_blocks=st.integers(24, 200), seed=st.integers(0, 3))
 def test_reasons_sum_to_the_missed_blocks(workload, eviction, index, num_host_blocks,
-                                          num_blocks, seed):
+                                          sliding, num_blocks, seed):
+    if sliding:  # (the hybrid layout runs on the hash index without a host tier)
+        index, num_host_blocks = "hash", 0
     out = dict(output_len=(2, 8))
     kwargs = {"multi_turn": dict(num_conversations=4, num_turns=3, new_tokens=(10, 40), **out),
               "shared_system_prompt": dict(num_requests=12, system_len=64,
@@ -109,7 +119,8 @@ def test_reasons_sum_to_the_missed_blocks(workload, eviction, index, num_host_bl
                               suffix_len=(4, 16), **out)}[workload]
     trace = workloads.generate(workload, seed=seed, **kwargs)
     summary, recs = _run(trace, num_blocks=num_blocks, eviction=eviction, index=index,
-                         num_host_blocks=num_host_blocks, concurrency=2)
+                         num_host_blocks=num_host_blocks, concurrency=2,
+                         kv_cache_groups=SLIDING if sliding else None)
     admitted = [r for r in recs if not r.get("failed")]
     for r in admitted:
         assert sum(v for k, v in r["miss_reasons"].items() if k in REASONS) == _missed(r), r
@@ -122,6 +133,112 @@ def test_reasons_sum_to_the_missed_blocks(workload, eviction, index, num_host_bl
         "missed_blocks"]
 
 
+def test_window_misses_in_a_sliding_window_layout():
+    # fifo evicts the sliding-window group's released blocks while the full-attention
+    # group still holds the shared prefix: those blocks miss for the window.
+    trace = workloads.generate("shared_system_prompt", seed=0, num_requests=30, system_len=64,
+                               unique_len=(8, 32), output_len=(2, 8))
+    summary, recs = _run(trace, num_blocks=50, eviction="fifo", concurrency=2,
+                         kv_cache_groups=SLIDING)
+    mr = summary["miss_reasons"]
+    assert mr["reasons"]["window"] > 0
+    assert mr["missed_blocks"] == sum(_missed(r) for r in recs if not r.get("failed"))
+    # Without the window group the same trace has no window misses.
+    full, _ = _run(trace, num_blocks=50, eviction="fifo", concurrency=2)
+    assert full["miss_reasons"]["reasons"]["window"] == 0
+
+
+@settings(max_examples=12, deadline=None)
+@given(workload=st.sampled_from(["multi_turn", "rag", "mm_salt"]),
+       eviction=st.sampled_from(["lru", "s3fifo", "fifo"]),
+       num_host_blocks=st.sampled_from([0, 6]),
+       num_blocks=st.integers(20, 120), seed=st.integers(0, 3))
+def test_probes_equal_events(workload, eviction, num_host_blocks, num_blocks, seed):
+    # The hash index is followed by probes (pool / host hash maps, evicted_by hook); the
+    # KV events of the same manager give the same reasons at every admission.
+    kwargs = {"multi_turn": dict(num_conversations=4, num_turns=3, new_tokens=(10, 40)),
+              "rag": dict(num_requests=12, num_documents=6, doc_len=(16, 48), system_len=8,
+                          question_len=(4, 12)),
+              "mm_salt": dict(num_requests=10, prefix_len=4, image_len=12, num_images=3,
+                              suffix_len=(4, 12))}[workload]
+    trace = workloads.generate(workload, seed=seed, output_len=(2, 6), **kwargs)
+    m = KVCacheManager(num_blocks, BS, eviction=eviction, num_host_blocks=num_host_blocks,
+                       enable_events=True, int_event_hashes=False, free_order="unhashed_first")
+    probe = MissAccountant.for_manager(m)
+    assert not probe.uses_events
+    events = MissAccountant(BS, m.hasher)
+    running = []
+    from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+
+    for tr in trace:
+        if len(running) >= 2:
+            m.free(running.pop(0))
+        req = Request(tr.id, tr.prompt, cache_salt=tr.cache_salt, hasher=m.hasher,
+                      block_size=BS, lora=LoRARequest(*tr.lora) if tr.lora else None,
+                      mm_features=[MultiModalFeature(*x) for x in tr.mm])
+        while True:
+            events.observe(m.take_events())
+            computed, hit = m.get_computed_blocks(req)
+            a, b = probe.lookup(req, hit), events.lookup(req, hit)
+            assert a == b, (tr.id, a, b)
+            admitted = m.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
+            if admitted or not running:
+                break
+            m.free(running.pop(0))
+        if not admitted:
+            continue
+        probe.admit(req, hit, a)
+        events.admit(req, hit, b)
+        req.num_computed_tokens = req.num_tokens
+        for step in range(tr.output_len - 1):
+            req.append_output_token_ids(7 + step)
+            if m.allocate_slots(req, 1) is None:
+                break
+            req.num_computed_tokens += 1
+        running.append(req)
+    assert probe.summary() == events.summary()
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         MissAccountant(0)
+    m = KVCacheManager(8, BS, index="radix")
+    with pytest.raises(ValueError, match="enable_events=True, int_event_hashes=False"):
+        MissAccountant.for_manager(m)
+    h = KVCacheManager(8, BS)
+    MissAccountant.for_manager(h)
+    with pytest.raises(ValueError, match="already has a miss accountant"):
+        MissAccountant.for_manager(h)
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_des_preempted_and_the_sum_per_request(index):
+    # The DES preempts (6 blocks of 4, six requests growing by decode): re-admissions
+    # lose KV they had computed -> ``preempted``; a request never preempted has exactly
+    # its first admission's missed blocks.
+    from prefixcache.sim import cost_model as cm
+    from prefixcache.sim import des
+
+    toy = cm.CostModel(
+        cm.ModelShape(num_layers=1, d_model=4, num_q_heads=2, num_kv_heads=1, head_dim=2,
+                      ffn_dim=8, vocab_size=10, dtype_bytes=2),
+        cm.Accelerator("toy", peak_flops=1000.0, hbm_bandwidth=1e30, hbm_bytes=1e6))
+    reqs = [TraceRequest(id=f"r{i}", prompt=[i + 1] * 12, output_len=8, timestamp=0.0)
+            for i in range(6)]
+    recs = []
+    summary = des.simulate(reqs, cost_model=toy, num_blocks=6, block_size=BS, index=index,
+                           miss_reasons=True, on_record=recs.append)
+    assert summary["preemptions"] > 0 and summary["finished"] == 6
+    mr = summary["miss_reasons"]
+    assert mr["reasons"]["preempted"] > 0
+    assert sum(sum(v for k, v in r["miss_reasons"].items() if k in REASONS)
+               for r in recs) == mr["missed_blocks"]
+    for r in recs:
+        if not r["num_preemptions"]:
+            assert sum(r["miss_reasons"].get(k, 0) for k in REASONS) == (
+                -(-r["prompt_tokens"] // BS) - r["num_cached_tokens"] // BS)
+            assert "preempted" not in r["miss_reasons"]
+    plain = des.simulate(reqs, cost_model=toy, num_blocks=6, block_size=BS, index=index)
+    assert "miss_reasons" not in plain
+    assert {k: v for k, v in plain.items() if k != "makespan_s"} == {
+        k: v for k, v in summary.items() if k not in ("makespan_s", "miss_reasons")}

@@ -1,0 +1,104 @@
+"""Miss reasons in the engine (issue 26 item 1): per request in
+``RequestOutput.metrics.miss_reasons``, summed in ``EngineMetrics.miss_reasons``; equal
+to the replay's on the same requests; ``preempted`` for KV a preempted request lost."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from prefixcache.core import KVCacheManager, LoRARequest, Request
+from prefixcache.engine import Engine, SamplingParams
+from prefixcache.engine.scheduler import EngineRequest, Scheduler
+from prefixcache.model import ModelConfig
+from prefixcache.sim.misses import REASONS, MissAccountant
+from prefixcache.sim.replay import replay
+from prefixcache.sim.trace import TraceRequest
+
+
+def _blocks(n, bs):
+    return -(-n // bs)
+
+
+def test_preempted_blocks_and_the_sum_per_admission():
+    # 6 blocks of 4: two requests of 8 prompt tokens growing by decode; b is preempted
+    # and its computed blocks are reused by a before b comes back.
+    bs = 4
+    mgr = KVCacheManager(6, bs)
+    sched = Scheduler(mgr, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1000)
+    acct = sched.miss_accountant = MissAccountant.for_manager(mgr)
+    admissions = []
+    admit = acct.admit
+
+    def spy(request, num_hit, reasons=None):
+        admissions.append((request.request_id, request.num_tokens, num_hit,
+                           request.num_preemptions, dict(reasons)))
+        return admit(request, num_hit, reasons)
+
+    acct.admit = spy
+    states = {}
+    for rid, toks in (("a", range(1, 9)), ("b", range(20, 28))):
+        states[rid] = EngineRequest(Request(rid, list(toks)), SamplingParams(max_tokens=12), 0)
+        sched.add_request(states[rid])
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = {s.request_id: 1 + zlib.crc32(f"{s.request_id}:{s.state.num_output_tokens}"
+                                                .encode()) % 50
+                   for s in out.scheduled if s.completes_sequence}
+        sched.update_from_output(out, sampled)
+    assert states["b"].num_preemptions >= 1
+    for rid, n, hit, preemptions, reasons in admissions:
+        assert sum(v for k, v in reasons.items() if k in REASONS) == _blocks(n, bs) - hit // bs
+        if not preemptions:
+            assert "preempted" not in reasons  # only a re-admission lost its own KV
+    assert sum(r[4].get("preempted", 0) for r in admissions) > 0
+    # The scheduler's per-request sum is the admissions' sum.
+    mr = states["b"].miss_reasons
+    assert sum(mr.values()) == sum(sum(r[4].values()) for r in admissions if r[0] == "b")
+
+
+def test_engine_reasons_equal_the_replays():
+    bs = 16
+    engine = Engine(ModelConfig.tiny(), lora_cache_key_only=True, num_blocks=12,
+                    block_size=bs, seed=0, max_num_seqs=4, max_num_batched_tokens=128,
+                    max_model_len=256, token_buckets=(128,), seq_buckets=(4,),
+                    page_buckets=(16,), miss_reasons=True)
+    system = list(range(1, 49))  # 3 blocks shared
+    trace = []
+    for i in range(10):
+        salt = "t1" if i in (3, 4) else None
+        lora = ("x", "/x") if i == 6 else None
+        body = [50 + (i * 7 + j) % 60 for j in range(8 + 11 * (i % 4))]
+        trace.append(TraceRequest(f"r{i}", system + body, 1, cache_salt=salt, lora=lora))
+    # exactly r1's first 4 blocks, all cached (last_token); r2 again, evicted by then
+    trace.insert(2, TraceRequest("x1", trace[1].prompt[:64], 1))
+    trace.append(TraceRequest("x2", trace[3].prompt, 1))
+    outs = []
+    for tr in trace:  # one at a time: each request sees its predecessors' blocks
+        lora = LoRARequest(*tr.lora) if tr.lora else None
+        req = Request(tr.id, tr.prompt, cache_salt=tr.cache_salt, lora=lora)
+        outs += engine.generate([req], SamplingParams(max_tokens=1))
+    recs = []
+    mgr = engine.kv_cache_manager
+    summary = replay(trace, num_blocks=12, block_size=bs, concurrency=1,
+                     hash_algo="sha256", free_order=mgr.block_pool.free_order,
+                     max_model_len=256, miss_reasons=True, on_record=recs.append)
+    assert [o.metrics.miss_reasons for o in outs] == [r["miss_reasons"] for r in recs]
+    got = {r for o in outs for r in o.metrics.miss_reasons}
+    assert {"cold", "isolated", "partial", "evicted", "last_token"} <= got, got
+    m = engine.metrics()
+    assert m.miss_reasons == summary["miss_reasons"]
+    assert m.miss_reasons["missed_blocks"] == sum(
+        _blocks(o.metrics.num_prompt_tokens, bs) - o.metrics.num_cached_tokens // bs
+        for o in outs)
+    engine.reset_metrics()
+    assert engine.metrics().miss_reasons["missed_blocks"] == 0
+
+
+def test_engine_off_and_refusals():
+    with pytest.raises(ValueError, match="miss_reasons=True: .*index='radix'"):
+        Engine(ModelConfig.tiny(), num_blocks=8, block_size=16, index="radix",
+               miss_reasons=True)
