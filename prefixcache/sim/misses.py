@@ -15,9 +15,10 @@ one reason:
 * ``isolated``: the key was never cached, but the same tokens (the same token prefix)
   were, under another key: another cache salt, LoRA adapter or multimodal item;
 * ``cold``: neither the key nor its tokens were ever cached;
-* ``window`` (sliding-window layouts): the block is cached in the full-attention group
-  but the lookup stopped before it, because a sliding-window group does not hold the
-  window ending there (released to the null block, or evicted);
+* ``window`` (layouts with sliding-window or state groups): the block is cached in the
+  full-attention group but the lookup stopped before it, because a sliding-window group
+  does not hold the window ending there (released to the null block, or evicted) or a
+  state (Mamba) group kept no state checkpoint there;
 * ``preempted`` (the engine): the request had computed the block itself before it was
   preempted by recompute, and lost it (a re-admission's missed blocks below what it
   had computed);
