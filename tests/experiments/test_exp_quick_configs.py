@@ -156,3 +156,10 @@ def test_quick_audit_timing_engine_trimmed(tmp_path):
     assert summaries["public_prefix_salted_rest"]["cross_tenant_private_hit_tokens"] == 0
     assert (work / "audit_timing.png").stat().st_size
     assert (work / "audit_timing.cells.jsonl").is_file() and (work / "provenance.json").is_file()
+
+
+def test_quick_hybrid_state_gives_the_documented_hit_rates(tmp_path):
+    """configs/hybrid_state.py's "Expected" figures (multi_turn, LRU, 2048 blocks)."""
+    out, _ = _run("hybrid_state", "hybrid_state", tmp_path)
+    rates = {r["layout"]: round(r["hit_rate_tokens"], 3) for r in out["rows"]}
+    assert rates == {"full,full": 0.547, "full,mamba": 0.774, "full,mamba_r0": 0.684}
