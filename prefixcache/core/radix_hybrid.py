@@ -95,6 +95,7 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
 )
+from prefixcache.core.groups.sliding_window import longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
     check_kv_cache_groups,
@@ -138,6 +139,14 @@ class _HybridNode:
         ids = None if self.blocks is None else [
             b.block_id if b is not None else None for b in self.blocks]
         return f"_HybridNode(blocks={ids}, lock={self.lock}, children={len(self.children)})"
+
+
+def _node_blocks(node: _HybridNode, ids) -> list | None:
+    """The node's blocks of groups ``ids``, or ``None`` when any is a tombstone (the
+    "present" rule of ``longest_window_hit`` on a tree path)."""
+    bl = node.blocks
+    got = [bl[g] for g in ids]
+    return None if None in got else got
 
 
 class _HybridRadixState(_RadixState):
@@ -303,28 +312,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         ``find_longest_cache_hit``): ``(per-group lists, blocks)``."""
         if isinstance(spec, FullAttentionSpec):  # every node holds its full blocks
             return [[node.blocks[g] for node in nodes[:max_n]] for g in ids], max_n
-        need = -(-(spec.sliding_window - 1) // self.block_size)
-        null = self.null_block
-        computed = [[null] * max_n for _ in ids]
-        n = 0
-        found = False
-        for i in range(max_n - 1, -1, -1):
-            bl = nodes[i].blocks
-            got = [bl[g] for g in ids]
-            if None not in got:
-                for c, b in zip(computed, got):
-                    c[i] = b
-                n += 1
-                if n >= need:
-                    for c in computed:
-                        del c[i + n:]
-                    found = True
-                    break
-            else:
-                n = 0
-        if not found:
-            for c in computed:
-                del c[n:]
+        computed = longest_window_hit(
+            nodes, max_n, -(-(spec.sliding_window - 1) // self.block_size), self.null_block,
+            len(ids), _node_blocks, ids)
         return computed, len(computed[0])
 
     def _longest_hit(self, nodes) -> tuple[list[list[KVCacheBlock]], int]:
