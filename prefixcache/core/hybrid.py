@@ -52,8 +52,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
-                                   check_release_inputs, held_state)
+from prefixcache._validate import ArgumentTypeError, check_arrival, check_positive_int
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 from collections.abc import Mapping
 
@@ -68,6 +67,7 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _pop_held_state,
 )
 from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager
 from prefixcache.core.groups.base import group_suffix as _group_suffix
@@ -746,11 +746,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         for k in self._kinds:
             k.free(st)
 

@@ -202,6 +202,29 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     return st, computed, total, need, num_new_computed_tokens
 
 
+def _pop_held_state(manager, request):
+    """The state ``manager`` (``_states``: id -> state, ``_states_by_request``) holds
+    for ``request``, dropped from both: the one preamble of every manager's ``free``.
+
+    As ``_validate.held_state`` (the admitted ``Request`` or its id), then
+    ``check_release_inputs`` on an odd priority: raised before anything is dropped.
+    """
+    states = manager._states
+    if isinstance(request, Request):  # (the admitted object: held_state's frame saved)
+        rid = request.request_id
+        st = states.get(rid)
+    else:
+        rid = st = None
+    if st is None or st.request is not request:
+        rid, st = held_state(states, request)
+    req = st.request
+    if type(req._priority) is not int:
+        check_release_inputs(req)
+    del states[rid]
+    del manager._states_by_request[req]
+    return st
+
+
 class BlockPoolViews:
     """Read-only views of a manager's ``self.block_pool`` (a ``BlockPool``) and
     ``self._states`` (request id -> state, in allocation order), and the counters;
@@ -869,17 +892,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        if isinstance(request, Request):
-            rid = request.request_id
-            st = self._states.get(rid)
-        else:
-            rid = st = None
-        if st is None or st.request is not request:
-            rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         blocks = st.blocks
         blocks.reverse()
         self.block_pool.free_blocks(blocks, st.request)

@@ -94,7 +94,7 @@ from itertools import islice
 from typing import Any, Sequence
 
 from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
-                                   check_release_inputs, held_state)
+                                   check_release_inputs)
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     KV_CACHE_SPEC_KIND,
@@ -120,6 +120,7 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _pop_held_state,
 )
 from prefixcache.core.indexes import resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
@@ -1073,18 +1074,8 @@ class RadixKVCacheManager(HostTierAPI):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        if isinstance(request, Request):
-            rid = request.request_id
-            st = self._states.get(rid)
-        else:
-            rid = st = None
-        if st is None or st.request is not request:
-            rid, st = held_state(self._states, request)
+        st = _pop_held_state(self, request)
         req = st.request
-        if type(req._priority) is not int:
-            check_release_inputs(req)
-        del self._states[rid]
-        del self._states_by_request[req]
         # Blocks: cached ones to the queue's tail, unhashed ones to its head.
         self._num_free_unhashed += self._free.release(reversed(st.blocks), True)
         # Path: deepest first. Only its last node can be a leaf (each other node has

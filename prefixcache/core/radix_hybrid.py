@@ -70,8 +70,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_positive_int, check_release_inputs,
-                                   held_state)
+from prefixcache._validate import ArgumentTypeError, check_positive_int
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
     FreeKVCacheBlockQueue,
@@ -94,6 +93,7 @@ from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlock
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
+    _pop_held_state,
 )
 from prefixcache.core.groups.sliding_window import longest_window_hit
 from prefixcache.core.kv_groups import (
@@ -862,11 +862,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         # NOTE: the order the policy learns of releases: full blocks (stamped when their
         # node unlocks), the uncached tail, then position by position from the deepest,
         # each position's sliding-window blocks before its node -- so with LRU the
