@@ -52,9 +52,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prefixcache._validate import ArgumentTypeError, check_arrival, check_positive_int
+from prefixcache._validate import ArgumentTypeError, check_arrival
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
-from collections.abc import Mapping
 
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.policy_pool import PolicyBlockPool
@@ -67,7 +66,10 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _check_sizes,
+    _hash_eviction_options,
     _pop_held_state,
+    _store_settings,
 )
 from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager
 from prefixcache.core.groups.base import group_suffix as _group_suffix
@@ -311,14 +313,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"sliding-window KV cache groups do not support a host tier "
                 f"(num_host_blocks={num_host_blocks}); use one full-attention group")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise TypeError(
-                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}")
-        options = dict(eviction_options or {})
+        # (free_order: HybridBlockPool checks it, after the policy's checks)
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len)
+        options = _hash_eviction_options(eviction_options)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
         if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
@@ -343,13 +341,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.policy = policy
         self.host_tier = None
         self.num_host_blocks = 0
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         pool_kwargs = dict(
             groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,

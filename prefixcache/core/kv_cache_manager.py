@@ -202,6 +202,51 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
     return st, computed, total, need, num_new_computed_tokens
 
 
+# (``_check_sizes``'s "no free_order to check": the hybrid manager's pool checks it)
+_UNCHECKED = object()
+
+
+def _check_sizes(num_blocks, block_size, max_model_len, free_order=_UNCHECKED):
+    """Every manager's constructor checks of its sizes (the one rule for sizes: numpy
+    ints are ints, bools are not -- _validate), in this order: ``block_size``,
+    ``num_blocks``, ``free_order`` (when given), ``max_model_len`` (``None``: no limit).
+
+    Returns:
+        ``(num_blocks, block_size, max_model_len)`` as ints (``max_model_len`` may be
+        ``None``).
+    """
+    block_size = check_positive_int("block_size", block_size)
+    num_blocks = check_positive_int("num_blocks", num_blocks)
+    if free_order is not _UNCHECKED and free_order not in FREE_ORDERS:
+        raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+    max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
+    return num_blocks, block_size, max_model_len
+
+
+def _hash_eviction_options(eviction_options) -> dict:
+    """The hash index's managers' ``eviction_options`` rule: a copy of the mapping
+    (``None``: ``{}``); anything else raises ``TypeError``."""
+    if eviction_options is None:
+        return {}
+    if not isinstance(eviction_options, Mapping):
+        raise TypeError(
+            f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}"
+        )
+    return dict(eviction_options)
+
+
+def _store_settings(manager, num_blocks, block_size, enable_caching, free_order, log_stats,
+                    enable_events, max_model_len) -> None:
+    """The constructor arguments every manager keeps as attributes (checked ones)."""
+    manager.num_blocks = num_blocks
+    manager.block_size = block_size
+    manager.enable_caching = bool(enable_caching)
+    manager.free_order = free_order
+    manager.log_stats = bool(log_stats)
+    manager.enable_events = bool(enable_events)
+    manager.max_model_len = max_model_len
+
+
 def _pop_held_state(manager, request):
     """The state ``manager`` (``_states``: id -> state, ``_states_by_request``) holds
     for ``request``, dropped from both: the one preamble of every manager's ``free``.
@@ -385,25 +430,15 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"{type(self).__name__} serves the hash index over one full-attention "
                 f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
         num_host_blocks, host_options = check_host_args(
             num_host_blocks, host_eviction, host_eviction_options)
         if num_host_blocks and not enable_caching:
             raise ValueError(
                 f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
-        if eviction_options is None:
-            eviction_options = {}
-        elif not isinstance(eviction_options, Mapping):
-            raise TypeError(
-                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}"
-            )
-        options = dict(eviction_options)
+        options = _hash_eviction_options(eviction_options)
         fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
         if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
@@ -428,13 +463,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         # A policy that reads the waiting queue (queue_aware): admission drops the
         # request from it (``on_waiting``); None for every other policy.
         self._waiting_policy = policy if policy is not None and policy.needs_waiting else None
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         pool_kwargs = dict(
             enable_caching=self.enable_caching,

@@ -93,10 +93,8 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
-                                   check_release_inputs)
+from prefixcache._validate import ArgumentTypeError, check_arrival, check_release_inputs
 from prefixcache.core.block_pool import (
-    FREE_ORDERS,
     KV_CACHE_SPEC_KIND,
     FreeKVCacheBlockQueue,
     InvariantError,
@@ -120,7 +118,9 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _check_sizes,
     _pop_held_state,
+    _store_settings,
 )
 from prefixcache.core.indexes import resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
@@ -131,6 +131,15 @@ from prefixcache.core.stats import PrefixCacheStats
 _new = object.__new__
 
 INDEX_NAME = "radix"
+
+
+def _check_radix_eviction_options(eviction_options) -> None:
+    """The radix index's managers' ``eviction_options`` rule: a mapping or ``None``
+    (anything else: ``ValueError``)."""
+    if eviction_options is not None and not isinstance(eviction_options, Mapping):
+        raise ValueError(
+            f"eviction_options must be a mapping or None, got {eviction_options!r}"
+        )
 
 
 class _Node:
@@ -323,16 +332,9 @@ class RadixKVCacheManager(HostTierAPI):
         if num_host_blocks and not enable_caching:
             raise ValueError(
                 f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise ValueError(
-                f"eviction_options must be a mapping or None, got {eviction_options!r}"
-            )
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
+        _check_radix_eviction_options(eviction_options)
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
                                   **dict(eviction_options or {}))
@@ -364,13 +366,8 @@ class RadixKVCacheManager(HostTierAPI):
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
         self.num_groups = 1
         self._empty = empty_blocks(1)  # the decode fast path's shared empty result
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]

@@ -70,9 +70,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from prefixcache._validate import ArgumentTypeError, check_positive_int
+from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.block_pool import (
-    FREE_ORDERS,
     FreeKVCacheBlockQueue,
     InvariantError,
     KVCacheBlock,
@@ -93,7 +92,9 @@ from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlock
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
+    _check_sizes,
     _pop_held_state,
+    _store_settings,
 )
 from prefixcache.core.groups.sliding_window import longest_window_hit
 from prefixcache.core.kv_groups import (
@@ -106,6 +107,7 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
+    _check_radix_eviction_options,
     block_keys,
 )
 from prefixcache.core.stats import PrefixCacheStats
@@ -233,15 +235,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"not kv_cache_groups={kv_cache_groups!r}")
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
-        # (the one int rule: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise ValueError(
-                f"eviction_options must be a mapping or None, got {eviction_options!r}")
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
+        _check_radix_eviction_options(eviction_options)
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
                                   **dict(eviction_options or {}))
@@ -249,13 +245,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.index = INDEX_NAME
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         # Per group: the window W (None: full attention), whether its blocks are cached.
