@@ -71,7 +71,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager
+from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager, check_group_hits
 from prefixcache.core.groups.base import group_suffix as _group_suffix
 from prefixcache.core.kv_groups import (
     check_kv_cache_groups,
@@ -522,35 +522,24 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
                 f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
         out = []
-        pool_blocks = self.block_pool.blocks
         null = self.null_block
+        kinds = self._kinds
+        is_cached = self._is_cached_hit
         for g, blocks in enumerate(new_computed_blocks):
             if not isinstance(blocks, (list, tuple)):
                 raise ArgumentTypeError(
                     f"new_computed_blocks[{g}] must be a list of blocks, got "
                     f"{type(blocks).__name__}")
-            blocks = list(blocks)
-            if len(blocks) != len(out[0] if out else blocks):
-                raise ValueError(
-                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has "
-                    f"{len(out[0])}: every group's hit covers the same tokens")
-            suffix = self._suffix[g]
-            for b in blocks:
-                if b is null:
-                    if not self._kinds[g].allows_null_hits:
-                        raise ValueError(
-                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
-                            "full attention")
-                    continue
-                if type(b) is not KVCacheBlock:
-                    raise ArgumentTypeError(
-                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-                if (b.block_hash is None or not 0 <= b.block_id < self.num_blocks
-                        or pool_blocks[b.block_id] is not b or b.block_hash[-_KEY_BYTES:] != suffix):
-                    raise ValueError(
-                        f"block {b.block_id} is not a cached block of group {g} of this manager")
-            out.append(blocks)
+            out.append(check_group_hits(blocks, g, len(out[0]) if out else len(blocks), null,
+                                        kinds[g].allows_null_hits, is_cached))
         return out
+
+    def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
+        """``b`` is this manager's block, cached under group ``g``'s keys."""
+        bid = b.block_id
+        return (b.block_hash is not None and 0 <= bid < self.num_blocks
+                and self.block_pool.blocks[bid] is b
+                and b.block_hash[-_KEY_BYTES:] == self._suffix[g])
 
     def _check_hit_positions(self, request, hits) -> None:
         """Raise unless each group's hit slot #i holds the request's block #i (as

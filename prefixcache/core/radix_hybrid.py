@@ -96,6 +96,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
+from prefixcache.core.groups.base import check_group_hits
 from prefixcache.core.groups.sliding_window import longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
@@ -392,32 +393,18 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             raise ArgumentTypeError(
                 f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
                 f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
-        out = []
         null = self.null_block
         n = len(new_computed_blocks[0])
-        for g, blocks in enumerate(new_computed_blocks):
-            blocks = list(blocks)
-            if len(blocks) != n:
-                raise ValueError(
-                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has {n}: "
-                    "every group's hit covers the same tokens")
-            for b in blocks:
-                if b is null:
-                    if self._is_full[g]:
-                        raise ValueError(
-                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
-                            "full attention")
-                    continue
-                if type(b) is not KVCacheBlock:
-                    raise ArgumentTypeError(
-                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-                bid = b.block_id
-                if (not 0 <= bid < self.num_blocks or self.blocks[bid] is not b
-                        or self._owner[bid] is None or self._owner_group[bid] != g):
-                    raise ValueError(
-                        f"block {bid} is not a cached block of group {g} of this manager")
-            out.append(blocks)
-        return out
+        is_full = self._is_full
+        is_cached = self._is_cached_hit
+        return [check_group_hits(blocks, g, n, null, not is_full[g], is_cached)
+                for g, blocks in enumerate(new_computed_blocks)]
+
+    def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
+        """``b`` is this manager's block, cached in the tree for group ``g``."""
+        bid = b.block_id
+        return (0 <= bid < self.num_blocks and self.blocks[bid] is b
+                and self._owner[bid] is not None and self._owner_group[bid] == g)
 
     def _hit_path(self, request, hits, num_local_computed: int) -> list[_HybridNode]:
         """The path nodes of the hit lists ``hits``; ``ValueError`` unless hit slot #i
