@@ -229,21 +229,37 @@ class _HybridState:
             tables have the same length).
         num_cached: ``num_cached[g]``, group g's leading slots already cached (or null).
         num_null: ``num_null[g]``, the length of group g's leading run of null slots.
-        idle_total / idle_nc: the decode fast path's bounds: a step with
-            ``num_computed_tokens + num_new_tokens <= idle_total`` and
+        idle_until / idle_nc: the decode fast path's bounds: a step with
+            ``num_computed_tokens + num_new_tokens <= idle_until`` and
             ``num_computed_tokens <= idle_nc`` needs no block, caches none and
             releases none -- nothing to do. Set after every allocation.
     """
 
-    __slots__ = ("request", "tables", "num_cached", "num_null", "idle_total", "idle_nc")
+    __slots__ = ("request", "tables", "num_cached", "num_null", "idle_until", "idle_nc")
 
     def __init__(self, request, tables, num_cached, num_null):
         self.request = request
         self.tables = tables
         self.num_cached = num_cached
         self.num_null = num_null
-        self.idle_total = -1
+        self.idle_until = -1
         self.idle_nc = -1
+
+
+def is_idle_step(st, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                 num_lookahead_tokens) -> bool:
+    """The multi-group managers' decode fast path (hash and radix index): a step of the
+    running request of state ``st`` that needs no block, caches none and releases none
+    (``st.idle_until`` / ``st.idle_nc``, set after every allocation). Odd types, hits
+    and lookahead answer False (the checked path)."""
+    nc = st.request.num_computed_tokens
+    return (
+        type(nc) is int and nc >= 0
+        and type(num_new_tokens) is int and num_new_tokens > 0
+        and not num_new_computed_tokens and not new_computed_blocks
+        and not num_lookahead_tokens
+        and nc + num_new_tokens <= st.idle_until and nc <= st.idle_nc
+    )
 
 
 class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
@@ -589,18 +605,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             st = self._states_by_request[request]
         except (KeyError, TypeError):
             st = None
-        if st is not None:
-            nc = request.num_computed_tokens
-            # Fast path: a decode step that needs nothing (most of them). Anything
-            # else -- odd types, hits, lookahead -- takes the checked path below.
-            if (
-                type(nc) is int and nc >= 0
-                and type(num_new_tokens) is int and num_new_tokens > 0
-                and not num_new_computed_tokens and not new_computed_blocks
-                and not num_lookahead_tokens
-                and nc + num_new_tokens <= st.idle_total and nc <= st.idle_nc
-            ):
-                return self._no_new_blocks
+        # Fast path: a decode step that needs nothing (most of them). Anything
+        # else -- odd types, hits, lookahead -- takes the checked path below.
+        if st is not None and is_idle_step(st, num_new_tokens, num_new_computed_tokens,
+                                           new_computed_blocks, num_lookahead_tokens):
+            return self._no_new_blocks
         if isinstance(new_computed_blocks, KVCacheBlocks):  # (every group, even one)
             new_computed_blocks = tuple(list(g) for g in new_computed_blocks.blocks)
         hits = self._check_hit_blocks(new_computed_blocks)
@@ -699,7 +708,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return r
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
-        """``(idle_total, idle_nc)`` for the state's tables now."""
+        """``(idle_until, idle_nc)`` for the state's tables now."""
         bs = self.block_size
         total = len(st.tables[0]) * bs
         if self.max_model_len is not None and self.max_model_len < total:
@@ -717,7 +726,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return total, nc
 
     def _set_idle_bounds(self, st: _HybridState) -> None:
-        st.idle_total, st.idle_nc = self._idle_bounds(st)
+        st.idle_until, st.idle_nc = self._idle_bounds(st)
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
@@ -814,9 +823,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     f"request {rid!r}: tables of different lengths {st.tables}")
             total, nc = self._idle_bounds(st)
             # NOTE: after a None return the window bound may lag (conservative).
-            if st.idle_total != total or st.idle_nc > nc:
+            if st.idle_until != total or st.idle_nc > nc:
                 raise InvariantError(
-                    f"request {rid!r}: fast-path bounds ({st.idle_total}, {st.idle_nc}) "
+                    f"request {rid!r}: fast-path bounds ({st.idle_until}, {st.idle_nc}) "
                     f"vs ({total}, {nc})")
             for g, table in enumerate(st.tables):
                 kind = self._kinds[g]

@@ -87,6 +87,7 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import make_policy
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
@@ -159,7 +160,7 @@ class _HybridRadixState(_RadixState):
         tables: one block table per group (null slots included; equal lengths).
         num_null: per group, the length of the table's leading run of null slots.
         idle_nc: with ``idle_until``, the decode fast path's bounds (as the hybrid
-            manager's ``idle_total`` / ``idle_nc``).
+            manager's ``idle_until`` / ``idle_nc``; ``hybrid.is_idle_step``).
     """
 
     __slots__ = ("tables", "num_null", "idle_nc")
@@ -464,16 +465,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             st = self._states_by_request[request]
         except (KeyError, TypeError):
             st = None
-        if st is not None:
-            nc = request.num_computed_tokens
-            if (
-                type(nc) is int and nc >= 0
-                and type(num_new_tokens) is int and num_new_tokens > 0
-                and not num_new_computed_tokens and not new_computed_blocks
-                and not num_lookahead_tokens
-                and nc + num_new_tokens <= st.idle_until and nc <= st.idle_nc
-            ):
-                return self._no_new_blocks  # a decode step that needs nothing
+        if st is not None and is_idle_step(st, num_new_tokens, num_new_computed_tokens,
+                                           new_computed_blocks, num_lookahead_tokens):
+            return self._no_new_blocks  # a decode step that needs nothing
         hits = self._check_hit_blocks(new_computed_blocks)
         flat = hits[0] if hits is not None else None
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
