@@ -98,7 +98,7 @@ from prefixcache.core.kv_cache_manager import (
     _store_settings,
 )
 from prefixcache.core.groups.base import check_group_hits
-from prefixcache.core.groups.sliding_window import longest_window_hit
+from prefixcache.core.groups.sliding_window import check_leading_nulls, longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
     check_kv_cache_groups,
@@ -1066,13 +1066,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 locks[id(node)] += 1
                 parent = node
             for g, table in enumerate(tables):
-                num_null = 0
-                while num_null < len(table) and table[num_null] is null:
-                    num_null += 1
-                if num_null != st.num_null[g]:
-                    raise InvariantError(
-                        f"request {rid!r} group {g}: {num_null} leading null slots, tracked "
-                        f"{st.num_null[g]}")
+                num_null = check_leading_nulls(table, null, st.num_null[g], rid, g)
                 if num_null and self._is_full[g]:
                     raise InvariantError(
                         f"request {rid!r}: full-attention group {g} has null slots")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from prefixcache.core import KVCacheManager, Request
 from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.block_pool import InvariantError
 from prefixcache.core.eviction import POLICIES, TraceFuture
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import COMBINATION_RULES, INDEXES, LAYOUT_INDEXES, refusal
@@ -389,6 +390,21 @@ def test_bad_hit_blocks_raise_and_change_nothing(index):
         m.check_invariants()
     assert m.allocate_slots(b, 2, hit, blocks) is not None
     m.check_invariants()
+
+
+@pytest.mark.parametrize("index", ["radix", "hash"])  # (one rule: check_leading_nulls)
+def test_a_mistracked_run_of_null_slots_breaks_the_invariants(index):
+    m = _manager("full,sw8", 20, index=index)
+    a = Request("a", list(range(17)))
+    _admit(m, a)
+    _decode(m, a, 8)  # past the window: group 1's first blocks are released
+    impl = m.implementation
+    st = impl._states["a"]
+    assert st.num_null[1] > 0
+    st.num_null[1] -= 1
+    st.idle_until, st.idle_nc = impl._idle_bounds(st)  # (checked before the slots)
+    with pytest.raises(InvariantError, match="leading null slots, tracked"):
+        m.check_invariants()
 
 
 def test_replay_runs_the_radix_index_on_sliding_window_layouts_with_belady():

@@ -61,6 +61,19 @@ def longest_window_hit(keys, max_num_blocks: int, need: int, null, num_lists: in
     return computed
 
 
+def check_leading_nulls(table, null, tracked: int, rid, g: int) -> int:
+    """The length of ``table``'s leading run of ``null`` slots (a running request's
+    group ``g`` table); ``InvariantError`` unless it is ``tracked`` (``st.num_null[g]``).
+    The hash kind's and the radix tree's ``check_invariants`` rule."""
+    num_null = 0
+    while num_null < len(table) and table[num_null] is null:
+        num_null += 1
+    if num_null != tracked:
+        raise InvariantError(
+            f"request {rid!r} group {g}: {num_null} leading null slots, tracked {tracked}")
+    return num_null
+
+
 class SlidingWindowManager(SingleTypeManager):
     """Blocks wholly before the window of the next token are released (their slots
     become a leading run of null slots); a hit needs the window's blocks only."""
@@ -124,17 +137,12 @@ class SlidingWindowManager(SingleTypeManager):
         g = self.group_id
         table = st.tables[g]
         null = self.null_block
-        num_null = 0
-        while num_null < len(table) and table[num_null] is null:
-            num_null += 1
-        if num_null != st.num_null[g]:
-            raise InvariantError(
-                f"request {rid!r} group {g}: {num_null} leading null slots, "
-                f"tracked {st.num_null[g]}")
+        num_null = check_leading_nulls(table, null, st.num_null[g], rid, g)
         if any(b is null for b in table[num_null:]):
             raise InvariantError(
                 f"request {rid!r} group {g}: a null slot after a real block "
                 f"{[b.block_id for b in table]}")
 
 
-__all__ = ["SlidingWindowManager", "SlidingWindowSpec", "longest_window_hit"]
+__all__ = ["SlidingWindowManager", "SlidingWindowSpec", "check_leading_nulls",
+           "longest_window_hit"]
