@@ -133,13 +133,19 @@ _new = object.__new__
 INDEX_NAME = "radix"
 
 
-def _check_radix_eviction_options(eviction_options) -> None:
-    """The radix index's managers' ``eviction_options`` rule: a mapping or ``None``
-    (anything else: ``ValueError``)."""
+def _radix_hasher_and_policy(hash_algo, hash_seed, eviction: str, eviction_options,
+                             num_blocks: int, block_size: int):
+    """The radix index's managers' ``(BlockHasher, EvictionPolicy)``, in this order:
+    ``eviction_options`` a mapping or ``None`` (else ``ValueError``), the hash algorithm
+    (unknown: ``ValueError``), the policy and its options."""
     if eviction_options is not None and not isinstance(eviction_options, Mapping):
         raise ValueError(
             f"eviction_options must be a mapping or None, got {eviction_options!r}"
         )
+    hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+    policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                         **dict(eviction_options or {}))
+    return hasher, policy
 
 
 class _Node:
@@ -334,10 +340,8 @@ class RadixKVCacheManager(HostTierAPI):
                 f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
-        _check_radix_eviction_options(eviction_options)
-        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
-        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
-                                  **dict(eviction_options or {}))
+        self.hasher, self.policy = _radix_hasher_and_policy(
+            hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
         host_tier = None
         if num_host_blocks:
             # Built before any state: a bad host policy option raises here.

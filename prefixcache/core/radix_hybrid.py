@@ -85,8 +85,6 @@ from prefixcache.core.events import (
     BlockStored,
     event_extra_keys,
 )
-from prefixcache.core.eviction import make_policy
-from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
@@ -109,7 +107,7 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
-    _check_radix_eviction_options,
+    _radix_hasher_and_policy,
     block_keys,
 )
 from prefixcache.core.stats import PrefixCacheStats
@@ -239,10 +237,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
-        _check_radix_eviction_options(eviction_options)
-        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
-        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
-                                  **dict(eviction_options or {}))
+        self.hasher, self.policy = _radix_hasher_and_policy(
+            hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
         self.eviction = eviction
         self.index = INDEX_NAME
         self.kv_cache_groups = groups
