@@ -300,6 +300,7 @@ class RadixKVCacheManager(HostTierAPI):
 
     # The tree's children are keyed by token bytes: adopted hashes alone do not work.
     KEYS_BY_BLOCK_HASH = False
+    _NODE = _Node  # the tree's node class (_cache_start makes roots of it)
 
     def __init__(
         self,
@@ -807,25 +808,31 @@ class RadixKVCacheManager(HostTierAPI):
         self.num_blocks_allocated += n
         return out
 
+    def _cache_start(self, st: _RadixState, first: int, num_full: int) -> tuple:
+        """``(parent, keys)`` for entering the request's blocks ``first .. num_full - 1``
+        (``first == len(st.path)``): the node they go below (the path's last, or the
+        namespace's root, made here) and their child keys. Both trees' rule."""
+        if first:
+            parent = st.path[-1]
+        else:
+            parent = self._roots.get(st.ns)
+            if parent is None:
+                parent = self._roots[st.ns] = self._NODE(st.ns, None, None)
+        bs = self.block_size
+        request = st.request
+        if first >= st.plain_from:  # decode blocks: token bytes only
+            kb = request.token_bytes(first * bs, num_full * bs)
+            w = 8 * bs
+            return parent, [kb[j : j + w] for j in range(0, len(kb), w)]
+        return parent, block_keys(request, first, num_full, bs, self._extras(request))
+
     def _cache(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """Enter the request's blocks ``len(st.path) .. num_full - 1`` into the tree."""
         request = st.request
         path = st.path
         blocks = st.blocks
         first = len(path)
-        if path:
-            parent = path[-1]
-        else:
-            parent = self._roots.get(st.ns)
-            if parent is None:
-                parent = self._roots[st.ns] = _Node(st.ns, None, None)
-        bs = self.block_size
-        if first >= st.plain_from:  # decode blocks: token bytes only
-            kb = request.token_bytes(first * bs, num_full * bs)
-            w = 8 * bs
-            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
-        else:
-            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        parent, keys = self._cache_start(st, first, num_full)
         policy = self.policy
         nodes = self._nodes
         events = self.enable_events

@@ -196,6 +196,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     """
 
     KEYS_BY_BLOCK_HASH = False
+    _NODE = _HybridNode
 
     def __init__(
         self,
@@ -740,19 +741,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         path = st.path
         tables = st.tables
         first = len(path)
-        if path:
-            parent = path[-1]
-        else:
-            parent = self._roots.get(st.ns)
-            if parent is None:
-                parent = self._roots[st.ns] = _HybridNode(st.ns, None, None)
-        bs = self.block_size
-        if first >= st.plain_from:
-            kb = request.token_bytes(first * bs, num_full * bs)
-            w = 8 * bs
-            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
-        else:
-            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        parent, keys = self._cache_start(st, first, num_full)
         null = self.null_block
         cacheable = self._cacheable
         owner = self._owner
