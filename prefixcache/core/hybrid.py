@@ -67,6 +67,7 @@ from prefixcache.core.kv_cache_manager import (
     _bad_num_computed_tokens,
     _check_request,
     _check_sizes,
+    _init_lookup_counters,
     _hash_eviction_options,
     _pop_held_state,
     _store_settings,
@@ -390,12 +391,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None)
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
 
     @property
     def hash_algo(self) -> str:

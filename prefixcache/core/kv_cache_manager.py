@@ -247,6 +247,16 @@ def _store_settings(manager, num_blocks, block_size, enable_caching, free_order,
     manager.max_model_len = max_model_len
 
 
+def _init_lookup_counters(manager) -> None:
+    """Every manager's lookup statistics at construction: ``prefix_cache_stats``
+    (``None`` without ``log_stats``) and the cumulative counters (never reset)."""
+    manager.prefix_cache_stats = PrefixCacheStats() if manager.log_stats else None
+    manager.num_lookups = 0
+    manager.num_lookup_tokens = 0
+    manager.num_hit_tokens = 0
+    manager.num_failed_allocations = 0
+
+
 def _pop_held_state(manager, request):
     """The state ``manager`` (``_states``: id -> state, ``_states_by_request``) holds
     for ``request``, dropped from both: the one preamble of every manager's ``free``.
@@ -506,14 +516,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         # The same states keyed by the Request object (identity hash, C speed): the
         # decode fast path finds its state without calling the request_id property.
         self._states_by_request: dict[Any, _RequestState] = {}
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None
-        )
-        # Cumulative counters (never reset; see also block_pool.num_evictions).
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)  # (see also block_pool.num_evictions)
         # Hit tokens adopted at admission, by tier (the host's stays 0 without a tier).
         self.device_hit_tokens = 0
         self.host_hit_tokens = 0

@@ -119,6 +119,7 @@ from prefixcache.core.kv_cache_manager import (
     _bad_num_computed_tokens,
     _check_request,
     _check_sizes,
+    _init_lookup_counters,
     _pop_held_state,
     _store_settings,
 )
@@ -389,14 +390,7 @@ class RadixKVCacheManager(HostTierAPI):
         self._states: dict[Any, _RadixState] = {}
         self._states_by_request: dict[Any, _RadixState] = {}
         self.events: list[KVCacheEvent] = []
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None
-        )
-        # Cumulative counters (never reset).
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
         self.device_hit_tokens = 0  # hit tokens adopted at admission (all on the device)
         self.num_evictions = 0
         self.num_blocks_cached = 0

@@ -92,6 +92,7 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_sizes,
+    _init_lookup_counters,
     _pop_held_state,
     _store_settings,
 )
@@ -110,7 +111,6 @@ from prefixcache.core.radix import (
     _radix_hasher_and_policy,
     block_keys,
 )
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
@@ -276,12 +276,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._empty = self._no_new_blocks
         self.events = []
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None)
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
         self.device_hit_tokens = 0
         self.num_evictions = 0
         self.num_blocks_cached = 0
