@@ -36,11 +36,11 @@ from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (
     HostHit,
-    HostTier,
     HostTierAPI,
     TieredBlockPool,
     TieredPolicyBlockPool,
-    check_host_args,
+    check_tier_args,
+    make_host_tier,
 )
 from prefixcache.core.indexes import DEFAULT_INDEX, resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
@@ -443,11 +443,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
-        num_host_blocks, host_options = check_host_args(
-            num_host_blocks, host_eviction, host_eviction_options)
-        if num_host_blocks and not enable_caching:
-            raise ValueError(
-                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
+        num_host_blocks, host_options = check_tier_args(
+            num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         options = _hash_eviction_options(eviction_options)
         fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
         if policy_cls.needs_future and options.get("future") is None:
@@ -460,13 +457,9 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         policy: EvictionPolicy | None = None
         if eviction != DEFAULT_POLICY or options or not fast_path:
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size, **options)
-        host_tier = None
-        if num_host_blocks:
-            # Built before any state: a bad host policy option raises here.
-            host_tier = HostTier(
-                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
-                eviction=host_eviction, eviction_options=host_options,
-                enable_events=bool(enable_events))
+        host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
+                                   block_size=block_size, num_device_blocks=num_blocks,
+                                   enable_events=enable_events)
         self.eviction = eviction
         self.index = DEFAULT_INDEX
         self.policy = policy

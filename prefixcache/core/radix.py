@@ -112,7 +112,8 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostHit, HostTier, HostTierAPI, check_host_args
+from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
+                                        make_host_tier)
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
@@ -335,22 +336,15 @@ class RadixKVCacheManager(HostTierAPI):
             raise ValueError(
                 f"{type(self).__name__} serves the radix index over one full-attention "
                 f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
-        num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
-                                                        host_eviction_options)
-        if num_host_blocks and not enable_caching:
-            raise ValueError(
-                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
+        num_host_blocks, host_options = check_tier_args(
+            num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
         self.hasher, self.policy = _radix_hasher_and_policy(
             hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
-        host_tier = None
-        if num_host_blocks:
-            # Built before any state: a bad host policy option raises here.
-            host_tier = HostTier(
-                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
-                eviction=host_eviction, eviction_options=host_options,
-                enable_events=bool(enable_events))
+        host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
+                                   block_size=block_size, num_device_blocks=num_blocks,
+                                   enable_events=enable_events)
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
