@@ -68,6 +68,7 @@ from prefixcache.core.kv_cache_manager import (
     _check_request,
     _check_sizes,
     _init_lookup_counters,
+    _make_prefix_cache_stats,
     _hash_eviction_options,
     _pop_held_state,
     _store_settings,
@@ -81,7 +82,6 @@ from prefixcache.core.kv_groups import (
 )
 from prefixcache.core.request import Request
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
@@ -787,12 +787,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     def take_events(self):
         return self.block_pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     def check_invariants(self) -> None:
         """Verify pool and per-group table bookkeeping; ``InvariantError`` if broken."""

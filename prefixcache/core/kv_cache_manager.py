@@ -257,6 +257,19 @@ def _init_lookup_counters(manager) -> None:
     manager.num_failed_allocations = 0
 
 
+def _make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+    """Return the stats since the last call and start a new interval.
+
+    ``None`` when ``log_stats`` is off. (Every manager's ``make_prefix_cache_stats``:
+    the classes bind this function, no extra call.)
+    """
+    if not self.log_stats:
+        return None
+    stats = self.prefix_cache_stats
+    self.prefix_cache_stats = PrefixCacheStats()
+    return stats
+
+
 def _pop_held_state(manager, request):
     """The state ``manager`` (``_states``: id -> state, ``_states_by_request``) holds
     for ``request``, dropped from both: the one preamble of every manager's ``free``.
@@ -984,16 +997,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         """Return and clear the queued KV cache events (``[]`` when disabled)."""
         return self.block_pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Return the stats since the last call and start a new interval.
-
-        ``None`` when ``log_stats`` is off.
-        """
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     def check_invariants(self) -> None:
         """Verify pool and request bookkeeping; raise ``InvariantError`` if broken."""

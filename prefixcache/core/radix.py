@@ -121,6 +121,7 @@ from prefixcache.core.kv_cache_manager import (
     _check_request,
     _check_sizes,
     _init_lookup_counters,
+    _make_prefix_cache_stats,
     _pop_held_state,
     _store_settings,
 )
@@ -128,7 +129,6 @@ from prefixcache.core.indexes import resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
@@ -1210,14 +1210,7 @@ class RadixKVCacheManager(HostTierAPI):
         self.events = []
         return events
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Return the stats since the last call and start a new interval (``None``
-        when ``log_stats`` is off)."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     # -------------------------------------------------------------- checking
     def _check_free_queue(self) -> None:
