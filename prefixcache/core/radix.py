@@ -150,6 +150,15 @@ def _radix_hasher_and_policy(hash_algo, hash_seed, eviction: str, eviction_optio
     return hasher, policy
 
 
+def _check_root(ns, root, payload) -> None:
+    """``InvariantError`` unless ``root`` (its ``payload``: ``block`` / ``blocks``) is
+    a well-formed root of namespace ``ns`` with children (both trees' rule)."""
+    if root.key != ns or payload is not None or root.parent is not None:
+        raise InvariantError(f"root of namespace {ns!r} is malformed")
+    if not root.children:
+        raise InvariantError(f"root of namespace {ns!r} has no children")
+
+
 class _Node:
     """One cached block in the tree (a root: ``block is None``, ``key`` = namespace).
 
@@ -1275,10 +1284,7 @@ class RadixKVCacheManager(HostTierAPI):
         num_nodes = num_unlocked = 0
         candidates = []
         for ns, root in self._roots.items():
-            if root.key != ns or root.block is not None or root.parent is not None:
-                raise InvariantError(f"root of namespace {ns!r} is malformed")
-            if not root.children:
-                raise InvariantError(f"root of namespace {ns!r} has no children")
+            _check_root(ns, root, root.block)
             stack = [root]
             while stack:
                 node = stack.pop()

@@ -108,6 +108,7 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
+    _check_root,
     _radix_hasher_and_policy,
     block_keys,
 )
@@ -931,10 +932,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         num_nodes = num_free_sw = num_unlocked_full = 0
         candidates: list[int] = []
         for ns, root in self._roots.items():
-            if root.key != ns or root.blocks is not None or root.parent is not None:
-                raise InvariantError(f"root of namespace {ns!r} is malformed")
-            if not root.children:
-                raise InvariantError(f"root of namespace {ns!r} has no children")
+            _check_root(ns, root, root.blocks)
             stack = [root]
             while stack:
                 node = stack.pop()

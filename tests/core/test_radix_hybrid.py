@@ -407,6 +407,16 @@ def test_a_mistracked_run_of_null_slots_breaks_the_invariants(index):
         m.check_invariants()
 
 
+@pytest.mark.parametrize("layout", ["full", "full,sw8"])  # (one rule: radix._check_root)
+def test_a_malformed_root_breaks_both_trees_invariants(layout):
+    m = _manager(layout, 20)
+    _admit(m, Request("a", list(range(9))))
+    (root,) = m.implementation._roots.values()
+    root.key = ("another namespace",)
+    with pytest.raises(InvariantError, match="is malformed"):
+        m.check_invariants()
+
+
 def test_replay_runs_the_radix_index_on_sliding_window_layouts_with_belady():
     reqs = workloads.generate("shared_system_prompt", **SMALL["shared_system_prompt"])
     s = replay(reqs, num_blocks=60, block_size=BS, concurrency=2, index="radix",
