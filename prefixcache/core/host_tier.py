@@ -185,6 +185,30 @@ def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tu
     return num_host_blocks, options
 
 
+def check_tier_args(num_host_blocks, host_eviction, host_eviction_options,
+                    enable_caching) -> tuple[int, dict]:
+    """``check_host_args``, then a tier needs prefix caching: the one-group managers'
+    (hash and radix index) host-tier checks. Same return value."""
+    num_host_blocks, options = check_host_args(num_host_blocks, host_eviction,
+                                               host_eviction_options)
+    if num_host_blocks and not enable_caching:
+        raise ValueError(
+            f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
+    return num_host_blocks, options
+
+
+def make_host_tier(num_host_blocks: int, host_eviction, host_options: dict, *,
+                   block_size: int, num_device_blocks: int, enable_events) -> "HostTier | None":
+    """The manager's ``HostTier`` (``None`` for ``num_host_blocks == 0``), built before
+    any of the manager's state: a bad host policy option raises here."""
+    if not num_host_blocks:
+        return None
+    return HostTier(
+        num_host_blocks, block_size=block_size, num_device_blocks=num_device_blocks,
+        eviction=host_eviction, eviction_options=host_options,
+        enable_events=bool(enable_events))
+
+
 class HostTier:
     """The host index: hash -> host slot, the free slots, the host policy.
 

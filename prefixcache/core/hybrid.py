@@ -52,10 +52,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
-                                   check_release_inputs, held_state)
+from prefixcache._validate import ArgumentTypeError, check_arrival
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
-from collections.abc import Mapping
 
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.policy_pool import PolicyBlockPool
@@ -68,8 +66,14 @@ from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _check_sizes,
+    _init_lookup_counters,
+    _make_prefix_cache_stats,
+    _hash_eviction_options,
+    _pop_held_state,
+    _store_settings,
 )
-from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager
+from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager, check_group_hits
 from prefixcache.core.groups.base import group_suffix as _group_suffix
 from prefixcache.core.kv_groups import (
     check_kv_cache_groups,
@@ -78,7 +82,6 @@ from prefixcache.core.kv_groups import (
 )
 from prefixcache.core.request import Request
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
@@ -227,21 +230,37 @@ class _HybridState:
             tables have the same length).
         num_cached: ``num_cached[g]``, group g's leading slots already cached (or null).
         num_null: ``num_null[g]``, the length of group g's leading run of null slots.
-        idle_total / idle_nc: the decode fast path's bounds: a step with
-            ``num_computed_tokens + num_new_tokens <= idle_total`` and
+        idle_until / idle_nc: the decode fast path's bounds: a step with
+            ``num_computed_tokens + num_new_tokens <= idle_until`` and
             ``num_computed_tokens <= idle_nc`` needs no block, caches none and
             releases none -- nothing to do. Set after every allocation.
     """
 
-    __slots__ = ("request", "tables", "num_cached", "num_null", "idle_total", "idle_nc")
+    __slots__ = ("request", "tables", "num_cached", "num_null", "idle_until", "idle_nc")
 
     def __init__(self, request, tables, num_cached, num_null):
         self.request = request
         self.tables = tables
         self.num_cached = num_cached
         self.num_null = num_null
-        self.idle_total = -1
+        self.idle_until = -1
         self.idle_nc = -1
+
+
+def is_idle_step(st, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                 num_lookahead_tokens) -> bool:
+    """The multi-group managers' decode fast path (hash and radix index): a step of the
+    running request of state ``st`` that needs no block, caches none and releases none
+    (``st.idle_until`` / ``st.idle_nc``, set after every allocation). Odd types, hits
+    and lookahead answer False (the checked path)."""
+    nc = st.request.num_computed_tokens
+    return (
+        type(nc) is int and nc >= 0
+        and type(num_new_tokens) is int and num_new_tokens > 0
+        and not num_new_computed_tokens and not new_computed_blocks
+        and not num_lookahead_tokens
+        and nc + num_new_tokens <= st.idle_until and nc <= st.idle_nc
+    )
 
 
 class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
@@ -311,14 +330,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"sliding-window KV cache groups do not support a host tier "
                 f"(num_host_blocks={num_host_blocks}); use one full-attention group")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise TypeError(
-                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}")
-        options = dict(eviction_options or {})
+        # (free_order: HybridBlockPool checks it, after the policy's checks)
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len)
+        options = _hash_eviction_options(eviction_options)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
         if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
@@ -343,13 +358,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.policy = policy
         self.host_tier = None
         self.num_host_blocks = 0
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         pool_kwargs = dict(
             groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,
@@ -381,12 +391,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None)
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
 
     @property
     def hash_algo(self) -> str:
@@ -529,35 +534,24 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
                 f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
         out = []
-        pool_blocks = self.block_pool.blocks
         null = self.null_block
+        kinds = self._kinds
+        is_cached = self._is_cached_hit
         for g, blocks in enumerate(new_computed_blocks):
             if not isinstance(blocks, (list, tuple)):
                 raise ArgumentTypeError(
                     f"new_computed_blocks[{g}] must be a list of blocks, got "
                     f"{type(blocks).__name__}")
-            blocks = list(blocks)
-            if len(blocks) != len(out[0] if out else blocks):
-                raise ValueError(
-                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has "
-                    f"{len(out[0])}: every group's hit covers the same tokens")
-            suffix = self._suffix[g]
-            for b in blocks:
-                if b is null:
-                    if not self._kinds[g].allows_null_hits:
-                        raise ValueError(
-                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
-                            "full attention")
-                    continue
-                if type(b) is not KVCacheBlock:
-                    raise ArgumentTypeError(
-                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-                if (b.block_hash is None or not 0 <= b.block_id < self.num_blocks
-                        or pool_blocks[b.block_id] is not b or b.block_hash[-_KEY_BYTES:] != suffix):
-                    raise ValueError(
-                        f"block {b.block_id} is not a cached block of group {g} of this manager")
-            out.append(blocks)
+            out.append(check_group_hits(blocks, g, len(out[0]) if out else len(blocks), null,
+                                        kinds[g].allows_null_hits, is_cached))
         return out
+
+    def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
+        """``b`` is this manager's block, cached under group ``g``'s keys."""
+        bid = b.block_id
+        return (b.block_hash is not None and 0 <= bid < self.num_blocks
+                and self.block_pool.blocks[bid] is b
+                and b.block_hash[-_KEY_BYTES:] == self._suffix[g])
 
     def _check_hit_positions(self, request, hits) -> None:
         """Raise unless each group's hit slot #i holds the request's block #i (as
@@ -607,18 +601,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             st = self._states_by_request[request]
         except (KeyError, TypeError):
             st = None
-        if st is not None:
-            nc = request.num_computed_tokens
-            # Fast path: a decode step that needs nothing (most of them). Anything
-            # else -- odd types, hits, lookahead -- takes the checked path below.
-            if (
-                type(nc) is int and nc >= 0
-                and type(num_new_tokens) is int and num_new_tokens > 0
-                and not num_new_computed_tokens and not new_computed_blocks
-                and not num_lookahead_tokens
-                and nc + num_new_tokens <= st.idle_total and nc <= st.idle_nc
-            ):
-                return self._no_new_blocks
+        # Fast path: a decode step that needs nothing (most of them). Anything
+        # else -- odd types, hits, lookahead -- takes the checked path below.
+        if st is not None and is_idle_step(st, num_new_tokens, num_new_computed_tokens,
+                                           new_computed_blocks, num_lookahead_tokens):
+            return self._no_new_blocks
         if isinstance(new_computed_blocks, KVCacheBlocks):  # (every group, even one)
             new_computed_blocks = tuple(list(g) for g in new_computed_blocks.blocks)
         hits = self._check_hit_blocks(new_computed_blocks)
@@ -717,7 +704,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return r
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
-        """``(idle_total, idle_nc)`` for the state's tables now."""
+        """``(idle_until, idle_nc)`` for the state's tables now."""
         bs = self.block_size
         total = len(st.tables[0]) * bs
         if self.max_model_len is not None and self.max_model_len < total:
@@ -735,7 +722,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return total, nc
 
     def _set_idle_bounds(self, st: _HybridState) -> None:
-        st.idle_total, st.idle_nc = self._idle_bounds(st)
+        st.idle_until, st.idle_nc = self._idle_bounds(st)
 
     def free(self, request) -> None:
         """Release a request's blocks: group by group, each table reversed (its last
@@ -746,11 +733,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         for k in self._kinds:
             k.free(st)
 
@@ -804,12 +787,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     def take_events(self):
         return self.block_pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     def check_invariants(self) -> None:
         """Verify pool and per-group table bookkeeping; ``InvariantError`` if broken."""
@@ -836,9 +814,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     f"request {rid!r}: tables of different lengths {st.tables}")
             total, nc = self._idle_bounds(st)
             # NOTE: after a None return the window bound may lag (conservative).
-            if st.idle_total != total or st.idle_nc > nc:
+            if st.idle_until != total or st.idle_nc > nc:
                 raise InvariantError(
-                    f"request {rid!r}: fast-path bounds ({st.idle_total}, {st.idle_nc}) "
+                    f"request {rid!r}: fast-path bounds ({st.idle_until}, {st.idle_nc}) "
                     f"vs ({total}, {nc})")
             for g, table in enumerate(st.tables):
                 kind = self._kinds[g]

@@ -36,11 +36,11 @@ from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (
     HostHit,
-    HostTier,
     HostTierAPI,
     TieredBlockPool,
     TieredPolicyBlockPool,
-    check_host_args,
+    check_tier_args,
+    make_host_tier,
 )
 from prefixcache.core.indexes import DEFAULT_INDEX, resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
@@ -200,6 +200,97 @@ def _admission_checks(manager, request, num_new_tokens, num_new_computed_tokens,
             f"{request.block_size}, not this manager's {manager.hasher!r} / {bs}"
         )
     return st, computed, total, need, num_new_computed_tokens
+
+
+# (``_check_sizes``'s "no free_order to check": the hybrid manager's pool checks it)
+_UNCHECKED = object()
+
+
+def _check_sizes(num_blocks, block_size, max_model_len, free_order=_UNCHECKED):
+    """Every manager's constructor checks of its sizes (the one rule for sizes: numpy
+    ints are ints, bools are not -- _validate), in this order: ``block_size``,
+    ``num_blocks``, ``free_order`` (when given), ``max_model_len`` (``None``: no limit).
+
+    Returns:
+        ``(num_blocks, block_size, max_model_len)`` as ints (``max_model_len`` may be
+        ``None``).
+    """
+    block_size = check_positive_int("block_size", block_size)
+    num_blocks = check_positive_int("num_blocks", num_blocks)
+    if free_order is not _UNCHECKED and free_order not in FREE_ORDERS:
+        raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+    max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
+    return num_blocks, block_size, max_model_len
+
+
+def _hash_eviction_options(eviction_options) -> dict:
+    """The hash index's managers' ``eviction_options`` rule: a copy of the mapping
+    (``None``: ``{}``); anything else raises ``TypeError``."""
+    if eviction_options is None:
+        return {}
+    if not isinstance(eviction_options, Mapping):
+        raise TypeError(
+            f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}"
+        )
+    return dict(eviction_options)
+
+
+def _store_settings(manager, num_blocks, block_size, enable_caching, free_order, log_stats,
+                    enable_events, max_model_len) -> None:
+    """The constructor arguments every manager keeps as attributes (checked ones)."""
+    manager.num_blocks = num_blocks
+    manager.block_size = block_size
+    manager.enable_caching = bool(enable_caching)
+    manager.free_order = free_order
+    manager.log_stats = bool(log_stats)
+    manager.enable_events = bool(enable_events)
+    manager.max_model_len = max_model_len
+
+
+def _init_lookup_counters(manager) -> None:
+    """Every manager's lookup statistics at construction: ``prefix_cache_stats``
+    (``None`` without ``log_stats``) and the cumulative counters (never reset)."""
+    manager.prefix_cache_stats = PrefixCacheStats() if manager.log_stats else None
+    manager.num_lookups = 0
+    manager.num_lookup_tokens = 0
+    manager.num_hit_tokens = 0
+    manager.num_failed_allocations = 0
+
+
+def _make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+    """Return the stats since the last call and start a new interval.
+
+    ``None`` when ``log_stats`` is off. (Every manager's ``make_prefix_cache_stats``:
+    the classes bind this function, no extra call.)
+    """
+    if not self.log_stats:
+        return None
+    stats = self.prefix_cache_stats
+    self.prefix_cache_stats = PrefixCacheStats()
+    return stats
+
+
+def _pop_held_state(manager, request):
+    """The state ``manager`` (``_states``: id -> state, ``_states_by_request``) holds
+    for ``request``, dropped from both: the one preamble of every manager's ``free``.
+
+    As ``_validate.held_state`` (the admitted ``Request`` or its id), then
+    ``check_release_inputs`` on an odd priority: raised before anything is dropped.
+    """
+    states = manager._states
+    if isinstance(request, Request):  # (the admitted object: held_state's frame saved)
+        rid = request.request_id
+        st = states.get(rid)
+    else:
+        rid = st = None
+    if st is None or st.request is not request:
+        rid, st = held_state(states, request)
+    req = st.request
+    if type(req._priority) is not int:
+        check_release_inputs(req)
+    del states[rid]
+    del manager._states_by_request[req]
+    return st
 
 
 class BlockPoolViews:
@@ -362,25 +453,12 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"{type(self).__name__} serves the hash index over one full-attention "
                 f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
-        num_host_blocks, host_options = check_host_args(
-            num_host_blocks, host_eviction, host_eviction_options)
-        if num_host_blocks and not enable_caching:
-            raise ValueError(
-                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
-        if eviction_options is None:
-            eviction_options = {}
-        elif not isinstance(eviction_options, Mapping):
-            raise TypeError(
-                f"eviction_options must be a mapping or None, got {type(eviction_options).__name__}"
-            )
-        options = dict(eviction_options)
+        num_host_blocks, host_options = check_tier_args(
+            num_host_blocks, host_eviction, host_eviction_options, enable_caching)
+        options = _hash_eviction_options(eviction_options)
         fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
         if policy_cls.needs_future and options.get("future") is None:
             raise ValueError(
@@ -392,26 +470,17 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         policy: EvictionPolicy | None = None
         if eviction != DEFAULT_POLICY or options or not fast_path:
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size, **options)
-        host_tier = None
-        if num_host_blocks:
-            # Built before any state: a bad host policy option raises here.
-            host_tier = HostTier(
-                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
-                eviction=host_eviction, eviction_options=host_options,
-                enable_events=bool(enable_events))
+        host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
+                                   block_size=block_size, num_device_blocks=num_blocks,
+                                   enable_events=enable_events)
         self.eviction = eviction
         self.index = DEFAULT_INDEX
         self.policy = policy
         # A policy that reads the waiting queue (queue_aware): admission drops the
         # request from it (``on_waiting``); None for every other policy.
         self._waiting_policy = policy if policy is not None and policy.needs_waiting else None
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         pool_kwargs = dict(
             enable_caching=self.enable_caching,
@@ -453,14 +522,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         # The same states keyed by the Request object (identity hash, C speed): the
         # decode fast path finds its state without calling the request_id property.
         self._states_by_request: dict[Any, _RequestState] = {}
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None
-        )
-        # Cumulative counters (never reset; see also block_pool.num_evictions).
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)  # (see also block_pool.num_evictions)
         # Hit tokens adopted at admission, by tier (the host's stays 0 without a tier).
         self.device_hit_tokens = 0
         self.host_hit_tokens = 0
@@ -869,17 +931,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        if isinstance(request, Request):
-            rid = request.request_id
-            st = self._states.get(rid)
-        else:
-            rid = st = None
-        if st is None or st.request is not request:
-            rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         blocks = st.blocks
         blocks.reverse()
         self.block_pool.free_blocks(blocks, st.request)
@@ -945,16 +997,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         """Return and clear the queued KV cache events (``[]`` when disabled)."""
         return self.block_pool.take_events()
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Return the stats since the last call and start a new interval.
-
-        ``None`` when ``log_stats`` is off.
-        """
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     def check_invariants(self) -> None:
         """Verify pool and request bookkeeping; raise ``InvariantError`` if broken."""

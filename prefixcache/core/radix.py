@@ -93,10 +93,8 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_arrival, check_positive_int,
-                                   check_release_inputs, held_state)
+from prefixcache._validate import ArgumentTypeError, check_arrival, check_release_inputs
 from prefixcache.core.block_pool import (
-    FREE_ORDERS,
     KV_CACHE_SPEC_KIND,
     FreeKVCacheBlockQueue,
     InvariantError,
@@ -114,22 +112,51 @@ from prefixcache.core.events import (
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostHit, HostTier, HostTierAPI, check_host_args
+from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
+                                        make_host_tier)
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
     _bad_num_computed_tokens,
     _check_request,
+    _check_sizes,
+    _init_lookup_counters,
+    _make_prefix_cache_stats,
+    _pop_held_state,
+    _store_settings,
 )
 from prefixcache.core.indexes import resolve_manager_class
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
 INDEX_NAME = "radix"
+
+
+def _radix_hasher_and_policy(hash_algo, hash_seed, eviction: str, eviction_options,
+                             num_blocks: int, block_size: int):
+    """The radix index's managers' ``(BlockHasher, EvictionPolicy)``, in this order:
+    ``eviction_options`` a mapping or ``None`` (else ``ValueError``), the hash algorithm
+    (unknown: ``ValueError``), the policy and its options."""
+    if eviction_options is not None and not isinstance(eviction_options, Mapping):
+        raise ValueError(
+            f"eviction_options must be a mapping or None, got {eviction_options!r}"
+        )
+    hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+    policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
+                         **dict(eviction_options or {}))
+    return hasher, policy
+
+
+def _check_root(ns, root, payload) -> None:
+    """``InvariantError`` unless ``root`` (its ``payload``: ``block`` / ``blocks``) is
+    a well-formed root of namespace ``ns`` with children (both trees' rule)."""
+    if root.key != ns or payload is not None or root.parent is not None:
+        raise InvariantError(f"root of namespace {ns!r} is malformed")
+    if not root.children:
+        raise InvariantError(f"root of namespace {ns!r} has no children")
 
 
 class _Node:
@@ -284,6 +311,7 @@ class RadixKVCacheManager(HostTierAPI):
 
     # The tree's children are keyed by token bytes: adopted hashes alone do not work.
     KEYS_BY_BLOCK_HASH = False
+    _NODE = _Node  # the tree's node class (_cache_start makes roots of it)
 
     def __init__(
         self,
@@ -317,31 +345,15 @@ class RadixKVCacheManager(HostTierAPI):
             raise ValueError(
                 f"{type(self).__name__} serves the radix index over one full-attention "
                 f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
-        num_host_blocks, host_options = check_host_args(num_host_blocks, host_eviction,
-                                                        host_eviction_options)
-        if num_host_blocks and not enable_caching:
-            raise ValueError(
-                f"num_host_blocks={num_host_blocks} needs prefix caching (enable_caching=True)")
-        # (one rule for sizes: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise ValueError(
-                f"eviction_options must be a mapping or None, got {eviction_options!r}"
-            )
-        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
-        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
-                                  **dict(eviction_options or {}))
-        host_tier = None
-        if num_host_blocks:
-            # Built before any state: a bad host policy option raises here.
-            host_tier = HostTier(
-                num_host_blocks, block_size=block_size, num_device_blocks=num_blocks,
-                eviction=host_eviction, eviction_options=host_options,
-                enable_events=bool(enable_events))
+        num_host_blocks, host_options = check_tier_args(
+            num_host_blocks, host_eviction, host_eviction_options, enable_caching)
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
+        self.hasher, self.policy = _radix_hasher_and_policy(
+            hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
+        host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
+                                   block_size=block_size, num_device_blocks=num_blocks,
+                                   enable_events=enable_events)
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
@@ -363,13 +375,8 @@ class RadixKVCacheManager(HostTierAPI):
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
         self.num_groups = 1
         self._empty = empty_blocks(1)  # the decode fast path's shared empty result
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -386,14 +393,7 @@ class RadixKVCacheManager(HostTierAPI):
         self._states: dict[Any, _RadixState] = {}
         self._states_by_request: dict[Any, _RadixState] = {}
         self.events: list[KVCacheEvent] = []
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None
-        )
-        # Cumulative counters (never reset).
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
         self.device_hit_tokens = 0  # hit tokens adopted at admission (all on the device)
         self.num_evictions = 0
         self.num_blocks_cached = 0
@@ -805,25 +805,31 @@ class RadixKVCacheManager(HostTierAPI):
         self.num_blocks_allocated += n
         return out
 
+    def _cache_start(self, st: _RadixState, first: int, num_full: int) -> tuple:
+        """``(parent, keys)`` for entering the request's blocks ``first .. num_full - 1``
+        (``first == len(st.path)``): the node they go below (the path's last, or the
+        namespace's root, made here) and their child keys. Both trees' rule."""
+        if first:
+            parent = st.path[-1]
+        else:
+            parent = self._roots.get(st.ns)
+            if parent is None:
+                parent = self._roots[st.ns] = self._NODE(st.ns, None, None)
+        bs = self.block_size
+        request = st.request
+        if first >= st.plain_from:  # decode blocks: token bytes only
+            kb = request.token_bytes(first * bs, num_full * bs)
+            w = 8 * bs
+            return parent, [kb[j : j + w] for j in range(0, len(kb), w)]
+        return parent, block_keys(request, first, num_full, bs, self._extras(request))
+
     def _cache(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """Enter the request's blocks ``len(st.path) .. num_full - 1`` into the tree."""
         request = st.request
         path = st.path
         blocks = st.blocks
         first = len(path)
-        if path:
-            parent = path[-1]
-        else:
-            parent = self._roots.get(st.ns)
-            if parent is None:
-                parent = self._roots[st.ns] = _Node(st.ns, None, None)
-        bs = self.block_size
-        if first >= st.plain_from:  # decode blocks: token bytes only
-            kb = request.token_bytes(first * bs, num_full * bs)
-            w = 8 * bs
-            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
-        else:
-            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        parent, keys = self._cache_start(st, first, num_full)
         policy = self.policy
         nodes = self._nodes
         events = self.enable_events
@@ -1073,18 +1079,8 @@ class RadixKVCacheManager(HostTierAPI):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        if isinstance(request, Request):
-            rid = request.request_id
-            st = self._states.get(rid)
-        else:
-            rid = st = None
-        if st is None or st.request is not request:
-            rid, st = held_state(self._states, request)
+        st = _pop_held_state(self, request)
         req = st.request
-        if type(req._priority) is not int:
-            check_release_inputs(req)
-        del self._states[rid]
-        del self._states_by_request[req]
         # Blocks: cached ones to the queue's tail, unhashed ones to its head.
         self._num_free_unhashed += self._free.release(reversed(st.blocks), True)
         # Path: deepest first. Only its last node can be a leaf (each other node has
@@ -1223,14 +1219,7 @@ class RadixKVCacheManager(HostTierAPI):
         self.events = []
         return events
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """Return the stats since the last call and start a new interval (``None``
-        when ``log_stats`` is off)."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+    make_prefix_cache_stats = _make_prefix_cache_stats
 
     # -------------------------------------------------------------- checking
     def _check_free_queue(self) -> None:
@@ -1295,10 +1284,7 @@ class RadixKVCacheManager(HostTierAPI):
         num_nodes = num_unlocked = 0
         candidates = []
         for ns, root in self._roots.items():
-            if root.key != ns or root.block is not None or root.parent is not None:
-                raise InvariantError(f"root of namespace {ns!r} is malformed")
-            if not root.children:
-                raise InvariantError(f"root of namespace {ns!r} has no children")
+            _check_root(ns, root, root.block)
             stack = [root]
             while stack:
                 node = stack.pop()

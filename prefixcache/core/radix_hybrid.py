@@ -70,10 +70,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_positive_int, check_release_inputs,
-                                   held_state)
+from prefixcache._validate import ArgumentTypeError
 from prefixcache.core.block_pool import (
-    FREE_ORDERS,
     FreeKVCacheBlockQueue,
     InvariantError,
     KVCacheBlock,
@@ -87,14 +85,19 @@ from prefixcache.core.events import (
     BlockStored,
     event_extra_keys,
 )
-from prefixcache.core.eviction import make_policy
-from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
     _bad_num_computed_tokens,
+    _check_sizes,
+    _init_lookup_counters,
+    _pop_held_state,
+    _store_settings,
 )
+from prefixcache.core.groups.base import check_group_hits
+from prefixcache.core.groups.sliding_window import check_leading_nulls, longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
     check_kv_cache_groups,
@@ -105,9 +108,10 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
+    _check_root,
+    _radix_hasher_and_policy,
     block_keys,
 )
-from prefixcache.core.stats import PrefixCacheStats
 
 _new = object.__new__
 
@@ -140,6 +144,14 @@ class _HybridNode:
         return f"_HybridNode(blocks={ids}, lock={self.lock}, children={len(self.children)})"
 
 
+def _node_blocks(node: _HybridNode, ids) -> list | None:
+    """The node's blocks of groups ``ids``, or ``None`` when any is a tombstone (the
+    "present" rule of ``longest_window_hit`` on a tree path)."""
+    bl = node.blocks
+    got = [bl[g] for g in ids]
+    return None if None in got else got
+
+
 class _HybridRadixState(_RadixState):
     """A running request: ``radix._RadixState`` (``blocks`` is group 0's table) plus
 
@@ -147,7 +159,7 @@ class _HybridRadixState(_RadixState):
         tables: one block table per group (null slots included; equal lengths).
         num_null: per group, the length of the table's leading run of null slots.
         idle_nc: with ``idle_until``, the decode fast path's bounds (as the hybrid
-            manager's ``idle_total`` / ``idle_nc``).
+            manager's ``idle_until`` / ``idle_nc``; ``hybrid.is_idle_step``).
     """
 
     __slots__ = ("tables", "num_null", "idle_nc")
@@ -185,6 +197,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     """
 
     KEYS_BY_BLOCK_HASH = False
+    _NODE = _HybridNode
 
     def __init__(
         self,
@@ -224,29 +237,16 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"not kv_cache_groups={kv_cache_groups!r}")
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
-        # (the one int rule: numpy ints are ints, bools are not -- _validate)
-        block_size = check_positive_int("block_size", block_size)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        if free_order not in FREE_ORDERS:
-            raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
-        max_model_len = check_positive_int("max_model_len", max_model_len, optional=True)
-        if eviction_options is not None and not isinstance(eviction_options, Mapping):
-            raise ValueError(
-                f"eviction_options must be a mapping or None, got {eviction_options!r}")
-        self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
-        self.policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
-                                  **dict(eviction_options or {}))
+        num_blocks, block_size, max_model_len = _check_sizes(
+            num_blocks, block_size, max_model_len, free_order)
+        self.hasher, self.policy = _radix_hasher_and_policy(
+            hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
         self.eviction = eviction
         self.index = INDEX_NAME
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_caching = bool(enable_caching)
-        self.free_order = free_order
-        self.log_stats = bool(log_stats)
-        self.enable_events = bool(enable_events)
-        self.max_model_len = max_model_len
+        _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
+                        enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
         self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         # Per group: the window W (None: full attention), whether its blocks are cached.
@@ -277,12 +277,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._empty = self._no_new_blocks
         self.events = []
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None)
-        self.num_lookups = 0
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_failed_allocations = 0
+        _init_lookup_counters(self)
         self.device_hit_tokens = 0
         self.num_evictions = 0
         self.num_blocks_cached = 0
@@ -303,28 +298,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         ``find_longest_cache_hit``): ``(per-group lists, blocks)``."""
         if isinstance(spec, FullAttentionSpec):  # every node holds its full blocks
             return [[node.blocks[g] for node in nodes[:max_n]] for g in ids], max_n
-        need = -(-(spec.sliding_window - 1) // self.block_size)
-        null = self.null_block
-        computed = [[null] * max_n for _ in ids]
-        n = 0
-        found = False
-        for i in range(max_n - 1, -1, -1):
-            bl = nodes[i].blocks
-            got = [bl[g] for g in ids]
-            if None not in got:
-                for c, b in zip(computed, got):
-                    c[i] = b
-                n += 1
-                if n >= need:
-                    for c in computed:
-                        del c[i + n:]
-                    found = True
-                    break
-            else:
-                n = 0
-        if not found:
-            for c in computed:
-                del c[n:]
+        computed = longest_window_hit(
+            nodes, max_n, -(-(spec.sliding_window - 1) // self.block_size), self.null_block,
+            len(ids), _node_blocks, ids)
         return computed, len(computed[0])
 
     def _longest_hit(self, nodes) -> tuple[list[list[KVCacheBlock]], int]:
@@ -411,32 +387,18 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             raise ArgumentTypeError(
                 f"new_computed_blocks must be the tuple of {self.num_groups} per-group block "
                 f"lists get_computed_blocks returned, got {new_computed_blocks!r}")
-        out = []
         null = self.null_block
         n = len(new_computed_blocks[0])
-        for g, blocks in enumerate(new_computed_blocks):
-            blocks = list(blocks)
-            if len(blocks) != n:
-                raise ValueError(
-                    f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has {n}: "
-                    "every group's hit covers the same tokens")
-            for b in blocks:
-                if b is null:
-                    if self._is_full[g]:
-                        raise ValueError(
-                            f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
-                            "full attention")
-                    continue
-                if type(b) is not KVCacheBlock:
-                    raise ArgumentTypeError(
-                        f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
-                bid = b.block_id
-                if (not 0 <= bid < self.num_blocks or self.blocks[bid] is not b
-                        or self._owner[bid] is None or self._owner_group[bid] != g):
-                    raise ValueError(
-                        f"block {bid} is not a cached block of group {g} of this manager")
-            out.append(blocks)
-        return out
+        is_full = self._is_full
+        is_cached = self._is_cached_hit
+        return [check_group_hits(blocks, g, n, null, not is_full[g], is_cached)
+                for g, blocks in enumerate(new_computed_blocks)]
+
+    def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
+        """``b`` is this manager's block, cached in the tree for group ``g``."""
+        bid = b.block_id
+        return (0 <= bid < self.num_blocks and self.blocks[bid] is b
+                and self._owner[bid] is not None and self._owner_group[bid] == g)
 
     def _hit_path(self, request, hits, num_local_computed: int) -> list[_HybridNode]:
         """The path nodes of the hit lists ``hits``; ``ValueError`` unless hit slot #i
@@ -496,16 +458,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             st = self._states_by_request[request]
         except (KeyError, TypeError):
             st = None
-        if st is not None:
-            nc = request.num_computed_tokens
-            if (
-                type(nc) is int and nc >= 0
-                and type(num_new_tokens) is int and num_new_tokens > 0
-                and not num_new_computed_tokens and not new_computed_blocks
-                and not num_lookahead_tokens
-                and nc + num_new_tokens <= st.idle_until and nc <= st.idle_nc
-            ):
-                return self._no_new_blocks  # a decode step that needs nothing
+        if st is not None and is_idle_step(st, num_new_tokens, num_new_computed_tokens,
+                                           new_computed_blocks, num_lookahead_tokens):
+            return self._no_new_blocks  # a decode step that needs nothing
         hits = self._check_hit_blocks(new_computed_blocks)
         flat = hits[0] if hits is not None else None
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
@@ -782,19 +737,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         path = st.path
         tables = st.tables
         first = len(path)
-        if path:
-            parent = path[-1]
-        else:
-            parent = self._roots.get(st.ns)
-            if parent is None:
-                parent = self._roots[st.ns] = _HybridNode(st.ns, None, None)
-        bs = self.block_size
-        if first >= st.plain_from:
-            kb = request.token_bytes(first * bs, num_full * bs)
-            w = 8 * bs
-            keys = [kb[j : j + w] for j in range(0, len(kb), w)]
-        else:
-            keys = block_keys(request, first, num_full, bs, self._extras(request))
+        parent, keys = self._cache_start(st, first, num_full)
         null = self.null_block
         cacheable = self._cacheable
         owner = self._owner
@@ -872,11 +815,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         """
         # The one rule (_validate.held_state): the admitted Request or its id; and what
         # the release reads is checked first, so it cannot fail half way.
-        rid, st = held_state(self._states, request)
-        if type(st.request._priority) is not int:
-            check_release_inputs(st.request)
-        del self._states[rid]
-        del self._states_by_request[st.request]
+        st = _pop_held_state(self, request)
         # NOTE: the order the policy learns of releases: full blocks (stamped when their
         # node unlocks), the uncached tail, then position by position from the deepest,
         # each position's sliding-window blocks before its node -- so with LRU the
@@ -993,10 +932,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         num_nodes = num_free_sw = num_unlocked_full = 0
         candidates: list[int] = []
         for ns, root in self._roots.items():
-            if root.key != ns or root.blocks is not None or root.parent is not None:
-                raise InvariantError(f"root of namespace {ns!r} is malformed")
-            if not root.children:
-                raise InvariantError(f"root of namespace {ns!r} has no children")
+            _check_root(ns, root, root.blocks)
             stack = [root]
             while stack:
                 node = stack.pop()
@@ -1108,13 +1044,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 locks[id(node)] += 1
                 parent = node
             for g, table in enumerate(tables):
-                num_null = 0
-                while num_null < len(table) and table[num_null] is null:
-                    num_null += 1
-                if num_null != st.num_null[g]:
-                    raise InvariantError(
-                        f"request {rid!r} group {g}: {num_null} leading null slots, tracked "
-                        f"{st.num_null[g]}")
+                num_null = check_leading_nulls(table, null, st.num_null[g], rid, g)
                 if num_null and self._is_full[g]:
                     raise InvariantError(
                         f"request {rid!r}: full-attention group {g} has null slots")

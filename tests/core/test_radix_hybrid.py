@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from prefixcache.core import KVCacheManager, Request
 from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.block_pool import InvariantError
 from prefixcache.core.eviction import POLICIES, TraceFuture
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import COMBINATION_RULES, INDEXES, LAYOUT_INDEXES, refusal
@@ -353,17 +354,23 @@ def test_every_index_serves_sliding_window_layouts_and_the_tier_stays_refused():
         RadixKVCacheManager)
 
 
-def test_bad_hit_blocks_raise_and_change_nothing():
-    m = _manager("full,sw8", 20)
+@pytest.mark.parametrize("index", ["radix", "hash"])  # (one hit-list rule: check_group_hits)
+def test_bad_hit_blocks_raise_and_change_nothing(index):
+    m = _manager("full,sw8", 20, index=index)
     a = Request("a", list(range(17)))
     _admit(m, a)
     m.free(a)
-    other = _manager("full,sw8", 20)
+    other = _manager("full,sw8", 20, index=index)
     _admit(other, Request("a", list(range(17))))
     b = Request("b", list(range(16)) + [1, 2])
     blocks, hit = m.get_computed_blocks(b)
     assert hit == 16
-    before = (m.free_block_ids(), m.cached_block_ids(), m.policy.candidate_ids())
+
+    def snapshot():  # (the hash index's "lru" runs without a policy object)
+        return (m.free_block_ids(), m.cached_block_ids(),
+                m.policy.candidate_ids() if m.policy is not None else None)
+
+    before = snapshot()
     g0, g1 = blocks.blocks
     ob = other.get_computed_blocks(Request("b", list(range(16)) + [1, 2]))[0].blocks
     cases = [
@@ -373,15 +380,41 @@ def test_bad_hit_blocks_raise_and_change_nothing():
         (ValueError, "full attention", (g1, g1)),
         (ValueError, "not a cached block of group", ob),  # another manager's
         (ValueError, "not the cached block", (g0[::-1], g1)),  # reordered
-        (ValueError, "not the cached block", (g0, [m.null_block] * 4)),  # window nulled
     ]
+    if index == "radix":  # (the hash index's position check takes a nulled window)
+        cases.append((ValueError, "not the cached block", (g0, [m.null_block] * 4)))
     for exc, match, bad in cases:
         with pytest.raises(exc, match=match):
             m.allocate_slots(b, 2, hit, bad)
-        assert (m.free_block_ids(), m.cached_block_ids(), m.policy.candidate_ids()) == before
+        assert snapshot() == before
         m.check_invariants()
     assert m.allocate_slots(b, 2, hit, blocks) is not None
     m.check_invariants()
+
+
+@pytest.mark.parametrize("index", ["radix", "hash"])  # (one rule: check_leading_nulls)
+def test_a_mistracked_run_of_null_slots_breaks_the_invariants(index):
+    m = _manager("full,sw8", 20, index=index)
+    a = Request("a", list(range(17)))
+    _admit(m, a)
+    _decode(m, a, 8)  # past the window: group 1's first blocks are released
+    impl = m.implementation
+    st = impl._states["a"]
+    assert st.num_null[1] > 0
+    st.num_null[1] -= 1
+    st.idle_until, st.idle_nc = impl._idle_bounds(st)  # (checked before the slots)
+    with pytest.raises(InvariantError, match="leading null slots, tracked"):
+        m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", ["full", "full,sw8"])  # (one rule: radix._check_root)
+def test_a_malformed_root_breaks_both_trees_invariants(layout):
+    m = _manager(layout, 20)
+    _admit(m, Request("a", list(range(9))))
+    (root,) = m.implementation._roots.values()
+    root.key = ("another namespace",)
+    with pytest.raises(InvariantError, match="is malformed"):
+        m.check_invariants()
 
 
 def test_replay_runs_the_radix_index_on_sliding_window_layouts_with_belady():

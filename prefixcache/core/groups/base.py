@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from itertools import islice
 
-from prefixcache.core.block_pool import InvariantError
+from prefixcache._validate import ArgumentTypeError
+from prefixcache.core.block_pool import InvariantError, KVCacheBlock
 
 _KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 
@@ -23,6 +24,35 @@ _KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 def group_suffix(group_id: int) -> bytes:
     """The 4 big-endian bytes that follow a block hash in group ``group_id``'s keys."""
     return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
+
+
+def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached) -> list:
+    """Group ``g``'s hit list ``blocks`` (a list or tuple) as a list, checked as every
+    multi-group manager (hash or radix index) checks ``new_computed_blocks[g]``: ``n``
+    blocks (group 0's count), ``null`` slots only where ``null_ok``, else
+    ``KVCacheBlock`` objects for which ``is_cached(block, g)`` (the index's "a cached
+    block of group g of this manager") holds. ``ValueError`` / ``ArgumentTypeError``
+    otherwise.
+    """
+    blocks = list(blocks)
+    if len(blocks) != n:
+        raise ValueError(
+            f"new_computed_blocks[{g}] has {len(blocks)} blocks, group 0 has {n}: "
+            "every group's hit covers the same tokens")
+    for b in blocks:
+        if b is null:
+            if not null_ok:
+                raise ValueError(
+                    f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
+                    "full attention")
+            continue
+        if type(b) is not KVCacheBlock:
+            raise ArgumentTypeError(
+                f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
+        if not is_cached(b, g):
+            raise ValueError(
+                f"block {b.block_id} is not a cached block of group {g} of this manager")
+    return blocks
 
 
 class SingleTypeManager:

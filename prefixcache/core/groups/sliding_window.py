@@ -29,6 +29,51 @@ class SlidingWindowSpec:
             self, "sliding_window", check_count("sliding_window", self.sliding_window, min=1))
 
 
+def longest_window_hit(keys, max_num_blocks: int, need: int, null, num_lists: int,
+                       get, *args) -> list[list]:
+    """The sliding-window hit rule (vLLM's ``SlidingWindowManager.find_longest_cache_hit``)
+    over positions ``0 .. max_num_blocks - 1``, for the hash index and the radix tree.
+
+    ``get(keys[i], *args)`` is position ``i``'s blocks (one per list) or ``None`` when
+    any is missing. From the right, the first run of ``need`` present positions ends the
+    hit (earlier slots ``null``); without one, the present run at the start (shorter
+    than the window). Returns ``num_lists`` equal-length lists.
+    """
+    computed = [[null] * max_num_blocks for _ in range(num_lists)]
+    n = 0
+    found = False
+    for i in range(max_num_blocks - 1, -1, -1):
+        got = get(keys[i], *args)
+        if got is not None:
+            for c, b in zip(computed, got):
+                c[i] = b
+            n += 1
+            if n >= need:
+                for c in computed:
+                    del c[i + n:]
+                found = True
+                break
+        else:
+            n = 0
+    if not found:
+        for c in computed:
+            del c[n:]
+    return computed
+
+
+def check_leading_nulls(table, null, tracked: int, rid, g: int) -> int:
+    """The length of ``table``'s leading run of ``null`` slots (a running request's
+    group ``g`` table); ``InvariantError`` unless it is ``tracked`` (``st.num_null[g]``).
+    The hash kind's and the radix tree's ``check_invariants`` rule."""
+    num_null = 0
+    while num_null < len(table) and table[num_null] is null:
+        num_null += 1
+    if num_null != tracked:
+        raise InvariantError(
+            f"request {rid!r} group {g}: {num_null} leading null slots, tracked {tracked}")
+    return num_null
+
+
 class SlidingWindowManager(SingleTypeManager):
     """Blocks wholly before the window of the next token are released (their slots
     become a leading run of null slots); a hit needs the window's blocks only."""
@@ -48,29 +93,9 @@ class SlidingWindowManager(SingleTypeManager):
         run of ``ceil((W - 1) / block_size)`` cached blocks ends the hit (earlier slots
         null); without one, the cached run at the start (shorter than the window)."""
         bs = self.block_size
-        need = -(-(self.window - 1) // bs)
-        max_num_blocks = max_length // bs
-        null = self.null_block
-        get_cached = self.get_cached
-        computed = [[null] * max_num_blocks for _ in group_ids]
-        n = 0
-        found = False
-        for i in range(max_num_blocks - 1, -1, -1):
-            got = get_cached(hashes[i], group_ids, suffixes)
-            if got is not None:
-                for c, b in zip(computed, got):
-                    c[i] = b
-                n += 1
-                if n >= need:
-                    for c in computed:
-                        del c[i + n:]
-                    found = True
-                    break
-            else:
-                n = 0
-        if not found:
-            for c in computed:
-                del c[n:]
+        computed = longest_window_hit(
+            hashes, max_length // bs, -(-(self.window - 1) // bs), self.null_block,
+            len(group_ids), self.get_cached, group_ids, suffixes)
         return computed, len(computed[0]) * bs
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -112,17 +137,12 @@ class SlidingWindowManager(SingleTypeManager):
         g = self.group_id
         table = st.tables[g]
         null = self.null_block
-        num_null = 0
-        while num_null < len(table) and table[num_null] is null:
-            num_null += 1
-        if num_null != st.num_null[g]:
-            raise InvariantError(
-                f"request {rid!r} group {g}: {num_null} leading null slots, "
-                f"tracked {st.num_null[g]}")
+        num_null = check_leading_nulls(table, null, st.num_null[g], rid, g)
         if any(b is null for b in table[num_null:]):
             raise InvariantError(
                 f"request {rid!r} group {g}: a null slot after a real block "
                 f"{[b.block_id for b in table]}")
 
 
-__all__ = ["SlidingWindowManager", "SlidingWindowSpec"]
+__all__ = ["SlidingWindowManager", "SlidingWindowSpec", "check_leading_nulls",
+           "longest_window_hit"]
