@@ -14,11 +14,10 @@ Quick variant (`:quick`: the first 200 requests, lru / arc / queue_aware + belad
 300, 1k and 3k blocks): lru = arc = queue_aware 0.0366, 0.0366, 0.0442 (123, 123, 82
 evicted-block prefills), belady 0.0482, 0.0593, 0.0593, the ideal 0.0593; 4.0 s of cells.
 
-Command (the trace is the registered dataset `mooncake_conversation`; here its copy in
-/work/shared/traces/mooncake):
+Command (the trace is the registered dataset `mooncake_conversation`, fetched into
+$PREFIXCACHE_DATA; `--trace=PATH/conversation_trace.jsonl` reads a local copy instead):
   python -m experiments.compare_policies \
       --config=configs/compare_policies_mooncake_conversation_study.py \
-      --config.dataset= --config.trace=/work/shared/traces/mooncake/conversation_trace.jsonl \
       --workdir=/tmp/cp_mooncake_conversation_study
 
 Expected (the committed results: experiments/results/compare_policies_mooncake_conversation_study.jsonl

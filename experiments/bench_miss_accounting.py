@@ -29,8 +29,9 @@ from experiments import _common
 _WORKLOADS = flags.DEFINE_list("workloads", ["multi_turn", "mm_salt", "shared_system_prompt"],
                                "Workload generators (prefixcache.sim.workloads names).")
 _MOONCAKE = flags.DEFINE_string(
-    "mooncake", "../shared/traces/mooncake/conversation_trace.jsonl",
-    "Mooncake conversation trace (skipped when the file is absent; '' to skip).")
+    "mooncake", "",
+    "A local copy of the Mooncake conversation trace (the dataset mooncake_conversation: "
+    "conversation_trace.jsonl); '' (default) skips it.")
 _MOONCAKE_N = flags.DEFINE_integer("mooncake_requests", 2000, "Mooncake requests replayed.")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed rounds (each cell off and on).")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 300, "Allocatable blocks (workloads).")

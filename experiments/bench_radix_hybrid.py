@@ -37,7 +37,8 @@ def one(reqs, layout: str, num_blocks: int, index: str, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="replays per cell (the fastest is kept)")
     p.add_argument("--quick", action="store_true", help="one workload, one layout")
     args = p.parse_args(argv)
     if args.rounds < 1:
