@@ -11,6 +11,8 @@ imports rewritten), and each round replays the same trace through the base and t
 working tree back to back, swapping which goes first every round. Per cell it prints
 min and median of ``loop_s`` (and the hashing / manager split) for both, the ratio
 new/base (< 1: the working tree is faster), and whether both produced identical records.
+``--kv_groups=full,sw32`` replays a sliding-window / hybrid layout (each side parses it
+with its own ``kv_groups.parse_kv_groups``); default: one full-attention group.
 
 Workloads come from ``prefixcache.sim.workloads`` (the peer traces' generators, same
 seed -> the same requests as ``experiments/peers/make_traces.py``). Last stdout line: one
@@ -19,6 +21,7 @@ JSON summary with provenance.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import json
@@ -51,6 +54,9 @@ _CONCURRENCY = flags.DEFINE_integer("concurrency", 8, "Requests holding blocks a
 _FREE_ORDER = flags.DEFINE_enum(
     "free_order", "unhashed_first", ["append", "unhashed_first"], "Free order.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_KV_GROUPS = flags.DEFINE_string(
+    "kv_groups", "", "KV cache group layout (kv_groups.parse_kv_groups, e.g. full,sw32); "
+    "'' (default): one full-attention group.")
 _HASH_SEED = flags.DEFINE_integer("hash_seed", 0, "Hash chain seed.")
 _PROGRESS = _common.define_progress_flag()
 
@@ -100,7 +106,8 @@ def _side(runs: list[dict]) -> dict:
 
 
 def ab_cell(trace, algo: str, new_replay, base_replay) -> dict:
-    """``rounds`` interleaved replays of ``trace`` through both; see the module doc."""
+    """``rounds`` interleaved replays of ``trace`` through both; see the module doc.
+    ``new_replay`` / ``base_replay`` take the replay's keywords (bind a layout first)."""
     kw = dict(
         num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value, hash_algo=algo,
         hash_seed=_HASH_SEED.value, free_order=_FREE_ORDER.value,
@@ -147,6 +154,14 @@ def main(argv):
         sys.exit(1)
     sys.path.insert(0, tmp)
     base_replay = importlib.import_module("prefixcache_base.sim.replay").replay
+    if _KV_GROUPS.value:  # each side parses the layout with its own kv_groups
+        from prefixcache.core.kv_groups import parse_kv_groups  # noqa: PLC0415
+
+        base_parse = importlib.import_module("prefixcache_base.core.kv_groups").parse_kv_groups
+        new_replay = functools.partial(new_replay,
+                                       kv_cache_groups=parse_kv_groups(_KV_GROUPS.value))
+        base_replay = functools.partial(base_replay,
+                                        kv_cache_groups=base_parse(_KV_GROUPS.value))
     results = []
     bar = _common.progress_bar(enabled=_PROGRESS.value, desc="ab_replay", unit="cell",
                                total=len(_WORKLOADS.value) * len(_ALGOS.value))
@@ -170,6 +185,7 @@ def main(argv):
     print(json.dumps({
         "benchmark": "ab_replay",
         "base": {"rev": _BASE.value, "commit": commit},
+        "kv_groups": _KV_GROUPS.value or None,
         "rounds": _ROUNDS.value,
         "warmup": _WARMUP.value,
         "results": results,

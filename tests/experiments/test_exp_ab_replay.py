@@ -36,6 +36,20 @@ def test_ab_against_head_runs_both_and_finds_identical_records():
     assert "provenance" in summary
 
 
+def test_ab_of_a_sliding_window_layout():
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.ab_replay", "--base=HEAD", "--workloads=multi_turn",
+         "--hash_algos=sha256", "--rounds=1", "--warmup=0", "--num_blocks=256",
+         "--kv_groups=full,sw32"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["kv_groups"] == "full,sw32"
+    (r,) = summary["results"]
+    assert r["records_identical"] is True
+
+
 def test_unknown_revision_is_a_clear_error():
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.ab_replay", "--base=no-such-rev-xyz",
