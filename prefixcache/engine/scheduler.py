@@ -246,11 +246,10 @@ class Scheduler:
         # An eviction policy that reads the waiting queue (queue_aware): the manager
         # hears of each request joining it (admission drops it there); None otherwise.
         self._queue_watch = None
+        # (a layout whose manager has no waiting hooks is refused with such a policy by
+        # the composition rule, prefixcache.core.indexes, before the manager is built)
         kv_policy = getattr(kv_cache_manager, "policy", None)
         if kv_policy is not None and kv_policy.needs_waiting:
-            if not hasattr(kv_cache_manager, "on_waiting"):
-                raise ValueError(f"eviction {kv_policy.name!r} reads the waiting queue, which "
-                                 "this KV cache manager does not report")
             self._queue_watch = kv_cache_manager
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0

@@ -411,9 +411,6 @@ def replay(
     it: Iterable[TraceRequest] = requests
     drop_waiting = None
     if policy_cls.needs_waiting:  # the waiting queue: a look-ahead over the trace
-        if not hasattr(m, "on_waiting"):
-            raise ValueError(f"{eviction!r} reads the waiting queue, which this manager "
-                             f"({type(m.implementation).__name__}) does not report")
         queue_depth = concurrency if queue_depth is None else queue_depth
         it = _announce_waiting(it, queue_depth, m.on_waiting, hasher, block_size, keyed_index)
         drop_waiting = m.drop_waiting
