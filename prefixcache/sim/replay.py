@@ -421,8 +421,11 @@ def replay(
         bar = tqdm(desc="replay", unit="req", total=total)
 
     # NOTE: as vLLM's EngineCore (and the peer harness) do after start-up, freeze the
-    # heap built so far (the block pool) so GC passes in the loop do not walk it.
-    gc.collect()
+    # heap built so far (the block pool) so GC passes in the loop do not walk it. No
+    # ``gc.collect()`` first: it walks the caller's whole heap on every call (0.15 s per
+    # replay in a process that has imported jax, more as the heap grows: most of the
+    # test suite's late slowdown) and changes nothing the loop does; garbage frozen
+    # here is collected normally after ``gc.unfreeze()``.
     gc.freeze()
     try:
         for tr in it:
