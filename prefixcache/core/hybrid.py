@@ -60,7 +60,7 @@ from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import HostTierAPI, check_host_args
-from prefixcache.core.indexes import DEFAULT_INDEX
+from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
 from prefixcache.core.kv_cache_manager import (
     BlockPoolViews,
     _admission_checks,
@@ -339,11 +339,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             raise ValueError(
                 f"{eviction} needs the trace's future: run it through the replay "
                 f"(prefixcache.sim.replay.replay(..., eviction={eviction!r}))")
-        if index != DEFAULT_INDEX:
-            raise ValueError(
-                f"HybridKVCacheManager is the {DEFAULT_INDEX!r} index's implementation for "
-                f"KV cache groups, got index={index!r} (KVCacheManager(index=...) builds "
-                f"the one registered for it, prefixcache.core.indexes)")
+        # The one rule (indexes.check_implementation): the hash index's layout class,
+        # or the LAYOUT_CLASS an index class declares (a subclass of this one).
+        index = check_implementation(self, index, groups, eviction, num_host_blocks)
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
@@ -354,7 +352,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
                                  **options)
         self.eviction = eviction
-        self.index = DEFAULT_INDEX
+        self.index = index
         self.policy = policy
         self.host_tier = None
         self.num_host_blocks = 0

@@ -42,7 +42,11 @@ from prefixcache.core.host_tier import (
     check_tier_args,
     make_host_tier,
 )
-from prefixcache.core.indexes import DEFAULT_INDEX, resolve_manager_class
+from prefixcache.core.indexes import (
+    DEFAULT_INDEX,
+    check_implementation,
+    resolve_manager_class,
+)
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.policy_pool import PolicyBlockPool
@@ -424,6 +428,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     """
 
     KEYS_BY_BLOCK_HASH = True
+    INDEX_NAME = DEFAULT_INDEX
 
     def __init__(
         self,
@@ -448,11 +453,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     ):
         # The one composition rule (an unknown index, a layout or tier this class does
         # not serve -> ValueError naming why); KVCacheManager has applied it already.
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not HashKVCacheManager:
-            raise ValueError(
-                f"{type(self).__name__} serves the hash index over one full-attention "
-                f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
@@ -474,7 +475,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events)
         self.eviction = eviction
-        self.index = DEFAULT_INDEX
+        self.index = index
         self.policy = policy
         # A policy that reads the waiting queue (queue_aware): admission drops the
         # request from it (``on_waiting``); None for every other policy.

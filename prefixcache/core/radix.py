@@ -125,7 +125,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.indexes import resolve_manager_class
+from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
@@ -311,6 +311,7 @@ class RadixKVCacheManager(HostTierAPI):
 
     # The tree's children are keyed by token bytes: adopted hashes alone do not work.
     KEYS_BY_BLOCK_HASH = False
+    INDEX_NAME = INDEX_NAME
     _NODE = _Node  # the tree's node class (_cache_start makes roots of it)
 
     def __init__(
@@ -334,17 +335,9 @@ class RadixKVCacheManager(HostTierAPI):
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
     ):
-        if index != INDEX_NAME:
-            raise ValueError(
-                f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
-            )
         # The one composition rule (a refused layout or tier raises with its reason); a
         # sliding-window layout is another class's (radix_hybrid).
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not RadixKVCacheManager:
-            raise ValueError(
-                f"{type(self).__name__} serves the radix index over one full-attention "
-                f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         num_blocks, block_size, max_model_len = _check_sizes(
@@ -371,7 +364,7 @@ class RadixKVCacheManager(HostTierAPI):
         self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
         self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
         self.eviction = eviction
-        self.index = INDEX_NAME
+        self.index = index
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
         self.num_groups = 1
         self._empty = empty_blocks(1)  # the decode fast path's shared empty result

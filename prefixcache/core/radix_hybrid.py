@@ -220,21 +220,11 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
     ):
-        from prefixcache.core.indexes import resolve_manager_class
+        from prefixcache.core.indexes import check_implementation
 
-        if index != INDEX_NAME:
-            raise ValueError(
-                f"RadixHybridKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}")
-        if kv_cache_groups is None:
-            raise ValueError("RadixHybridKVCacheManager needs kv_cache_groups (a layout with "
-                             "a sliding-window group); one full-attention group is "
-                             "RadixKVCacheManager's")
-        # The one composition rule (a host tier is refused with its reason).
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not RadixHybridKVCacheManager:
-            raise ValueError(
-                f"RadixHybridKVCacheManager serves sliding-window / multi-group layouts, "
-                f"not kv_cache_groups={kv_cache_groups!r}")
+        # The one composition rule (a host tier is refused with its reason; one
+        # full-attention group is RadixKVCacheManager's).
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
         num_blocks, block_size, max_model_len = _check_sizes(
@@ -242,7 +232,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.hasher, self.policy = _radix_hasher_and_policy(
             hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
         self.eviction = eviction
-        self.index = INDEX_NAME
+        self.index = index
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
