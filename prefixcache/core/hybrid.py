@@ -601,9 +601,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             st = None
         # Fast path: a decode step that needs nothing (most of them). Anything
         # else -- odd types, hits, lookahead -- takes the checked path below.
-        if st is not None and is_idle_step(st, num_new_tokens, num_new_computed_tokens,
-                                           new_computed_blocks, num_lookahead_tokens):
-            return self._no_new_blocks
+        # NOTE: ``is_idle_step`` inlined: its frame per decode step was 2.4% of the
+        # hybrid replay's instructions (cachegrind, session 10).
+        if st is not None:
+            nc = request.num_computed_tokens
+            if (type(nc) is int and type(num_new_tokens) is int and 0 <= nc <= st.idle_nc
+                    and 0 < num_new_tokens and nc + num_new_tokens <= st.idle_until
+                    and not (num_new_computed_tokens or new_computed_blocks
+                             or num_lookahead_tokens)):
+                return self._no_new_blocks
         if isinstance(new_computed_blocks, KVCacheBlocks):  # (every group, even one)
             new_computed_blocks = tuple(list(g) for g in new_computed_blocks.blocks)
         hits = self._check_hit_blocks(new_computed_blocks)
@@ -636,9 +642,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             if self.max_model_len is not None and self.max_model_len < full:
                 full = self.max_model_len
             num_full_required = -(-full // bs)
-            if sum(k.blocks_to_allocate(None, hits[k.group_id] if hits is not None else None,
-                                        num_full_required, num_local_computed)
-                   for k in kinds) > free_blocks:
+            # NOTE: a loop, not a generator: a generator's free variables would be
+            # cells made on every call of this method, the decode fast path's too.
+            num_full_alloc = 0
+            for k in kinds:
+                num_full_alloc += k.blocks_to_allocate(
+                    None, hits[k.group_id] if hits is not None else None, num_full_required,
+                    num_local_computed)
+            if num_full_alloc > free_blocks:
                 self.num_failed_allocations += 1
                 return None
         num_alloc = 0

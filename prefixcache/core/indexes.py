@@ -171,8 +171,10 @@ def check_implementation(manager, index, kv_cache_groups, eviction, num_host_blo
     that is not ``type(manager)``; else the index's name (``index_name``)."""
     cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
     if type(manager) is not cls:
+        own = getattr(type(manager), "INDEX_NAME", None)
         raise ValueError(
-            f"{type(manager).__name__} does not serve index={index_name(index)!r} with "
+            f"{type(manager).__name__}{f' (the {own!r} index)' if own else ''} does not "
+            f"serve index={index_name(index)!r} with "
             f"kv_cache_groups={kv_cache_groups!r}: {cls.__name__} does (KVCacheManager builds "
             "the implementation of each layout: one full-attention group or others)")
     return index_name(index)

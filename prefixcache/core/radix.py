@@ -159,6 +159,22 @@ def _check_root(ns, root, payload) -> None:
         raise InvariantError(f"root of namespace {ns!r} has no children")
 
 
+def _tree_edges(roots: dict, payload: str):
+    """Every ``(parent, child)`` edge of the trees ``roots`` (namespace -> root), depth
+    first, each root checked (`_check_root` on its ``payload`` attribute) and each
+    child's key and parent link (both trees' ``check_invariants`` rule)."""
+    for ns, root in roots.items():
+        _check_root(ns, root, getattr(root, payload))
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                if child.key != key or child.parent is not node:
+                    raise InvariantError(f"{child!r} is linked wrongly")
+                yield node, child
+                stack.append(child)
+
+
 class _Node:
     """One cached block in the tree (a root: ``block is None``, ``key`` = namespace).
 
@@ -1276,38 +1292,28 @@ class RadixKVCacheManager(HostTierAPI):
         locks: dict[int, int] = {}
         num_nodes = num_unlocked = 0
         candidates = []
-        for ns, root in self._roots.items():
-            _check_root(ns, root, root.block)
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for key, child in node.children.items():
-                    b = child.block
-                    if child.key != key or child.parent is not node:
-                        raise InvariantError(
-                            f"node of block {b.block_id if b else None} is linked wrongly"
-                        )
-                    if (
-                        b is None or blocks[b.block_id] is not b
-                        or self._nodes[b.block_id] is not child
-                    ):
-                        raise InvariantError(f"a node has no block of this manager: {child!r}")
-                    if b.block_hash is None:
-                        raise InvariantError(f"block {b.block_id} is a node but has no hash")
-                    if b.block_id in locks:
-                        raise InvariantError(f"block {b.block_id} is in the tree twice")
-                    locks[b.block_id] = 0
-                    num_nodes += 1
-                    if not child.lock:
-                        num_unlocked += 1
-                        if not child.children:
-                            candidates.append(b.block_id)
-                    if node.block is not None and node.lock == 0 and child.lock:
-                        raise InvariantError(
-                            f"block {b.block_id} is locked under the unlocked block "
-                            f"{node.block.block_id}"
-                        )
-                    stack.append(child)
+        for node, child in _tree_edges(self._roots, "block"):
+            b = child.block
+            if (
+                b is None or blocks[b.block_id] is not b
+                or self._nodes[b.block_id] is not child
+            ):
+                raise InvariantError(f"a node has no block of this manager: {child!r}")
+            if b.block_hash is None:
+                raise InvariantError(f"block {b.block_id} is a node but has no hash")
+            if b.block_id in locks:
+                raise InvariantError(f"block {b.block_id} is in the tree twice")
+            locks[b.block_id] = 0
+            num_nodes += 1
+            if not child.lock:
+                num_unlocked += 1
+                if not child.children:
+                    candidates.append(b.block_id)
+            if node.block is not None and node.lock == 0 and child.lock:
+                raise InvariantError(
+                    f"block {b.block_id} is locked under the unlocked block "
+                    f"{node.block.block_id}"
+                )
         for b in blocks:
             if (b.block_hash is not None) != (b.block_id in locks):
                 raise InvariantError(

@@ -108,8 +108,8 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
-    _check_root,
     _radix_hasher_and_policy,
+    _tree_edges,
     block_keys,
 )
 
@@ -921,53 +921,47 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         nodes_by_id: dict[int, _HybridNode] = {}
         num_nodes = num_free_sw = num_unlocked_full = 0
         candidates: list[int] = []
-        for ns, root in self._roots.items():
-            _check_root(ns, root, root.blocks)
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for key, child in node.children.items():
-                    if child.key != key or child.parent is not node or child.blocks is None:
-                        raise InvariantError(f"{child!r} is linked wrongly")
-                    if id(child) in nodes_by_id:
-                        raise InvariantError(f"{child!r} is in the tree twice")
-                    nodes_by_id[id(child)] = child
-                    locks[id(child)] = 0
-                    num_nodes += 1
-                    if len(child.blocks) != self.num_groups:
-                        raise InvariantError(f"{child!r} has no slot per group")
-                    if not child.lock and not child.children and all(
-                            b is None for b in child.blocks):
-                        raise InvariantError(f"{child!r} is an unlocked leaf without blocks")
-                    if node.blocks is not None and not node.lock and child.lock:
-                        raise InvariantError(f"{child!r} is locked under the unlocked {node!r}")
-                    for g, b in enumerate(child.blocks):
-                        if b is None:
-                            if self._is_full[g]:
-                                raise InvariantError(
-                                    f"{child!r} has no block of full-attention group {g}")
-                            continue
-                        if not self._cacheable[g]:
-                            raise InvariantError(f"{child!r} caches group {g} (window 1)")
-                        bid = b.block_id
-                        if (not 0 <= bid < n or blocks[bid] is not b or self._owner[bid]
-                                is not child or self._owner_group[bid] != g or bid in in_tree):
-                            raise InvariantError(
-                                f"block {bid} of {child!r} (group {g}) is not filed as its")
-                        if b.block_hash is None:
-                            raise InvariantError(f"block {bid} is in the tree without a hash")
-                        in_tree[bid] = child
-                        if self._is_full[g]:
-                            if not child.lock:
-                                num_unlocked_full += 1
-                                if not child.children:
-                                    candidates.append(bid)
-                        elif b.ref_cnt == 0:
-                            num_free_sw += 1
+        for node, child in _tree_edges(self._roots, "blocks"):
+            if child.blocks is None:
+                raise InvariantError(f"{child!r} is linked wrongly (no blocks)")
+            if id(child) in nodes_by_id:
+                raise InvariantError(f"{child!r} is in the tree twice")
+            nodes_by_id[id(child)] = child
+            locks[id(child)] = 0
+            num_nodes += 1
+            if len(child.blocks) != self.num_groups:
+                raise InvariantError(f"{child!r} has no slot per group")
+            if not child.lock and not child.children and all(
+                    b is None for b in child.blocks):
+                raise InvariantError(f"{child!r} is an unlocked leaf without blocks")
+            if node.blocks is not None and not node.lock and child.lock:
+                raise InvariantError(f"{child!r} is locked under the unlocked {node!r}")
+            for g, b in enumerate(child.blocks):
+                if b is None:
+                    if self._is_full[g]:
+                        raise InvariantError(
+                            f"{child!r} has no block of full-attention group {g}")
+                    continue
+                if not self._cacheable[g]:
+                    raise InvariantError(f"{child!r} caches group {g} (window 1)")
+                bid = b.block_id
+                if (not 0 <= bid < n or blocks[bid] is not b or self._owner[bid]
+                        is not child or self._owner_group[bid] != g or bid in in_tree):
+                    raise InvariantError(
+                        f"block {bid} of {child!r} (group {g}) is not filed as its")
+                if b.block_hash is None:
+                    raise InvariantError(f"block {bid} is in the tree without a hash")
+                in_tree[bid] = child
+                if self._is_full[g]:
+                    if not child.lock:
+                        num_unlocked_full += 1
+                        if not child.children:
                             candidates.append(bid)
-                        if b.ref_cnt and not child.lock:
-                            raise InvariantError(f"block {bid} is held but its node is unlocked")
-                    stack.append(child)
+                elif b.ref_cnt == 0:
+                    num_free_sw += 1
+                    candidates.append(bid)
+                if b.ref_cnt and not child.lock:
+                    raise InvariantError(f"block {bid} is held but its node is unlocked")
         for b in blocks:
             if (b.block_hash is not None) != (b.block_id in in_tree):
                 raise InvariantError(
