@@ -20,8 +20,8 @@ from prefixcache.core.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVCacheEvent,
+    device_block_stored,
     event_extra_keys,
 )
 
@@ -469,26 +469,16 @@ class BlockPool:
         if self.enable_events:
             start = num_cached_blocks * block_size
             end = num_full_blocks * block_size
-            lora = request.lora
             extra = [
                 event_extra_keys(request, s, s + block_size)
                 for s in range(start, end, block_size)
             ]
             eh = self._event_hash
             self.events.append(
-                BlockStored(
-                    block_hashes=[eh(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
-                    parent_block_hash=(
-                        eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
-                    ),
-                    token_ids=list(request.all_token_ids[start:end]),
-                    block_size=block_size,
-                    lora_id=lora.int_id if lora is not None else None,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora.name if lora is not None else None,
-                    extra_keys=extra if any(e is not None for e in extra) else None,
-                    group_idx=0,
-                    kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+                device_block_stored(
+                    request, [eh(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
+                    eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
+                    start, end, block_size, extra, spec_kind=KV_CACHE_SPEC_KIND,
                 )
             )
 

@@ -57,7 +57,12 @@ from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.policy_pool import PolicyBlockPool
-from prefixcache.core.events import MEDIUM_GPU, BlockRemoved, BlockStored, event_extra_keys
+from prefixcache.core.events import (
+    MEDIUM_GPU,
+    BlockRemoved,
+    device_block_stored,
+    event_extra_keys,
+)
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import HostTierAPI, check_host_args
 from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
@@ -182,26 +187,17 @@ class HybridBlockPool(BlockPool):
         if self.enable_events and stored:
             start = num_cached_blocks * block_size
             end = num_full_blocks * block_size
-            lora = request.lora
             extra = [
                 event_extra_keys(request, i * block_size, (i + 1) * block_size)
                 for i in range(num_cached_blocks, num_full_blocks) if blocks[i] is not null
             ]
             eh = self._event_hash
             spec = self._groups[group_id].spec
-            self.events.append(BlockStored(
-                block_hashes=[eh(h) for h in stored],
-                parent_block_hash=eh(hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
-                token_ids=list(request.all_token_ids[start:end]),
-                block_size=block_size,
-                lora_id=lora.int_id if lora is not None else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.name if lora is not None else None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                group_idx=group_id,
-                kv_cache_spec_kind=spec.kind,
-                kv_cache_spec_sliding_window=spec.sliding_window,
-            ))
+            self.events.append(device_block_stored(
+                request, [eh(h) for h in stored],
+                eh(hashes[num_cached_blocks - 1]) if num_cached_blocks else None, start, end,
+                block_size, extra, group_idx=group_id, spec_kind=spec.kind,
+                sliding_window=spec.sliding_window))
 
 
 class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):

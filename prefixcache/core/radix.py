@@ -106,8 +106,8 @@ from prefixcache.core.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVCacheEvent,
+    device_block_stored,
     event_extra_keys,
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
@@ -889,23 +889,12 @@ class RadixKVCacheManager(HostTierAPI):
         bs = self.block_size
         start = start_block * bs
         end = end_block * bs
-        lora = request.lora
         extra = [event_extra_keys(request, s, s + bs) for s in range(start, end, bs)]
         eh = self._event_hash
-        self.events.append(
-            BlockStored(
-                block_hashes=[eh(h) for h in hashes[start_block:end_block]],
-                parent_block_hash=eh(hashes[start_block - 1]) if start_block else None,
-                token_ids=list(request.all_token_ids[start:end]),
-                block_size=bs,
-                lora_id=lora.int_id if lora is not None else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.name if lora is not None else None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                group_idx=0,
-                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-            )
-        )
+        self.events.append(device_block_stored(
+            request, [eh(h) for h in hashes[start_block:end_block]],
+            eh(hashes[start_block - 1]) if start_block else None, start, end, bs, extra,
+            spec_kind=KV_CACHE_SPEC_KIND))
 
     # ------------------------------------------------------------- host tier
     def _host_hits(self, request, start: int) -> list[HostHit]:
@@ -1203,15 +1192,11 @@ class RadixKVCacheManager(HostTierAPI):
         """Forget every cached block. ``False`` (nothing changed) while any block is held."""
         if self._free.num_free_blocks != self.num_blocks:
             return False
-        for i, node in enumerate(self._nodes):
-            if node is not None:
-                node.block.block_hash = None
-                self._nodes[i] = None
+        self._forget_tree()
         self._roots = {}
         self._epoch += 1
         self._lookup = None
         self._num_nodes = 0
-        self._num_unlocked_nodes = 0
         self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
         self.policy.clear()
         if self.host_tier is not None:
@@ -1221,6 +1206,14 @@ class RadixKVCacheManager(HostTierAPI):
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
+
+    def _forget_tree(self) -> None:
+        """``reset_prefix_cache``'s part that is the tree's own: no block is cached."""
+        for i, node in enumerate(self._nodes):
+            if node is not None:
+                node.block.block_hash = None
+                self._nodes[i] = None
+        self._num_unlocked_nodes = 0
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the queued KV cache events (``[]`` when disabled)."""

@@ -80,9 +80,8 @@ from prefixcache.core.block_pool import (
 )
 from prefixcache.core.events import (
     MEDIUM_GPU,
-    AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
+    device_block_stored,
     event_extra_keys,
 )
 from prefixcache.core.hybrid import is_idle_step
@@ -772,7 +771,6 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         """``BlockStored`` for group ``g``'s newly cached positions, one per run."""
         spec = self.kv_cache_groups[g].spec
         bs = self.block_size
-        lora = request.lora
         eh = self._event_hash
         k = 0
         while k < len(positions):
@@ -781,19 +779,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 j += 1
             a, b = positions[k], positions[j] + 1
             extra = [event_extra_keys(request, s * bs, (s + 1) * bs) for s in range(a, b)]
-            self.events.append(BlockStored(
-                block_hashes=[eh(h) for h in hashes[a:b]],
-                parent_block_hash=eh(hashes[a - 1]) if a else None,
-                token_ids=list(request.all_token_ids[a * bs:b * bs]),
-                block_size=bs,
-                lora_id=lora.int_id if lora is not None else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.name if lora is not None else None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                group_idx=g,
-                kv_cache_spec_kind=spec.kind,
-                kv_cache_spec_sliding_window=spec.sliding_window,
-            ))
+            self.events.append(device_block_stored(
+                request, [eh(h) for h in hashes[a:b]], eh(hashes[a - 1]) if a else None,
+                a * bs, b * bs, bs, extra, group_idx=g, spec_kind=spec.kind,
+                sliding_window=spec.sliding_window))
             k = j + 1
 
     def free(self, request) -> None:
@@ -880,26 +869,14 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 stack.append(child)
         return sum(1 for b in self.blocks if b.block_hash is not None) - reachable
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. ``False`` (nothing changed) while any block is held."""
-        if self._free.num_free_blocks != self.num_blocks:
-            return False
+    def _forget_tree(self) -> None:
+        """``reset_prefix_cache``'s part that is this tree's own (radix.py's method does
+        the rest)."""
         for i, node in enumerate(self._owner):
             if node is not None:
                 self.blocks[i].block_hash = None
                 self._owner[i] = None
-        self._roots = {}
-        self._epoch += 1
-        self._lookup = None
-        self._num_nodes = self._num_cached = 0
-        self._num_free_sw = self._num_unlocked_full = 0
-        self._num_free_unhashed = self.num_blocks
-        self.policy.clear()
-        if self.enable_events:
-            self.events.append(AllBlocksCleared())
-        if self.log_stats:
-            self.prefix_cache_stats.reset = True
-        return True
+        self._num_cached = self._num_free_sw = self._num_unlocked_full = 0
 
     # -------------------------------------------------------------- checking
     def check_invariants(self) -> None:
