@@ -22,7 +22,6 @@ from prefixcache.core.events import (
     BlockRemoved,
     KVCacheEvent,
     device_block_stored,
-    event_extra_keys,
 )
 
 FREE_ORDERS = ("append", "unhashed_first")
@@ -467,20 +466,12 @@ class BlockPool:
                 cached[h] = {cur.block_id: cur, blk.block_id: blk}
         self.num_blocks_cached += num_full_blocks - num_cached_blocks
         if self.enable_events:
-            start = num_cached_blocks * block_size
-            end = num_full_blocks * block_size
-            extra = [
-                event_extra_keys(request, s, s + block_size)
-                for s in range(start, end, block_size)
-            ]
             eh = self._event_hash
-            self.events.append(
-                device_block_stored(
-                    request, [eh(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
-                    eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
-                    start, end, block_size, extra, spec_kind=KV_CACHE_SPEC_KIND,
-                )
-            )
+            self.events.append(device_block_stored(
+                request, list(map(eh, block_hashes[num_cached_blocks:num_full_blocks])),
+                eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
+                num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
+                spec_kind=KV_CACHE_SPEC_KIND))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue.

@@ -92,13 +92,20 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 def device_block_stored(request, block_hashes: list, parent_block_hash, start: int, end: int,
-                        block_size: int, extra: list, *, group_idx: int = 0,
+                        block_size: int, extra: list | None = None, *, group_idx: int = 0,
                         spec_kind: str = "full_attention",
                         sliding_window: int | None = None) -> BlockStored:
     """The ``BlockStored`` (medium ``"GPU"``) of ``request``'s newly cached blocks
     covering tokens ``[start, end)``: ``block_hashes`` / ``parent_block_hash`` already in
-    the event form, ``extra`` one `event_extra_keys` entry per block (every index's and
-    group kind's rule)."""
+    the event form, ``extra`` one `event_extra_keys` entry per stored block (None: every
+    block of the range is stored). Every index's and group kind's rule.
+
+    NOTE: the callers' caching paths call this only with events on, and keep no
+    comprehension of their own: its free variables would be cells made on every call
+    (events off too)."""
+    if extra is None:
+        extra = [event_extra_keys(request, s, s + block_size)
+                 for s in range(start, end, block_size)]
     lora = request.lora
     return BlockStored(
         block_hashes=block_hashes,

@@ -108,7 +108,6 @@ from prefixcache.core.events import (
     BlockRemoved,
     KVCacheEvent,
     device_block_stored,
-    event_extra_keys,
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
@@ -887,14 +886,11 @@ class RadixKVCacheManager(HostTierAPI):
     def _stored_event(self, request, hashes, start_block: int, end_block: int) -> None:
         """Queue ``BlockStored`` for the request's new nodes ``start .. end - 1``."""
         bs = self.block_size
-        start = start_block * bs
-        end = end_block * bs
-        extra = [event_extra_keys(request, s, s + bs) for s in range(start, end, bs)]
         eh = self._event_hash
         self.events.append(device_block_stored(
-            request, [eh(h) for h in hashes[start_block:end_block]],
-            eh(hashes[start_block - 1]) if start_block else None, start, end, bs, extra,
-            spec_kind=KV_CACHE_SPEC_KIND))
+            request, list(map(eh, hashes[start_block:end_block])),
+            eh(hashes[start_block - 1]) if start_block else None, start_block * bs,
+            end_block * bs, bs, spec_kind=KV_CACHE_SPEC_KIND))
 
     # ------------------------------------------------------------- host tier
     def _host_hits(self, request, start: int) -> list[HostHit]:

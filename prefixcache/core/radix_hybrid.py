@@ -82,7 +82,6 @@ from prefixcache.core.events import (
     MEDIUM_GPU,
     BlockRemoved,
     device_block_stored,
-    event_extra_keys,
 )
 from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.host_tier import check_host_args
@@ -778,10 +777,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
                 j += 1
             a, b = positions[k], positions[j] + 1
-            extra = [event_extra_keys(request, s * bs, (s + 1) * bs) for s in range(a, b)]
             self.events.append(device_block_stored(
-                request, [eh(h) for h in hashes[a:b]], eh(hashes[a - 1]) if a else None,
-                a * bs, b * bs, bs, extra, group_idx=g, spec_kind=spec.kind,
+                request, list(map(eh, hashes[a:b])), eh(hashes[a - 1]) if a else None,
+                a * bs, b * bs, bs, group_idx=g, spec_kind=spec.kind,
                 sliding_window=spec.sliding_window))
             k = j + 1
 
