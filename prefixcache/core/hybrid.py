@@ -69,12 +69,12 @@ from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
 from prefixcache.core.kv_cache_manager import (
     BlockPoolViews,
     _admission_checks,
-    _bad_num_computed_tokens,
     _check_request,
     _check_sizes,
     _init_lookup_counters,
     _make_prefix_cache_stats,
     _hash_eviction_options,
+    _held_states,
     _pop_held_state,
     _store_settings,
 )
@@ -810,15 +810,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         refs = [0] * self.num_blocks
         owner: dict[int, int] = {}  # block id -> group
         bs = self.block_size
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError("states by request object and by id differ in number")
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid or self._states_by_request.get(req) is not st:
-                raise InvariantError(f"state of {rid!r} is not found by its request")
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
+        for rid, st, req in _held_states(self):  # (the filing rule of every manager)
             hashes = req.block_hashes if self.enable_caching else ()
             if len({len(t) for t in st.tables}) != 1:
                 raise InvariantError(

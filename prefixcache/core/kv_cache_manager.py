@@ -1006,17 +1006,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         pool.check_invariants()
         refs = [0] * self.num_blocks
         bs = self.block_size
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError(
-                f"{len(self._states_by_request)} states by request object but "
-                f"{len(self._states)} by request id"
-            )
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid:
-                raise InvariantError(f"state of {rid!r} holds request {req.request_id!r}")
-            if self._states_by_request.get(req) is not st:
-                raise InvariantError(f"request {rid!r}: its state is not found by its object")
+        for rid, st, req in _held_states(self):
             blocks = st.blocks
             if st.num_cached_blocks > len(blocks):
                 raise InvariantError(
@@ -1051,14 +1041,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                         f"{st.num_cached_blocks} cached blocks but has hash "
                         f"{b.block_hash.hex()}"
                     )
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
-            if -(-req.num_computed_tokens // bs) > len(blocks):
-                raise InvariantError(
-                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
-                    f"only {len(blocks)} blocks"
-                )
+            _check_computed_fit(rid, req, len(blocks), bs)
         for b in pool.blocks:
             if b.ref_cnt != refs[b.block_id]:
                 raise InvariantError(
@@ -1072,6 +1055,31 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             if held:
                 raise InvariantError(f"requests {held[:5]} hold blocks but are still "
                                      "waiting for the queue-aware policy (a leak)")
+
+
+def _held_states(manager):
+    """``(request id, state, request)`` of each request holding blocks in ``manager``,
+    after ``check_invariants``' filing rule of every manager: each state found by its
+    id and by its request object, the request's counters sane."""
+    states, by_request = manager._states, manager._states_by_request
+    if len(by_request) != len(states):
+        raise InvariantError(f"{len(by_request)} states by request object but "
+                             f"{len(states)} by request id")
+    for rid, st in states.items():
+        req = st.request
+        if req.request_id != rid or by_request.get(req) is not st:
+            raise InvariantError(f"state of {rid!r} is filed wrongly")
+        bad = _bad_num_computed_tokens(req)
+        if bad:
+            raise InvariantError(bad)
+        yield rid, st, req
+
+
+def _check_computed_fit(rid, req, num_slots: int, block_size: int) -> None:
+    """``check_invariants``: the request's computed tokens fit its ``num_slots`` slots."""
+    if -(-req.num_computed_tokens // block_size) > num_slots:
+        raise InvariantError(f"request {rid!r} has {req.num_computed_tokens} computed tokens "
+                             f"but only {num_slots} blocks")
 
 
 def _public_methods(cls: type) -> list[str]:

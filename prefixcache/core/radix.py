@@ -116,9 +116,10 @@ from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
-    _bad_num_computed_tokens,
+    _check_computed_fit,
     _check_request,
     _check_sizes,
+    _held_states,
     _init_lookup_counters,
     _make_prefix_cache_stats,
     _pop_held_state,
@@ -1327,15 +1328,7 @@ class RadixKVCacheManager(HostTierAPI):
             )
         # Requests: tables, paths, locks and ref counts.
         refs = [0] * n
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError(
-                f"{len(self._states_by_request)} states by request object but "
-                f"{len(self._states)} by request id"
-            )
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid or self._states_by_request.get(req) is not st:
-                raise InvariantError(f"state of {rid!r} is filed wrongly")
+        for rid, st, req in _held_states(self):
             tbl = st.blocks
             path = st.path
             if len(path) > len(tbl):
@@ -1385,14 +1378,7 @@ class RadixKVCacheManager(HostTierAPI):
                         f"request {rid!r} block #{k} (id {b.block_id}) is past its path of "
                         f"{len(path)} but has a hash"
                     )
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
-            if -(-req.num_computed_tokens // bs) > len(tbl):
-                raise InvariantError(
-                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
-                    f"only {len(tbl)} blocks"
-                )
+            _check_computed_fit(rid, req, len(tbl), bs)
         for b in blocks:
             if b.ref_cnt != refs[b.block_id]:
                 raise InvariantError(

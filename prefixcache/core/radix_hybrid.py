@@ -88,8 +88,8 @@ from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
-    _bad_num_computed_tokens,
     _check_sizes,
+    _held_states,
     _init_lookup_counters,
     _pop_held_state,
     _store_settings,
@@ -957,15 +957,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}")
         # Requests.
         refs = [0] * n
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError("states by request object and by id differ in number")
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid or self._states_by_request.get(req) is not st:
-                raise InvariantError(f"state of {rid!r} is filed wrongly")
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
+        for rid, st, req in _held_states(self):
             tables = st.tables
             if len(tables) != self.num_groups or st.blocks is not tables[0]:
                 raise InvariantError(f"request {rid!r}: {len(tables)} tables")
