@@ -857,18 +857,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 if hashes is None:
                     request.bind_hasher(self.hasher, bs)
                     hashes = request.block_hashes
-                sid = b.host_slot
-                if (
-                    b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
-                    or tier.slots[sid].block_hash != b.block_hash or sid in seen_slots
-                    # (a hit at another position would be cached under this one's hash)
-                    or i >= len(hashes) or hashes[i] != b.block_hash
-                ):
-                    raise ValueError(
-                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
-                        f"of request {request.request_id!r} (already promoted, reordered, or "
-                        "the host entry changed since get_computed_blocks)")
-                seen_slots.add(sid)
+                _check_host_hit(tier, b, i, hashes, seen_slots, request)
                 loads.append(i)
             else:
                 raise ArgumentTypeError(
@@ -1055,6 +1044,24 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             if held:
                 raise InvariantError(f"requests {held[:5]} hold blocks but are still "
                                      "waiting for the queue-aware policy (a leak)")
+
+
+def _check_host_hit(tier, b, i: int, hashes, seen: set, request) -> None:
+    """Both indexes' rule for a ``HostHit`` at position ``i`` of a hit list: a current
+    entry of ``tier`` for the request's block ``i``, its slot not ``seen`` before in the
+    list (then added); ``ValueError`` otherwise."""
+    sid = b.host_slot
+    if (
+        b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
+        or tier.slots[sid].block_hash != b.block_hash or sid in seen
+        # (a hit at another position would be cached under this one's hash)
+        or i >= len(hashes) or hashes[i] != b.block_hash
+    ):
+        raise ValueError(
+            f"{b!r} is not a current host-tier hit of this manager for block #{i} "
+            f"of request {request.request_id!r} (already promoted, reordered, or "
+            "the host entry changed since get_computed_blocks)")
+    seen.add(sid)
 
 
 def _held_states(manager):

@@ -117,6 +117,7 @@ from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
     _check_computed_fit,
+    _check_host_hit,
     _check_request,
     _check_sizes,
     _held_states,
@@ -966,18 +967,7 @@ class RadixKVCacheManager(HostTierAPI):
                     raise (ValueError if type(b) is KVCacheBlock else ArgumentTypeError)(
                         f"new_computed_blocks #{i} ({b!r}) follows a host-tier hit: the radix "
                         "index's hit list is its device blocks, then HostHit objects")
-                sid = b.host_slot
-                if (
-                    b.block_id != -1 or type(sid) is not int
-                    or not 0 <= sid < tier.num_host_blocks
-                    or tier.slots[sid].block_hash != b.block_hash or sid in seen
-                    or i >= len(hashes) or hashes[i] != b.block_hash
-                ):
-                    raise ValueError(
-                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
-                        f"of request {request.request_id!r} (already promoted, or the host "
-                        "entry changed since get_computed_blocks)")
-                seen.add(sid)
+                _check_host_hit(tier, b, i, hashes, seen, request)
         nodes = self._adopted_nodes(request, device, ns) if device else []
         num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
