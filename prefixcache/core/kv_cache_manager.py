@@ -1133,7 +1133,8 @@ class KVCacheManager:
             ``log_stats``, ``enable_events``, ``max_model_len``, ``int_event_hashes``,
             ``eviction``, ``eviction_options``, ``index``, ``kv_cache_groups``,
             ``num_host_blocks``, ``host_eviction``, ``host_eviction_options`` (see
-            ``HashKVCacheManager``).
+            ``HashKVCacheManager``). ``index`` is a registered name or an index class
+            of the user's own (``indexes.check_index_class``).
 
     Attributes (besides the implementation's):
         kv_cache_groups: the layout (``kv_groups.FULL_ATTENTION_LAYOUT`` without
