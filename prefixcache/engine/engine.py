@@ -1194,7 +1194,7 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
     windows = sorted({w for w, _ in groups if w is not None})
     # NOTE: both indexes serve sliding-window layers (hash: vLLM's hybrid manager;
     # radix: core/radix_hybrid.py, SGLang's SWA radix cache).
-    if eviction != "lru" or index not in ("hash", "radix") and not isinstance(index, type):
+    if eviction != "lru" or (index not in ("hash", "radix") and not isinstance(index, type)):
         raise ValueError(f"sliding-window layers (window {windows}) need eviction='lru' and "
                          f"index='hash' or 'radix' (the hybrid KV cache managers); got "
                          f"eviction={eviction!r}, index={index!r}")
