@@ -233,25 +233,139 @@ def test_hash_serializer_recipe():
 
 
 # -------------------------------------------------------------------- index / tier
-def test_index_recipe_contract_holds_for_every_registered_index():
-    # The recipe's contract (README "Extending", an index): a class taking
-    # KVCacheManager's keywords that answers KVCacheBlocks and has free /
-    # check_invariants; KVCacheManager then binds its public methods.
-    from prefixcache.core import KVCacheManager, Request
-    from prefixcache.core.indexes import INDEXES, get_index_class
-    from prefixcache.core.kv_cache_blocks import KVCacheBlocks
+def _counting_index():
+    # A user's own index: the radix tree that counts its lookups, with its own
+    # implementation for sliding-window layouts (LAYOUT_CLASS / LAYOUT_KINDS).
+    from prefixcache.core.radix import RadixKVCacheManager
+    from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager
 
-    for name in INDEXES:
-        cls = get_index_class(name)
-        assert callable(cls.free) and callable(cls.check_invariants), name
-        m = KVCacheManager(8, 4, index=name, eviction=_newest_first())
-        assert type(m.implementation) is cls
-        r = Request("a", list(range(9)))
-        blocks, hit = m.get_computed_blocks(r)
-        assert isinstance(blocks, KVCacheBlocks) and hit == 0
-        assert isinstance(m.allocate_slots(r, 9, hit, blocks), KVCacheBlocks)
-        m.free(r)
-        m.check_invariants()
+    class Counting:
+        lookups = 0
+
+        def get_computed_blocks(self, request):
+            self.lookups += 1
+            return super().get_computed_blocks(request)
+
+    class CountingRadixLayouts(Counting, RadixHybridKVCacheManager):
+        pass
+
+    class CountingRadix(Counting, RadixKVCacheManager):
+        INDEX_NAME = "counting_radix"
+        LAYOUT_CLASS = CountingRadixLayouts
+        LAYOUT_KINDS = ("full_attention", "sliding_window")
+
+    return CountingRadix, CountingRadixLayouts
+
+
+def test_index_recipe():
+    # An index of the user's own package, through every driver; no registry edited.
+    from prefixcache.core import KVCacheManager, Request
+    from prefixcache.core.indexes import INDEXES
+    from prefixcache.core.kv_cache_blocks import KVCacheBlocks
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager
+    from prefixcache.cost_model import CostModel
+    from prefixcache.sim import compare, des
+    from prefixcache.sim.cluster import simulate_cluster
+    from prefixcache.sim.replay import replay
+
+    CountingRadix, CountingRadixLayouts = _counting_index()
+    assert "counting_radix" not in INDEXES
+    m = KVCacheManager(8, 4, index=CountingRadix, eviction=_newest_first())
+    assert type(m.implementation) is CountingRadix and m.index == "counting_radix"
+    r = Request("a", list(range(9)))
+    blocks, hit = m.get_computed_blocks(r)
+    assert isinstance(blocks, KVCacheBlocks) and hit == 0 and m.lookups == 1
+    assert isinstance(m.allocate_slots(r, 9, hit, blocks), KVCacheBlocks)
+    m.free(r)
+    m.check_invariants()
+
+    # CacheConfig and replay: the same hits as the registered radix index, its name shown.
+    trace = _trace()
+    cfg = CacheConfig(num_blocks=32, block_size=4, index=CountingRadix)
+    assert cfg.to_dict()["index"] == "counting_radix"
+    for groups in (None, "full,sw8"):
+        toy = replay(trace, cache_config=cfg.replace(kv_cache_groups=groups))
+        ref = replay(trace, cache_config=cfg.replace(kv_cache_groups=groups, index="radix"))
+        assert toy["index"] == "counting_radix" and toy["hit_tokens"] == ref["hit_tokens"] > 0
+    sliding = cfg.replace(kv_cache_groups="full,sw8").kv_cache_groups
+    layouts = KVCacheManager(32, 4, index=CountingRadix, kv_cache_groups=sliding)
+    assert type(layouts.implementation) is CountingRadixLayouts
+    assert layouts.index == "counting_radix"
+    row = compare.cell_row(toy, policy="lru", index=CountingRadix, num_blocks=32,
+                           block_size=4, concurrency=1)
+    assert row["index"] == "counting_radix"
+    # The simulators.
+    cost = CostModel.create("tiny", "h100")
+    s = des.simulate(trace, cost_model=cost, cache_config=cfg)
+    assert s["requests"] == len(trace)
+    s = simulate_cluster(trace, num_replicas=2, router="round_robin", cost_model=cost,
+                         cache_config=cfg)
+    assert sum(r["requests"] for r in s["per_replica"]) == len(trace)
+
+    # An index serving one full-attention group only is refused for other layouts by
+    # the one rule, with its reason.
+    class PlainToy(HashKVCacheManager):
+        INDEX_NAME = "plain_toy"
+
+    why = ("index='plain_toy' is not supported with KV cache groups other than one "
+           "full-attention group: the index's class matches one chain")
+    with pytest.raises(ValueError, match=why):
+        KVCacheManager(8, 4, index=PlainToy, kv_cache_groups=sliding)
+    with pytest.raises(ValueError, match=why):
+        replay(trace, cache_config=cfg.replace(index=PlainToy, kv_cache_groups=sliding))
+    assert replay(trace, cache_config=cfg.replace(index=PlainToy))["index"] == "plain_toy"
+
+
+def test_index_recipe_bad_classes_are_refused_before_anything_is_built():
+    from prefixcache.core import KVCacheManager
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager
+
+    class Nameless:
+        pass
+
+    class Unnamed(HashKVCacheManager):  # inherits the registered "hash"
+        pass
+
+    class Taken(HashKVCacheManager):
+        INDEX_NAME = "radix"
+
+    class NoProtocol:
+        INDEX_NAME = "no_protocol"
+
+        def get_computed_blocks(self, request):
+            return None
+
+    class HalfLayout(HashKVCacheManager):
+        INDEX_NAME = "half_layout"
+        LAYOUT_CLASS = HashKVCacheManager
+
+    for bad, match in [(3, "index.* 3"), (object(), "index.* <object object"),
+                       (Nameless, "needs an INDEX_NAME"),
+                       (Unnamed, "INDEX_NAME='hash' is the registered index's name"),
+                       (Taken, "INDEX_NAME='radix' is the registered index's name"),
+                       (NoProtocol, "lacks the manager protocol: no allocate_slots, free, "
+                                    "check_invariants"),
+                       (HalfLayout, "LAYOUT_KINDS must be a tuple")]:
+        with pytest.raises(ValueError, match=match):
+            KVCacheManager(8, 4, index=bad)
+        with pytest.raises(ValueError, match=match):
+            CacheConfig(num_blocks=8, index=bad)
+    # The registered classes are the registered indexes.
+    assert KVCacheManager(8, 4, index=HashKVCacheManager).index == "hash"
+    assert CacheConfig(index=HashKVCacheManager).to_dict()["index"] == "hash"
+
+
+def test_engine_takes_an_index_class():
+    from prefixcache.engine import Engine, SamplingParams
+    from prefixcache.model import ModelConfig
+
+    CountingRadix, _ = _counting_index()
+    eng = Engine(ModelConfig.tiny(), cache_config=CacheConfig(num_blocks=16, block_size=8,
+                                                              index=CountingRadix),
+                 max_num_seqs=2, max_num_batched_tokens=32)
+    assert type(eng.kv_cache_manager.implementation) is CountingRadix
+    eng.generate([[1, 2, 3, 4, 5, 6]] * 2, SamplingParams(max_tokens=2))
+    assert eng.kv_cache_manager.lookups >= 2
 
 
 def test_tier_recipe_host_policy():

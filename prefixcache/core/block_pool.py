@@ -20,9 +20,8 @@ from prefixcache.core.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVCacheEvent,
-    event_extra_keys,
+    device_block_stored,
 )
 
 FREE_ORDERS = ("append", "unhashed_first")
@@ -467,30 +466,12 @@ class BlockPool:
                 cached[h] = {cur.block_id: cur, blk.block_id: blk}
         self.num_blocks_cached += num_full_blocks - num_cached_blocks
         if self.enable_events:
-            start = num_cached_blocks * block_size
-            end = num_full_blocks * block_size
-            lora = request.lora
-            extra = [
-                event_extra_keys(request, s, s + block_size)
-                for s in range(start, end, block_size)
-            ]
             eh = self._event_hash
-            self.events.append(
-                BlockStored(
-                    block_hashes=[eh(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
-                    parent_block_hash=(
-                        eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
-                    ),
-                    token_ids=list(request.all_token_ids[start:end]),
-                    block_size=block_size,
-                    lora_id=lora.int_id if lora is not None else None,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora.name if lora is not None else None,
-                    extra_keys=extra if any(e is not None for e in extra) else None,
-                    group_idx=0,
-                    kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-                )
-            )
+            self.events.append(device_block_stored(
+                request, list(map(eh, block_hashes[num_cached_blocks:num_full_blocks])),
+                eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
+                num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
+                spec_kind=KV_CACHE_SPEC_KIND))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue.

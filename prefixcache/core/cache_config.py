@@ -84,6 +84,14 @@ def _check_policy(name: str, value: Any) -> Any:
     return value if is_policy_class(value) else _check_name(name, value)
 
 
+def _check_index(value: Any) -> Any:
+    """An index name (str) or an index class (a user's own plug-in, checked by
+    ``indexes.check_index_class``)."""
+    from prefixcache.core.indexes import is_index_class  # noqa: PLC0415
+
+    return value if is_index_class(value) else _check_name("index", value)
+
+
 def _check_options(name: str, value: Any) -> dict | None:
     if value is None:
         return None
@@ -150,7 +158,9 @@ class CacheConfig:
         an ``EvictionPolicy`` subclass of the user's own (no registration needed;
         ``to_dict`` records its ``name``).
       eviction_options: the policy's keyword options (a mapping or None).
-      index: the prefix index (``prefixcache.core.indexes.INDEXES``).
+      index: the prefix index (``prefixcache.core.indexes.INDEXES``), or an index class
+        of the user's own (``INDEX_NAME`` and the manager protocol; no registration
+        needed; ``to_dict`` records its ``INDEX_NAME``).
       num_host_blocks: host-tier slots under the device cache (0: none).
       host_eviction: the host tier's policy (any policy that needs no future; a name or
         a class, as ``eviction``).
@@ -226,7 +236,7 @@ class CacheConfig:
             raise ValueError(f"eviction: {e}") from None
         put("eviction_options", _check_options("eviction_options", self.eviction_options))
         try:
-            get_index_class(_check_name("index", self.index))
+            get_index_class(_check_index(self.index))
         except ValueError as e:
             raise ValueError(f"index: {e}") from None
         put("num_host_blocks", check_count("num_host_blocks", self.num_host_blocks))
@@ -338,6 +348,9 @@ class CacheConfig:
 
         for k in ("eviction", "host_eviction"):  # a plug-in class: its name
             d[k] = policy_name(d[k])
+        from prefixcache.core.indexes import index_name  # noqa: PLC0415
+
+        d["index"] = index_name(d["index"])
         if d["kv_cache_groups"] is not None:
             d["kv_cache_groups"] = _groups_to_rows(d["kv_cache_groups"])
         if d["hash_seed"] is not None and type(d["hash_seed"]) not in (int, str):

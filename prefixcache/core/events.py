@@ -91,6 +91,37 @@ class AllBlocksCleared(KVCacheEvent):
     """``reset_prefix_cache()`` dropped every cached hash."""
 
 
+def device_block_stored(request, block_hashes: list, parent_block_hash, start: int, end: int,
+                        block_size: int, extra: list | None = None, *, group_idx: int = 0,
+                        spec_kind: str = "full_attention",
+                        sliding_window: int | None = None) -> BlockStored:
+    """The ``BlockStored`` (medium ``"GPU"``) of ``request``'s newly cached blocks
+    covering tokens ``[start, end)``: ``block_hashes`` / ``parent_block_hash`` already in
+    the event form, ``extra`` one `event_extra_keys` entry per stored block (None: every
+    block of the range is stored). Every index's and group kind's rule.
+
+    NOTE: the callers' caching paths call this only with events on, and keep no
+    comprehension of their own: its free variables would be cells made on every call
+    (events off too)."""
+    if extra is None:
+        extra = [event_extra_keys(request, s, s + block_size)
+                 for s in range(start, end, block_size)]
+    lora = request.lora
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=parent_block_hash,
+        token_ids=list(request.all_token_ids[start:end]),
+        block_size=block_size,
+        lora_id=lora.int_id if lora is not None else None,
+        medium=MEDIUM_GPU,
+        lora_name=lora.name if lora is not None else None,
+        extra_keys=extra if any(e is not None for e in extra) else None,
+        group_idx=group_idx,
+        kv_cache_spec_kind=spec_kind,
+        kv_cache_spec_sliding_window=sliding_window,
+    )
+
+
 def event_extra_keys(request, start: int, end: int) -> tuple[Any, ...] | None:
     """The untagged extra keys vLLM publishes for the block ``[start, end)``.
 

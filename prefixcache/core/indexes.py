@@ -14,6 +14,14 @@ the group layout does the work:
 The registry names each as ``"module:Class"`` and imports it only when selected.
 ``resolve_manager_class`` is the ONE place a combination of index x group layout x
 eviction policy x tier is refused, with its reason (``COMBINATION_RULES``).
+
+An index of a user's own package needs no line here: pass its class where a name goes
+(``KVCacheManager(index=MyIndex)``, ``CacheConfig(index=MyIndex)``, every driver's
+``index=``). The class declares ``INDEX_NAME`` (what records show; not a registered
+name) and the manager protocol (``INDEX_PROTOCOL``: subclass ``HashKVCacheManager`` or
+``RadixKVCacheManager``, or write the methods); it serves one full-attention group unless
+it declares ``LAYOUT_CLASS`` (its implementation for other layouts: a class or
+``"module:Class"``) and ``LAYOUT_KINDS`` (the group kinds that one serves).
 """
 
 from __future__ import annotations
@@ -52,11 +60,18 @@ COMBINATION_RULES = MappingProxyType({
         "a waiting-queue policy protects the blocks a waiting request will hit, which "
         "with sliding-window groups depend on where each group's hit ends; the per-group "
         "waiting hooks are not built"),
+    ("layout", "index"): (
+        "the index's class matches one chain of full-attention blocks; another layout "
+        "needs per-group hit rules (where each group's hit ends) that the class does not "
+        "declare (LAYOUT_CLASS, with the group kinds it serves in LAYOUT_KINDS)"),
     ("state", "index"): (
         "a state-space (Mamba) group keeps one state snapshot per cached block boundary; "
         "only the hash index (vLLM's MambaManager rules) keeps them -- state checkpoints "
         "on radix tree nodes (Marconi's design) are not built"),
 })
+
+# An index class of a user's own package: what it must provide (``check_index_class``).
+INDEX_PROTOCOL = ("get_computed_blocks", "allocate_slots", "free", "check_invariants")
 
 # The group kinds each index's layout implementation serves (the hash index serves
 # every registered kind, ``kv_groups.GROUP_KINDS``).
@@ -70,6 +85,43 @@ def index_names() -> tuple[str, ...]:
     return tuple(INDEXES)
 
 
+def is_index_class(value) -> bool:
+    """``value`` is a class given in place of an index name (checked by
+    `check_index_class`)."""
+    return isinstance(value, type)
+
+
+def check_index_class(cls: type) -> type:
+    """``cls`` itself when it can serve as an index (``INDEX_NAME``, ``INDEX_PROTOCOL``,
+    a well-formed ``LAYOUT_CLASS`` / ``LAYOUT_KINDS``); ``ValueError`` naming what is
+    missing."""
+    name = getattr(cls, "INDEX_NAME", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"index class {cls.__name__} needs an INDEX_NAME (a non-empty str: "
+                         "the name records show)")
+    if name in INDEXES and _load(INDEXES, "index", name) is not cls:
+        raise ValueError(f"index class {cls.__name__}: INDEX_NAME={name!r} is the registered "
+                         f"index's name; give it a name of its own (not one of "
+                         f"{index_names()})")
+    missing = [m for m in INDEX_PROTOCOL if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(
+            f"index class {cls.__name__} lacks the manager protocol: no {', '.join(missing)} "
+            "(an index answers KVCacheBlocks from get_computed_blocks / allocate_slots and "
+            "provides free and check_invariants; subclass HashKVCacheManager or "
+            "RadixKVCacheManager)")
+    layout = getattr(cls, "LAYOUT_CLASS", None)
+    kinds = getattr(cls, "LAYOUT_KINDS", ())
+    if layout is not None and not isinstance(layout, (type, str)):
+        raise ValueError(f"index class {cls.__name__}: LAYOUT_CLASS must be a class or "
+                         f"'module:Class', got {layout!r}")
+    if (not isinstance(kinds, tuple) or not all(isinstance(k, str) for k in kinds)
+            or (layout is None) != (not kinds)):
+        raise ValueError(f"index class {cls.__name__}: LAYOUT_KINDS must be a tuple of group "
+                         f"kind names, given exactly when LAYOUT_CLASS is, got {kinds!r}")
+    return cls
+
+
 def _load(registry, kind: str, name: str) -> type:
     module, _, attr = registry[name].partition(":")
     try:
@@ -79,31 +131,78 @@ def _load(registry, kind: str, name: str) -> type:
     return getattr(mod, attr)
 
 
-def get_index_class(name: str) -> type:
-    """The implementation class registered as ``name`` (for one full-attention group);
-    ``ValueError`` naming the choices."""
+def get_index_class(name: str | type) -> type:
+    """The implementation class registered as ``name`` (for one full-attention group),
+    or ``name`` itself when it is an index class (`check_index_class`); ``ValueError``
+    naming the choices."""
+    if is_index_class(name):
+        return check_index_class(name)
     if not isinstance(name, str) or name not in INDEXES:
-        raise ValueError(f"unknown index {name!r}; expected one of {index_names()}")
+        raise ValueError(f"unknown index {name!r}; expected one of {index_names()} or an "
+                         "index class (INDEX_NAME and the manager protocol)")
     return _load(INDEXES, "index", name)
 
 
-def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str | None:
+def index_name(index: str | type) -> str:
+    """The name a record shows for ``index`` (a registered name, or a class's
+    ``INDEX_NAME``)."""
+    return get_index_class(index).INDEX_NAME if is_index_class(index) else index
+
+
+def _canonical(index):
+    """A registered index's class given as a class -> its name (the same index)."""
+    if is_index_class(index) and check_index_class(index).INDEX_NAME in INDEXES:
+        return index.INDEX_NAME
+    return index
+
+
+def _layout_of(index) -> tuple[tuple[str, ...], object]:
+    """(the group kinds ``index``'s layout implementation serves, that implementation:
+    a class, a ``"module:Class"`` or None); the hash index's is ``kv_groups``'."""
+    if is_index_class(index):
+        cls = get_index_class(index)
+        return tuple(getattr(cls, "LAYOUT_KINDS", ())), getattr(cls, "LAYOUT_CLASS", None)
+    return LAYOUT_INDEX_KINDS.get(index, ()), LAYOUT_INDEXES.get(index)
+
+
+def check_implementation(manager, index, kv_cache_groups, eviction, num_host_blocks) -> str:
+    """The one rule, applied by an implementation's constructor: ``ValueError`` with the
+    reason when the combination is refused, or naming the class that serves it when
+    that is not ``type(manager)``; else the index's name (``index_name``)."""
+    cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
+    if type(manager) is not cls:
+        own = getattr(type(manager), "INDEX_NAME", None)
+        raise ValueError(
+            f"{type(manager).__name__}{f' (the {own!r} index)' if own else ''} does not "
+            f"serve index={index_name(index)!r} with "
+            f"kv_cache_groups={kv_cache_groups!r}: {cls.__name__} does (KVCacheManager builds "
+            "the implementation of each layout: one full-attention group or others)")
+    return index_name(index)
+
+
+def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) -> str | None:
     """Why the combination is not served (``None``: it runs). Raises ``ValueError`` for
     an unknown index and for a bad layout (``kv_groups.check_kv_cache_groups``)."""
     from prefixcache.core.kv_groups import check_kv_cache_groups, is_hybrid
 
     get_index_class(index)  # unknown -> ValueError naming the choices
+    index = _canonical(index)
     if kv_cache_groups is None:
         return None
     groups = check_kv_cache_groups(kv_cache_groups)
     if not is_hybrid(groups):
         return None
     if index != DEFAULT_INDEX:
-        served = LAYOUT_INDEX_KINDS.get(index, ())
+        served, layout = _layout_of(index)
+        if layout is None and is_index_class(index):
+            return (f"index={index_name(index)!r} is not supported with KV cache groups other "
+                    f"than one full-attention group: {COMBINATION_RULES[('layout', 'index')]}")
         for g in groups:
             if g.spec.kind not in served:
-                return (f"index={index!r} is not supported with a {g.spec.kind!r} KV cache "
-                        f"group: {COMBINATION_RULES[('state', 'index')]}")
+                rule = "layout" if is_index_class(index) else "state"
+                return (f"index={index_name(index)!r} is not supported with a "
+                        f"{g.spec.kind!r} KV cache group: "
+                        f"{COMBINATION_RULES[(rule, 'index')]}")
     asked = []
     # (a bad num_host_blocks value is the tier's own check, in the implementation)
     if type(num_host_blocks) is int and num_host_blocks > 0:
@@ -123,7 +222,7 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
     return None
 
 
-def resolve_manager_class(index: str, kv_cache_groups, eviction: str = "lru",
+def resolve_manager_class(index: str | type, kv_cache_groups, eviction: str = "lru",
                           num_host_blocks=0) -> type:
     """The implementation ``KVCacheManager`` builds for this combination, or
     ``ValueError`` naming why it is refused (``refusal``)."""
@@ -134,9 +233,13 @@ def resolve_manager_class(index: str, kv_cache_groups, eviction: str = "lru",
         from prefixcache.core.kv_groups import is_hybrid, layout_manager_class
 
         if is_hybrid(tuple(kv_cache_groups)):
+            index = _canonical(index)
             if index == DEFAULT_INDEX:
                 return layout_manager_class(kv_cache_groups)
-            return _load(LAYOUT_INDEXES, "index", index)
+            layout = _layout_of(index)[1]
+            if isinstance(layout, type):
+                return layout
+            return _load({index_name(index): layout}, "index", index_name(index))
     return get_index_class(index)
 
 
@@ -144,10 +247,15 @@ __all__ = [
     "COMBINATION_RULES",
     "DEFAULT_INDEX",
     "INDEXES",
+    "INDEX_PROTOCOL",
     "LAYOUT_INDEXES",
     "TIERS",
+    "check_implementation",
+    "check_index_class",
     "get_index_class",
+    "index_name",
     "index_names",
+    "is_index_class",
     "refusal",
     "resolve_manager_class",
 ]

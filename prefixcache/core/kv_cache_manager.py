@@ -42,7 +42,11 @@ from prefixcache.core.host_tier import (
     check_tier_args,
     make_host_tier,
 )
-from prefixcache.core.indexes import DEFAULT_INDEX, resolve_manager_class
+from prefixcache.core.indexes import (
+    DEFAULT_INDEX,
+    check_implementation,
+    resolve_manager_class,
+)
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.policy_pool import PolicyBlockPool
@@ -424,6 +428,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     """
 
     KEYS_BY_BLOCK_HASH = True
+    INDEX_NAME = DEFAULT_INDEX
 
     def __init__(
         self,
@@ -448,11 +453,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
     ):
         # The one composition rule (an unknown index, a layout or tier this class does
         # not serve -> ValueError naming why); KVCacheManager has applied it already.
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not HashKVCacheManager:
-            raise ValueError(
-                f"{type(self).__name__} serves the hash index over one full-attention "
-                f"group, not index={index!r} with kv_cache_groups={kv_cache_groups!r}")
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError
@@ -474,7 +475,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events)
         self.eviction = eviction
-        self.index = DEFAULT_INDEX
+        self.index = index
         self.policy = policy
         # A policy that reads the waiting queue (queue_aware): admission drops the
         # request from it (``on_waiting``); None for every other policy.
@@ -856,18 +857,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 if hashes is None:
                     request.bind_hasher(self.hasher, bs)
                     hashes = request.block_hashes
-                sid = b.host_slot
-                if (
-                    b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
-                    or tier.slots[sid].block_hash != b.block_hash or sid in seen_slots
-                    # (a hit at another position would be cached under this one's hash)
-                    or i >= len(hashes) or hashes[i] != b.block_hash
-                ):
-                    raise ValueError(
-                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
-                        f"of request {request.request_id!r} (already promoted, reordered, or "
-                        "the host entry changed since get_computed_blocks)")
-                seen_slots.add(sid)
+                _check_host_hit(tier, b, i, hashes, seen_slots, request)
                 loads.append(i)
             else:
                 raise ArgumentTypeError(
@@ -1005,17 +995,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         pool.check_invariants()
         refs = [0] * self.num_blocks
         bs = self.block_size
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError(
-                f"{len(self._states_by_request)} states by request object but "
-                f"{len(self._states)} by request id"
-            )
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid:
-                raise InvariantError(f"state of {rid!r} holds request {req.request_id!r}")
-            if self._states_by_request.get(req) is not st:
-                raise InvariantError(f"request {rid!r}: its state is not found by its object")
+        for rid, st, req in _held_states(self):
             blocks = st.blocks
             if st.num_cached_blocks > len(blocks):
                 raise InvariantError(
@@ -1050,14 +1030,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                         f"{st.num_cached_blocks} cached blocks but has hash "
                         f"{b.block_hash.hex()}"
                     )
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
-            if -(-req.num_computed_tokens // bs) > len(blocks):
-                raise InvariantError(
-                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
-                    f"only {len(blocks)} blocks"
-                )
+            _check_computed_fit(rid, req, len(blocks), bs)
         for b in pool.blocks:
             if b.ref_cnt != refs[b.block_id]:
                 raise InvariantError(
@@ -1071,6 +1044,49 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             if held:
                 raise InvariantError(f"requests {held[:5]} hold blocks but are still "
                                      "waiting for the queue-aware policy (a leak)")
+
+
+def _check_host_hit(tier, b, i: int, hashes, seen: set, request) -> None:
+    """Both indexes' rule for a ``HostHit`` at position ``i`` of a hit list: a current
+    entry of ``tier`` for the request's block ``i``, its slot not ``seen`` before in the
+    list (then added); ``ValueError`` otherwise."""
+    sid = b.host_slot
+    if (
+        b.block_id != -1 or type(sid) is not int or not 0 <= sid < tier.num_host_blocks
+        or tier.slots[sid].block_hash != b.block_hash or sid in seen
+        # (a hit at another position would be cached under this one's hash)
+        or i >= len(hashes) or hashes[i] != b.block_hash
+    ):
+        raise ValueError(
+            f"{b!r} is not a current host-tier hit of this manager for block #{i} "
+            f"of request {request.request_id!r} (already promoted, reordered, or "
+            "the host entry changed since get_computed_blocks)")
+    seen.add(sid)
+
+
+def _held_states(manager):
+    """``(request id, state, request)`` of each request holding blocks in ``manager``,
+    after ``check_invariants``' filing rule of every manager: each state found by its
+    id and by its request object, the request's counters sane."""
+    states, by_request = manager._states, manager._states_by_request
+    if len(by_request) != len(states):
+        raise InvariantError(f"{len(by_request)} states by request object but "
+                             f"{len(states)} by request id")
+    for rid, st in states.items():
+        req = st.request
+        if req.request_id != rid or by_request.get(req) is not st:
+            raise InvariantError(f"state of {rid!r} is filed wrongly")
+        bad = _bad_num_computed_tokens(req)
+        if bad:
+            raise InvariantError(bad)
+        yield rid, st, req
+
+
+def _check_computed_fit(rid, req, num_slots: int, block_size: int) -> None:
+    """``check_invariants``: the request's computed tokens fit its ``num_slots`` slots."""
+    if -(-req.num_computed_tokens // block_size) > num_slots:
+        raise InvariantError(f"request {rid!r} has {req.num_computed_tokens} computed tokens "
+                             f"but only {num_slots} blocks")
 
 
 def _public_methods(cls: type) -> list[str]:
@@ -1117,7 +1133,8 @@ class KVCacheManager:
             ``log_stats``, ``enable_events``, ``max_model_len``, ``int_event_hashes``,
             ``eviction``, ``eviction_options``, ``index``, ``kv_cache_groups``,
             ``num_host_blocks``, ``host_eviction``, ``host_eviction_options`` (see
-            ``HashKVCacheManager``).
+            ``HashKVCacheManager``). ``index`` is a registered name or an index class
+            of the user's own (``indexes.check_index_class``).
 
     Attributes (besides the implementation's):
         kv_cache_groups: the layout (``kv_groups.FULL_ATTENTION_LAYOUT`` without

@@ -106,9 +106,8 @@ from prefixcache.core.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVCacheEvent,
-    event_extra_keys,
+    device_block_stored,
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.hashing import BlockHasher
@@ -117,15 +116,17 @@ from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
-    _bad_num_computed_tokens,
+    _check_computed_fit,
+    _check_host_hit,
     _check_request,
     _check_sizes,
+    _held_states,
     _init_lookup_counters,
     _make_prefix_cache_stats,
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.indexes import resolve_manager_class
+from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
@@ -157,6 +158,22 @@ def _check_root(ns, root, payload) -> None:
         raise InvariantError(f"root of namespace {ns!r} is malformed")
     if not root.children:
         raise InvariantError(f"root of namespace {ns!r} has no children")
+
+
+def _tree_edges(roots: dict, payload: str):
+    """Every ``(parent, child)`` edge of the trees ``roots`` (namespace -> root), depth
+    first, each root checked (`_check_root` on its ``payload`` attribute) and each
+    child's key and parent link (both trees' ``check_invariants`` rule)."""
+    for ns, root in roots.items():
+        _check_root(ns, root, getattr(root, payload))
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                if child.key != key or child.parent is not node:
+                    raise InvariantError(f"{child!r} is linked wrongly")
+                yield node, child
+                stack.append(child)
 
 
 class _Node:
@@ -311,6 +328,7 @@ class RadixKVCacheManager(HostTierAPI):
 
     # The tree's children are keyed by token bytes: adopted hashes alone do not work.
     KEYS_BY_BLOCK_HASH = False
+    INDEX_NAME = INDEX_NAME
     _NODE = _Node  # the tree's node class (_cache_start makes roots of it)
 
     def __init__(
@@ -334,17 +352,9 @@ class RadixKVCacheManager(HostTierAPI):
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
     ):
-        if index != INDEX_NAME:
-            raise ValueError(
-                f"RadixKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}"
-            )
         # The one composition rule (a refused layout or tier raises with its reason); a
         # sliding-window layout is another class's (radix_hybrid).
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not RadixKVCacheManager:
-            raise ValueError(
-                f"{type(self).__name__} serves the radix index over one full-attention "
-                f"group, not kv_cache_groups={kv_cache_groups!r} (use KVCacheManager)")
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         num_blocks, block_size, max_model_len = _check_sizes(
@@ -371,7 +381,7 @@ class RadixKVCacheManager(HostTierAPI):
         self._stamp_release = keyed and cls.on_release is KeyedPolicy.on_release
         self._stamp_cached = keyed and cls.on_cached is KeyedPolicy.on_cached
         self.eviction = eviction
-        self.index = INDEX_NAME
+        self.index = index
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
         self.num_groups = 1
         self._empty = empty_blocks(1)  # the decode fast path's shared empty result
@@ -878,25 +888,11 @@ class RadixKVCacheManager(HostTierAPI):
     def _stored_event(self, request, hashes, start_block: int, end_block: int) -> None:
         """Queue ``BlockStored`` for the request's new nodes ``start .. end - 1``."""
         bs = self.block_size
-        start = start_block * bs
-        end = end_block * bs
-        lora = request.lora
-        extra = [event_extra_keys(request, s, s + bs) for s in range(start, end, bs)]
         eh = self._event_hash
-        self.events.append(
-            BlockStored(
-                block_hashes=[eh(h) for h in hashes[start_block:end_block]],
-                parent_block_hash=eh(hashes[start_block - 1]) if start_block else None,
-                token_ids=list(request.all_token_ids[start:end]),
-                block_size=bs,
-                lora_id=lora.int_id if lora is not None else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.name if lora is not None else None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                group_idx=0,
-                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
-            )
-        )
+        self.events.append(device_block_stored(
+            request, list(map(eh, hashes[start_block:end_block])),
+            eh(hashes[start_block - 1]) if start_block else None, start_block * bs,
+            end_block * bs, bs, spec_kind=KV_CACHE_SPEC_KIND))
 
     # ------------------------------------------------------------- host tier
     def _host_hits(self, request, start: int) -> list[HostHit]:
@@ -971,18 +967,7 @@ class RadixKVCacheManager(HostTierAPI):
                     raise (ValueError if type(b) is KVCacheBlock else ArgumentTypeError)(
                         f"new_computed_blocks #{i} ({b!r}) follows a host-tier hit: the radix "
                         "index's hit list is its device blocks, then HostHit objects")
-                sid = b.host_slot
-                if (
-                    b.block_id != -1 or type(sid) is not int
-                    or not 0 <= sid < tier.num_host_blocks
-                    or tier.slots[sid].block_hash != b.block_hash or sid in seen
-                    or i >= len(hashes) or hashes[i] != b.block_hash
-                ):
-                    raise ValueError(
-                        f"{b!r} is not a current host-tier hit of this manager for block #{i} "
-                        f"of request {request.request_id!r} (already promoted, or the host "
-                        "entry changed since get_computed_blocks)")
-                seen.add(sid)
+                _check_host_hit(tier, b, i, hashes, seen, request)
         nodes = self._adopted_nodes(request, device, ns) if device else []
         num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
@@ -1194,15 +1179,11 @@ class RadixKVCacheManager(HostTierAPI):
         """Forget every cached block. ``False`` (nothing changed) while any block is held."""
         if self._free.num_free_blocks != self.num_blocks:
             return False
-        for i, node in enumerate(self._nodes):
-            if node is not None:
-                node.block.block_hash = None
-                self._nodes[i] = None
+        self._forget_tree()
         self._roots = {}
         self._epoch += 1
         self._lookup = None
         self._num_nodes = 0
-        self._num_unlocked_nodes = 0
         self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
         self.policy.clear()
         if self.host_tier is not None:
@@ -1212,6 +1193,14 @@ class RadixKVCacheManager(HostTierAPI):
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
+
+    def _forget_tree(self) -> None:
+        """``reset_prefix_cache``'s part that is the tree's own: no block is cached."""
+        for i, node in enumerate(self._nodes):
+            if node is not None:
+                node.block.block_hash = None
+                self._nodes[i] = None
+        self._num_unlocked_nodes = 0
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the queued KV cache events (``[]`` when disabled)."""
@@ -1283,38 +1272,28 @@ class RadixKVCacheManager(HostTierAPI):
         locks: dict[int, int] = {}
         num_nodes = num_unlocked = 0
         candidates = []
-        for ns, root in self._roots.items():
-            _check_root(ns, root, root.block)
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for key, child in node.children.items():
-                    b = child.block
-                    if child.key != key or child.parent is not node:
-                        raise InvariantError(
-                            f"node of block {b.block_id if b else None} is linked wrongly"
-                        )
-                    if (
-                        b is None or blocks[b.block_id] is not b
-                        or self._nodes[b.block_id] is not child
-                    ):
-                        raise InvariantError(f"a node has no block of this manager: {child!r}")
-                    if b.block_hash is None:
-                        raise InvariantError(f"block {b.block_id} is a node but has no hash")
-                    if b.block_id in locks:
-                        raise InvariantError(f"block {b.block_id} is in the tree twice")
-                    locks[b.block_id] = 0
-                    num_nodes += 1
-                    if not child.lock:
-                        num_unlocked += 1
-                        if not child.children:
-                            candidates.append(b.block_id)
-                    if node.block is not None and node.lock == 0 and child.lock:
-                        raise InvariantError(
-                            f"block {b.block_id} is locked under the unlocked block "
-                            f"{node.block.block_id}"
-                        )
-                    stack.append(child)
+        for node, child in _tree_edges(self._roots, "block"):
+            b = child.block
+            if (
+                b is None or blocks[b.block_id] is not b
+                or self._nodes[b.block_id] is not child
+            ):
+                raise InvariantError(f"a node has no block of this manager: {child!r}")
+            if b.block_hash is None:
+                raise InvariantError(f"block {b.block_id} is a node but has no hash")
+            if b.block_id in locks:
+                raise InvariantError(f"block {b.block_id} is in the tree twice")
+            locks[b.block_id] = 0
+            num_nodes += 1
+            if not child.lock:
+                num_unlocked += 1
+                if not child.children:
+                    candidates.append(b.block_id)
+            if node.block is not None and node.lock == 0 and child.lock:
+                raise InvariantError(
+                    f"block {b.block_id} is locked under the unlocked block "
+                    f"{node.block.block_id}"
+                )
         for b in blocks:
             if (b.block_hash is not None) != (b.block_id in locks):
                 raise InvariantError(
@@ -1339,15 +1318,7 @@ class RadixKVCacheManager(HostTierAPI):
             )
         # Requests: tables, paths, locks and ref counts.
         refs = [0] * n
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError(
-                f"{len(self._states_by_request)} states by request object but "
-                f"{len(self._states)} by request id"
-            )
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid or self._states_by_request.get(req) is not st:
-                raise InvariantError(f"state of {rid!r} is filed wrongly")
+        for rid, st, req in _held_states(self):
             tbl = st.blocks
             path = st.path
             if len(path) > len(tbl):
@@ -1397,14 +1368,7 @@ class RadixKVCacheManager(HostTierAPI):
                         f"request {rid!r} block #{k} (id {b.block_id}) is past its path of "
                         f"{len(path)} but has a hash"
                     )
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
-            if -(-req.num_computed_tokens // bs) > len(tbl):
-                raise InvariantError(
-                    f"request {rid!r} has {req.num_computed_tokens} computed tokens but "
-                    f"only {len(tbl)} blocks"
-                )
+            _check_computed_fit(rid, req, len(tbl), bs)
         for b in blocks:
             if b.ref_cnt != refs[b.block_id]:
                 raise InvariantError(

@@ -80,18 +80,16 @@ from prefixcache.core.block_pool import (
 )
 from prefixcache.core.events import (
     MEDIUM_GPU,
-    AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
-    event_extra_keys,
+    device_block_stored,
 )
 from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.host_tier import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,
-    _bad_num_computed_tokens,
     _check_sizes,
+    _held_states,
     _init_lookup_counters,
     _pop_held_state,
     _store_settings,
@@ -108,8 +106,8 @@ from prefixcache.core.radix import (
     _namespace,
     _num_unlocked_suffix,
     _RadixState,
-    _check_root,
     _radix_hasher_and_policy,
+    _tree_edges,
     block_keys,
 )
 
@@ -220,21 +218,11 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
     ):
-        from prefixcache.core.indexes import resolve_manager_class
+        from prefixcache.core.indexes import check_implementation
 
-        if index != INDEX_NAME:
-            raise ValueError(
-                f"RadixHybridKVCacheManager is the {INDEX_NAME!r} index, got index={index!r}")
-        if kv_cache_groups is None:
-            raise ValueError("RadixHybridKVCacheManager needs kv_cache_groups (a layout with "
-                             "a sliding-window group); one full-attention group is "
-                             "RadixKVCacheManager's")
-        # The one composition rule (a host tier is refused with its reason).
-        if resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks) \
-                is not RadixHybridKVCacheManager:
-            raise ValueError(
-                f"RadixHybridKVCacheManager serves sliding-window / multi-group layouts, "
-                f"not kv_cache_groups={kv_cache_groups!r}")
+        # The one composition rule (a host tier is refused with its reason; one
+        # full-attention group is RadixKVCacheManager's).
+        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
         num_blocks, block_size, max_model_len = _check_sizes(
@@ -242,7 +230,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.hasher, self.policy = _radix_hasher_and_policy(
             hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
         self.eviction = eviction
-        self.index = INDEX_NAME
+        self.index = index
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
@@ -782,7 +770,6 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         """``BlockStored`` for group ``g``'s newly cached positions, one per run."""
         spec = self.kv_cache_groups[g].spec
         bs = self.block_size
-        lora = request.lora
         eh = self._event_hash
         k = 0
         while k < len(positions):
@@ -790,20 +777,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
                 j += 1
             a, b = positions[k], positions[j] + 1
-            extra = [event_extra_keys(request, s * bs, (s + 1) * bs) for s in range(a, b)]
-            self.events.append(BlockStored(
-                block_hashes=[eh(h) for h in hashes[a:b]],
-                parent_block_hash=eh(hashes[a - 1]) if a else None,
-                token_ids=list(request.all_token_ids[a * bs:b * bs]),
-                block_size=bs,
-                lora_id=lora.int_id if lora is not None else None,
-                medium=MEDIUM_GPU,
-                lora_name=lora.name if lora is not None else None,
-                extra_keys=extra if any(e is not None for e in extra) else None,
-                group_idx=g,
-                kv_cache_spec_kind=spec.kind,
-                kv_cache_spec_sliding_window=spec.sliding_window,
-            ))
+            self.events.append(device_block_stored(
+                request, list(map(eh, hashes[a:b])), eh(hashes[a - 1]) if a else None,
+                a * bs, b * bs, bs, group_idx=g, spec_kind=spec.kind,
+                sliding_window=spec.sliding_window))
             k = j + 1
 
     def free(self, request) -> None:
@@ -890,26 +867,14 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 stack.append(child)
         return sum(1 for b in self.blocks if b.block_hash is not None) - reachable
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. ``False`` (nothing changed) while any block is held."""
-        if self._free.num_free_blocks != self.num_blocks:
-            return False
+    def _forget_tree(self) -> None:
+        """``reset_prefix_cache``'s part that is this tree's own (radix.py's method does
+        the rest)."""
         for i, node in enumerate(self._owner):
             if node is not None:
                 self.blocks[i].block_hash = None
                 self._owner[i] = None
-        self._roots = {}
-        self._epoch += 1
-        self._lookup = None
-        self._num_nodes = self._num_cached = 0
-        self._num_free_sw = self._num_unlocked_full = 0
-        self._num_free_unhashed = self.num_blocks
-        self.policy.clear()
-        if self.enable_events:
-            self.events.append(AllBlocksCleared())
-        if self.log_stats:
-            self.prefix_cache_stats.reset = True
-        return True
+        self._num_cached = self._num_free_sw = self._num_unlocked_full = 0
 
     # -------------------------------------------------------------- checking
     def check_invariants(self) -> None:
@@ -931,53 +896,47 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         nodes_by_id: dict[int, _HybridNode] = {}
         num_nodes = num_free_sw = num_unlocked_full = 0
         candidates: list[int] = []
-        for ns, root in self._roots.items():
-            _check_root(ns, root, root.blocks)
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for key, child in node.children.items():
-                    if child.key != key or child.parent is not node or child.blocks is None:
-                        raise InvariantError(f"{child!r} is linked wrongly")
-                    if id(child) in nodes_by_id:
-                        raise InvariantError(f"{child!r} is in the tree twice")
-                    nodes_by_id[id(child)] = child
-                    locks[id(child)] = 0
-                    num_nodes += 1
-                    if len(child.blocks) != self.num_groups:
-                        raise InvariantError(f"{child!r} has no slot per group")
-                    if not child.lock and not child.children and all(
-                            b is None for b in child.blocks):
-                        raise InvariantError(f"{child!r} is an unlocked leaf without blocks")
-                    if node.blocks is not None and not node.lock and child.lock:
-                        raise InvariantError(f"{child!r} is locked under the unlocked {node!r}")
-                    for g, b in enumerate(child.blocks):
-                        if b is None:
-                            if self._is_full[g]:
-                                raise InvariantError(
-                                    f"{child!r} has no block of full-attention group {g}")
-                            continue
-                        if not self._cacheable[g]:
-                            raise InvariantError(f"{child!r} caches group {g} (window 1)")
-                        bid = b.block_id
-                        if (not 0 <= bid < n or blocks[bid] is not b or self._owner[bid]
-                                is not child or self._owner_group[bid] != g or bid in in_tree):
-                            raise InvariantError(
-                                f"block {bid} of {child!r} (group {g}) is not filed as its")
-                        if b.block_hash is None:
-                            raise InvariantError(f"block {bid} is in the tree without a hash")
-                        in_tree[bid] = child
-                        if self._is_full[g]:
-                            if not child.lock:
-                                num_unlocked_full += 1
-                                if not child.children:
-                                    candidates.append(bid)
-                        elif b.ref_cnt == 0:
-                            num_free_sw += 1
+        for node, child in _tree_edges(self._roots, "blocks"):
+            if child.blocks is None:
+                raise InvariantError(f"{child!r} is linked wrongly (no blocks)")
+            if id(child) in nodes_by_id:
+                raise InvariantError(f"{child!r} is in the tree twice")
+            nodes_by_id[id(child)] = child
+            locks[id(child)] = 0
+            num_nodes += 1
+            if len(child.blocks) != self.num_groups:
+                raise InvariantError(f"{child!r} has no slot per group")
+            if not child.lock and not child.children and all(
+                    b is None for b in child.blocks):
+                raise InvariantError(f"{child!r} is an unlocked leaf without blocks")
+            if node.blocks is not None and not node.lock and child.lock:
+                raise InvariantError(f"{child!r} is locked under the unlocked {node!r}")
+            for g, b in enumerate(child.blocks):
+                if b is None:
+                    if self._is_full[g]:
+                        raise InvariantError(
+                            f"{child!r} has no block of full-attention group {g}")
+                    continue
+                if not self._cacheable[g]:
+                    raise InvariantError(f"{child!r} caches group {g} (window 1)")
+                bid = b.block_id
+                if (not 0 <= bid < n or blocks[bid] is not b or self._owner[bid]
+                        is not child or self._owner_group[bid] != g or bid in in_tree):
+                    raise InvariantError(
+                        f"block {bid} of {child!r} (group {g}) is not filed as its")
+                if b.block_hash is None:
+                    raise InvariantError(f"block {bid} is in the tree without a hash")
+                in_tree[bid] = child
+                if self._is_full[g]:
+                    if not child.lock:
+                        num_unlocked_full += 1
+                        if not child.children:
                             candidates.append(bid)
-                        if b.ref_cnt and not child.lock:
-                            raise InvariantError(f"block {bid} is held but its node is unlocked")
-                    stack.append(child)
+                elif b.ref_cnt == 0:
+                    num_free_sw += 1
+                    candidates.append(bid)
+                if b.ref_cnt and not child.lock:
+                    raise InvariantError(f"block {bid} is held but its node is unlocked")
         for b in blocks:
             if (b.block_hash is not None) != (b.block_id in in_tree):
                 raise InvariantError(
@@ -998,15 +957,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}")
         # Requests.
         refs = [0] * n
-        if len(self._states_by_request) != len(self._states):
-            raise InvariantError("states by request object and by id differ in number")
-        for rid, st in self._states.items():
-            req = st.request
-            if req.request_id != rid or self._states_by_request.get(req) is not st:
-                raise InvariantError(f"state of {rid!r} is filed wrongly")
-            bad = _bad_num_computed_tokens(req)
-            if bad:
-                raise InvariantError(bad)
+        for rid, st, req in _held_states(self):
             tables = st.tables
             if len(tables) != self.num_groups or st.blocks is not tables[0]:
                 raise InvariantError(f"request {rid!r}: {len(tables)} tables")

@@ -1194,17 +1194,24 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
     windows = sorted({w for w, _ in groups if w is not None})
     # NOTE: both indexes serve sliding-window layers (hash: vLLM's hybrid manager;
     # radix: core/radix_hybrid.py, SGLang's SWA radix cache).
-    if eviction != "lru" or index not in ("hash", "radix"):
+    if eviction != "lru" or (index not in ("hash", "radix") and not isinstance(index, type)):
         raise ValueError(f"sliding-window layers (window {windows}) need eviction='lru' and "
                          f"index='hash' or 'radix' (the hybrid KV cache managers); got "
                          f"eviction={eviction!r}, index={index!r}")
     if manager_kwargs and manager_kwargs.get("eviction_options"):
         raise ValueError("sliding-window layers: eviction_options are not supported by the "
                          "hybrid KV cache manager")
-    return tuple(
+    layout = tuple(
         KVCacheGroup(FullAttentionSpec() if w is None else SlidingWindowSpec(w),
                      tuple(f"layers.{i}" for i in layers))
         for w, layers in groups)
+    if isinstance(index, type):  # an index class of the user's own: the one rule
+        from prefixcache.core.indexes import refusal  # noqa: PLC0415
+
+        why = refusal(index, layout, eviction, 0)
+        if why is not None:
+            raise ValueError(f"sliding-window layers (window {windows}): {why}")
+    return layout
 
 
 def _as_token_list(prompt) -> list[int]:

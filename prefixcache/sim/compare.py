@@ -155,7 +155,9 @@ def cell_row(summary: dict, *, policy: str, index: str, num_blocks: int, block_s
     """The published row of one cell: ``summary``'s fields (the replay's, a
     ``KeyError`` for a missing one), ``peak_cached_bytes`` / ``mean_cached_bytes`` None
     when the replay ran without a model."""
-    row: dict[str, Any] = {"record": record, "policy": policy, "index": index,
+    from prefixcache.core.indexes import index_name  # noqa: PLC0415
+
+    row: dict[str, Any] = {"record": record, "policy": policy, "index": index_name(index),
                            "num_blocks": num_blocks, "block_size": block_size,
                            "capacity_tokens": num_blocks * block_size,
                            "concurrency": concurrency}

@@ -77,7 +77,7 @@ from prefixcache._validate import check_count, check_hash_seed, check_positive_i
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.eviction import TraceFuture, get_policy_class, policy_name
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class
+from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class, index_name
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.kv_groups import is_hybrid, needs_aligned_prefill
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
@@ -258,7 +258,8 @@ def replay(
         eviction: the eviction policy (``prefixcache.core.eviction.POLICIES``).
         eviction_options: the policy's options (``belady``'s ``future`` is built
             here; passing one is an error).
-        index: the prefix index (``prefixcache.core.indexes.INDEXES``).
+        index: the prefix index (``prefixcache.core.indexes.INDEXES``) or an index
+            class (``CacheConfig.index``); the summary shows its name.
         model: a ``prefixcache.sim.cost_model.MODEL_PRESETS`` name: report the cache
             memory in bytes too (``kv_bytes_per_token * block_size`` per block).
         kv_cache_groups: the model's KV cache groups (``prefixcache.core.kv_groups``;
@@ -679,7 +680,7 @@ def replay(
         timing["future_s"] = t_future
     return {
         "eviction": policy_name(eviction),
-        "index": index,
+        "index": index_name(index),
         "model": model,
         "hash_algo": hash_algo,
         "free_order": free_order,
