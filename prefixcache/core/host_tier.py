@@ -24,6 +24,22 @@ The radix index (``KVCacheManager(index="radix", num_host_blocks=N)``,
 demoted, its lookups continue here by block hash after the tree walk, its admissions
 promote (the module docstring there, "Host tier").
 
+Multi-group layouts (``KVCacheManager(kv_cache_groups=..., num_host_blocks=N)``: full
+attention + sliding window, ``core/hybrid.py``) drive a ``GroupHostTier``: its entries
+are the hybrid pool's ``(block hash, group id)`` keys, so one host slot holds one block
+of one group (one page of each KV array: vLLM's hybrid layouts have one page size and
+every shared array holds one layer of each group), and every rule above holds per
+group key -- demotion of a cached block of ANY group, a lookup that counts a group's
+host entry as that group's hit (each single-type manager's ``get_cached``: a sliding
+window's window must be all device-or-host hits), promotion of the host hits a group
+keeps (a sliding window's slots before the window are nulled, never loaded), the
+exclusive contract, pins, ``num_dropped`` / ``num_discarded`` and ``medium="CPU"``
+events (plain digest + ``group_idx``). Its transfers are ``GroupHostTransfer``s whose
+``group`` names the group (``HostTransfer.group`` is 0 for one group). A replay or
+engine hit of L tokens is split by tier per block position: a position loaded in any
+group counts as host-hit tokens. The radix index's layout manager and state-space
+(Mamba) groups do not take a host tier (``indexes.COMBINATION_RULES``).
+
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host
 entry being promoted is pinned (out of the host policy's candidates) while the device
@@ -543,8 +559,8 @@ class GroupHostTier(HostTier):
 
 class HostTierAPI:
     """The managers' host-tier calls, read from ``self.host_tier`` (a ``HostTier`` or
-    ``None``): shared by the hash index, the radix index and the hybrid manager (which
-    has no tier: ``host_tier = None``)."""
+    ``None``): shared by the hash index, the radix index and the hybrid manager (a
+    ``GroupHostTier``; the radix layout manager has none: ``host_tier = None``)."""
 
     def take_host_transfers(self) -> list[HostTransfer]:
         """Return and clear the page copies between the tiers recorded since the last

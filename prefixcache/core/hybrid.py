@@ -38,6 +38,17 @@ split, ``prefill_chunks``, so its first chunk is not the whole sequence).
     if new is None: ...                 # does not fit (see NOTE on allocate_slots)
     manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
 
+Host tier (``num_host_blocks=N``; full-attention and sliding-window groups). The pool
+(``TieredHybridBlockPool`` / ``TieredHybridPolicyBlockPool``) demotes each evicted
+``(hash, group)`` key to a ``host_tier.GroupHostTier`` (one slot = one block of one
+group) and drops a host copy when the device caches the key again; each group's
+single-type manager counts a host entry of its group as a hit (a ``HostHit`` in its
+hit list; the fixed-point alignment ``_lookup_hit`` is unchanged), and admission
+(``_promote_host_hits``) loads the host hits the groups keep into fresh device blocks
+(``GroupHostTransfer("load", ..., group)``) after touching the device hits, exactly as
+the one-group tiered pool does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
+admitted hit by block position (a position loaded in any group is a host hit).
+
 Null slots. A sliding-window table slot whose block fell wholly before the window
 (or was skipped by a prefix hit) holds ``manager.null_block``, whose ``block_id`` is
 ``num_blocks``: the metadata builder's padding page (``MetadataBuilder(num_blocks=...)``
@@ -343,6 +354,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
           (the rest are null): at most ``ceil(W / block_size) + 1`` in decode (a
           prefill allocates all of its chunk first). Checked by the property test:
           ``num_computed_tokens`` moves on after the call, so not here.
+        * With a host tier: a ``(hash, group)`` key is cached on the device or held
+          on the host, never both; every host entry is a key of a group that caches
+          blocks; no host entry is pinned between calls; each pending transfer names
+          one group (``HostTier.check_invariants`` + ``_check_host_invariants``).
         * A call that raises changes no state. NOTE: one that returns ``None`` may
           have released a running request's blocks that fell before its window, as
           vLLM does ("we can do this even if we cannot schedule this request") --
@@ -356,6 +371,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         eviction, eviction_options: any registered policy (``"lru"`` keeps vLLM's
             free queue; others run through the policy pool); index: only ``"hash"``
             (others raise ``ValueError``).
+        num_host_blocks, host_eviction, host_eviction_options: the per-group host tier
+            (as ``KVCacheManager``'s; full-attention and sliding-window groups only,
+            ``indexes.refusal``).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.

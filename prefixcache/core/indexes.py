@@ -19,6 +19,7 @@ eviction policy x tier is refused, with its reason (``COMBINATION_RULES``).
 from __future__ import annotations
 
 import importlib
+import numbers
 from types import MappingProxyType
 
 # NOTE: read-only (no module-level mutable state): add an index here.
@@ -117,9 +118,11 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
             if g.spec.kind not in served:
                 return (f"index={index!r} is not supported with a {g.spec.kind!r} KV cache "
                         f"group: {COMBINATION_RULES[('state', 'index')]}")
-    # (a bad num_host_blocks value is the tier's own check, in the implementation)
-    if type(num_host_blocks) is int and num_host_blocks > 0:
-        why = _tier_refusal(index, groups, num_host_blocks)
+    # (a bad num_host_blocks value is the tier's own check, in the implementation;
+    # numpy ints are ints, bools are not: the one int rule)
+    if (isinstance(num_host_blocks, numbers.Integral) and not isinstance(num_host_blocks, bool)
+            and num_host_blocks > 0):
+        why = _tier_refusal(index, groups, int(num_host_blocks))
         if why is not None:
             return why
     asked = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -169,6 +170,8 @@ def test_radix_layouts_and_state_groups_keep_the_rules_refusal():
     with pytest.raises(ValueError) as e:
         KVCacheManager(8, BS, index="radix", kv_cache_groups=sw, num_host_blocks=4)
     assert str(e.value) == why
+    with pytest.raises(ValueError, match="radix layout index"):  # (a numpy int too)
+        KVCacheManager(8, BS, index="radix", kv_cache_groups=sw, num_host_blocks=np.int64(4))
     mamba = parse_kv_groups("full,mamba")
     why = refusal("hash", mamba, "lru", 4)
     assert why.endswith(COMBINATION_RULES[("state", "tier")])
