@@ -19,7 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.core import BlockRemoved, BlockStored, HostHit, HostTransfer, KVCacheManager, Request
+from prefixcache.core import (
+    BlockRemoved,
+    BlockStored,
+    HostHit,
+    HostTransfer,
+    KVCacheManager,
+    Request,
+)
 from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.host_tier import GroupHostTier, GroupHostTransfer
 from prefixcache.core.indexes import COMBINATION_RULES, refusal

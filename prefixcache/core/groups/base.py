@@ -34,8 +34,8 @@ def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,
     ``KVCacheBlock`` objects for which ``is_cached(block, g)`` (the index's "a cached
     block of group g of this manager") holds -- or, with a host tier
     (``is_host_hit = (HostHit, predicate)``), ``HostHit`` placeholders for which
-    ``predicate(b, g)`` (a current host entry of group g) holds. ``ValueError`` / ``ArgumentTypeError``
-    otherwise.
+    ``predicate(b, g)`` (a current host entry of group g) holds. ``ValueError`` /
+    ``ArgumentTypeError`` otherwise.
     """
     blocks = list(blocks)
     if len(blocks) != n:
