@@ -74,6 +74,7 @@ from prefixcache.core.host_tier import (
     GroupHostTier,
     HostHit,
     HostTierAPI,
+    _TieredPool,
     check_tier_args,
     make_host_tier,
 )
@@ -239,18 +240,18 @@ class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
                 on_cached(blk, block_hashes[pos], request, pos)
 
 
-class _TieredHybridPool:
+class _TieredHybridPool(_TieredPool):
     """Mixin over a hybrid pool: demotes each evicted ``(hash, group)`` key to
     ``host_tier`` (a ``GroupHostTier``) and keeps the tiers exclusive per group when
-    the device caches a key the host holds (``host_tier._TieredPool``'s rules, with
-    the hybrid pool's keys and null slots)."""
+    the device caches a key the host holds (``host_tier._TieredPool``'s rules and its
+    reset, with the hybrid pool's keys and null slots)."""
 
     host_tier: GroupHostTier
 
     def _evict(self, block: KVCacheBlock) -> None:
         key = block.block_hash
         parent = block.parent_hash
-        super()._evict(block)
+        HybridBlockPool._evict(self, block)  # (no pool in between overrides it)
         # NOTE: a duplicate device block may still hold the key: then it stays there.
         if key not in self.cached_block_hash_to_block:
             self.host_tier.store(block.block_id, key, parent)
@@ -278,13 +279,6 @@ class _TieredHybridPool:
                     key = block_hashes[pos] + suffix
                     if key in on_host:
                         tier.discard(key)
-
-    def reset_prefix_cache(self) -> bool:
-        if not super().reset_prefix_cache():
-            return False
-        self.host_tier.clear()
-        self.host_tier.evicted_by = self.evicted_by
-        return True
 
 
 class TieredHybridBlockPool(_TieredHybridPool, HybridBlockPool):
