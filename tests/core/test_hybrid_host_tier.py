@@ -292,12 +292,13 @@ class _Pages:
 @given(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(8, 16),
        num_host=st.integers(1, 24), layout=st.sampled_from(["full,sw5", "full,sw9", "sw6,full"]),
        eviction=st.sampled_from(["lru", "lfu", "fifo"]),
-       host_eviction=st.sampled_from(["lru", "lfu"]))
+       host_eviction=st.sampled_from(["lru", "lfu"]),
+       free_order=st.sampled_from(["unhashed_first", "append"]))
 def test_random_demote_promote_keeps_invariants_and_pages(seed, num_blocks, num_host, layout,
-                                                          eviction, host_eviction):
+                                                          eviction, host_eviction, free_order):
     m = KVCacheManager(num_blocks, BS, kv_cache_groups=parse_kv_groups(layout),
                        num_host_blocks=num_host, eviction=eviction,
-                       host_eviction=host_eviction, free_order="unhashed_first",
+                       host_eviction=host_eviction, free_order=free_order,
                        enable_events=bool(seed % 2))
     pages = _Pages(m)
     rng = random.Random(seed)
