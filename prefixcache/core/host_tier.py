@@ -24,6 +24,22 @@ The radix index (``KVCacheManager(index="radix", num_host_blocks=N)``,
 demoted, its lookups continue here by block hash after the tree walk, its admissions
 promote (the module docstring there, "Host tier").
 
+Multi-group layouts (``KVCacheManager(kv_cache_groups=..., num_host_blocks=N)``: full
+attention + sliding window, ``core/hybrid.py``) drive a ``GroupHostTier``: its entries
+are the hybrid pool's ``(block hash, group id)`` keys, so one host slot holds one block
+of one group (one page of each KV array: vLLM's hybrid layouts have one page size and
+every shared array holds one layer of each group), and every rule above holds per
+group key -- demotion of a cached block of ANY group, a lookup that counts a group's
+host entry as that group's hit (each single-type manager's ``get_cached``: a sliding
+window's window must be all device-or-host hits), promotion of the host hits a group
+keeps (a sliding window's slots before the window are nulled, never loaded), the
+exclusive contract, pins, ``num_dropped`` / ``num_discarded`` and ``medium="CPU"``
+events (plain digest + ``group_idx``). Its transfers are ``GroupHostTransfer``s whose
+``group`` names the group (``HostTransfer.group`` is 0 for one group). A replay or
+engine hit of L tokens is split by tier per block position: a position loaded in any
+group counts as host-hit tokens. The radix index's layout manager and state-space
+(Mamba) groups do not take a host tier (``indexes.COMBINATION_RULES``).
+
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host
 entry being promoted is pinned (out of the host policy's candidates) while the device
@@ -73,6 +89,7 @@ from prefixcache.core.eviction import (
 )
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
+from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.policy_pool import PolicyBlockPool
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
@@ -87,11 +104,39 @@ class HostTransfer(NamedTuple):
             ``"load"`` (host slot ``host_slot`` -> device page ``block_id``).
         block_id: the device block (page) id.
         host_slot: the host slot id, ``0 .. num_host_blocks - 1``.
+        group: the KV cache group whose arrays (layers) the copy moves: ``0`` (a class
+            attribute) for one full-attention group; a multi-group manager's transfers
+            (``GroupHostTier``) carry their group's id. NOTE: an attribute, not a
+            fourth tuple element, so every caller that unpacks ``kind, block_id,
+            host_slot`` stays unchanged; equality of two group transfers includes it.
     """
 
     kind: str
     block_id: int
     host_slot: int
+    group = 0  # (not a field: see the docstring)
+
+
+class GroupHostTransfer(HostTransfer):
+    """A ``HostTransfer`` of group ``group``'s arrays (a multi-group manager's)."""
+
+    def __new__(cls, kind: str, block_id: int, host_slot: int, group: int):
+        t = tuple.__new__(cls, (kind, block_id, host_slot))
+        t.group = group
+        return t
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) is True and getattr(other, "group", 0) == self.group
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((tuple(self), self.group))
+
+    def __repr__(self) -> str:
+        return (f"HostTransfer(kind={self.kind!r}, block_id={self.block_id!r}, "
+                f"host_slot={self.host_slot!r}, group={self.group!r})")
 
 
 class HostBlock:
@@ -124,6 +169,12 @@ class HostHit:
     """
 
     __slots__ = ("block_hash", "host_slot", "block_id")
+
+    # NOTE: a host hit takes one free device block when it is promoted, as an unused
+    # (free-queue) device hit does when it is touched: the multi-group managers' count
+    # of the blocks an admission takes (``SingleTypeManager.blocks_to_allocate``,
+    # ``b.ref_cnt == 0``) reads it so.
+    ref_cnt = 0
 
     def __init__(self, block_hash: bytes, host_slot: int):
         self.block_hash = block_hash
@@ -198,12 +249,14 @@ def check_tier_args(num_host_blocks, host_eviction, host_eviction_options,
 
 
 def make_host_tier(num_host_blocks: int, host_eviction, host_options: dict, *,
-                   block_size: int, num_device_blocks: int, enable_events) -> "HostTier | None":
-    """The manager's ``HostTier`` (``None`` for ``num_host_blocks == 0``), built before
-    any of the manager's state: a bad host policy option raises here."""
+                   block_size: int, num_device_blocks: int, enable_events,
+                   tier_class: type | None = None) -> "HostTier | None":
+    """The manager's ``HostTier`` (``None`` for ``num_host_blocks == 0``; ``tier_class``:
+    ``HostTier`` unless given, ``GroupHostTier`` for group keys), built before any of
+    the manager's state: a bad host policy option raises here."""
     if not num_host_blocks:
         return None
-    return HostTier(
+    return (tier_class or HostTier)(
         num_host_blocks, block_size=block_size, num_device_blocks=num_device_blocks,
         eviction=host_eviction, eviction_options=host_options,
         enable_events=bool(enable_events))
@@ -285,9 +338,10 @@ class HostTier:
         return len(self.hash_to_slot) + len(self._pinned)
 
     # ----------------------------------------------------------------- events
-    def _removed(self, h: bytes) -> None:
+    def _removed(self, h: bytes, group: int = 0) -> None:
         self.pool.events.append(
-            BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_CPU, group_idx=0))
+            BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_CPU,
+                         group_idx=group))
 
     # ------------------------------------------------------------ transitions
     def store(self, block_id: int, h: bytes, parent: bytes | None) -> None:
@@ -332,13 +386,16 @@ class HostTier:
         self.transfers += (block_id, slot.block_id)
         self.num_stored += 1
         if self.enable_events:
-            eh = self._event_hash
-            # NOTE: as vLLM's offloading connector publishes CPU stores: no token ids
-            # (the request is gone); the parent hash is known here.
-            self.pool.events.append(BlockStored(
-                block_hashes=[eh(h)], parent_block_hash=eh(parent) if parent is not None else None,
-                token_ids=[], block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU,
-                lora_name=None, group_idx=0))
+            self._stored(h, parent)
+
+    def _stored(self, h: bytes, parent: bytes | None, group: int = 0) -> None:
+        eh = self._event_hash
+        # NOTE: as vLLM's offloading connector publishes CPU stores: no token ids
+        # (the request is gone); the parent hash is known here.
+        self.pool.events.append(BlockStored(
+            block_hashes=[eh(h)], parent_block_hash=eh(parent) if parent is not None else None,
+            token_ids=[], block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU,
+            lora_name=None, group_idx=group))
 
     def pin(self, slot_id: int) -> None:
         """Keep the entry in ``slot_id`` from being evicted (a promotion is under way):
@@ -447,10 +504,63 @@ class HostTier:
         return self.policy.candidate_ids()
 
 
+def _group_of(key: bytes) -> int:
+    return int.from_bytes(key[-_KEY_BYTES:], "big")
+
+
+class GroupHostTier(HostTier):
+    """The host tier of a multi-group manager (``core/hybrid.py``): entries are keyed
+    by the pool's ``(block hash, group id)`` keys, so one host slot holds one block of
+    one group (a page of that group's arrays; vLLM's hybrid layouts have one page
+    size), and the exclusive contract (a key on the device or on the host, never both)
+    holds per group. Events carry the plain digest and ``group_idx``; transfers are
+    ``GroupHostTransfer``s naming their group.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The group of each recorded transfer (``transfers`` holds two ints per copy).
+        self.transfer_groups: list[int] = []
+
+    def _stored(self, h: bytes, parent: bytes | None, group: int = 0) -> None:
+        super()._stored(h[:-_KEY_BYTES], parent[:-_KEY_BYTES] if parent is not None else None,
+                        _group_of(h))
+
+    def _removed(self, h: bytes, group: int = 0) -> None:
+        super()._removed(h[:-_KEY_BYTES], _group_of(h))
+
+    def store(self, block_id: int, h: bytes, parent: bytes | None) -> None:
+        n = self.num_stored
+        super().store(block_id, h, parent)
+        if self.num_stored != n:  # (not dropped)
+            self.transfer_groups.append(_group_of(h))
+
+    def load(self, slot_id: int, block_id: int) -> None:
+        g = _group_of(self.slots[slot_id].block_hash)
+        super().load(slot_id, block_id)
+        self.transfer_groups.append(g)
+
+    def take_transfers(self) -> list[HostTransfer]:
+        out = self.pending_transfers()
+        self.transfers = []
+        self.transfer_groups = []
+        return out
+
+    def pending_transfers(self) -> list[HostTransfer]:
+        it = iter(self.transfers)
+        return [GroupHostTransfer(HOST_STORE, b, s, g) if b >= 0
+                else GroupHostTransfer(HOST_LOAD, -1 - b, s, g)
+                for (b, s), g in zip(zip(it, it), self.transfer_groups)]
+
+    def drop_transfers(self) -> None:
+        self.transfers.clear()
+        self.transfer_groups.clear()
+
+
 class HostTierAPI:
     """The managers' host-tier calls, read from ``self.host_tier`` (a ``HostTier`` or
-    ``None``): shared by the hash index, the radix index and the hybrid manager (which
-    has no tier: ``host_tier = None``)."""
+    ``None``): shared by the hash index, the radix index and the hybrid manager (a
+    ``GroupHostTier``; the radix layout manager has none: ``host_tier = None``)."""
 
     def take_host_transfers(self) -> list[HostTransfer]:
         """Return and clear the page copies between the tiers recorded since the last

@@ -38,6 +38,17 @@ split, ``prefill_chunks``, so its first chunk is not the whole sequence).
     if new is None: ...                 # does not fit (see NOTE on allocate_slots)
     manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
 
+Host tier (``num_host_blocks=N``; full-attention and sliding-window groups). The pool
+(``TieredHybridBlockPool`` / ``TieredHybridPolicyBlockPool``) demotes each evicted
+``(hash, group)`` key to a ``host_tier.GroupHostTier`` (one slot = one block of one
+group) and drops a host copy when the device caches the key again; each group's
+single-type manager counts a host entry of its group as a hit (a ``HostHit`` in its
+hit list; the fixed-point alignment ``_lookup_hit`` is unchanged), and admission
+(``_promote_host_hits``) loads the host hits the groups keep into fresh device blocks
+(``GroupHostTransfer("load", ..., group)``) after touching the device hits, exactly as
+the one-group tiered pool does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
+admitted hit by block position (a position loaded in any group is a host hit).
+
 Null slots. A sliding-window table slot whose block fell wholly before the window
 (or was skipped by a prefix hit) holds ``manager.null_block``, whose ``block_id`` is
 ``num_blocks``: the metadata builder's padding page (``MetadataBuilder(num_blocks=...)``
@@ -64,8 +75,15 @@ from prefixcache.core.events import (
     event_extra_keys,
 )
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostTierAPI, check_host_args
-from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
+from prefixcache.core.host_tier import (
+    GroupHostTier,
+    HostHit,
+    HostTierAPI,
+    _TieredPool,
+    check_tier_args,
+    make_host_tier,
+)
+from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation, refusal
 from prefixcache.core.kv_cache_manager import (
     BlockPoolViews,
     _admission_checks,
@@ -220,6 +238,55 @@ class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
                 on_cached(blk, block_hashes[pos], request, pos)
 
 
+class _TieredHybridPool(_TieredPool):
+    """Mixin over a hybrid pool: demotes each evicted ``(hash, group)`` key to
+    ``host_tier`` (a ``GroupHostTier``) and keeps the tiers exclusive per group when
+    the device caches a key the host holds (``host_tier._TieredPool``'s rules and its
+    reset, with the hybrid pool's keys and null slots)."""
+
+    host_tier: GroupHostTier
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        key = block.block_hash
+        parent = block.parent_hash
+        HybridBlockPool._evict(self, block)  # (no pool in between overrides it)
+        # NOTE: a duplicate device block may still hold the key: then it stays there.
+        if key not in self.cached_block_hash_to_block:
+            self.host_tier.store(block.block_id, key, parent)
+
+    def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
+                           num_full_blocks, block_size, group_id) -> None:
+        super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
+                                   num_full_blocks, block_size, group_id)
+        tier = self.host_tier
+        null = self.null_block
+        if tier.track_origin:
+            pos_of = tier.device_position
+            prio_of = tier.device_priority
+            prio = request.priority
+            for pos in range(num_cached_blocks, num_full_blocks):
+                blk = blocks[pos]
+                if blk is not null:
+                    pos_of[blk.block_id] = pos
+                    prio_of[blk.block_id] = prio
+        on_host = tier.hash_to_slot
+        if on_host:
+            suffix = _group_suffix(group_id)
+            for pos in range(num_cached_blocks, num_full_blocks):
+                if blocks[pos] is not null:
+                    key = block_hashes[pos] + suffix
+                    if key in on_host:
+                        tier.discard(key)
+
+
+class TieredHybridBlockPool(_TieredHybridPool, HybridBlockPool):
+    """``HybridBlockPool`` (device lru) with a per-group host tier under it."""
+
+
+class TieredHybridPolicyBlockPool(_TieredHybridPool, HybridPolicyBlockPool):
+    """``HybridPolicyBlockPool`` (any other device policy) with a per-group host tier."""
+
+
 class _HybridState:
     """A running request's tables.
 
@@ -279,6 +346,10 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
           (the rest are null): at most ``ceil(W / block_size) + 1`` in decode (a
           prefill allocates all of its chunk first). Checked by the property test:
           ``num_computed_tokens`` moves on after the call, so not here.
+        * With a host tier: a ``(hash, group)`` key is cached on the device or held
+          on the host, never both; every host entry is a key of a group that caches
+          blocks; no host entry is pinned between calls; each pending transfer names
+          one group (``HostTier.check_invariants`` + ``_check_host_invariants``).
         * A call that raises changes no state. NOTE: one that returns ``None`` may
           have released a running request's blocks that fell before its window, as
           vLLM does ("we can do this even if we cannot schedule this request") --
@@ -292,6 +363,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         eviction, eviction_options: any registered policy (``"lru"`` keeps vLLM's
             free queue; others run through the policy pool); index: only ``"hash"``
             (others raise ``ValueError``).
+        num_host_blocks, host_eviction, host_eviction_options: the per-group host tier
+            (as ``KVCacheManager``'s; full-attention and sliding-window groups only,
+            ``indexes.refusal``).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.
@@ -320,14 +394,13 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         host_eviction_options=None,
     ):
         groups = check_kv_cache_groups(kv_cache_groups)
-        num_host_blocks, _ = check_host_args(num_host_blocks, host_eviction,
-                                             host_eviction_options)
+        num_host_blocks, host_options = check_tier_args(
+            num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         if num_host_blocks:
-            # NOTE: the host tier hooks the one-group pool's eviction; per-group
-            # demotion (vLLM's offloading of hybrid groups) is a gap, not built.
-            raise ValueError(
-                f"sliding-window KV cache groups do not support a host tier "
-                f"(num_host_blocks={num_host_blocks}); use one full-attention group")
+            # The one composition rule (a layout whose groups the tier does not serve).
+            why = refusal(DEFAULT_INDEX, groups, DEFAULT_POLICY, num_host_blocks)
+            if why is not None:
+                raise ValueError(why)
         # (free_order: HybridBlockPool checks it, after the policy's checks)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len)
@@ -349,20 +422,37 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         if eviction != DEFAULT_POLICY or options:
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
                                  **options)
+        # The per-group host tier (``GroupHostTier``: one slot = one block of one
+        # group), built before any state (a bad host policy option raises here).
+        host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
+                                   block_size=block_size, num_device_blocks=num_blocks,
+                                   enable_events=enable_events, tier_class=GroupHostTier)
         self.eviction = eviction
         self.index = index
         self.policy = policy
-        self.host_tier = None
-        self.num_host_blocks = 0
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         pool_kwargs = dict(
             groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,
             int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
-        self.block_pool = (
-            HybridBlockPool(num_blocks, **pool_kwargs) if policy is None
-            else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
+        if host_tier is None:
+            self.block_pool = (
+                HybridBlockPool(num_blocks, **pool_kwargs) if policy is None
+                else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
+        else:
+            self.block_pool = (
+                TieredHybridBlockPool(num_blocks, **pool_kwargs) if policy is None
+                else TieredHybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
+            self.block_pool.host_tier = host_tier
+            host_tier.pool = self.block_pool
+            host_tier._event_hash = self.block_pool._event_hash
+            self.host_eviction = host_eviction
+            # Hit tokens adopted at admission, by tier (``_promote_host_hits``).
+            self.device_hit_tokens = 0
+            self.host_hit_tokens = 0
+        self.host_tier = host_tier
+        self.num_host_blocks = num_host_blocks
         self.null_block = self.block_pool.null_block
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
         # One single-type manager per group (kv_groups.GROUP_KINDS): every per-kind
@@ -533,14 +623,24 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         null = self.null_block
         kinds = self._kinds
         is_cached = self._is_cached_hit
+        is_host_hit = (HostHit, self._is_host_hit) if self.host_tier is not None else None
         for g, blocks in enumerate(new_computed_blocks):
             if not isinstance(blocks, (list, tuple)):
                 raise ArgumentTypeError(
                     f"new_computed_blocks[{g}] must be a list of blocks, got "
                     f"{type(blocks).__name__}")
             out.append(check_group_hits(blocks, g, len(out[0]) if out else len(blocks), null,
-                                        kinds[g].allows_null_hits, is_cached))
+                                        kinds[g].allows_null_hits, is_cached, is_host_hit))
         return out
+
+    def _is_host_hit(self, b: HostHit, g: int) -> bool:
+        """``b`` is a current (unpromoted) host entry of group ``g`` of this manager."""
+        tier = self.host_tier
+        sid = b.host_slot
+        key = b.block_hash
+        return (b.block_id == -1 and type(sid) is int and 0 <= sid < tier.num_host_blocks
+                and type(key) is bytes and key[-_KEY_BYTES:] == self._suffix[g]
+                and tier.hash_to_slot.get(key) is tier.slots[sid])
 
     def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
         """``b`` is this manager's block, cached under group ``g``'s keys."""
@@ -663,6 +763,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     num_local_computed)
                 tables.append(table)
                 num_null.append(skipped)
+            if self.host_tier is not None:
+                self._promote_host_hits(request, tables, num_new_computed_tokens)
             st = _HybridState(request, tables, [len(t) for t in tables], num_null)
             self._states[request.request_id] = st
             self._states_by_request[request] = st
@@ -714,6 +816,48 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                                       num_required, num_local_computed)
         return n
 
+    def _promote_host_hits(self, request, tables, num_hit_tokens: int) -> None:
+        """Admission with a host tier: every ``HostHit`` left in the new request's
+        tables (the ones its groups keep: a sliding window's slots before the window
+        are null already, never loaded) gets a fresh device block, a recorded
+        ``load`` of its group, its ``block_id`` set, and the block cached under its
+        key (``BlockStored(medium="GPU")``); the host slot is freed. The device hits
+        were touched first (out of the free queue), and the host entries are pinned
+        while the device blocks are taken, so the demotions those evictions cause
+        never pick them (``host_tier`` module docstring). Capacity was counted
+        (``HostHit.ref_cnt``). Counts the hit's tokens by tier: a block position with
+        a load in any group is a host hit."""
+        loads = [(g, i) for g, table in enumerate(tables)
+                 for i, b in enumerate(table) if type(b) is HostHit]
+        bs = self.block_size
+        if not loads:
+            self.device_hit_tokens += num_hit_tokens
+            return
+        tier = self.host_tier
+        pool = self.block_pool
+        for g, i in loads:
+            tier.pin(tables[g][i].host_slot)
+        fresh = pool.get_new_blocks(len(loads))
+        for (g, i), blk in zip(loads, fresh):
+            hit = tables[g][i]
+            tier.load(hit.host_slot, blk.block_id)
+            hit.block_id = blk.block_id
+            tables[g][i] = blk
+        request.bind_hasher(self.hasher, bs)
+        hashes = request.block_hashes
+        # Cache each group's runs of loaded blocks under their keys.
+        j = 0
+        while j < len(loads):
+            g, start = loads[j]
+            k = j
+            while k + 1 < len(loads) and loads[k + 1] == (g, loads[k][1] + 1):
+                k += 1
+            pool.cache_group_blocks(request, tables[g], hashes, start, loads[k][1] + 1, bs, g)
+            j = k + 1
+        host = len({i for _, i in loads}) * bs
+        self.host_hit_tokens += host
+        self.device_hit_tokens += num_hit_tokens - host
+
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
         """``(idle_until, idle_nc)`` for the state's tables now."""
         bs = self.block_size
@@ -747,6 +891,25 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         st = _pop_held_state(self, request)
         for k in self._kinds:
             k.free(st)
+
+    def _check_host_invariants(self) -> None:
+        """The host tier's invariants with the device's (exclusive per group key),
+        and each host entry's key names a group of the layout that caches blocks;
+        the pending transfers name one group each, that of the key they moved."""
+        tier = self.host_tier
+        tier.check_invariants(self.block_pool.cached_block_hash_to_block)
+        for key, slot in tier.hash_to_slot.items():
+            g = int.from_bytes(key[-_KEY_BYTES:], "big")
+            if g >= self.num_groups or not self._caching[g]:
+                raise InvariantError(
+                    f"host slot {slot.block_id} holds key {key.hex()} of group {g}, which "
+                    "caches no blocks in this layout")
+        if len(tier.transfer_groups) * 2 != len(tier.transfers):
+            raise InvariantError(
+                f"{len(tier.transfers) // 2} pending host transfers but "
+                f"{len(tier.transfer_groups)} transfer groups")
+        if any(not 0 <= g < self.num_groups for g in tier.transfer_groups):
+            raise InvariantError(f"a host transfer of an unknown group: {tier.transfer_groups}")
 
     # ------------------------------------------------------------- inspection
     def _state(self, request_id) -> _HybridState:
@@ -790,7 +953,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             self.prefix_cache_stats.reset = True
         return True
 
-    # No host tier (``HostTierAPI`` answers [] / 0): the hash index's counters.
+    # Without a host tier (``HostTierAPI`` answers [] / 0): the hash index's counters.
     num_host_blocks = 0
     host_hit_tokens = 0
     host_tier = None
@@ -807,6 +970,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         null = self.null_block
         if null.block_hash is not None or null.prev_free_block or null.next_free_block:
             raise InvariantError("the null block was cached or queued")
+        if self.host_tier is not None:
+            self._check_host_invariants()
         refs = [0] * self.num_blocks
         owner: dict[int, int] = {}  # block id -> group
         bs = self.block_size
@@ -865,4 +1030,5 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                         f"{owner.get(b.block_id)}")
 
 
-__all__ = ["HybridBlockPool", "HybridKVCacheManager"]
+__all__ = ["HybridBlockPool", "HybridKVCacheManager", "TieredHybridBlockPool",
+           "TieredHybridPolicyBlockPool"]

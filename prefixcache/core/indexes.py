@@ -27,6 +27,7 @@ it declares ``LAYOUT_CLASS`` (its implementation for other layouts: a class or
 from __future__ import annotations
 
 import importlib
+import numbers
 from types import MappingProxyType
 
 # NOTE: read-only (no module-level mutable state): add an index here.
@@ -53,9 +54,17 @@ TIERS = MappingProxyType({
 # The combinations no implementation serves yet, each with its reason. Keys:
 # (what the layout is, what else is asked). Everything not listed runs.
 COMBINATION_RULES = MappingProxyType({
-    ("hybrid", "tier"): (
-        "the host tier demotes one full-attention group's blocks; per-group host pages "
-        "for sliding-window layouts are not built"),
+    ("layout index", "tier"): (
+        "the radix layout index (SGLang's SWA radix cache) keeps per-group values on "
+        "tree nodes and tombstones a node's sliding-window value while its "
+        "full-attention value stays; demoting per-group node values to host slots and "
+        "continuing a tree walk through them is not built (the hash index serves a "
+        "host tier with full-attention and sliding-window groups)"),
+    ("state", "tier"): (
+        "a state-space (Mamba) group caches a state snapshot only at chosen block "
+        "boundaries and a hit takes it whole at the hit's end; demoting and promoting "
+        "snapshots (pages of the state arrays) is not built -- the host tier serves "
+        "full-attention and sliding-window groups, one host slot per block of one group"),
     ("hybrid", "waiting"): (
         "a waiting-queue policy protects the blocks a waiting request will hit, which "
         "with sliding-window groups depend on where each group's hit ends; the per-group "
@@ -78,6 +87,11 @@ INDEX_PROTOCOL = ("get_computed_blocks", "allocate_slots", "free", "check_invari
 LAYOUT_INDEX_KINDS = MappingProxyType({
     "radix": ("full_attention", "sliding_window"),
 })
+
+
+# The group kinds the host tier serves in a multi-group layout (the hash index's
+# ``GroupHostTier``: one host slot per block of one group).
+TIER_GROUP_KINDS = ("full_attention", "sliding_window")
 
 
 def index_names() -> tuple[str, ...]:
@@ -203,10 +217,14 @@ def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) 
                 return (f"index={index_name(index)!r} is not supported with a "
                         f"{g.spec.kind!r} KV cache group: "
                         f"{COMBINATION_RULES[(rule, 'index')]}")
+    # (a bad num_host_blocks value is the tier's own check, in the implementation;
+    # numpy ints are ints, bools are not: the one int rule)
+    if (isinstance(num_host_blocks, numbers.Integral) and not isinstance(num_host_blocks, bool)
+            and num_host_blocks > 0):
+        why = _tier_refusal(index, groups, int(num_host_blocks))
+        if why is not None:
+            return why
     asked = []
-    # (a bad num_host_blocks value is the tier's own check, in the implementation)
-    if type(num_host_blocks) is int and num_host_blocks > 0:
-        asked.append(("tier", f"num_host_blocks={num_host_blocks}"))
     from prefixcache.core.eviction import get_policy_class, policy_name
 
     try:
@@ -219,6 +237,20 @@ def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) 
         return (f"{text} is not supported with KV cache groups other than one "
                 f"full-attention group: "
                 f"{COMBINATION_RULES[('hybrid', what)]}")
+    return None
+
+
+def _tier_refusal(index: str | type, groups, num_host_blocks: int) -> str | None:
+    """Why a host tier is not served with this multi-group layout (``None``: it is)."""
+    if index != DEFAULT_INDEX:
+        return (f"num_host_blocks={num_host_blocks} with index={index_name(index)!r} is not supported "
+                "with KV cache groups other than one full-attention group: "
+                f"{COMBINATION_RULES[('layout index', 'tier')]}")
+    for g in groups:
+        if g.spec.kind not in TIER_GROUP_KINDS:
+            return (f"num_host_blocks={num_host_blocks} is not supported with a "
+                    f"{g.spec.kind!r} KV cache group: "
+                    f"{COMBINATION_RULES[('state', 'tier')]}")
     return None
 
 
@@ -250,6 +282,7 @@ __all__ = [
     "INDEX_PROTOCOL",
     "LAYOUT_INDEXES",
     "TIERS",
+    "TIER_GROUP_KINDS",
     "check_implementation",
     "check_index_class",
     "get_index_class",

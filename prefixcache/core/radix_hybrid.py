@@ -61,8 +61,9 @@ Invariants (``check_invariants``):
       released a running request's blocks before its window, as vLLM does (and the hash
       index's hybrid manager).
 
-NOTE: the host tier is not served with sliding-window layouts by either index (per-group
-host pages are not built: ``indexes.COMBINATION_RULES``).
+NOTE: the host tier is not served by this index with sliding-window layouts (demoting
+per-group node values is not built: ``indexes.COMBINATION_RULES[("layout index",
+"tier")]``); the hash index's hybrid manager serves it (``core/hybrid.py``).
 """
 
 from __future__ import annotations

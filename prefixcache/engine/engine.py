@@ -147,7 +147,9 @@ class Engine:
     `num_blocks` blocks take num_blocks x `kv_group_size` layer pages. A sliding group
     holds only the blocks overlapping the window (the earlier ones go back to the cache,
     their slots read the padding page), and each layer reads its group's table. Such models need eviction "lru" and
-    index "hash" or "radix" (`core/radix_hybrid.py`; ValueError here otherwise).
+    index "hash" or "radix" (`core/radix_hybrid.py`; ValueError here otherwise); a host
+    tier (`num_host_blocks`) runs with index "hash" (one host slot = one page of each KV
+    array, i.e. one block of one group; the radix index refuses it by the one rule).
 
     Attributes:
       num_blocks: allocatable blocks of the pool (given, or derived from the budget).
@@ -249,8 +251,15 @@ class Engine:
         kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index,
                                            manager_kwargs=manager_kwargs)
         if kv_cache_groups is not None and num_host_blocks:
-            raise ValueError(f"num_host_blocks={num_host_blocks}: the host tier is not "
-                             "supported for models with sliding-window layers")
+            # NOTE: served by the hash index (per-group host slots, core/hybrid.py): a
+            # block id is a page of every shared KV array, which holds one layer of each
+            # group, so a transfer's page copy in every array IS its group's layers'
+            # page (`HostTransfer.group` names the group). The one rule otherwise.
+            from prefixcache.core.indexes import refusal  # noqa: PLC0415
+
+            why = refusal(index, kv_cache_groups, eviction, num_host_blocks)
+            if why is not None:
+                raise ValueError(why)
         if miss_reasons:
             from prefixcache.sim.misses import uses_probes  # noqa: PLC0415
 
@@ -1163,9 +1172,10 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:
-        # A host slot holds what a device block does: values and, quantized, scales.
+        # A host slot holds what a device block does: values and, quantized, scales
+        # (a page of each KV array: `kv_group_size` layers, all of a plain model's).
         page_bytes = kv_bytes_per_block(
-            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+            num_layers=config.kv_group_size, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, block_size=block_size,
             kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
         check_host_memory(f"the host tier's {num_host_blocks} pages", num_host_blocks

@@ -105,9 +105,17 @@ def test_numpy_int_host_blocks_accepted_and_combinations_refused(index):
     assert KVCacheManager(8, 4, index=index, num_host_blocks=np.int64(3)).num_host_blocks == 3
     with pytest.raises(ValueError, match="enable_caching"):
         KVCacheManager(8, 4, index=index, num_host_blocks=2, enable_caching=False)
-    with pytest.raises(ValueError):
-        KVCacheManager(8, 4, index=index, num_host_blocks=2,
-                       kv_cache_groups=kg.parse_kv_groups("full,sw8"))
+    groups = kg.parse_kv_groups("full,sw8")
+    if index == "hash":  # per-group host slots (core/hybrid.py)
+        with pytest.raises(ValueError, match="enable_caching"):
+            KVCacheManager(8, 4, index=index, num_host_blocks=2, enable_caching=False,
+                           kv_cache_groups=groups)
+        m = KVCacheManager(8, 4, index=index, num_host_blocks=np.int64(2),
+                           kv_cache_groups=groups)
+        assert m.num_host_blocks == 2 and m.host_tier.num_host_blocks == 2
+    else:  # the radix layout index: refused by the one rule
+        with pytest.raises(ValueError, match="radix layout index"):
+            KVCacheManager(8, 4, index=index, num_host_blocks=2, kv_cache_groups=groups)
 
 
 @FAST

@@ -246,7 +246,7 @@ def test_bad_groups(make, match):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"num_host_blocks": 4}, "not supported with KV cache groups other than one full-attention group"),
+    ({"num_host_blocks": 4, "enable_caching": False}, "needs prefix caching"),
     ({"eviction": "belady"}, "needs the trace's future"),
     ({"eviction": "nope"}, "nope"),
     ({"free_order": "fifo"}, "free_order"),
@@ -348,16 +348,14 @@ def test_random_sequences_keep_invariants_and_the_window_bound(
     assert m.num_free_blocks == num_blocks and m.usage == 0.0  # nothing leaked
 
 
-def test_hybrid_manager_rejects_a_host_tier_and_reports_none():
-    """Sliding-window groups have no host tier: a size > 0 is a clear error before
-    anything is built; size 0 answers the host-tier API with nothing (the replay and
-    the engine call it)."""
+def test_hybrid_manager_host_tier_off_reports_none():
+    """A bad host-tier size is a clear error before anything is built; size 0 answers
+    the host-tier API with nothing (the replay and the engine call it). (A size > 0
+    builds per-group host slots: tests/core/test_hybrid_host_tier.py.)"""
     from prefixcache.core import FullAttentionSpec, KVCacheGroup, KVCacheManager, SlidingWindowSpec
 
     groups = [KVCacheGroup(FullAttentionSpec(), ["layers.0"]),
               KVCacheGroup(SlidingWindowSpec(sliding_window=8), ["layers.1"])]
-    with pytest.raises(ValueError, match="host tier"):
-        KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=8)
     with pytest.raises(ValueError, match="num_host_blocks"):
         KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=-1)
     m = KVCacheManager(16, 4, kv_cache_groups=groups, num_host_blocks=0)

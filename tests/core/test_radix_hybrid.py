@@ -341,7 +341,7 @@ def test_every_index_serves_sliding_window_layouts_and_the_tier_stays_refused():
     m = KVCacheManager(8, BS, index="radix", kv_cache_groups=groups)
     assert type(m.implementation) is RadixHybridKVCacheManager
     why = refusal("radix", groups, "lru", 4)
-    assert why is not None and "per-group host pages" in why
+    assert why is not None and "radix layout index" in why
     with pytest.raises(ValueError) as e:
         KVCacheManager(8, BS, index="radix", kv_cache_groups=groups, num_host_blocks=4)
     assert str(e.value) == why

@@ -206,7 +206,7 @@ def test_plain_model_keeps_one_table_and_one_metadata():
         (dict(eviction="lfu"), "need eviction='lru' and index='hash'"),
         (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
         (dict(manager_kwargs={"eviction_options": {"x": 1}}), "eviction_options"),
-        (dict(num_host_blocks=8), "host tier is not supported for models with sliding"),
+        (dict(num_host_blocks=8, index="radix"), "radix layout index"),
     ],
 )
 def test_bad_hybrid_configurations_fail_before_anything_is_built(config, monkeypatch, kw,
@@ -243,6 +243,30 @@ def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
     assert small.metrics().num_preemptions > 0
     ample = cached.generate(prompts, SamplingParams(max_tokens=24))
     assert [outs[f"req-{i}"].token_ids for i in range(4)] == [o.token_ids for o in ample]
+
+
+def test_hybrid_host_tier_restores_each_groups_pages(engines, config):
+    """A host tier under a hybrid model (per-group host slots, `core/hybrid.py`): a pool
+    too small to keep 3 system prompts demotes their blocks of every group, later
+    requests load them back (the page of the shared KV array = that group's layer), and
+    the tokens equal the ample cached engine's; without the loads they would not."""
+    cached, _ = engines
+    rng = np.random.default_rng(6)
+    systems = [rng.integers(1, config.vocab_size, 40).tolist() for _ in range(3)]
+    prompts = [systems[i % 3] + rng.integers(1, config.vocab_size, 5).tolist()
+               for i in range(6)]
+    small = Engine(config, share_programs_with=cached, num_host_blocks=200,
+                   **{**COMMON, "num_blocks": 40})
+    seen = []
+    apply = small.runner.apply_host_transfers
+    small.runner.apply_host_transfers = lambda ts: (seen.extend(ts), apply(ts))[1]
+    outs = _run(small, prompts, 4, check=lambda e: e.kv_cache_manager.check_invariants())
+    m = small.kv_cache_manager
+    assert m.host_hit_tokens > 0 and m.host_blocks_loaded > 0
+    loads = {t.group for t in seen if t.kind == "load"}
+    assert len(loads) > 1 and loads <= set(range(len(config.kv_groups)))
+    ample = cached.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
 
 
 @pytest.mark.slow

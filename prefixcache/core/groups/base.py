@@ -26,13 +26,16 @@ def group_suffix(group_id: int) -> bytes:
     return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
 
 
-def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached) -> list:
+def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,
+                     is_host_hit=None) -> list:
     """Group ``g``'s hit list ``blocks`` (a list or tuple) as a list, checked as every
     multi-group manager (hash or radix index) checks ``new_computed_blocks[g]``: ``n``
     blocks (group 0's count), ``null`` slots only where ``null_ok``, else
     ``KVCacheBlock`` objects for which ``is_cached(block, g)`` (the index's "a cached
-    block of group g of this manager") holds. ``ValueError`` / ``ArgumentTypeError``
-    otherwise.
+    block of group g of this manager") holds -- or, with a host tier
+    (``is_host_hit = (HostHit, predicate)``), ``HostHit`` placeholders for which
+    ``predicate(b, g)`` (a current host entry of group g) holds. ``ValueError`` /
+    ``ArgumentTypeError`` otherwise.
     """
     blocks = list(blocks)
     if len(blocks) != n:
@@ -45,6 +48,13 @@ def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached) -> 
                 raise ValueError(
                     f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
                     "full attention")
+            continue
+        if is_host_hit is not None and type(b) is is_host_hit[0]:
+            if not is_host_hit[1](b, g):
+                raise ValueError(
+                    f"{b!r} is not a current host-tier hit of group {g} of this manager "
+                    "(already promoted, or the host entry changed since "
+                    "get_computed_blocks)")
             continue
         if type(b) is not KVCacheBlock:
             raise ArgumentTypeError(
@@ -94,6 +104,15 @@ class SingleTypeManager:
         self.null_block = coordinator.block_pool.null_block
         self.policy = coordinator.policy
         self.suffix = group_suffix(group_id)
+        # The host tier (``core/host_tier.py``, keyed by this pool's group keys) or
+        # None. With one, a lookup counts a host entry of the group as a hit (a
+        # ``HostHit`` placeholder the coordinator promotes at admission).
+        self.host_tier = getattr(coordinator, "host_tier", None)
+        if self.host_tier is not None:
+            from prefixcache.core.host_tier import HostHit  # noqa: PLC0415 - (a cycle)
+
+            self._host_hit_class = HostHit
+            self.get_cached = self._get_cached_tiered  # (shadows the method)
 
     # ---------------------------------------------------------------- lookups
     def get_cached(self, h: bytes, group_ids, suffixes) -> list | None:
@@ -106,6 +125,25 @@ class SingleTypeManager:
             if b is None:
                 return None
             if type(b) is dict:
+                b = next(iter(b.values()))
+            out.append(b)
+        return out
+
+    def _get_cached_tiered(self, h: bytes, group_ids, suffixes) -> list | None:
+        """``get_cached`` with a host tier: per group a device block, else a host entry
+        under the same key (a ``HostHit``), else None (the position misses)."""
+        cached = self.block_pool.cached_block_hash_to_block  # (reset replaces it)
+        on_host = self.host_tier.hash_to_slot
+        out = []
+        for g in group_ids:
+            key = h + suffixes[g]
+            b = cached.get(key)
+            if b is None:
+                slot = on_host.get(key)
+                if slot is None:
+                    return None
+                b = self._host_hit_class(key, slot.block_id)
+            elif type(b) is dict:
                 b = next(iter(b.values()))
             out.append(b)
         return out
@@ -154,7 +192,11 @@ class SingleTypeManager:
         hit = hit if hit is not None else []
         skipped = self.num_skipped_tokens(num_local_computed) // self.block_size
         kept = hit[skipped:]
-        self.block_pool.touch([b for b in kept if b is not null], request)
+        if self.host_tier is None:
+            self.block_pool.touch([b for b in kept if b is not null], request)
+        else:  # (host hits are promoted by the coordinator, after the device hits)
+            self.block_pool.touch(
+                [b for b in kept if b is not null and type(b) is KVCacheBlock], request)
         return [null] * skipped + kept, skipped
 
     def allocate_new_blocks(self, st, num_required: int):
