@@ -48,10 +48,11 @@ COMBINATION_RULES = MappingProxyType({
     ("hybrid", "tier"): (
         "the host tier demotes one full-attention group's blocks; per-group host pages "
         "for sliding-window layouts are not built"),
-    ("hybrid", "waiting"): (
+    ("layout_index", "waiting"): (
         "a waiting-queue policy protects the blocks a waiting request will hit, which "
         "with sliding-window groups depend on where each group's hit ends; the per-group "
-        "waiting hooks are not built"),
+        "waiting hooks are built in the hash index's coordinator (core/hybrid.py "
+        "waiting_keys), not in the radix tree's multi-group manager"),
     ("state", "index"): (
         "a state-space (Mamba) group keeps one state snapshot per cached block boundary; "
         "only the hash index (vLLM's MambaManager rules) keeps them -- state checkpoints "
@@ -114,12 +115,14 @@ def refusal(index: str, kv_cache_groups, eviction: str, num_host_blocks) -> str 
         waiting = get_policy_class(eviction).needs_waiting
     except ValueError:  # an unknown policy: the implementation's own check names it
         waiting = False
-    if waiting:
-        asked.append(("waiting", f"eviction={policy_name(eviction)!r}"))
     for what, text in asked:
         return (f"{text} is not supported with KV cache groups other than one "
                 f"full-attention group: "
                 f"{COMBINATION_RULES[('hybrid', what)]}")
+    if waiting and index != DEFAULT_INDEX:
+        return (f"eviction={policy_name(eviction)!r} is not supported by index={index!r} "
+                f"with KV cache groups other than one full-attention group: "
+                f"{COMBINATION_RULES[('layout_index', 'waiting')]}")
     return None
 
 

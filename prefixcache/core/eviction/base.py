@@ -31,6 +31,15 @@ through the manager: ``on_waiting(request_id, block_hashes)`` when a request joi
 queue, ``drop_waiting(request_id)`` when it leaves (the manager itself drops it at
 admission); only ``queue_aware`` reads it.
 
+A pool with several KV cache groups (the hash index's hybrid coordinator,
+``core/hybrid.py``) tells a policy with ``needs_groups`` which group each cached block
+belongs to: ``set_groups(groups)`` once, before any block is cached (the checked
+``kv_groups.KVCacheGroup`` tuple: each group's spec -- its ``kind``, window -- and
+layers), then ``on_cached_group(block, block_hash, request, position, group_id)`` in
+place of ``on_cached`` for every block it caches. A policy without the property is
+told nothing of groups (``on_cached`` as above, no cost); one with it that never hears
+``set_groups`` (a one-group manager) sees one full-attention group, id 0.
+
 Every policy here is a *keyed* policy: ``key(block)`` is computed when the block becomes
 a candidate, and ``pop`` returns the candidate with the smallest key (a lazy-deletion
 binary heap, O(log n) per operation). Keys end with the block's release stamp, so equal
@@ -62,12 +71,16 @@ class EvictionPolicy:
         needs_waiting: the policy reads the waiting queue (``on_waiting`` /
             ``drop_waiting``, forwarded by the manager; ``queue_aware``); drivers and
             managers make those calls only for such a policy (no cost otherwise).
+        needs_groups: the policy reads each cached block's KV cache group
+            (``set_groups`` / ``on_cached_group``, from a multi-group pool; ``marconi``,
+            ``queue_aware``); other policies are never told (no cost).
     """
 
     name = "base"
     needs_future = False
     needs_block_size = False
     needs_waiting = False
+    needs_groups = False
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -96,6 +109,18 @@ class EvictionPolicy:
 
     def drop_waiting(self, request_id) -> None:
         """``request_id`` left the waiting queue (``needs_waiting`` policies only)."""
+
+    def set_groups(self, groups) -> None:
+        """The pool's KV cache groups (a ``kv_groups.KVCacheGroup`` tuple; block ``b``
+        of group ``g`` is then announced by ``on_cached_group``), once, before any block
+        is cached (``needs_groups`` policies only)."""
+
+    def on_cached_group(self, block, block_hash: bytes, request, position: int,
+                        group_id: int) -> None:
+        """``on_cached`` from a multi-group pool: ``block`` of group ``group_id`` got
+        ``block_hash`` (its plain digest) at table position ``position``
+        (``needs_groups`` policies only; the default forgets the group)."""
+        self.on_cached(block, block_hash, request, position)
 
     def waiting_ids(self) -> list:
         """Requests the policy holds as waiting (none unless ``needs_waiting``)."""
