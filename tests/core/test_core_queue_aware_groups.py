@@ -29,7 +29,9 @@ def _prefill(m, req, hit, blocks) -> bool:
         return False
     req.num_computed_tokens = hit + chunks[0]
     for c in chunks[1:]:
-        assert m.allocate_slots(req, c) is not None  # (the whole sequence was checked)
+        if m.allocate_slots(req, c) is None:  # a later chunk may not fit: give up
+            m.free(req)
+            return False
         req.num_computed_tokens += c
     return True
 

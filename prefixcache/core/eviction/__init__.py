@@ -21,6 +21,7 @@ from prefixcache.core.eviction.fifo import FIFOPolicy
 from prefixcache.core.eviction.length import LengthPolicy
 from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
+from prefixcache.core.eviction.marconi import MarconiPolicy
 from prefixcache.core.eviction.pgdsf import PGDSFPolicy
 from prefixcache.core.eviction.priority import PriorityPolicy
 from prefixcache.core.eviction.queue_aware import QueueAwarePolicy
@@ -41,6 +42,7 @@ POLICIES = MappingProxyType({
     "s3fifo": S3FIFOPolicy,
     "pgdsf": PGDSFPolicy,
     "queue_aware": QueueAwarePolicy,
+    "marconi": MarconiPolicy,
 })
 
 DEFAULT_POLICY = "lru"
