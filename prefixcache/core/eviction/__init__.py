@@ -14,7 +14,13 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from prefixcache.core.eviction.arc import ARCPolicy
-from prefixcache.core.eviction.base import EvictionPolicy, KeyedPolicy, PolicyError
+from prefixcache.core.eviction.base import (
+    EvictionPolicy,
+    KeyedPolicy,
+    PolicyError,
+    WaitingFanout,
+    reads_waiting_queue,
+)
 from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
 from prefixcache.core.eviction.cost import CostPolicy
 from prefixcache.core.eviction.fifo import FIFOPolicy
@@ -120,4 +126,6 @@ __all__ = [
     "policy_name",
     "online_policy_names",
     "policy_names",
+    "reads_waiting_queue",
+    "WaitingFanout",
 ]

@@ -273,3 +273,53 @@ class KeyedPolicy(EvictionPolicy):
                         f"{self.name}: candidate block {block.block_id} is keyed {k!r} "
                         f"but its key is now {now!r} (metadata changed without a rekey)"
                     )
+
+
+class WaitingFanout:
+    """The waiting-queue calls (``on_waiting`` / ``drop_waiting`` / ``waiting_ids``)
+    forwarded to several ``needs_waiting`` policies, in order: a manager whose device
+    policy and host-tier policy both read the queue holds one of these where it holds
+    a waiting policy. ``on_waiting`` checks every policy first (a request already
+    waiting in any raises ``ValueError`` before any change).
+
+    Args:
+        policies: the policies (``None`` entries are skipped).
+    """
+
+    def __init__(self, *policies):
+        self.policies = tuple(p for p in policies if p is not None)
+        for p in self.policies:
+            if not p.needs_waiting:
+                raise ValueError(f"{p.name} does not read the waiting queue (needs_waiting)")
+
+    needs_waiting = True
+
+    def on_waiting(self, request_id, block_hashes) -> None:
+        hashes = tuple(block_hashes)
+        for p in self.policies:
+            if request_id in p.waiting_ids():
+                raise ValueError(f"{p.name}: request {request_id!r} is already waiting")
+        for p in self.policies:
+            p.on_waiting(request_id, hashes)
+
+    def drop_waiting(self, request_id) -> None:
+        for p in self.policies:
+            p.drop_waiting(request_id)
+
+    def waiting_ids(self) -> list:
+        out: dict = {}
+        for p in self.policies:
+            out.update(dict.fromkeys(p.waiting_ids()))
+        return list(out)
+
+
+def reads_waiting_queue(manager) -> bool:
+    """Whether ``manager``'s eviction policy or its host tier's policy reads the waiting
+    queue (``needs_waiting``: ``queue_aware``): a driver (the engine's scheduler, the
+    replay, the DES) then reports its queue (``manager.on_waiting`` / ``drop_waiting``);
+    no other manager is told anything."""
+    policy = getattr(manager, "policy", None)
+    if policy is not None and policy.needs_waiting:
+        return True
+    host = getattr(getattr(manager, "host_tier", None), "policy", None)
+    return host is not None and host.needs_waiting
