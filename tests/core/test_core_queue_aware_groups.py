@@ -174,3 +174,26 @@ def test_random_operations_keep_invariants(layout):
         m.drop_waiting(rid)
     assert p.wanted == {}  # no interest left behind
     m.check_invariants()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kv_cache_groups=parse_kv_groups("full,sw5"), eviction="queue_aware"),
+    dict(num_host_blocks=4, host_eviction="queue_aware"),  # only the host tier reads it
+])
+def test_engine_scheduler_reports_its_waiting_queue(kw):
+    from prefixcache.engine.sampling_params import SamplingParams
+    from prefixcache.engine.scheduler import EngineRequest, Scheduler
+
+    m = KVCacheManager(16, 4, **kw)
+    p = m.policy if m.policy is not None else m.host_tier.policy
+    sched = Scheduler(m, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=100)
+    for rid in ("a", "b", "c"):
+        sched.add_request(EngineRequest(Request(rid, list(range(1, 10))),
+                                        SamplingParams(max_tokens=2), seed=0))
+    assert p.waiting_ids() == ["a", "b", "c"]
+    sched.schedule()  # admits a (one sequence at a time)
+    assert p.waiting_ids() == ["b", "c"]
+    assert p.wanted  # b and c hold a's prompt blocks
+    sched.abort_request("c")
+    assert p.waiting_ids() == ["b"]
+    m.check_invariants()
