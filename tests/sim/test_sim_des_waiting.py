@@ -138,3 +138,19 @@ def test_host_tier_keeps_what_a_waiting_request_holds(host_eviction, kept):
     assert hit == (2 if kept == "A" else 0)
     if host_eviction == "queue_aware":
         assert m.host_tier.policy.waiting_ids() == []  # admission dropped it
+
+
+def test_waiting_fanout_forwards_to_both_tiers():
+    from prefixcache.core.eviction import WaitingFanout, make_policy
+
+    dev, host = (make_policy("queue_aware", num_blocks=4) for _ in range(2))
+    f = WaitingFanout(dev, None, host)
+    f.on_waiting("w", iter([b"a" * 32, b"b" * 32]))  # (an iterator: read once)
+    assert dev.wanted == host.wanted == {b"a" * 32: 1, b"b" * 32: 1}
+    with pytest.raises(ValueError, match="already waiting"):
+        f.on_waiting("w", [b"c" * 32])
+    assert dev.wanted == host.wanted and f.waiting_ids() == ["w"]
+    f.drop_waiting("w")
+    assert dev.wanted == host.wanted == {} and f.waiting_ids() == []
+    with pytest.raises(ValueError, match="does not read the waiting queue"):
+        WaitingFanout(make_policy("lru", num_blocks=4))

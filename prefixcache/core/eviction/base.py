@@ -279,8 +279,8 @@ class WaitingFanout:
     """The waiting-queue calls (``on_waiting`` / ``drop_waiting`` / ``waiting_ids``)
     forwarded to several ``needs_waiting`` policies, in order: a manager whose device
     policy and host-tier policy both read the queue holds one of these where it holds
-    a waiting policy. ``on_waiting`` checks every policy first (a request already
-    waiting in any raises ``ValueError`` before any change).
+    a waiting policy (a request already waiting raises ``ValueError`` in the first
+    policy, before any change).
 
     Args:
         policies: the policies (``None`` entries are skipped).
@@ -295,10 +295,9 @@ class WaitingFanout:
     needs_waiting = True
 
     def on_waiting(self, request_id, block_hashes) -> None:
+        # NOTE: the policies hear the same calls, so they hold the same requests: the
+        # first one's "already waiting" check (before any change) answers for all.
         hashes = tuple(block_hashes)
-        for p in self.policies:
-            if request_id in p.waiting_ids():
-                raise ValueError(f"{p.name}: request {request_id!r} is already waiting")
         for p in self.policies:
             p.on_waiting(request_id, hashes)
 
