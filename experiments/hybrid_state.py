@@ -96,10 +96,10 @@ def run(config, *, progress: bool = False) -> dict:
         })
         bar.update(1)
     bar.close()
-    print(f"{'workload':>22} {'layout':>13} {'policy':>7} {'blocks':>6} {'hit':>6} "
+    print(f"{'workload':>22} {'layout':>13} {'policy':>11} {'blocks':>6} {'hit':>6} "
           f"{'hit tok':>9} {'evict':>7} {'peak':>6} {'mean':>7}")
     for r in rows:
-        print(f"{r['workload']:>22} {r['layout']:>13} {r['policy']:>7} {r['num_blocks']:>6} "
+        print(f"{r['workload']:>22} {r['layout']:>13} {r['policy']:>11} {r['num_blocks']:>6} "
               f"{r['hit_rate_tokens']:6.3f} {r['hit_tokens']:>9} {r['evictions']:>7} "
               f"{r['peak_cached_blocks']:>6} {r['mean_cached_blocks']:>7}")
     if workdir is not None:
