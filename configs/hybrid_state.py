@@ -24,6 +24,17 @@ tests/experiments/test_exp_quick_configs.py):
   shared_system_prompt 8192 blocks: 0.778 / 0.775 / 0.775
 A state group holds at most two blocks per running request, so at a tight pool more
 attention history fits. Every page counts one block (real Mamba states are larger).
+
+marconi (Marconi's FLOP-aware eviction, alpha 1, llama_3_1_8b per-layer FLOPs, Mamba2
+state bytes; session 10; quick cells pinned as above):
+  multi_turn 2048 blocks: full,full 0.540  full,mamba 0.778  full,mamba_r0 0.681
+  (LRU 0.547 / 0.774 / 0.684); 8192 blocks and shared_system_prompt: LRU's figures.
+queue_aware (the replay's look-ahead of 8 waiting requests; per group, the blocks each
+one's hit would use: every prompt block in full attention, the state at the hit):
+  multi_turn 2048 blocks: full,full 0.641  full,mamba 0.785  full,mamba_r0 0.686;
+  8192 blocks and shared_system_prompt: LRU's figures.
+Memory (peak / mean cached blocks) equals LRU's in every cell: the pool is full either
+way; the policy only changes which blocks it holds.
 """
 
 import ml_collections
@@ -47,7 +58,10 @@ def get_config(arg=None):
     # mamba_r0: the state group with vLLM's retention_interval=0 (Marconi-style
     # admission: only the replay boundary's and the junction's states are cached).
     c.layouts = "full;full|full;mamba|full;mamba_r0"
-    c.policies = "lru,lfu,s3fifo"  # prefixcache.core.eviction names (no future-readers)
+    # prefixcache.core.eviction names (no future-readers); marconi: Marconi's FLOP-aware
+    # eviction score (recency + alpha x FLOPs saved per byte, per group kind);
+    # queue_aware: the replay's look-ahead of `concurrency` waiting requests, per group.
+    c.policies = "lru,lfu,s3fifo,marconi,queue_aware"
     c.capacities = "2048,8192"  # blocks
     c.block_size = 16
     c.concurrency = 8
@@ -55,6 +69,6 @@ def get_config(arg=None):
     c.hash_algo = "sha256"
     if quick:
         c.workloads = "multi_turn"
-        c.policies = "lru"
+        c.policies = "lru,marconi"
         c.capacities = "2048"
     return c

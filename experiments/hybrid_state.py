@@ -8,7 +8,10 @@ fresh ``KVCacheManager(kv_cache_groups=...)`` (``prefixcache.sim.replay.replay``
 layout with a state-space group splits each prompt where vLLM's scheduler does
 (``HybridKVCacheManager.prefill_chunks``). Rows: hit tokens and token hit rate, requests
 with a hit, prompts split, evictions, peak and mean cached blocks (after each
-admission: attention and state blocks alike, one page each), with provenance.
+admission: attention and state blocks alike, one page each), with provenance. Policies
+include ``marconi`` (Marconi's FLOP-aware eviction score, which reads each block's group:
+``prefixcache.core.eviction.marconi``) beside LRU and the Marconi admission layout
+``mamba_r0``.
 
 Outputs in ``--workdir``: ``hybrid_state.jsonl`` (one row per cell, each with its
 provenance). stdout: a table; the last line one JSON object (the rows without
@@ -93,10 +96,10 @@ def run(config, *, progress: bool = False) -> dict:
         })
         bar.update(1)
     bar.close()
-    print(f"{'workload':>22} {'layout':>11} {'policy':>7} {'blocks':>6} {'hit':>6} "
+    print(f"{'workload':>22} {'layout':>13} {'policy':>11} {'blocks':>6} {'hit':>6} "
           f"{'hit tok':>9} {'evict':>7} {'peak':>6} {'mean':>7}")
     for r in rows:
-        print(f"{r['workload']:>22} {r['layout']:>11} {r['policy']:>7} {r['num_blocks']:>6} "
+        print(f"{r['workload']:>22} {r['layout']:>13} {r['policy']:>11} {r['num_blocks']:>6} "
               f"{r['hit_rate_tokens']:6.3f} {r['hit_tokens']:>9} {r['evictions']:>7} "
               f"{r['peak_cached_blocks']:>6} {r['mean_cached_blocks']:>7}")
     if workdir is not None:

@@ -68,6 +68,7 @@ from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.policy_pool import PolicyBlockPool
+from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.events import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -224,14 +225,23 @@ class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
     """The hybrid pool with an eviction policy (``PolicyBlockPool``'s queue, touch,
     free and victim choice; the hybrid pool's keys and null block). The policy sees
     each cached block under its plain digest (the prefix it holds, whatever group), so
-    ``belady``'s next uses are the trace's."""
+    ``belady``'s next uses are the trace's; a policy with ``needs_groups`` hears the
+    block's group too (``on_cached_group``, in place of ``on_cached``)."""
 
     def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
                            num_full_blocks, block_size, group_id) -> None:
         super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
                                    num_full_blocks, block_size, group_id)
-        on_cached = self.policy.on_cached
+        policy = self.policy
         null = self.null_block
+        if policy.needs_groups:  # (set_groups was called by the coordinator)
+            on_cached_group = policy.on_cached_group
+            for pos in range(num_cached_blocks, num_full_blocks):
+                blk = blocks[pos]
+                if blk is not null:
+                    on_cached_group(blk, block_hashes[pos], request, pos, group_id)
+            return
+        on_cached = policy.on_cached
         for pos in range(num_cached_blocks, num_full_blocks):
             blk = blocks[pos]
             if blk is not null:
@@ -427,9 +437,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events, tier_class=GroupHostTier)
+        if policy is not None and policy.needs_groups:
+            policy.set_groups(groups)  # (before any block is cached)
         self.eviction = eviction
         self.index = index
         self.policy = policy
+        # A policy that reads the waiting queue (queue_aware): the per-group waiting
+        # hooks (on_waiting) feed it; admission drops the request. None otherwise.
+        self._waiting_policy = policy if policy is not None and policy.needs_waiting else None
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         pool_kwargs = dict(
@@ -453,6 +468,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             self.host_hit_tokens = 0
         self.host_tier = host_tier
         self.num_host_blocks = num_host_blocks
+        host_policy = host_tier.policy if host_tier is not None else None
+        if host_policy is not None and host_policy.needs_waiting:
+            # The host tier's policy reads the queue too (queue_aware), keyed as the
+            # device policy by (block hash, group id): one fan-out feeds both.
+            self._waiting_policy = WaitingFanout(self._waiting_policy, host_policy)
         self.null_block = self.block_pool.null_block
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
         # One single-type manager per group (kv_groups.GROUP_KINDS): every per-kind
@@ -497,8 +517,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         """``(blocks per group, hit tokens, longest single-spec hit)``; the last is
         vLLM's ``hit_length + num_uncached_common_prefix_tokens``."""
         request.bind_hasher(self.hasher, self.block_size)
-        hashes = request.block_hashes
-        max_len = request.num_tokens - 1
+        return self._hit_of_hashes(request.block_hashes, request.num_tokens - 1)
+
+    def _hit_of_hashes(self, hashes, max_len: int):
+        """``_lookup_hit`` of a prompt given by its block hashes, at most ``max_len``
+        hit tokens."""
         n_groups = self.num_groups
         suffixes = self._suffix
         if n_groups == 1:  # UnitaryKVCacheCoordinator: one search
@@ -766,6 +789,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             if self.host_tier is not None:
                 self._promote_host_hits(request, tables, num_new_computed_tokens)
             st = _HybridState(request, tables, [len(t) for t in tables], num_null)
+            if self._waiting_policy is not None:  # admitted: no longer waiting
+                self._waiting_policy.drop_waiting(request.request_id)
             self._states[request.request_id] = st
             self._states_by_request[request] = st
             if self.log_stats and self.enable_caching:
@@ -946,6 +971,68 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             request.bind_hasher(self.hasher, self.block_size)
             self.policy.on_arrival(request, index)
 
+    # ------------------------------------------------------- the waiting queue
+    def on_waiting(self, request_id, block_hashes) -> None:
+        """``request_id`` joined the waiting queue with the prompt block hashes it can
+        hit (``request.block_hashes[:(request.num_tokens - 1) // block_size]``, as
+        ``HashKVCacheManager.on_waiting``). A policy with ``needs_waiting``
+        (``queue_aware``) then keeps, per group, the cached blocks the request's hit
+        would use (``waiting_keys``) until it is admitted (``allocate_slots`` drops it)
+        or leaves (``drop_waiting``); a no-op for every other policy.
+
+        Raises:
+            ArgumentTypeError: a hash is not ``bytes``. ValueError: the request is
+            already waiting. Nothing changed.
+        """
+        if self._waiting_policy is not None:
+            self._waiting_policy.on_waiting(request_id, self.waiting_keys(block_hashes))
+
+    def drop_waiting(self, request_id) -> None:
+        """``request_id`` left the waiting queue without being admitted (aborted,
+        failed); a no-op unless the policy reads the queue and the request waits."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.drop_waiting(request_id)
+
+    def waiting_keys(self, block_hashes) -> list[tuple[bytes, int]]:
+        """The ``(block hash, group id)`` keys a waiting request holding the prompt
+        blocks ``block_hashes`` would hit, per group, as the cache is now: the aligned
+        hit ``L`` (the coordinator's fixed point over the groups, at most
+        ``len(block_hashes) * block_size`` tokens) is looked up once, then
+
+        * a downward-closed group (full attention) keeps every prompt block (the
+          one-group rule, ``queue_aware``'s NOTE: deeper blocks are the ones a chain
+          extension reuses);
+        * any other group keeps the blocks its hit of ``L`` tokens holds past its
+          skipped tokens (``num_skipped_tokens(L)``, as ``add_hit_blocks`` keeps them):
+          a sliding window's blocks inside the window ending at ``L``, a state group's
+          one state block at ``L``; none when ``L == 0``.
+
+        NOTE: ``L`` is the hit at the announcement; blocks cached later that would
+        lengthen it are protected only in downward-closed groups (a sliding window's
+        or state's blocks at a longer hit are not known until a lookup).
+        """
+        if isinstance(block_hashes, (str, bytes)):
+            raise ArgumentTypeError(
+                f"block_hashes must be a sequence of block hashes (bytes), got {block_hashes!r}")
+        hashes = list(block_hashes)
+        for h in hashes:
+            if type(h) is not bytes:
+                raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
+        n = len(hashes)
+        bs = self.block_size
+        hit = self._hit_of_hashes(hashes, n * bs)[1] if n and self.enable_caching else 0
+        keys = []
+        for k in self._kinds:
+            if not k.caches_blocks:
+                continue
+            g = k.group_id
+            if k.downward_closed:
+                lo, hi = 0, n
+            else:
+                lo, hi = k.num_skipped_tokens(hit) // bs, -(-hit // bs)
+            keys.extend((hashes[i], g) for i in range(lo, hi))
+        return keys
+
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():
             return False
@@ -1028,6 +1115,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     raise InvariantError(
                         f"block {b.block_id} is cached for group {g} but held by group "
                         f"{owner.get(b.block_id)}")
+        if self._waiting_policy is not None:  # admission drops a request's interest
+            held = [r for r in self._waiting_policy.waiting_ids() if r in self._states]
+            if held:
+                raise InvariantError(f"requests {held[:5]} hold blocks but are still "
+                                     "waiting for the queue-aware policy (a leak)")
 
 
 __all__ = ["HybridBlockPool", "HybridKVCacheManager", "TieredHybridBlockPool",

@@ -65,14 +65,15 @@ COMBINATION_RULES = MappingProxyType({
         "boundaries and a hit takes it whole at the hit's end; demoting and promoting "
         "snapshots (pages of the state arrays) is not built -- the host tier serves "
         "full-attention and sliding-window groups, one host slot per block of one group"),
-    ("hybrid", "waiting"): (
-        "a waiting-queue policy protects the blocks a waiting request will hit, which "
-        "with sliding-window groups depend on where each group's hit ends; the per-group "
-        "waiting hooks are not built"),
     ("layout", "index"): (
         "the index's class matches one chain of full-attention blocks; another layout "
         "needs per-group hit rules (where each group's hit ends) that the class does not "
         "declare (LAYOUT_CLASS, with the group kinds it serves in LAYOUT_KINDS)"),
+    ("layout index", "waiting"): (
+        "a waiting-queue policy protects the blocks a waiting request will hit, which "
+        "with sliding-window groups depend on where each group's hit ends; the per-group "
+        "waiting hooks are built in the hash index's coordinator (core/hybrid.py "
+        "waiting_keys), not in the radix tree's multi-group manager"),
     ("state", "index"): (
         "a state-space (Mamba) group keeps one state snapshot per cached block boundary; "
         "only the hash index (vLLM's MambaManager rules) keeps them -- state checkpoints "
@@ -224,19 +225,16 @@ def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) 
         why = _tier_refusal(index, groups, int(num_host_blocks))
         if why is not None:
             return why
-    asked = []
     from prefixcache.core.eviction import get_policy_class, policy_name
 
     try:
         waiting = get_policy_class(eviction).needs_waiting
     except ValueError:  # an unknown policy: the implementation's own check names it
         waiting = False
-    if waiting:
-        asked.append(("waiting", f"eviction={policy_name(eviction)!r}"))
-    for what, text in asked:
-        return (f"{text} is not supported with KV cache groups other than one "
-                f"full-attention group: "
-                f"{COMBINATION_RULES[('hybrid', what)]}")
+    if waiting and index != DEFAULT_INDEX:
+        return (f"eviction={policy_name(eviction)!r} is not supported by index={index_name(index)!r} "
+                f"with KV cache groups other than one full-attention group: "
+                f"{COMBINATION_RULES[('layout index', 'waiting')]}")
     return None
 
 

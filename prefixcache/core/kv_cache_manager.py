@@ -32,6 +32,7 @@ from prefixcache.core.block_pool import (
     KVCacheBlock,
 )
 from prefixcache.core.eviction import DEFAULT_POLICY, EvictionPolicy, get_policy_class, make_policy
+from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (
@@ -480,6 +481,11 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         # A policy that reads the waiting queue (queue_aware): admission drops the
         # request from it (``on_waiting``); None for every other policy.
         self._waiting_policy = policy if policy is not None and policy.needs_waiting else None
+        host_policy = host_tier.policy if host_tier is not None else None
+        if host_policy is not None and host_policy.needs_waiting:
+            # The host tier's policy reads the queue too (queue_aware): a host entry a
+            # waiting request holds leaves the host last (its admission would load it).
+            self._waiting_policy = WaitingFanout(self._waiting_policy, host_policy)
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62

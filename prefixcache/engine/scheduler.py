@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from prefixcache.core.eviction import reads_waiting_queue
 from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampling_params import SamplingParams
@@ -248,8 +249,8 @@ class Scheduler:
         self._queue_watch = None
         # (a layout whose manager has no waiting hooks is refused with such a policy by
         # the composition rule, prefixcache.core.indexes, before the manager is built)
-        kv_policy = getattr(kv_cache_manager, "policy", None)
-        if kv_policy is not None and kv_policy.needs_waiting:
+        # (the device's policy or the host tier's: eviction.reads_waiting_queue)
+        if reads_waiting_queue(kv_cache_manager):
             self._queue_watch = kv_cache_manager
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0

@@ -45,6 +45,13 @@ path (written back asynchronously after the step). Summaries split hits into
 ``device_hit_tokens`` and ``host_hit_tokens``; with the tier off the manager,
 the records and the summaries are exactly those of a simulator without one.
 
+Waiting queue: with a policy that reads it (``queue_aware`` as the device's or the
+host tier's policy: ``eviction.reads_waiting_queue``), the manager hears of each request
+joining the queue (``on_waiting`` with the prompt blocks a lookup can adopt: at arrival
+and at a preemption, as the engine's scheduler reports it) and of one that leaves it
+unadmitted (``drop_waiting``, a failure); admission drops it in the manager. Every other
+policy: no queue work.
+
 Not modelled: network/tokenizer time, speculative decoding, KV transfer
 between prefill and decode instances, communication between chips.
 
@@ -64,7 +71,7 @@ import numpy as np
 
 from prefixcache._validate import ArgumentTypeError, check_count
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
-from prefixcache.core.eviction import policy_name
+from prefixcache.core.eviction import policy_name, reads_waiting_queue
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.cost_model import CostModel
@@ -237,6 +244,11 @@ class Server:
         # follows events, the manager's ``take_events``.
         self.miss_accountant = None
         self.miss_events = None
+        # An eviction policy that reads the waiting queue (queue_aware, the device's or
+        # the host tier's): the manager hears of each request joining the queue (arrival,
+        # preemption: ``on_waiting``) and of one leaving it unadmitted (a failure:
+        # ``drop_waiting``); admission drops it in the manager. None: no queue work.
+        self._queue_watch = manager if reads_waiting_queue(manager) else None
         if host_tier_on(manager):
             cost_model.load_time(0)  # no host_link -> ValueError before anything runs
             self.host_block_bytes = cost_model.block_bytes(manager.block_size)
@@ -250,6 +262,10 @@ class Server:
             self.waiting.appendleft(s)
         else:
             self.waiting.append(s)
+        m = self._queue_watch
+        if m is not None:  # the blocks a lookup can adopt (at most num_tokens - 1 tokens)
+            r.bind_hasher(m.hasher, m.block_size)
+            m.on_waiting(r.request_id, r.block_hashes[: (r.num_tokens - 1) // m.block_size])
 
     def _dequeue(self, s: _SimRequest) -> None:
         self.waiting.remove(s)
@@ -297,6 +313,8 @@ class Server:
             if not self.running:  # the whole pool is free and it still does not fit
                 self._dequeue(s)
                 self.policy.forget(req)
+                if self._queue_watch is not None:
+                    self._queue_watch.drop_waiting(req.request_id)
                 self.fail(s, "does not fit in the pool")
                 return budget
             return None

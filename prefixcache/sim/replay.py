@@ -75,7 +75,12 @@ import numpy as np
 
 from prefixcache._validate import check_count, check_hash_seed, check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
-from prefixcache.core.eviction import TraceFuture, get_policy_class, policy_name
+from prefixcache.core.eviction import (
+    TraceFuture,
+    get_policy_class,
+    policy_name,
+    reads_waiting_queue,
+)
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import DEFAULT_INDEX, get_index_class, index_name
 from prefixcache.core.kv_cache_manager import KVCacheManager
@@ -329,7 +334,8 @@ def replay(
     host_eviction = cfg.host_eviction
     policy_cls = get_policy_class(eviction)
     keyed_index = get_index_class(index).KEYS_BY_BLOCK_HASH
-    if queue_depth is not None and not policy_cls.needs_waiting:
+    if queue_depth is not None and not (policy_cls.needs_waiting or (
+            cfg.num_host_blocks and get_policy_class(host_eviction).needs_waiting)):
         raise ValueError(f"queue_depth={queue_depth} is for a policy that reads the waiting "
                          f"queue (needs_waiting, e.g. queue_aware), not {eviction!r}")
     options = dict(cfg.eviction_options or {})
@@ -411,7 +417,7 @@ def replay(
 
     it: Iterable[TraceRequest] = requests
     drop_waiting = None
-    if policy_cls.needs_waiting:  # the waiting queue: a look-ahead over the trace
+    if reads_waiting_queue(m):  # the waiting queue: a look-ahead over the trace
         queue_depth = concurrency if queue_depth is None else queue_depth
         it = _announce_waiting(it, queue_depth, m.on_waiting, hasher, block_size, keyed_index)
         drop_waiting = m.drop_waiting

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from prefixcache.core import KVCacheManager, Request
-from prefixcache.core.eviction import POLICIES, TraceFuture
+from prefixcache.core.eviction import POLICIES, TraceFuture, reads_waiting_queue
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import INDEXES, refusal
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks
@@ -54,8 +54,20 @@ def _run(index, eviction, tier, layout, num_blocks):
     assert isinstance(m, KVCacheManager)
     running: list[Request] = []
     hits = []
-    for i, p in enumerate(prompts):
-        r = Request(f"r{i}", p)
+    # A policy that reads the waiting queue (queue_aware, device or host tier): the
+    # next request waits while this one runs (a look-ahead of one; admission drops it).
+    reqs = [Request(f"r{i}", p) for i, p in enumerate(prompts)]
+    waits = reads_waiting_queue(m)
+
+    def announce(r):
+        r.bind_hasher(m.hasher, BS)
+        m.on_waiting(r.request_id, r.block_hashes[: (r.num_tokens - 1) // BS])
+
+    if waits:
+        announce(reqs[0])
+    for i, r in enumerate(reqs):
+        if waits and i + 1 < len(reqs):
+            announce(reqs[i + 1])
         m.on_arrival(r, i)
         while True:
             blocks, n = m.get_computed_blocks(r)
@@ -69,6 +81,7 @@ def _run(index, eviction, tier, layout, num_blocks):
             m.check_invariants()
         if new is None:
             hits.append(None)
+            m.drop_waiting(r.request_id)  # (a no-op unless the policy reads the queue)
             continue
         assert isinstance(new, KVCacheBlocks) and len(new.blocks) == m.num_groups
         hits.append(n)
@@ -89,6 +102,9 @@ def _run(index, eviction, tier, layout, num_blocks):
     for r in running:
         m.free(r)
     m.check_invariants()
+    if waits:  # every request was admitted or dropped: no interest left
+        held = m.policy if m.policy is not None and m.policy.needs_waiting else m.host_tier.policy
+        assert held.waiting_ids() == []
     return hits
 
 

@@ -352,3 +352,26 @@ def test_random_demote_promote_keeps_invariants_and_pages(seed, num_blocks, num_
         assert tier.num_stored == (tier.num_loaded + tier.num_evicted + tier.num_discarded
                                    + len(tier))
     assert m.num_free_blocks == num_blocks
+
+
+def test_queue_aware_host_policy_hears_the_waiting_queue_with_groups():
+    # The host tier's queue_aware policy is fed by the coordinator's waiting hooks (one
+    # fan-out with the device policy), keyed by (block hash, group id); a replay with a
+    # look-ahead runs clean (no waiting interest left, invariants hold).
+    rng = random.Random(3)
+    systems = [[rng.randrange(1, 50) for _ in range(40)] for _ in range(4)]
+    reqs = [TraceRequest(str(i), systems[i % 4] + [rng.randrange(50, 99) for _ in range(6)], 4)
+            for i in range(40)]
+    kw = dict(block_size=BS, kv_cache_groups="full,sw8", concurrency=2, hash_seed=0,
+              num_blocks=40, num_host_blocks=12)
+    s = replay(reqs, host_eviction="queue_aware", eviction="queue_aware", queue_depth=4, **kw)
+    assert s["failed"] == 0 and s["host_blocks_stored"] > 0
+    m = KVCacheManager(40, BS, kv_cache_groups=parse_kv_groups("full,sw8"), num_host_blocks=12,
+                       host_eviction="queue_aware", eviction="queue_aware")
+    assert m.host_tier.policy.needs_waiting
+    r = Request("w", systems[0] + [60, 61])
+    r.bind_hasher(m.hasher, BS)
+    m.on_waiting("w", r.block_hashes[: (r.num_tokens - 1) // BS])
+    assert m.host_tier.policy.waiting_ids() == ["w"] and m.policy.waiting_ids() == ["w"]
+    m.drop_waiting("w")
+    assert m.host_tier.policy.waiting_ids() == [] and m.policy.waiting_ids() == []

@@ -159,7 +159,13 @@ def test_quick_audit_timing_engine_trimmed(tmp_path):
 
 
 def test_quick_hybrid_state_gives_the_documented_hit_rates(tmp_path):
-    """configs/hybrid_state.py's "Expected" figures (multi_turn, LRU, 2048 blocks)."""
+    """configs/hybrid_state.py's "Expected" figures (multi_turn, LRU and marconi, 2048
+    blocks)."""
     out, _ = _run("hybrid_state", "hybrid_state", tmp_path)
-    rates = {r["layout"]: round(r["hit_rate_tokens"], 3) for r in out["rows"]}
-    assert rates == {"full,full": 0.547, "full,mamba": 0.774, "full,mamba_r0": 0.684}
+    rates = {(r["layout"], r["policy"]): round(r["hit_rate_tokens"], 3) for r in out["rows"]}
+    assert rates == {
+        ("full,full", "lru"): 0.547, ("full,mamba", "lru"): 0.774,
+        ("full,mamba_r0", "lru"): 0.684,
+        ("full,full", "marconi"): 0.540, ("full,mamba", "marconi"): 0.778,
+        ("full,mamba_r0", "marconi"): 0.681,
+    }

@@ -14,13 +14,20 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from prefixcache.core.eviction.arc import ARCPolicy
-from prefixcache.core.eviction.base import EvictionPolicy, KeyedPolicy, PolicyError
+from prefixcache.core.eviction.base import (
+    EvictionPolicy,
+    KeyedPolicy,
+    PolicyError,
+    WaitingFanout,
+    reads_waiting_queue,
+)
 from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
 from prefixcache.core.eviction.cost import CostPolicy
 from prefixcache.core.eviction.fifo import FIFOPolicy
 from prefixcache.core.eviction.length import LengthPolicy
 from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
+from prefixcache.core.eviction.marconi import MarconiPolicy
 from prefixcache.core.eviction.pgdsf import PGDSFPolicy
 from prefixcache.core.eviction.priority import PriorityPolicy
 from prefixcache.core.eviction.queue_aware import QueueAwarePolicy
@@ -41,6 +48,7 @@ POLICIES = MappingProxyType({
     "s3fifo": S3FIFOPolicy,
     "pgdsf": PGDSFPolicy,
     "queue_aware": QueueAwarePolicy,
+    "marconi": MarconiPolicy,
 })
 
 DEFAULT_POLICY = "lru"
@@ -118,4 +126,6 @@ __all__ = [
     "policy_name",
     "online_policy_names",
     "policy_names",
+    "reads_waiting_queue",
+    "WaitingFanout",
 ]

@@ -31,6 +31,15 @@ through the manager: ``on_waiting(request_id, block_hashes)`` when a request joi
 queue, ``drop_waiting(request_id)`` when it leaves (the manager itself drops it at
 admission); only ``queue_aware`` reads it.
 
+A pool with several KV cache groups (the hash index's hybrid coordinator,
+``core/hybrid.py``) tells a policy with ``needs_groups`` which group each cached block
+belongs to: ``set_groups(groups)`` once, before any block is cached (the checked
+``kv_groups.KVCacheGroup`` tuple: each group's spec -- its ``kind``, window -- and
+layers), then ``on_cached_group(block, block_hash, request, position, group_id)`` in
+place of ``on_cached`` for every block it caches. A policy without the property is
+told nothing of groups (``on_cached`` as above, no cost); one with it that never hears
+``set_groups`` (a one-group manager) sees one full-attention group, id 0.
+
 Every policy here is a *keyed* policy: ``key(block)`` is computed when the block becomes
 a candidate, and ``pop`` returns the candidate with the smallest key (a lazy-deletion
 binary heap, O(log n) per operation). Keys end with the block's release stamp, so equal
@@ -62,12 +71,16 @@ class EvictionPolicy:
         needs_waiting: the policy reads the waiting queue (``on_waiting`` /
             ``drop_waiting``, forwarded by the manager; ``queue_aware``); drivers and
             managers make those calls only for such a policy (no cost otherwise).
+        needs_groups: the policy reads each cached block's KV cache group
+            (``set_groups`` / ``on_cached_group``, from a multi-group pool; ``marconi``,
+            ``queue_aware``); other policies are never told (no cost).
     """
 
     name = "base"
     needs_future = False
     needs_block_size = False
     needs_waiting = False
+    needs_groups = False
 
     def __init__(self, num_blocks: int):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
@@ -96,6 +109,18 @@ class EvictionPolicy:
 
     def drop_waiting(self, request_id) -> None:
         """``request_id`` left the waiting queue (``needs_waiting`` policies only)."""
+
+    def set_groups(self, groups) -> None:
+        """The pool's KV cache groups (a ``kv_groups.KVCacheGroup`` tuple; block ``b``
+        of group ``g`` is then announced by ``on_cached_group``), once, before any block
+        is cached (``needs_groups`` policies only)."""
+
+    def on_cached_group(self, block, block_hash: bytes, request, position: int,
+                        group_id: int) -> None:
+        """``on_cached`` from a multi-group pool: ``block`` of group ``group_id`` got
+        ``block_hash`` (its plain digest) at table position ``position``
+        (``needs_groups`` policies only; the default forgets the group)."""
+        self.on_cached(block, block_hash, request, position)
 
     def waiting_ids(self) -> list:
         """Requests the policy holds as waiting (none unless ``needs_waiting``)."""
@@ -248,3 +273,52 @@ class KeyedPolicy(EvictionPolicy):
                         f"{self.name}: candidate block {block.block_id} is keyed {k!r} "
                         f"but its key is now {now!r} (metadata changed without a rekey)"
                     )
+
+
+class WaitingFanout:
+    """The waiting-queue calls (``on_waiting`` / ``drop_waiting`` / ``waiting_ids``)
+    forwarded to several ``needs_waiting`` policies, in order: a manager whose device
+    policy and host-tier policy both read the queue holds one of these where it holds
+    a waiting policy (a request already waiting raises ``ValueError`` in the first
+    policy, before any change).
+
+    Args:
+        policies: the policies (``None`` entries are skipped).
+    """
+
+    def __init__(self, *policies):
+        self.policies = tuple(p for p in policies if p is not None)
+        for p in self.policies:
+            if not p.needs_waiting:
+                raise ValueError(f"{p.name} does not read the waiting queue (needs_waiting)")
+
+    needs_waiting = True
+
+    def on_waiting(self, request_id, block_hashes) -> None:
+        # NOTE: the policies hear the same calls, so they hold the same requests: the
+        # first one's "already waiting" check (before any change) answers for all.
+        hashes = tuple(block_hashes)
+        for p in self.policies:
+            p.on_waiting(request_id, hashes)
+
+    def drop_waiting(self, request_id) -> None:
+        for p in self.policies:
+            p.drop_waiting(request_id)
+
+    def waiting_ids(self) -> list:
+        out: dict = {}
+        for p in self.policies:
+            out.update(dict.fromkeys(p.waiting_ids()))
+        return list(out)
+
+
+def reads_waiting_queue(manager) -> bool:
+    """Whether ``manager``'s eviction policy or its host tier's policy reads the waiting
+    queue (``needs_waiting``: ``queue_aware``): a driver (the engine's scheduler, the
+    replay, the DES) then reports its queue (``manager.on_waiting`` / ``drop_waiting``);
+    no other manager is told anything."""
+    policy = getattr(manager, "policy", None)
+    if policy is not None and policy.needs_waiting:
+        return True
+    host = getattr(getattr(manager, "host_tier", None), "policy", None)
+    return host is not None and host.needs_waiting

@@ -24,6 +24,12 @@ first one it would miss (the hash chain cannot reach them for that request); cou
 only the currently reachable prefix would need a lookup per queue change, and the
 deeper blocks are the ones a later chain extension reuses.
 
+Several KV cache groups (``needs_groups``; the hash index's hybrid coordinator): a
+block is known by ``(hash, group id)`` (``on_cached_group``) and the coordinator
+announces a waiting request with such keys, per group only the blocks its hit would use
+(``HybridKVCacheManager.waiting_keys``: a sliding window's blocks inside the window at
+the aligned hit, not every block holding the hash). One group: plain hashes, as above.
+
 Invariants (``check_invariants``): ``wanted`` is exactly the per-hash count over the
 waiting requests' hashes, every cached block is listed under its hash, and each
 candidate's key matches its hash's current class.
@@ -45,6 +51,7 @@ class QueueAwarePolicy(KeyedPolicy):
 
     name = "queue_aware"
     needs_waiting = True
+    needs_groups = True  # (a multi-group pool keys blocks by (hash, group id))
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
@@ -110,6 +117,11 @@ class QueueAwarePolicy(KeyedPolicy):
         else:
             held.append(bid)
 
+    def on_cached_group(self, block, block_hash, request, position, group_id) -> None:
+        # A multi-group pool: the block is known by (hash, group), the key its
+        # coordinator announces waiting requests with (waiting_keys).
+        self.on_cached(block, (block_hash, group_id), request, position)
+
     def on_evicted(self, block) -> None:
         bid = block.block_id
         h = self._hash_of[bid]
@@ -149,7 +161,7 @@ class QueueAwarePolicy(KeyedPolicy):
             for bid in held:
                 if self._hash_of[bid] != h:
                     raise PolicyError(f"queue_aware: block {bid} listed under hash "
-                                      f"{h.hex()[:16]} but holds {self._hash_of[bid]!r}")
+                                      f"{h!r} but holds {self._hash_of[bid]!r}")
         listed = sum(len(v) for v in self._holders.values())
         cached = sum(1 for h in self._hash_of if h is not None)
         if listed != cached:
