@@ -110,6 +110,7 @@ from prefixcache.core.events import (
     device_block_stored,
 )
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
+from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
                                         make_host_tier)
@@ -412,6 +413,10 @@ class RadixKVCacheManager(HostTierAPI):
         self.host_tier = host_tier
         self.num_host_blocks = num_host_blocks
         self.host_eviction = host_eviction
+        host_policy = host_tier.policy if host_tier is not None else None
+        if host_policy is not None and host_policy.needs_waiting:
+            # The host tier's policy reads the queue too (queue_aware; as the hash index).
+            self._waiting_policy = WaitingFanout(self._waiting_policy, host_policy)
         self.host_hit_tokens = 0  # hit tokens adopted at admission from the host
         # An evicted leaf needs more than unlinking (an event, a demotion): fixed here.
         self._evict_extra = self.enable_events or host_tier is not None

@@ -179,13 +179,17 @@ def test_random_operations_keep_invariants(layout):
 @pytest.mark.parametrize("kw", [
     dict(kv_cache_groups=parse_kv_groups("full,sw5"), eviction="queue_aware"),
     dict(num_host_blocks=4, host_eviction="queue_aware"),  # only the host tier reads it
+    dict(num_host_blocks=4, host_eviction="queue_aware", index="radix"),
+    dict(kv_cache_groups=parse_kv_groups("full,sw5"), num_host_blocks=4,
+         host_eviction="queue_aware"),
 ])
 def test_engine_scheduler_reports_its_waiting_queue(kw):
     from prefixcache.engine.sampling_params import SamplingParams
     from prefixcache.engine.scheduler import EngineRequest, Scheduler
 
     m = KVCacheManager(16, 4, **kw)
-    p = m.policy if m.policy is not None else m.host_tier.policy
+    # (the policy that reads the queue: the device's, else the host tier's)
+    p = m.policy if getattr(m.policy, "needs_waiting", False) else m.host_tier.policy
     sched = Scheduler(m, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=100)
     for rid in ("a", "b", "c"):
         sched.add_request(EngineRequest(Request(rid, list(range(1, 10))),
