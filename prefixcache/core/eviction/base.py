@@ -51,6 +51,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, Sequence
 
+from prefixcache._validate import check_positive_int
+
 
 class PolicyError(AssertionError):
     """A policy's bookkeeping is inconsistent (a bug, never a caller error)."""
@@ -83,9 +85,7 @@ class EvictionPolicy:
     needs_groups = False
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)  # (the one int rule)
 
     # -- metadata notifications (defaults: nothing to remember) ---------------------
     def on_cached(self, block, block_hash: bytes, request, position: int) -> None:

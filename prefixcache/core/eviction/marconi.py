@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 
+from prefixcache._validate import check_positive_int
 from prefixcache.core.eviction.base import KeyedPolicy
 from prefixcache.core.eviction.cost import DEFAULT_MODEL
 
@@ -53,9 +54,8 @@ _MAMBA2_EXPAND, _MAMBA2_D_STATE, _MAMBA2_D_CONV = 2, 128, 4
 
 
 def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"marconi: {name} must be a positive int, got {v!r}")
-    return v
+    # The one rule for a size (numpy ints accepted, bools refused), named for this policy.
+    return check_positive_int(f"marconi: {name}", v)
 
 
 class MarconiPolicy(KeyedPolicy):
