@@ -57,6 +57,7 @@ only: nothing here imports jax.
 
 from __future__ import annotations
 
+import array
 import collections
 from typing import Any, Iterable, Mapping
 
@@ -129,8 +130,20 @@ class MissAccountant:
         # docstring): a never-cached key was never registered, so "cached under another
         # key" is plain membership
         self._extras_content: set = set()
+        # Lazy plain chains (module docstring): (parent plain key or None, the block's
+        # token bytes) -> its plain key, for every plain block this accountant hashed; and
+        # the same key -> (parent, first block, token bytes) of an admitted request's
+        # computed blocks whose plain keys were never hashed (registered as "seen" on
+        # demand: a later lookup that reaches the same parent and tokens hashes them).
+        # Invariant: no key is in both.
+        self._plain_next: dict = {}
+        self._pending: dict = {}
+        self._plain_of: dict = {}  # a request's own block key -> its plain key
+        self._plain_tag = None  # the hasher's plain_block_tag (() where it has none)
         self._lost: dict = {}  # request id -> full blocks it had computed when preempted
-        self._plain_memo = None  # (request, its plain chain) of the last lookup
+        # [request, b0, its plain keys from block b0 on, the first block to register at
+        # admission, the parent of block b0] (``_plain_to``)
+        self._plain_memo = None
         # (cache salt or None, LoRA name or None) -> reasons summed
         self._by_tag: dict[tuple, collections.Counter] = {}
 
@@ -169,6 +182,9 @@ class MissAccountant:
         misses are classified as for a fresh cache)."""
         self._dropped.clear()
         self._extras_content.clear()
+        self._plain_next.clear()
+        self._pending.clear()
+        self._plain_of.clear()
 
     # -- the cache's state, from the manager's events ---------------------------------
     def observe(self, events: Iterable) -> None:
@@ -206,34 +222,180 @@ class MissAccountant:
                 self.cleared()
 
     # -- classification ------------------------------------------------------------
-    def _plain_keys(self, request) -> list | None:
-        """The request's plain token chain when it has extra keys, else None."""
-        if self.hasher is None or not (request.cache_salt or request.lora is not None
-                                       or request.mm_features):
-            return None
+    def _has_extras(self, request) -> bool:
+        return self.hasher is not None and bool(
+            request.cache_salt or request.lora is not None or request.mm_features)
+
+    def _digest(self, parent, chunk: bytes) -> bytes:
+        """The plain key of one block (its parent's plain key, its token bytes)."""
+        key = (parent, chunk)
+        nxt = self._plain_next
+        d = nxt.get(key)
+        if d is None:
+            if self._pending and key in self._pending:
+                self._materialize(key)
+                return nxt[key]
+            a = array.array("Q")
+            a.frombytes(chunk)
+            hasher = self.hasher
+            tag = self._plain_tag
+            if tag is None:
+                tag = self._plain_tag = hasher.plain_block_tag(self.block_size) or ()
+            if tag:  # one block, no extra keys: the hasher's decode-path entry
+                d = hasher.hash_plain_block(parent or hasher.root, a, tag)
+            else:
+                d = hasher.hash_token_blocks(a, self.block_size, parent=parent)[0]
+            nxt[key] = d
+        return d
+
+    def _materialize(self, key) -> None:
+        """Hash a pending run's plain keys and register them (``_extras_content``)."""
+        parent, tb = self._pending.pop(key)
+        w = 8 * self.block_size
+        content = self._extras_content
+        for off in range(0, len(tb), w):
+            d = self._digest(parent, tb[off:off + w])
+            content.add(d)
+            parent = d
+
+    def _plain_to(self, request, a: int, m: int, tb: bytes | None = None) -> list:
+        """The memo ``[request, b0, plain keys of blocks b0.., registration start]``
+        with ``b0 <= a`` and the keys known up to block ``m`` (hashed lazily: the parent
+        of block ``b0`` is the plain key of the request's own key ``b0 - 1`` when an
+        admission registered it, ``_plain_of``). ``tb``: the token bytes from 0 on."""
         memo = self._plain_memo
-        n = request.num_tokens // self.block_size * self.block_size
-        if memo is not None and memo[0] is request and len(memo[1]) == n // self.block_size:
-            return memo[1]
-        plain = self.hasher.hash_token_blocks(request.all_token_ids[:n], self.block_size)
-        self._plain_memo = (request, plain)
-        return plain
+        if memo is None or memo[0] is not request or memo[1] > a:
+            b0 = 0
+            parent = None
+            if a and self._plain_of:
+                po = self._plain_of
+                ks = request.block_hashes[:a]
+                for j in range(a - 1, -1, -1):
+                    d = po.get(ks[j])
+                    if d is not None:
+                        b0 = j + 1
+                        parent = d
+                        break
+            memo = self._plain_memo = [request, b0, [], None, parent]
+        b0, plain = memo[1], memo[2]
+        n = b0 + len(plain)
+        if n < m:
+            bs = self.block_size
+            w = 8 * bs
+            if tb is None:
+                tb = request.token_bytes(n * bs, m * bs)
+                base = n * w
+            else:
+                base = 0
+            parent = plain[-1] if plain else memo[4]
+            digest = self._digest
+            get = self._plain_next.get
+            append = plain.append
+            for i in range(n, m):
+                chunk = tb[i * w - base:(i + 1) * w - base]
+                d = get((parent, chunk))
+                parent = digest(parent, chunk) if d is None else d
+                append(parent)
+        return memo
+
+    def _isolated_plain(self, request, a: int, b: int, dev, host, dropped) -> int:
+        """Blocks ``a, a+1, ...`` (< ``b``) of a request with extra keys whose plain
+        key was ever cached (a prefix of the run: "ever cached" is prefix-closed);
+        hashes its plain chain only up to the first block never cached, and notes where
+        its admission registers its own plain keys."""
+        bs = self.block_size
+        tb = request.token_bytes(0, b * bs)
+        memo = self._plain_to(request, a, a, tb)
+        b0, plain = memo[1], memo[2]
+        content = self._extras_content
+        w = 8 * bs
+        digest = self._digest
+        get = self._plain_next.get
+        append = plain.append
+        parent = plain[a - b0 - 1] if a > b0 else memo[4]
+        known = b0 + len(plain)
+        for p in range(a, b):
+            if p < known:
+                d = plain[p - b0]
+            else:
+                chunk = tb[p * w:(p + 1) * w]
+                d = get((parent, chunk))
+                if d is None:
+                    d = digest(parent, chunk)
+                append(d)
+            if not (d in content or d in dev or d in dropped or (host and d in host)):
+                memo[3] = p  # its admission registers blocks p.. as seen
+                return p - a
+            parent = d
+        return b - a
+
+    def _isolated_keys(self, request, ks, a: int) -> int:
+        """Blocks ``a, a+1, ...`` of a request without extra keys (its keys are its
+        plain keys: ``ks[i]`` is block ``a + i``'s) that requests with extra keys
+        cached (a prefix of the run)."""
+        content = self._extras_content
+        pending = self._pending
+        n = 0
+        bs = self.block_size
+        for i, k in enumerate(ks):
+            if k not in content:
+                if not pending:
+                    break
+                p = a + i
+                key = (ks[i - 1] if i else (self._plain_parent(request, a) if p else None),
+                       request.token_bytes(p * bs, (p + 1) * bs))
+                if key not in pending:
+                    break
+                self._materialize(key)
+                if k not in content:  # pragma: no cover - equal tokens, equal keys
+                    break
+            n += 1
+        return n
+
+    @staticmethod
+    def _plain_parent(request, a: int):
+        return request.block_hashes[a - 1]
+
+    def _register(self, request) -> None:
+        """An admitted request with extra keys computed its missed blocks: their plain
+        keys are now cached (under its key). Those hashed by the lookup are registered;
+        the rest wait in ``_pending`` until a lookup reaches them."""
+        memo = self._plain_memo
+        if memo is None or memo[0] is not request or memo[3] is None:
+            return  # every missed block was already ever cached (or none missed)
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        b0, plain, start = memo[1], memo[2], memo[3]
+        n = b0 + len(plain)
+        if n < num_full:
+            parent = plain[-1] if plain else memo[4]
+            key = (parent, request.token_bytes(n * bs, (n + 1) * bs))
+            if key in self._plain_next or key in self._pending:
+                self._plain_to(request, b0, num_full)  # (rare) hash them now
+                n = num_full
+            else:
+                self._pending[key] = (parent, request.token_bytes(n * bs, num_full * bs))
+        self._extras_content.update(plain[start - b0:num_full - b0])
+        # its own keys -> their plain keys: a later request hitting them starts there
+        self._plain_of.update(zip(request.block_hashes[b0:n], plain))
 
     def lookup(self, request, num_hit_tokens: int) -> dict[str, int]:
         """The reasons of ``request``'s missed blocks for a lookup that hit
         ``num_hit_tokens`` (call it before ``allocate_slots``; no totals changed)."""
-        return self.classify(request, num_hit_tokens, self._plain_keys(request))
+        return self.classify(request, num_hit_tokens)
 
-    def classify(self, request, num_hit_tokens: int, plain=None) -> dict[str, int]:
-        """The reasons of ``request``'s missed prompt blocks (no totals changed).
-
-        ``plain``: the request's plain token chain (``_plain_keys``), if known."""
+    def classify(self, request, num_hit_tokens: int) -> dict[str, int]:
+        """The reasons of ``request``'s missed prompt blocks (no totals changed)."""
         bs = self.block_size
         n = request.num_tokens
         num_full = n // bs
         hit = num_hit_tokens // bs
         reasons: dict[str, int] = {}
         if num_full > hit:
+            extras = self._has_extras(request)
+            memo = self._plain_memo
+            if memo is not None and memo[0] is request:
+                memo[3] = None  # (a lookup again: this one decides what is registered)
             if self.uses_events:
                 dev, host = self._device, self._host
             else:
@@ -277,18 +439,13 @@ class MissAccountant:
                     reasons["evicted"] = ne
                 rest = len(ks) - ne
                 if rest:
-                    if plain is None:
-                        ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
-                    else:  # the same tokens cached under another key (or registered)
-                        pks = plain[hit + ne:num_full]
-                        found = content.intersection(pks) if content else set()
-                        found.update(dev.keys() & pks)
-                        if dropped:
-                            found.update(dropped.keys() & pks)
-                        if host:
-                            found.update(host.intersection(pks) if type(host) is set
-                                         else host.keys() & pks)
-                        ni = len(found)
+                    if extras:  # the same tokens cached under another key (or registered)
+                        ni = self._isolated_plain(request, hit + ne, num_full, dev, host,
+                                                  dropped)
+                    elif content or self._pending:
+                        ni = self._isolated_keys(request, ks[ne:] if ne else ks, hit + ne)
+                    else:
+                        ni = 0
                     if rest - ni:
                         reasons["cold"] = rest - ni
                     if ni:
@@ -297,6 +454,19 @@ class MissAccountant:
                     reasons["partial"] = 1
                 return reasons
             hashes = ks
+            plain = None
+            if extras:  # (the general path: the whole plain chain, registered as before)
+                memo = self._plain_to(request, hit, num_full)
+                memo[3] = hit
+                plain = memo[2]
+                b0 = memo[1]
+            elif self._pending:  # requests with extra keys' runs this one may reach
+                for i in range(hit, num_full):
+                    key = (hashes[i - hit - 1] if i > hit else (
+                        self._plain_parent(request, i) if i else None),
+                        request.token_bytes(i * bs, (i + 1) * bs))
+                    if key in self._pending:
+                        self._materialize(key)
             chain_reason = None  # the reason of the first missed block
             chain_sub = None  # and its tier, when it was evicted
             for i in range(hit, num_full):
@@ -331,7 +501,7 @@ class MissAccountant:
                 elif plain is None:
                     r = "isolated" if k in content else "cold"
                 else:
-                    pk = plain[i]
+                    pk = plain[i - b0]
                     r = "isolated" if (pk in content or pk in dev or pk in host
                                        or pk in dropped) else "cold"
                 if chain_reason is None or windowed:
@@ -359,12 +529,11 @@ class MissAccountant:
         """Add an admitted request's reasons to the totals (``reasons``: what
         ``lookup`` answered; ``None``: classified now) and (a request with extra keys)
         register its tokens' plain keys. Returns its reasons."""
-        plain = self._plain_keys(request)
         if reasons is None:
-            reasons = self.classify(request, num_hit_tokens, plain)
+            reasons = self.classify(request, num_hit_tokens)
+        if self._has_extras(request):
+            self._register(request)
         self._plain_memo = None
-        if plain is not None:
-            self._extras_content.update(plain)
         if self._lost:
             self._lost.pop(request.request_id, None)
         lora = request.lora
