@@ -75,7 +75,7 @@ def uses_probes(index: str, kv_cache_groups) -> bool:
     from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
     from prefixcache.core.kv_groups import is_hybrid  # noqa: PLC0415
 
-    if index != DEFAULT_INDEX:
+    if index not in (DEFAULT_INDEX, "radix"):
         return False
     return kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups))
 
@@ -122,6 +122,7 @@ class MissAccountant:
         self.windowed = windowed
         self.uses_events = True
         self._pool = None  # probe mode: the pool (its hash map is re-read: reset swaps it)
+        self._radix = False  # probe mode on the radix tree (``_pool`` is the manager)
         self._tier = None  # probe mode: the host tier, if any
         self._device: collections.Counter = collections.Counter()  # events: key -> blocks
         self._host: set = set()
@@ -154,17 +155,22 @@ class MissAccountant:
         ``drop_listener``); events otherwise (``ValueError`` if the manager was not
         built with ``enable_events=True, int_event_hashes=False``)."""
         from prefixcache.core.kv_cache_manager import HashKVCacheManager  # noqa: PLC0415
+        from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
 
         impl = getattr(manager, "implementation", manager)
         groups = getattr(manager, "kv_cache_groups", None)
-        if isinstance(impl, HashKVCacheManager):
+        radix = type(impl) is RadixKVCacheManager  # (not the sliding-window tree)
+        if isinstance(impl, HashKVCacheManager) or radix:
             acct = cls(manager.block_size, manager.hasher)
-            pool = impl.block_pool
+            pool = impl if radix else impl.block_pool
             if pool.evicted_by is not None:
                 raise ValueError("this manager already has a miss accountant attached")
             acct.uses_events = False
             acct._pool = pool
             pool.evicted_by = acct._dropped
+            if radix:
+                acct._radix = True
+                impl._evict_extra = True  # (the eviction path that calls the hook)
             tier = impl.host_tier
             if tier is not None:
                 acct._tier = tier
@@ -176,6 +182,26 @@ class MissAccountant:
                 "it with enable_events=True, int_event_hashes=False")
         g, windowed = _tracked_group(groups)
         return cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
+
+    def _radix_cached(self, request, hit: int, num_full: int, n: int) -> dict:
+        """The missed keys the radix tree holds: none, but for the whole-prompt hit a
+        lookup cuts to ``num_tokens - 1`` tokens (the tree strands no block: a lookup
+        stops at the first block it does not hold)."""
+        if hit != num_full - 1 or n != num_full * self.block_size:
+            return {}
+        from prefixcache.core.radix import _namespace, block_keys  # noqa: PLC0415
+
+        tree = self._pool
+        nodes = tree._lookup_nodes(request)
+        if len(nodes) != hit:  # (host hits: the last block is not below them in the tree)
+            return {}
+        parent = nodes[-1] if nodes else tree._roots.get(_namespace(request))
+        if parent is None:
+            return {}
+        key = block_keys(request, hit, num_full, self.block_size, tree._extras(request))[0]
+        if key not in parent.children:
+            return {}
+        return {request.block_hashes[hit]: True}
 
     def cleared(self) -> None:
         """The prefix cache was reset (a reset is not an eviction for capacity: later
@@ -314,6 +340,8 @@ class MissAccountant:
         append = plain.append
         parent = plain[a - b0 - 1] if a > b0 else memo[4]
         known = b0 + len(plain)
+        # the radix tree: a plain key is cached iff the plain token path reaches it
+        depth = self._radix_plain_depth(tb, b) if self._radix else 0
         for p in range(a, b):
             if p < known:
                 d = plain[p - b0]
@@ -323,11 +351,27 @@ class MissAccountant:
                 if d is None:
                     d = digest(parent, chunk)
                 append(d)
-            if not (d in content or d in dev or d in dropped or (host and d in host)):
+            if p >= depth and not (d in content or d in dev or d in dropped
+                                   or (host and d in host)):
                 memo[3] = p  # its admission registers blocks p.. as seen
                 return p - a
             parent = d
         return b - a
+
+    def _radix_plain_depth(self, tb: bytes, b: int) -> int:
+        """How many of the blocks ``0 .. b - 1`` of token bytes ``tb`` the radix tree
+        holds without extra keys (the base model's root, plain token keys)."""
+        root = self._pool._roots.get(None)
+        if root is None:
+            return 0
+        w = 8 * self.block_size
+        children = root.children
+        for p in range(b):
+            node = children.get(tb[p * w:(p + 1) * w])
+            if node is None:
+                return p
+            children = node.children
+        return b
 
     def _isolated_keys(self, request, ks, a: int) -> int:
         """Blocks ``a, a+1, ...`` of a request without extra keys (its keys are its
@@ -403,7 +447,10 @@ class MissAccountant:
                 if pool.evicted_by is not self._dropped:  # the pool was reset
                     self.cleared()
                     self._dropped = pool.evicted_by
-                dev = pool.cached_block_hash_to_block
+                if self._radix:
+                    dev = self._radix_cached(request, hit, num_full, n)
+                else:
+                    dev = pool.cached_block_hash_to_block
                 tier = self._tier
                 host = () if tier is None else tier.hash_to_slot
             dropped = self._dropped
@@ -455,7 +502,11 @@ class MissAccountant:
                 return reasons
             hashes = ks
             plain = None
+            depth = 0
             if extras:  # (the general path: the whole plain chain, registered as before)
+                if self._radix:
+                    depth = self._radix_plain_depth(
+                        request.token_bytes(0, num_full * bs), num_full)
                 memo = self._plain_to(request, hit, num_full)
                 memo[3] = hit
                 plain = memo[2]
@@ -503,7 +554,7 @@ class MissAccountant:
                 else:
                     pk = plain[i - b0]
                     r = "isolated" if (pk in content or pk in dev or pk in host
-                                       or pk in dropped) else "cold"
+                                       or pk in dropped or i < depth) else "cold"
                 if chain_reason is None or windowed:
                     chain_reason = r
                     if r != "evicted":
