@@ -645,3 +645,21 @@ def full_reasons(c: Mapping[str, int]) -> dict[str, int]:
     for r in EVICTED_BY:
         d[r] = int(c.get(r, 0))
     return d
+
+
+def sum_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """``MissAccountant.summary()`` dicts summed (the replicas of a cluster): totals,
+    per tenant and per adapter, every reason, zeros included."""
+    totals: collections.Counter = collections.Counter()
+    per: dict[str, dict[str, collections.Counter]] = {"per_tenant": {}, "per_adapter": {}}
+    for sm in summaries:
+        totals.update(sm["reasons"])
+        for part, out in per.items():
+            for k, v in sm[part].items():
+                out.setdefault(k, collections.Counter()).update(v)
+    return {
+        "missed_blocks": sum(totals[r] for r in REASONS),
+        "reasons": full_reasons(totals),
+        **{part: {k: full_reasons(v) for k, v in out.items()} for part, out in per.items()},
+    }
+

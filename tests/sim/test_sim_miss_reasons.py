@@ -267,3 +267,40 @@ def test_des_preempted_and_the_sum_per_request(index):
     assert "miss_reasons" not in plain
     assert {k: v for k, v in plain.items() if k != "makespan_s"} == {
         k: v for k, v in summary.items() if k not in ("makespan_s", "miss_reasons")}
+
+
+@pytest.mark.parametrize("router,index", [("kv_events", "hash"), ("round_robin", "radix")])
+def test_cluster_sums_are_the_replicas_sums(router, index):
+    # One accountant per replica: the summary's reasons are the per-replica rows'
+    # sums, each replica's the sum of its records'; routing and every other field
+    # unchanged.
+    from prefixcache.sim import des
+    from prefixcache.sim.cluster import simulate_cluster
+    from prefixcache.sim.cost_model import CostModel
+
+    trace = workloads.generate("rag", seed=1, num_requests=40, num_documents=8, doc_len=(16, 64),
+                               system_len=16, question_len=(4, 16), output_len=(2, 8),
+                               arrival_rate=50.0)
+    kw = dict(num_replicas=3, router=router, cost_model=CostModel.create("llama_3_1_8b", "h100"),
+              num_blocks=40, block_size=BS, index=index,
+              scheduler=des.SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4))
+    recs = []
+    on = simulate_cluster(trace, miss_reasons=True, on_record=recs.append, **kw)
+    off = simulate_cluster(trace, **kw)
+    assert {k: v for k, v in off.items() if k not in ("route_us", "route_hash_us",
+                                                      "per_replica")} == {
+        k: v for k, v in on.items() if k not in ("route_us", "route_hash_us", "per_replica",
+                                                 "miss_reasons")}
+    rows = on["per_replica"]
+    assert [{k: v for k, v in r.items() if k != "miss_reasons"} for r in rows] == off[
+        "per_replica"]
+    mr = on["miss_reasons"]
+    for k in REASONS:
+        assert mr["reasons"][k] == sum(r["miss_reasons"]["reasons"][k] for r in rows), k
+    for r in rows:
+        mine = [x for x in recs if x["replica"] == r["replica"]]
+        assert r["miss_reasons"]["missed_blocks"] == sum(
+            sum(x["miss_reasons"].get(k, 0) for k in REASONS) for x in mine)
+    assert mr["missed_blocks"] > 0
+    assert sum(sum(v[k] for k in REASONS) for v in mr["per_tenant"].values()) == mr[
+        "missed_blocks"]
