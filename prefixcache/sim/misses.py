@@ -32,24 +32,35 @@ missed prompt blocks, ``ceil(num_tokens / block_size) - num_hit_blocks``.
 
 How the cache's state is known (``MissAccountant.for_manager``):
 
-* probe (the hash index with one full-attention group, host tier or not): the key is
-  looked up in the pool's hash map and the host tier's, at the lookup; a key not cached
-  was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the pool's and the
-  host tier's ``evicted_by`` hook fills at each eviction (a reset gives the pool a new
-  dict). No events, no work per cached block: one dict store per eviction, and per
-  admission set operations over the missed blocks' keys.
-* events (the radix index, sliding-window layouts): the accountant follows the
-  manager's KV events (``observe``), which it must be built to queue
-  (``enable_events=True, int_event_hashes=False``); in a group layout only the first
-  full-attention group's events are followed.
+* probe (one full-attention group, the hash index or the radix tree, host tier or
+  not): the key is looked up in the pool's hash map (the radix tree: none of a lookup's
+  missed blocks is in the tree, it strands none, but for the whole-prompt hit cut to
+  ``num_tokens - 1`` tokens, checked on the tree) and the host tier's, at the lookup; a
+  key not cached was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the
+  pool's / tree's and the host tier's ``evicted_by`` hook fills at each eviction (a
+  reset gives the pool a new dict). No events, no work per cached block: one dict
+  store per eviction, and per admission set operations over the missed blocks' keys.
+* events (sliding-window and state layouts): the accountant follows the manager's KV
+  events (``observe``), which it must be built to queue (``enable_events=True,
+  int_event_hashes=False``); in a group layout only the first full-attention group's
+  events are followed.
 
 How ``isolated`` is found cheaply: a request without extra keys (no salt, adapter or
 multimodal item) keys its blocks by their tokens alone, so its block hash *is* the
-content key of its token prefix. Only a request with extra keys computes the plain
-chain of its tokens (``BlockHasher.hash_token_blocks`` without extras, through the
-hasher's memo) and registers it; a block then is ``isolated`` when its plain key was
-cached under another key. (A replay keying blocks by Mooncake hash ids has no extra
-keys, so nothing is isolated there.)
+content key of its token prefix. A request with extra keys needs the plain chain of
+its tokens (the hasher's keys without extras), hashed lazily: only when one of its
+missed blocks is neither cached nor evicted, from the plain key of its own last
+registered block (``_plain_of``), block by block through the accountant's memo
+``(parent plain key, token bytes) -> plain key``, and only up to the first block whose
+plain key was never cached ("ever cached" is prefix-closed: a block is cached only
+with its parent). Its admission registers the plain keys it hashed; the computed
+blocks past them wait as one pending run ``(parent plain key, first block's token
+bytes) -> its token bytes``, hashed and registered when a later lookup reaches the
+same parent and tokens (the only way to ask for them). A block then is ``isolated``
+when its plain key was cached under another key (the radix tree: the plain token path
+from the base model's root reaches it). Exact (no filter): equal to hashing every
+salted request's plain chain (the property test). (A replay keying blocks by Mooncake
+hash ids has no extra keys, so nothing is isolated there.)
 
 Zero cost when not used (the replay and the engine build one only when asked). Host
 only: nothing here imports jax.
