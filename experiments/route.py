@@ -132,7 +132,9 @@ def run(config, *, progress: bool = False) -> dict:
                 cache_config=cache, scheduler=sched, time_scale=float(config.time_scale),
                 arrival_rate=config.arrival_rate or None, seed=config.seed,
                 router_options={"host_weight": weight} if num_host and policy == "kv_events"
-                else None)
+                else None,
+                # (optional config field: miss reasons per replica and summed in the rows)
+                miss_reasons=bool(config.get("miss_reasons", False)))
             extra = {"host_weight": weight} if num_host and policy == "kv_events" else {}
             log.add(key, {"num_blocks": num_blocks, "block_size": config.block_size,
                           "model": config.model, "accelerator": config.accelerator, **s,

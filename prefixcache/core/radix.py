@@ -418,8 +418,13 @@ class RadixKVCacheManager(HostTierAPI):
             # The host tier's policy reads the queue too (queue_aware; as the hash index).
             self._waiting_policy = WaitingFanout(self._waiting_policy, host_policy)
         self.host_hit_tokens = 0  # hit tokens adopted at admission from the host
-        # An evicted leaf needs more than unlinking (an event, a demotion): fixed here.
+        # An evicted leaf needs more than unlinking (an event, a demotion, miss
+        # accounting's hook): fixed here.
         self._evict_extra = self.enable_events or host_tier is not None
+        # Miss accounting's hook (as ``BlockPool.evicted_by``; ``MissAccountant`` sets
+        # it and ``_evict_extra``): evicted leaves' hashes -> "device"; a reset replaces
+        # it with a new dict.
+        self.evicted_by: dict | None = None
         if host_tier is not None:
             host_tier.pool = self  # (the tier queues its CPU events on self.events)
             host_tier._event_hash = self._event_hash
@@ -785,6 +790,8 @@ class RadixKVCacheManager(HostTierAPI):
                 node.parent = None
                 nodes[bid] = None
                 if extra:
+                    if self.evicted_by is not None:
+                        self.evicted_by[b.block_hash] = "device"
                     if self.enable_events:
                         self.events.append(BlockRemoved(
                             block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
@@ -1191,8 +1198,11 @@ class RadixKVCacheManager(HostTierAPI):
         self._num_nodes = 0
         self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
         self.policy.clear()
+        if self.evicted_by is not None:
+            self.evicted_by = {}
         if self.host_tier is not None:
             self.host_tier.clear()
+            self.host_tier.evicted_by = self.evicted_by
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         if self.log_stats:

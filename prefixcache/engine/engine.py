@@ -265,8 +265,8 @@ class Engine:
 
             if not uses_probes(index, kv_cache_groups):
                 raise ValueError(
-                    "miss_reasons=True: the engine classifies misses by probing the hash "
-                    "index of one full-attention group; index="
+                    "miss_reasons=True: the engine classifies misses by probing the index "
+                    "(hash or radix) of one full-attention group; index="
                     f"{index!r}{' with sliding-window layers' if kv_cache_groups else ''} "
                     "is not supported (replay a trace with miss_reasons=True instead)")
 

@@ -92,6 +92,7 @@ def simulate_cluster(
     enable_caching: bool = UNSET,
     max_model_len: int | None = UNSET,
     host_eviction_options: dict | None = UNSET,
+    miss_reasons: bool = False,
 ) -> dict[str, Any]:
     """Simulates ``num_replicas`` replicas behind ``router``.
 
@@ -124,6 +125,10 @@ def simulate_cluster(
         ``des.simulate`` (0: none; needs ``cost_model.host_link``). The replicas'
         events then carry the tier (``medium`` GPU / CPU) and ``kv_events`` scores
         host blocks at its ``host_weight`` (``prefixcache/sim/routing/kv_events.py``).
+      miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``),
+        one accountant per replica: records get ``miss_reasons`` (as
+        ``des.simulate``'s), ``per_replica`` rows their replica's summary and the
+        summary ``miss_reasons`` the replicas' summed. Off: no cost.
 
     Returns:
       ``des.simulate``'s summary fields over all replicas plus ``policy``,
@@ -187,6 +192,11 @@ def simulate_cluster(
 
     totals = _Totals(emit)
     servers: list[Server] = []
+    accts: list = []
+    if miss_reasons:
+        # NOTE: every layout the simulated server runs (one full-attention group, hash
+        # or radix) is probed: no events taken from the router.
+        from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
     for i in range(num_replicas):
         # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
         # the router then keys its index on the request's own block hashes directly.
@@ -202,6 +212,10 @@ def simulate_cluster(
 
         servers.append(Server(manager, cost_model, scheduler, on_finish=finish, on_fail=fail,
                               scheduling=scheduling))
+        if miss_reasons:
+            acct = MissAccountant.for_manager(manager)
+            accts.append(acct)
+            servers[-1].miss_accountant = acct
 
     hasher = servers[0].manager.hasher
     arrivals = _scaled(_arrivals(requests, arrival_rate, seed), float(time_scale))
@@ -271,6 +285,18 @@ def simulate_cluster(
                                                   for s in servers)})
     ttft = summary["ttft_s"]
     tokens = summary["prompt_tokens"] + summary["output_tokens"]
+    rows = [
+        {"replica": i, "requests": per_req[i], "hit_tokens": s.counts["hit_tokens"],
+         "prefill_tokens": s.counts["prefill_tokens"], "finished": s.counts["finished"],
+         "failed": s.counts["failed"], "evictions": s.manager.num_evictions}
+        for i, s in enumerate(servers)
+    ]
+    if miss_reasons:
+        from prefixcache.sim.misses import sum_summaries  # noqa: PLC0415
+
+        for row, acct in zip(rows, accts):
+            row["miss_reasons"] = acct.summary()
+        summary["miss_reasons"] = sum_summaries(row["miss_reasons"] for row in rows)
     return {
         "policy": router.name,
         "replicas": num_replicas,
@@ -283,10 +309,5 @@ def simulate_cluster(
         "load_imbalance": max(prefill) / mean_prefill if mean_prefill > 0 else 1.0,
         "route_us": _us(route_s),
         "route_hash_us": _us(hash_s),
-        "per_replica": [
-            {"replica": i, "requests": per_req[i], "hit_tokens": s.counts["hit_tokens"],
-             "prefill_tokens": s.counts["prefill_tokens"], "finished": s.counts["finished"],
-             "failed": s.counts["failed"], "evictions": s.manager.num_evictions}
-            for i, s in enumerate(servers)
-        ],
+        "per_replica": rows,
     }

@@ -32,24 +32,35 @@ missed prompt blocks, ``ceil(num_tokens / block_size) - num_hit_blocks``.
 
 How the cache's state is known (``MissAccountant.for_manager``):
 
-* probe (the hash index with one full-attention group, host tier or not): the key is
-  looked up in the pool's hash map and the host tier's, at the lookup; a key not cached
-  was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the pool's and the
-  host tier's ``evicted_by`` hook fills at each eviction (a reset gives the pool a new
-  dict). No events, no work per cached block: one dict store per eviction, and per
-  admission set operations over the missed blocks' keys.
-* events (the radix index, sliding-window layouts): the accountant follows the
-  manager's KV events (``observe``), which it must be built to queue
-  (``enable_events=True, int_event_hashes=False``); in a group layout only the first
-  full-attention group's events are followed.
+* probe (one full-attention group, the hash index or the radix tree, host tier or
+  not): the key is looked up in the pool's hash map (the radix tree: none of a lookup's
+  missed blocks is in the tree, it strands none, but for the whole-prompt hit cut to
+  ``num_tokens - 1`` tokens, checked on the tree) and the host tier's, at the lookup; a
+  key not cached was "ever cached" iff it is in ``dropped`` (key -> tier), the dict the
+  pool's / tree's and the host tier's ``evicted_by`` hook fills at each eviction (a
+  reset gives the pool a new dict). No events, no work per cached block: one dict
+  store per eviction, and per admission set operations over the missed blocks' keys.
+* events (sliding-window and state layouts): the accountant follows the manager's KV
+  events (``observe``), which it must be built to queue (``enable_events=True,
+  int_event_hashes=False``); in a group layout only the first full-attention group's
+  events are followed.
 
 How ``isolated`` is found cheaply: a request without extra keys (no salt, adapter or
 multimodal item) keys its blocks by their tokens alone, so its block hash *is* the
-content key of its token prefix. Only a request with extra keys computes the plain
-chain of its tokens (``BlockHasher.hash_token_blocks`` without extras, through the
-hasher's memo) and registers it; a block then is ``isolated`` when its plain key was
-cached under another key. (A replay keying blocks by Mooncake hash ids has no extra
-keys, so nothing is isolated there.)
+content key of its token prefix. A request with extra keys needs the plain chain of
+its tokens (the hasher's keys without extras), hashed lazily: only when one of its
+missed blocks is neither cached nor evicted, from the plain key of its own last
+registered block (``_plain_of``), block by block through the accountant's memo
+``(parent plain key, token bytes) -> plain key``, and only up to the first block whose
+plain key was never cached ("ever cached" is prefix-closed: a block is cached only
+with its parent). Its admission registers the plain keys it hashed; the computed
+blocks past them wait as one pending run ``(parent plain key, first block's token
+bytes) -> its token bytes``, hashed and registered when a later lookup reaches the
+same parent and tokens (the only way to ask for them). A block then is ``isolated``
+when its plain key was cached under another key (the radix tree: the plain token path
+from the base model's root reaches it). Exact (no filter): equal to hashing every
+salted request's plain chain (the property test). (A replay keying blocks by Mooncake
+hash ids has no extra keys, so nothing is isolated there.)
 
 Zero cost when not used (the replay and the engine build one only when asked). Host
 only: nothing here imports jax.
@@ -57,6 +68,7 @@ only: nothing here imports jax.
 
 from __future__ import annotations
 
+import array
 import collections
 from typing import Any, Iterable, Mapping
 
@@ -74,7 +86,7 @@ def uses_probes(index: str, kv_cache_groups) -> bool:
     from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
     from prefixcache.core.kv_groups import is_hybrid  # noqa: PLC0415
 
-    if index != DEFAULT_INDEX:
+    if index not in (DEFAULT_INDEX, "radix"):
         return False
     return kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups))
 
@@ -121,6 +133,7 @@ class MissAccountant:
         self.windowed = windowed
         self.uses_events = True
         self._pool = None  # probe mode: the pool (its hash map is re-read: reset swaps it)
+        self._radix = False  # probe mode on the radix tree (``_pool`` is the manager)
         self._tier = None  # probe mode: the host tier, if any
         self._device: collections.Counter = collections.Counter()  # events: key -> blocks
         self._host: set = set()
@@ -129,8 +142,20 @@ class MissAccountant:
         # docstring): a never-cached key was never registered, so "cached under another
         # key" is plain membership
         self._extras_content: set = set()
+        # Lazy plain chains (module docstring): (parent plain key or None, the block's
+        # token bytes) -> its plain key, for every plain block this accountant hashed; and
+        # the same key -> (parent, first block, token bytes) of an admitted request's
+        # computed blocks whose plain keys were never hashed (registered as "seen" on
+        # demand: a later lookup that reaches the same parent and tokens hashes them).
+        # Invariant: no key is in both.
+        self._plain_next: dict = {}
+        self._pending: dict = {}
+        self._plain_of: dict = {}  # a request's own block key -> its plain key
+        self._plain_tag = None  # the hasher's plain_block_tag (() where it has none)
         self._lost: dict = {}  # request id -> full blocks it had computed when preempted
-        self._plain_memo = None  # (request, its plain chain) of the last lookup
+        # [request, b0, its plain keys from block b0 on, the first block to register at
+        # admission, the parent of block b0] (``_plain_to``)
+        self._plain_memo = None
         # (cache salt or None, LoRA name or None) -> reasons summed
         self._by_tag: dict[tuple, collections.Counter] = {}
 
@@ -141,17 +166,22 @@ class MissAccountant:
         ``drop_listener``); events otherwise (``ValueError`` if the manager was not
         built with ``enable_events=True, int_event_hashes=False``)."""
         from prefixcache.core.kv_cache_manager import HashKVCacheManager  # noqa: PLC0415
+        from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
 
         impl = getattr(manager, "implementation", manager)
         groups = getattr(manager, "kv_cache_groups", None)
-        if isinstance(impl, HashKVCacheManager):
+        radix = type(impl) is RadixKVCacheManager  # (not the sliding-window tree)
+        if isinstance(impl, HashKVCacheManager) or radix:
             acct = cls(manager.block_size, manager.hasher)
-            pool = impl.block_pool
+            pool = impl if radix else impl.block_pool
             if pool.evicted_by is not None:
                 raise ValueError("this manager already has a miss accountant attached")
             acct.uses_events = False
             acct._pool = pool
             pool.evicted_by = acct._dropped
+            if radix:
+                acct._radix = True
+                impl._evict_extra = True  # (the eviction path that calls the hook)
             tier = impl.host_tier
             if tier is not None:
                 acct._tier = tier
@@ -164,11 +194,34 @@ class MissAccountant:
         g, windowed = _tracked_group(groups)
         return cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
 
+    def _radix_cached(self, request, hit: int, num_full: int, n: int) -> dict:
+        """The missed keys the radix tree holds: none, but for the whole-prompt hit a
+        lookup cuts to ``num_tokens - 1`` tokens (the tree strands no block: a lookup
+        stops at the first block it does not hold)."""
+        if hit != num_full - 1 or n != num_full * self.block_size:
+            return {}
+        from prefixcache.core.radix import _namespace, block_keys  # noqa: PLC0415
+
+        tree = self._pool
+        nodes = tree._lookup_nodes(request)
+        if len(nodes) != hit:  # (host hits: the last block is not below them in the tree)
+            return {}
+        parent = nodes[-1] if nodes else tree._roots.get(_namespace(request))
+        if parent is None:
+            return {}
+        key = block_keys(request, hit, num_full, self.block_size, tree._extras(request))[0]
+        if key not in parent.children:
+            return {}
+        return {request.block_hashes[hit]: True}
+
     def cleared(self) -> None:
         """The prefix cache was reset (a reset is not an eviction for capacity: later
         misses are classified as for a fresh cache)."""
         self._dropped.clear()
         self._extras_content.clear()
+        self._plain_next.clear()
+        self._pending.clear()
+        self._plain_of.clear()
 
     # -- the cache's state, from the manager's events ---------------------------------
     def observe(self, events: Iterable) -> None:
@@ -206,34 +259,198 @@ class MissAccountant:
                 self.cleared()
 
     # -- classification ------------------------------------------------------------
-    def _plain_keys(self, request) -> list | None:
-        """The request's plain token chain when it has extra keys, else None."""
-        if self.hasher is None or not (request.cache_salt or request.lora is not None
-                                       or request.mm_features):
-            return None
+    def _has_extras(self, request) -> bool:
+        return self.hasher is not None and bool(
+            request.cache_salt or request.lora is not None or request.mm_features)
+
+    def _digest(self, parent, chunk: bytes) -> bytes:
+        """The plain key of one block (its parent's plain key, its token bytes)."""
+        key = (parent, chunk)
+        nxt = self._plain_next
+        d = nxt.get(key)
+        if d is None:
+            if self._pending and key in self._pending:
+                self._materialize(key)
+                return nxt[key]
+            a = array.array("Q")
+            a.frombytes(chunk)
+            hasher = self.hasher
+            tag = self._plain_tag
+            if tag is None:
+                tag = self._plain_tag = hasher.plain_block_tag(self.block_size) or ()
+            if tag:  # one block, no extra keys: the hasher's decode-path entry
+                d = hasher.hash_plain_block(parent or hasher.root, a, tag)
+            else:
+                d = hasher.hash_token_blocks(a, self.block_size, parent=parent)[0]
+            nxt[key] = d
+        return d
+
+    def _materialize(self, key) -> None:
+        """Hash a pending run's plain keys and register them (``_extras_content``)."""
+        parent, tb = self._pending.pop(key)
+        w = 8 * self.block_size
+        content = self._extras_content
+        for off in range(0, len(tb), w):
+            d = self._digest(parent, tb[off:off + w])
+            content.add(d)
+            parent = d
+
+    def _plain_to(self, request, a: int, m: int, tb: bytes | None = None) -> list:
+        """The memo ``[request, b0, plain keys of blocks b0.., registration start]``
+        with ``b0 <= a`` and the keys known up to block ``m`` (hashed lazily: the parent
+        of block ``b0`` is the plain key of the request's own key ``b0 - 1`` when an
+        admission registered it, ``_plain_of``). ``tb``: the token bytes from 0 on."""
         memo = self._plain_memo
-        n = request.num_tokens // self.block_size * self.block_size
-        if memo is not None and memo[0] is request and len(memo[1]) == n // self.block_size:
-            return memo[1]
-        plain = self.hasher.hash_token_blocks(request.all_token_ids[:n], self.block_size)
-        self._plain_memo = (request, plain)
-        return plain
+        if memo is None or memo[0] is not request or memo[1] > a:
+            b0 = 0
+            parent = None
+            if a and self._plain_of:
+                po = self._plain_of
+                ks = request.block_hashes[:a]
+                for j in range(a - 1, -1, -1):
+                    d = po.get(ks[j])
+                    if d is not None:
+                        b0 = j + 1
+                        parent = d
+                        break
+            memo = self._plain_memo = [request, b0, [], None, parent]
+        b0, plain = memo[1], memo[2]
+        n = b0 + len(plain)
+        if n < m:
+            bs = self.block_size
+            w = 8 * bs
+            if tb is None:
+                tb = request.token_bytes(n * bs, m * bs)
+                base = n * w
+            else:
+                base = 0
+            parent = plain[-1] if plain else memo[4]
+            digest = self._digest
+            get = self._plain_next.get
+            append = plain.append
+            for i in range(n, m):
+                chunk = tb[i * w - base:(i + 1) * w - base]
+                d = get((parent, chunk))
+                parent = digest(parent, chunk) if d is None else d
+                append(parent)
+        return memo
+
+    def _isolated_plain(self, request, a: int, b: int, dev, host, dropped) -> int:
+        """Blocks ``a, a+1, ...`` (< ``b``) of a request with extra keys whose plain
+        key was ever cached (a prefix of the run: "ever cached" is prefix-closed);
+        hashes its plain chain only up to the first block never cached, and notes where
+        its admission registers its own plain keys."""
+        bs = self.block_size
+        tb = request.token_bytes(0, b * bs)
+        memo = self._plain_to(request, a, a, tb)
+        b0, plain = memo[1], memo[2]
+        content = self._extras_content
+        w = 8 * bs
+        digest = self._digest
+        get = self._plain_next.get
+        append = plain.append
+        parent = plain[a - b0 - 1] if a > b0 else memo[4]
+        known = b0 + len(plain)
+        # the radix tree: a plain key is cached iff the plain token path reaches it
+        depth = self._radix_plain_depth(tb, b) if self._radix else 0
+        for p in range(a, b):
+            if p < known:
+                d = plain[p - b0]
+            else:
+                chunk = tb[p * w:(p + 1) * w]
+                d = get((parent, chunk))
+                if d is None:
+                    d = digest(parent, chunk)
+                append(d)
+            if p >= depth and not (d in content or d in dev or d in dropped
+                                   or (host and d in host)):
+                memo[3] = p  # its admission registers blocks p.. as seen
+                return p - a
+            parent = d
+        return b - a
+
+    def _radix_plain_depth(self, tb: bytes, b: int) -> int:
+        """How many of the blocks ``0 .. b - 1`` of token bytes ``tb`` the radix tree
+        holds without extra keys (the base model's root, plain token keys)."""
+        root = self._pool._roots.get(None)
+        if root is None:
+            return 0
+        w = 8 * self.block_size
+        children = root.children
+        for p in range(b):
+            node = children.get(tb[p * w:(p + 1) * w])
+            if node is None:
+                return p
+            children = node.children
+        return b
+
+    def _isolated_keys(self, request, ks, a: int) -> int:
+        """Blocks ``a, a+1, ...`` of a request without extra keys (its keys are its
+        plain keys: ``ks[i]`` is block ``a + i``'s) that requests with extra keys
+        cached (a prefix of the run)."""
+        content = self._extras_content
+        pending = self._pending
+        n = 0
+        bs = self.block_size
+        for i, k in enumerate(ks):
+            if k not in content:
+                if not pending:
+                    break
+                p = a + i
+                key = (ks[i - 1] if i else (self._plain_parent(request, a) if p else None),
+                       request.token_bytes(p * bs, (p + 1) * bs))
+                if key not in pending:
+                    break
+                self._materialize(key)
+                if k not in content:  # pragma: no cover - equal tokens, equal keys
+                    break
+            n += 1
+        return n
+
+    @staticmethod
+    def _plain_parent(request, a: int):
+        return request.block_hashes[a - 1]
+
+    def _register(self, request) -> None:
+        """An admitted request with extra keys computed its missed blocks: their plain
+        keys are now cached (under its key). Those hashed by the lookup are registered;
+        the rest wait in ``_pending`` until a lookup reaches them."""
+        memo = self._plain_memo
+        if memo is None or memo[0] is not request or memo[3] is None:
+            return  # every missed block was already ever cached (or none missed)
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        b0, plain, start = memo[1], memo[2], memo[3]
+        n = b0 + len(plain)
+        if n < num_full:
+            parent = plain[-1] if plain else memo[4]
+            key = (parent, request.token_bytes(n * bs, (n + 1) * bs))
+            if key in self._plain_next or key in self._pending:
+                self._plain_to(request, b0, num_full)  # (rare) hash them now
+                n = num_full
+            else:
+                self._pending[key] = (parent, request.token_bytes(n * bs, num_full * bs))
+        self._extras_content.update(plain[start - b0:num_full - b0])
+        # its own keys -> their plain keys: a later request hitting them starts there
+        self._plain_of.update(zip(request.block_hashes[b0:n], plain))
 
     def lookup(self, request, num_hit_tokens: int) -> dict[str, int]:
         """The reasons of ``request``'s missed blocks for a lookup that hit
         ``num_hit_tokens`` (call it before ``allocate_slots``; no totals changed)."""
-        return self.classify(request, num_hit_tokens, self._plain_keys(request))
+        return self.classify(request, num_hit_tokens)
 
-    def classify(self, request, num_hit_tokens: int, plain=None) -> dict[str, int]:
-        """The reasons of ``request``'s missed prompt blocks (no totals changed).
-
-        ``plain``: the request's plain token chain (``_plain_keys``), if known."""
+    def classify(self, request, num_hit_tokens: int) -> dict[str, int]:
+        """The reasons of ``request``'s missed prompt blocks (no totals changed)."""
         bs = self.block_size
         n = request.num_tokens
         num_full = n // bs
         hit = num_hit_tokens // bs
         reasons: dict[str, int] = {}
         if num_full > hit:
+            extras = self._has_extras(request)
+            memo = self._plain_memo
+            if memo is not None and memo[0] is request:
+                memo[3] = None  # (a lookup again: this one decides what is registered)
             if self.uses_events:
                 dev, host = self._device, self._host
             else:
@@ -241,7 +458,10 @@ class MissAccountant:
                 if pool.evicted_by is not self._dropped:  # the pool was reset
                     self.cleared()
                     self._dropped = pool.evicted_by
-                dev = pool.cached_block_hash_to_block
+                if self._radix:
+                    dev = self._radix_cached(request, hit, num_full, n)
+                else:
+                    dev = pool.cached_block_hash_to_block
                 tier = self._tier
                 host = () if tier is None else tier.hash_to_slot
             dropped = self._dropped
@@ -277,18 +497,13 @@ class MissAccountant:
                     reasons["evicted"] = ne
                 rest = len(ks) - ne
                 if rest:
-                    if plain is None:
-                        ni = len(content.intersection(ks[ne:] if ne else ks)) if content else 0
-                    else:  # the same tokens cached under another key (or registered)
-                        pks = plain[hit + ne:num_full]
-                        found = content.intersection(pks) if content else set()
-                        found.update(dev.keys() & pks)
-                        if dropped:
-                            found.update(dropped.keys() & pks)
-                        if host:
-                            found.update(host.intersection(pks) if type(host) is set
-                                         else host.keys() & pks)
-                        ni = len(found)
+                    if extras:  # the same tokens cached under another key (or registered)
+                        ni = self._isolated_plain(request, hit + ne, num_full, dev, host,
+                                                  dropped)
+                    elif content or self._pending:
+                        ni = self._isolated_keys(request, ks[ne:] if ne else ks, hit + ne)
+                    else:
+                        ni = 0
                     if rest - ni:
                         reasons["cold"] = rest - ni
                     if ni:
@@ -297,6 +512,23 @@ class MissAccountant:
                     reasons["partial"] = 1
                 return reasons
             hashes = ks
+            plain = None
+            depth = 0
+            if extras:  # (the general path: the whole plain chain, registered as before)
+                if self._radix:
+                    depth = self._radix_plain_depth(
+                        request.token_bytes(0, num_full * bs), num_full)
+                memo = self._plain_to(request, hit, num_full)
+                memo[3] = hit
+                plain = memo[2]
+                b0 = memo[1]
+            elif self._pending:  # requests with extra keys' runs this one may reach
+                for i in range(hit, num_full):
+                    key = (hashes[i - hit - 1] if i > hit else (
+                        self._plain_parent(request, i) if i else None),
+                        request.token_bytes(i * bs, (i + 1) * bs))
+                    if key in self._pending:
+                        self._materialize(key)
             chain_reason = None  # the reason of the first missed block
             chain_sub = None  # and its tier, when it was evicted
             for i in range(hit, num_full):
@@ -331,9 +563,9 @@ class MissAccountant:
                 elif plain is None:
                     r = "isolated" if k in content else "cold"
                 else:
-                    pk = plain[i]
+                    pk = plain[i - b0]
                     r = "isolated" if (pk in content or pk in dev or pk in host
-                                       or pk in dropped) else "cold"
+                                       or pk in dropped or i < depth) else "cold"
                 if chain_reason is None or windowed:
                     chain_reason = r
                     if r != "evicted":
@@ -359,12 +591,11 @@ class MissAccountant:
         """Add an admitted request's reasons to the totals (``reasons``: what
         ``lookup`` answered; ``None``: classified now) and (a request with extra keys)
         register its tokens' plain keys. Returns its reasons."""
-        plain = self._plain_keys(request)
         if reasons is None:
-            reasons = self.classify(request, num_hit_tokens, plain)
+            reasons = self.classify(request, num_hit_tokens)
+        if self._has_extras(request):
+            self._register(request)
         self._plain_memo = None
-        if plain is not None:
-            self._extras_content.update(plain)
         if self._lost:
             self._lost.pop(request.request_id, None)
         lora = request.lora
@@ -425,3 +656,21 @@ def full_reasons(c: Mapping[str, int]) -> dict[str, int]:
     for r in EVICTED_BY:
         d[r] = int(c.get(r, 0))
     return d
+
+
+def sum_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """``MissAccountant.summary()`` dicts summed (the replicas of a cluster): totals,
+    per tenant and per adapter, every reason, zeros included."""
+    totals: collections.Counter = collections.Counter()
+    per: dict[str, dict[str, collections.Counter]] = {"per_tenant": {}, "per_adapter": {}}
+    for sm in summaries:
+        totals.update(sm["reasons"])
+        for part, out in per.items():
+            for k, v in sm[part].items():
+                out.setdefault(k, collections.Counter()).update(v)
+    return {
+        "missed_blocks": sum(totals[r] for r in REASONS),
+        "reasons": full_reasons(totals),
+        **{part: {k: full_reasons(v) for k, v in out.items()} for part, out in per.items()},
+    }
+

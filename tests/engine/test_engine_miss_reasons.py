@@ -60,12 +60,13 @@ def test_preempted_blocks_and_the_sum_per_admission():
     assert sum(mr.values()) == sum(sum(r[4].values()) for r in admissions if r[0] == "b")
 
 
-def test_engine_reasons_equal_the_replays():
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_engine_reasons_equal_the_replays(index):
     bs = 16
     engine = Engine(ModelConfig.tiny(), lora_cache_key_only=True, num_blocks=12,
                     block_size=bs, seed=0, max_num_seqs=4, max_num_batched_tokens=128,
                     max_model_len=256, token_buckets=(128,), seq_buckets=(4,),
-                    page_buckets=(16,), miss_reasons=True)
+                    page_buckets=(16,), miss_reasons=True, index=index)
     system = list(range(1, 49))  # 3 blocks shared
     trace = []
     for i in range(10):
@@ -83,8 +84,10 @@ def test_engine_reasons_equal_the_replays():
         outs += engine.generate([req], SamplingParams(max_tokens=1))
     recs = []
     mgr = engine.kv_cache_manager
-    summary = replay(trace, num_blocks=12, block_size=bs, concurrency=1,
-                     hash_algo="sha256", free_order=mgr.block_pool.free_order,
+    pool = getattr(mgr, "block_pool", None)
+    summary = replay(trace, num_blocks=12, block_size=bs, concurrency=1, index=index,
+                     hash_algo="sha256",
+                     free_order=pool.free_order if pool is not None else "append",
                      max_model_len=256, miss_reasons=True, on_record=recs.append)
     assert [o.metrics.miss_reasons for o in outs] == [r["miss_reasons"] for r in recs]
     got = {r for o in outs for r in o.metrics.miss_reasons}
@@ -99,6 +102,9 @@ def test_engine_reasons_equal_the_replays():
 
 
 def test_engine_off_and_refusals():
-    with pytest.raises(ValueError, match="miss_reasons=True: .*index='radix'"):
-        Engine(ModelConfig.tiny(), num_blocks=8, block_size=16, index="radix",
-               miss_reasons=True)
+    # One rule: the engine probes an index of one full-attention group (hash or radix);
+    # a model with sliding-window layers (a group layout) is refused before anything is
+    # built (the replay classifies such layouts from events).
+    config = ModelConfig.tiny(architecture="MistralForCausalLM", sliding_window=8)
+    with pytest.raises(ValueError, match="miss_reasons=True: .*sliding-window layers"):
+        Engine(config, num_blocks=8, block_size=16, miss_reasons=True)

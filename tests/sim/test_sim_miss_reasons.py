@@ -148,22 +148,43 @@ def test_window_misses_in_a_sliding_window_layout():
     assert full["miss_reasons"]["reasons"]["window"] == 0
 
 
+def _with_plain_copies(trace):
+    """``trace`` with an unsalted, adapter-free, text-only copy after every other
+    request: the same tokens under another key (``isolated`` both ways)."""
+    import dataclasses
+
+    out = []
+    for i, t in enumerate(trace):
+        out.append(t)
+        if i % 2 == 0:
+            out.append(dataclasses.replace(t, id=t.id + "-plain", cache_salt=None, lora=None,
+                                           mm=()))
+    return out
+
+
 @settings(max_examples=12, deadline=None)
-@given(workload=st.sampled_from(["multi_turn", "rag", "mm_salt"]),
+@given(workload=st.sampled_from(["multi_turn", "rag", "mm_salt", "mm_salt_plain"]),
        eviction=st.sampled_from(["lru", "s3fifo", "fifo"]),
+       index=st.sampled_from(["hash", "radix"]),
        num_host_blocks=st.sampled_from([0, 6]),
        num_blocks=st.integers(20, 120), seed=st.integers(0, 3))
-def test_probes_equal_events(workload, eviction, num_host_blocks, num_blocks, seed):
-    # The hash index is followed by probes (pool / host hash maps, evicted_by hook); the
-    # KV events of the same manager give the same reasons at every admission.
+def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blocks, seed):
+    # The hash index and the radix tree are followed by probes (pool / tree / host
+    # hash maps, evicted_by hooks; plain chains hashed lazily); the KV events of the
+    # same manager give the same reasons at every admission.
     kwargs = {"multi_turn": dict(num_conversations=4, num_turns=3, new_tokens=(10, 40)),
               "rag": dict(num_requests=12, num_documents=6, doc_len=(16, 48), system_len=8,
                           question_len=(4, 12)),
               "mm_salt": dict(num_requests=10, prefix_len=4, image_len=12, num_images=3,
-                              suffix_len=(4, 12))}[workload]
-    trace = workloads.generate(workload, seed=seed, output_len=(2, 6), **kwargs)
+                              suffix_len=(4, 12))}
+    kwargs["mm_salt_plain"] = kwargs["mm_salt"]
+    trace = workloads.generate(workload.replace("_plain", ""), seed=seed, output_len=(2, 6),
+                               **kwargs[workload])
+    if workload == "mm_salt_plain":
+        trace = _with_plain_copies(trace)
     m = KVCacheManager(num_blocks, BS, eviction=eviction, num_host_blocks=num_host_blocks,
-                       enable_events=True, int_event_hashes=False, free_order="unhashed_first")
+                       index=index, enable_events=True, int_event_hashes=False,
+                       free_order="unhashed_first")
     probe = MissAccountant.for_manager(m)
     assert not probe.uses_events
     events = MissAccountant(BS, m.hasher)
@@ -202,9 +223,13 @@ def test_probes_equal_events(workload, eviction, num_host_blocks, num_blocks, se
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         MissAccountant(0)
-    m = KVCacheManager(8, BS, index="radix")
+    m = KVCacheManager(8, BS, kv_cache_groups=SLIDING)
     with pytest.raises(ValueError, match="enable_events=True, int_event_hashes=False"):
         MissAccountant.for_manager(m)
+    r = KVCacheManager(8, BS, index="radix")
+    assert not MissAccountant.for_manager(r).uses_events  # the tree is probed
+    with pytest.raises(ValueError, match="already has a miss accountant"):
+        MissAccountant.for_manager(r)
     h = KVCacheManager(8, BS)
     MissAccountant.for_manager(h)
     with pytest.raises(ValueError, match="already has a miss accountant"):
@@ -242,3 +267,40 @@ def test_des_preempted_and_the_sum_per_request(index):
     assert "miss_reasons" not in plain
     assert {k: v for k, v in plain.items() if k != "makespan_s"} == {
         k: v for k, v in summary.items() if k not in ("makespan_s", "miss_reasons")}
+
+
+@pytest.mark.parametrize("router,index", [("kv_events", "hash"), ("round_robin", "radix")])
+def test_cluster_sums_are_the_replicas_sums(router, index):
+    # One accountant per replica: the summary's reasons are the per-replica rows'
+    # sums, each replica's the sum of its records'; routing and every other field
+    # unchanged.
+    from prefixcache.sim import des
+    from prefixcache.sim.cluster import simulate_cluster
+    from prefixcache.sim.cost_model import CostModel
+
+    trace = workloads.generate("rag", seed=1, num_requests=40, num_documents=8, doc_len=(16, 64),
+                               system_len=16, question_len=(4, 16), output_len=(2, 8),
+                               arrival_rate=50.0)
+    kw = dict(num_replicas=3, router=router, cost_model=CostModel.create("llama_3_1_8b", "h100"),
+              num_blocks=40, block_size=BS, index=index,
+              scheduler=des.SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4))
+    recs = []
+    on = simulate_cluster(trace, miss_reasons=True, on_record=recs.append, **kw)
+    off = simulate_cluster(trace, **kw)
+    assert {k: v for k, v in off.items() if k not in ("route_us", "route_hash_us",
+                                                      "per_replica")} == {
+        k: v for k, v in on.items() if k not in ("route_us", "route_hash_us", "per_replica",
+                                                 "miss_reasons")}
+    rows = on["per_replica"]
+    assert [{k: v for k, v in r.items() if k != "miss_reasons"} for r in rows] == off[
+        "per_replica"]
+    mr = on["miss_reasons"]
+    for k in REASONS:
+        assert mr["reasons"][k] == sum(r["miss_reasons"]["reasons"][k] for r in rows), k
+    for r in rows:
+        mine = [x for x in recs if x["replica"] == r["replica"]]
+        assert r["miss_reasons"]["missed_blocks"] == sum(
+            sum(x["miss_reasons"].get(k, 0) for k in REASONS) for x in mine)
+    assert mr["missed_blocks"] > 0
+    assert sum(sum(v[k] for k in REASONS) for v in mr["per_tenant"].values()) == mr[
+        "missed_blocks"]
