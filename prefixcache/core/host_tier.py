@@ -592,11 +592,14 @@ class _TieredPool:
     tiers exclusive when the device caches a hash the host holds."""
 
     host_tier: HostTier
+    # The device pool's own eviction (no pool in between overrides it): a subclass over
+    # another pool (the hybrid pool's tiered mixin) names that pool's.
+    _device_evict = BlockPool._evict
 
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         parent = block.parent_hash
-        BlockPool._evict(self, block)  # (no pool in between overrides it)
+        self._device_evict(block)
         # NOTE: a duplicate device block may still hold h: then it stays on the device.
         if h not in self.cached_block_hash_to_block:
             self.host_tier.store(block.block_id, h, parent)

@@ -255,14 +255,7 @@ class _TieredHybridPool(_TieredPool):
     reset, with the hybrid pool's keys and null slots)."""
 
     host_tier: GroupHostTier
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        key = block.block_hash
-        parent = block.parent_hash
-        HybridBlockPool._evict(self, block)  # (no pool in between overrides it)
-        # NOTE: a duplicate device block may still hold the key: then it stays there.
-        if key not in self.cached_block_hash_to_block:
-            self.host_tier.store(block.block_id, key, parent)
+    _device_evict = HybridBlockPool._evict  # (``_TieredPool._evict`` demotes after it)
 
     def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
                            num_full_blocks, block_size, group_id) -> None:

@@ -21,9 +21,24 @@ NOTE: the FLOPs come from ``prefixcache.cost_model`` (host only, no jax; below
 
 from __future__ import annotations
 
+from prefixcache._validate import check_positive_int
 from prefixcache.core.eviction.base import KeyedPolicy, PolicyError
 
 DEFAULT_MODEL = "llama_3_1_8b"
+
+
+
+def model_shape(policy: str, model):
+    """``model`` (a ``cost_model.MODEL_PRESETS`` name or a ``ModelShape``) as a
+    ``ModelShape``; an error naming ``policy`` otherwise (the FLOP-aware policies' one
+    check)."""
+    from prefixcache.cost_model import ModelShape
+
+    if isinstance(model, str):
+        return ModelShape.preset(model)  # unknown name -> ValueError naming presets
+    if isinstance(model, ModelShape):
+        return model
+    raise TypeError(f"{policy}: model must be a preset name or a ModelShape, got {model!r}")
 
 
 class CostPolicy(KeyedPolicy):
@@ -41,16 +56,10 @@ class CostPolicy(KeyedPolicy):
 
     def __init__(self, num_blocks: int, *, block_size: int, model=DEFAULT_MODEL):
         super().__init__(num_blocks)
-        from prefixcache.cost_model import ModelShape, prefill_flops
+        from prefixcache.cost_model import prefill_flops
 
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"cost: block_size must be a positive int, got {block_size!r}")
-        if isinstance(model, str):
-            shape = ModelShape.preset(model)  # unknown name -> ValueError naming presets
-        elif isinstance(model, ModelShape):
-            shape = model
-        else:
-            raise TypeError(f"cost: model must be a preset name or a ModelShape, got {model!r}")
+        block_size = check_positive_int("cost: block_size", block_size)
+        shape = model_shape("cost", model)
         self.model = model if isinstance(model, str) else "custom"
         self.block_size = block_size
         self._shape = shape

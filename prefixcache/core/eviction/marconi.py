@@ -47,7 +47,7 @@ import math
 
 from prefixcache._validate import check_positive_int
 from prefixcache.core.eviction.base import KeyedPolicy
-from prefixcache.core.eviction.cost import DEFAULT_MODEL
+from prefixcache.core.eviction.cost import DEFAULT_MODEL, model_shape
 
 # Mamba2's state shape defaults (expand, d_state, d_conv) for state_bytes_per_layer.
 _MAMBA2_EXPAND, _MAMBA2_D_STATE, _MAMBA2_D_CONV = 2, 128, 4
@@ -78,19 +78,12 @@ class MarconiPolicy(KeyedPolicy):
                  model=DEFAULT_MODEL, state_bytes_per_layer: int | None = None,
                  recency_window: int | None = None):
         super().__init__(num_blocks)
-        from prefixcache.cost_model import ModelShape  # noqa: PLC0415 (host only, no jax)
 
         block_size = _positive_int("block_size", block_size)
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                 or not math.isfinite(alpha) or alpha < 0):
             raise ValueError(f"marconi: alpha must be a finite number >= 0, got {alpha!r}")
-        if isinstance(model, str):
-            shape = ModelShape.preset(model)  # unknown name -> ValueError naming presets
-        elif isinstance(model, ModelShape):
-            shape = model
-        else:
-            raise TypeError(f"marconi: model must be a preset name or a ModelShape, "
-                            f"got {model!r}")
+        shape = model_shape("marconi", model)
         if state_bytes_per_layer is None:
             d_inner = _MAMBA2_EXPAND * shape.d_model
             state_bytes_per_layer = (
