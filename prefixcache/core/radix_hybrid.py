@@ -275,6 +275,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.num_host_blocks = 0
         self.host_eviction = host_eviction
         self.host_hit_tokens = 0
+        # Miss accounting reads this layout's KV events (no probe hook); the shared
+        # reset (``RadixKVCacheManager.reset_prefix_cache``) reads the attribute.
+        self.evicted_by = None
 
     @property
     def null_block_id(self) -> int:
