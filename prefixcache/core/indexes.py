@@ -61,10 +61,17 @@ COMBINATION_RULES = MappingProxyType({
         "continuing a tree walk through them is not built (the hash index serves a "
         "host tier with full-attention and sliding-window groups)"),
     ("state", "tier"): (
-        "a state-space (Mamba) group caches a state snapshot only at chosen block "
-        "boundaries and a hit takes it whole at the hit's end; demoting and promoting "
-        "snapshots (pages of the state arrays) is not built -- the host tier serves "
-        "full-attention and sliding-window groups, one host slot per block of one group"),
+        "a state-space (Mamba) group's snapshots are demoted and promoted per (block "
+        "hash, group) key by the hash index's pool only; an index other than the hash "
+        "index that serves state groups (the radix index does not: state checkpoints on "
+        "tree nodes, Marconi's design, are not built) would have to demote its own "
+        "per-node states and continue its walk through host entries, which no such "
+        "index declares"),
+    ("kind", "tier"): (
+        "the host tier serves the group kinds listed in indexes.TIER_GROUP_KINDS, whose "
+        "hits are read through the per-group key lookup (SingleTypeManager.get_cached) "
+        "that a host entry can answer; a kind registered without being listed there may "
+        "hold blocks a host copy cannot stand in for"),
     ("layout", "index"): (
         "the index's class matches one chain of full-attention blocks; another layout "
         "needs per-group hit rules (where each group's hit ends) that the class does not "
@@ -91,8 +98,9 @@ LAYOUT_INDEX_KINDS = MappingProxyType({
 
 
 # The group kinds the host tier serves in a multi-group layout (the hash index's
-# ``GroupHostTier``: one host slot per block of one group).
-TIER_GROUP_KINDS = ("full_attention", "sliding_window")
+# ``GroupHostTier``: one host slot per block of one group; a state-space group's block
+# is one state snapshot, one page of the state arrays, demoted and promoted whole).
+TIER_GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 
 
 def index_names() -> tuple[str, ...]:
@@ -241,14 +249,18 @@ def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) 
 def _tier_refusal(index: str | type, groups, num_host_blocks: int) -> str | None:
     """Why a host tier is not served with this multi-group layout (``None``: it is)."""
     if index != DEFAULT_INDEX:
+        # (the radix index refuses state groups already, by ("state", "index"); an
+        # index class may declare them in LAYOUT_KINDS)
+        state = [g.spec.kind for g in groups if g.spec.kind == "mamba"]
+        rule = ("state", "tier") if state else ("layout index", "tier")
         return (f"num_host_blocks={num_host_blocks} with index={index_name(index)!r} is not supported "
                 "with KV cache groups other than one full-attention group: "
-                f"{COMBINATION_RULES[('layout index', 'tier')]}")
+                f"{COMBINATION_RULES[rule]}")
     for g in groups:
         if g.spec.kind not in TIER_GROUP_KINDS:
             return (f"num_host_blocks={num_host_blocks} is not supported with a "
                     f"{g.spec.kind!r} KV cache group: "
-                    f"{COMBINATION_RULES[('state', 'tier')]}")
+                    f"{COMBINATION_RULES[('kind', 'tier')]}")
     return None
 
 

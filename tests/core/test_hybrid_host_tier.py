@@ -31,6 +31,8 @@ from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.host_tier import GroupHostTier, GroupHostTransfer
 from prefixcache.core.indexes import COMBINATION_RULES, refusal
 from prefixcache.core.kv_groups import parse_kv_groups
+from prefixcache.core.radix import RadixKVCacheManager
+from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import TraceRequest
 
@@ -40,6 +42,29 @@ BS = 4
 def _admit(m, req):
     blocks, hit = m.get_computed_blocks(req)
     new = m.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+    return blocks, hit, new
+
+
+def _admit_chunked(m, req, after=None):
+    """Admit ``req`` as the replay does: the lookup, then the prefill in the chunks
+    ``prefill_chunks`` gives (one chunk unless a state group stops it; the first one
+    is the admission), ``after()`` (default: the invariants) after each call.
+    ``(blocks, hit, new)``; ``new`` None (nothing admitted) or False (a later chunk
+    found no blocks: the request holds what it got) on failure."""
+    after = after or m.check_invariants
+    blocks, hit = m.get_computed_blocks(req)
+    chunks = m.prefill_chunks(req, hit)
+    new = m.allocate_slots(req, chunks[0], hit, blocks)
+    after()
+    if new is None:
+        return blocks, hit, None
+    req.num_computed_tokens = hit + chunks[0]
+    for c in chunks[1:]:
+        got = m.allocate_slots(req, c)
+        after()
+        if got is None:
+            return blocks, hit, False
+        req.num_computed_tokens += c
     return blocks, hit, new
 
 
@@ -169,7 +194,7 @@ def test_reset_clears_the_host_and_keeps_pending_transfers():
 
 
 # ------------------------------------------------------------ the one rule's refusals
-def test_radix_layouts_and_state_groups_keep_the_rules_refusal():
+def test_radix_layouts_keep_the_rules_refusal_and_state_groups_are_served():
     sw = parse_kv_groups("full,sw8")
     assert refusal("hash", sw, "lru", 4) is None
     why = refusal("radix", sw, "lru", 4)
@@ -179,19 +204,35 @@ def test_radix_layouts_and_state_groups_keep_the_rules_refusal():
     assert str(e.value) == why
     with pytest.raises(ValueError, match="radix layout index"):  # (a numpy int too)
         KVCacheManager(8, BS, index="radix", kv_cache_groups=sw, num_host_blocks=np.int64(4))
+    # The hash index serves state groups with a tier; radix refuses state groups
+    # whatever the tier; an index class that declares them gets the state rule.
+    for layout in ("full,mamba", "mamba", "full,sw8,mamba_r0"):
+        groups = parse_kv_groups(layout)
+        assert refusal("hash", groups, "lru", np.int64(4)) is None
+        m = KVCacheManager(8, BS, kv_cache_groups=groups, num_host_blocks=4)
+        assert type(m.host_tier) is GroupHostTier
     mamba = parse_kv_groups("full,mamba")
-    why = refusal("hash", mamba, "lru", 4)
+    assert refusal("radix", mamba, "lru", 4).endswith(COMBINATION_RULES[("state", "index")])
+
+    class StateLayoutIndex(RadixKVCacheManager):
+        INDEX_NAME = "state_layout_toy"
+        LAYOUT_CLASS = RadixHybridKVCacheManager
+        LAYOUT_KINDS = ("full_attention", "mamba")
+
+    assert refusal(StateLayoutIndex, mamba, "lru", 0) is None
+    why = refusal(StateLayoutIndex, mamba, "lru", 4)
     assert why.endswith(COMBINATION_RULES[("state", "tier")])
     with pytest.raises(ValueError) as e:
-        KVCacheManager(8, BS, kv_cache_groups=mamba, num_host_blocks=4)
+        KVCacheManager(8, BS, index=StateLayoutIndex, kv_cache_groups=mamba, num_host_blocks=4)
     assert str(e.value) == why
-    assert refusal("hash", mamba, "lru", 0) is None
 
 
 # ------------------------------------- a host tier that never evicts = no eviction
-def _multi_turn(m, seed=0, turns=4, convs=3):
+def _multi_turn(m, seed=0, turns=4, convs=3, loaded=None):
     """A small multi-turn trace (each turn re-sends the history plus new tokens, 3
-    decode steps); invariants after every call. The hit tokens per request."""
+    decode steps; a state group's prefill in its chunks); invariants after every
+    call. The hit tokens per request (the groups of the host loads added to the set
+    ``loaded``)."""
     rng = random.Random(seed)
     hist = [[rng.randrange(50) for _ in range(9)] for _ in range(convs)]
     hits = []
@@ -199,11 +240,9 @@ def _multi_turn(m, seed=0, turns=4, convs=3):
         for c in range(convs):
             hist[c] = hist[c] + [rng.randrange(50, 90) for _ in range(rng.randrange(2, 7))]
             r = Request(f"r{t}_{c}", hist[c])
-            _, n, new = _admit(m, r)
-            m.check_invariants()
+            _, n, new = _admit_chunked(m, r)
             assert new is not None
             hits.append(n)
-            r.num_computed_tokens = r.num_tokens
             for k in range(3):
                 r.append_output_token_ids(100 + k)
                 assert m.allocate_slots(r, 1) is not None
@@ -212,11 +251,13 @@ def _multi_turn(m, seed=0, turns=4, convs=3):
             hist[c] = list(r.all_token_ids)
             m.free(r)
             m.check_invariants()
-            m.take_host_transfers()
+            if loaded is not None:
+                loaded.update(t.group for t in m.take_host_transfers() if t.kind == "load")
     return hits
 
 
-@pytest.mark.parametrize("layout", ["full,sw6", "full,sw9"])
+@pytest.mark.parametrize("layout", ["full,sw6", "full,sw9", "full,mamba", "full,mamba_r0",
+                                    "sw6,full,mamba"])
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_big_host_tier_gives_the_unbounded_device_hits(layout, eviction):
     groups = parse_kv_groups(layout)
@@ -225,14 +266,18 @@ def test_big_host_tier_gives_the_unbounded_device_hits(layout, eviction):
         return KVCacheManager(nb, BS, kv_cache_groups=groups, num_host_blocks=nh,
                               eviction=eviction, free_order="unhashed_first")
 
-    alone = _multi_turn(make(30, 0))
-    m = make(30, 300)
-    tiered = _multi_turn(m)
+    dev = 24 if "mamba" in layout else 30  # (a state group's snapshots get evicted too)
+    alone = _multi_turn(make(dev, 0))
+    m = make(dev, 300)
+    loaded = set()
+    tiered = _multi_turn(m, loaded=loaded)
     ideal = _multi_turn(make(2000, 0))
     assert tiered == ideal
     assert sum(tiered) > sum(alone)  # (the device alone evicts what the turns re-use)
     assert m.host_hit_tokens > 0 and m.host_hit_tokens + m.device_hit_tokens == sum(tiered)
     assert m.host_tier.num_evicted == m.host_tier.num_dropped == 0
+    # a state group's hits came from the host too (a snapshot demoted and promoted whole)
+    assert {g for g, k in enumerate(groups) if k.spec.kind == "mamba"} <= loaded
 
 
 def test_replay_summary_counts_host_hits_of_groups():
@@ -296,6 +341,24 @@ class _Pages:
        free_order=st.sampled_from(["unhashed_first", "append"]))
 def test_random_demote_promote_keeps_invariants_and_pages(seed, num_blocks, num_host, layout,
                                                           eviction, host_eviction, free_order):
+    _random_ops(seed, num_blocks, num_host, layout, eviction, host_eviction, free_order)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(10, 18),
+       num_host=st.integers(1, 24),
+       layout=st.sampled_from(["full,mamba", "full,mamba_r0", "mamba", "sw6,full,mamba"]),
+       eviction=st.sampled_from(["lru", "lfu", "marconi"]),
+       host_eviction=st.sampled_from(["lru", "lfu"]),
+       free_order=st.sampled_from(["unhashed_first", "append"]))
+def test_random_state_group_demote_promote_keeps_invariants_and_pages(
+        seed, num_blocks, num_host, layout, eviction, host_eviction, free_order):
+    # A state snapshot is one page of the state group: the page model checks that a
+    # promoted state block holds the state its key names (the hit's end).
+    _random_ops(seed, num_blocks, num_host, layout, eviction, host_eviction, free_order)
+
+
+def _random_ops(seed, num_blocks, num_host, layout, eviction, host_eviction, free_order):
     m = KVCacheManager(num_blocks, BS, kv_cache_groups=parse_kv_groups(layout),
                        num_host_blocks=num_host, eviction=eviction,
                        host_eviction=host_eviction, free_order=free_order,
@@ -310,16 +373,17 @@ def test_random_demote_promote_keeps_invariants_and_pages(seed, num_blocks, num_
         if op < 0.45 or not running:
             p = rng.choice(prefixes) + [rng.randrange(40, 60) for _ in range(rng.randrange(1, 6))]
             r = Request(f"q{step}", p)
-            blocks, n = m.get_computed_blocks(r)
-            new = m.allocate_slots(r, r.num_tokens - n, n, blocks)
-            pages.after_call()
+            _, n, new = _admit_chunked(m, r, pages.after_call)  # (one chunk: no state group)
             if new is None:
                 if running:
                     m.free(running.pop(0))
                     pages.after_call()
                 continue
             hits += n
-            r.num_computed_tokens = r.num_tokens
+            if new is False:  # a later chunk found no blocks: preempted
+                m.free(r)
+                pages.after_call()
+                continue
             running.append(r)
             if rng.random() < 0.3:
                 prefixes.append(list(p))
