@@ -37,8 +37,9 @@ exclusive contract, pins, ``num_dropped`` / ``num_discarded`` and ``medium="CPU"
 events (plain digest + ``group_idx``). Its transfers are ``GroupHostTransfer``s whose
 ``group`` names the group (``HostTransfer.group`` is 0 for one group). A replay or
 engine hit of L tokens is split by tier per block position: a position loaded in any
-group counts as host-hit tokens. The radix index's layout manager and state-space
-(Mamba) groups do not take a host tier (``indexes.COMBINATION_RULES``).
+group counts as host-hit tokens. A state-space (Mamba) group's block is one state
+snapshot, demoted and promoted whole under its key like any block. The radix index's
+layout manager does not take a host tier (``indexes.COMBINATION_RULES``).
 
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host

@@ -38,7 +38,8 @@ split, ``prefill_chunks``, so its first chunk is not the whole sequence).
     if new is None: ...                 # does not fit (see NOTE on allocate_slots)
     manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
 
-Host tier (``num_host_blocks=N``; full-attention and sliding-window groups). The pool
+Host tier (``num_host_blocks=N``; full-attention, sliding-window and state-space groups,
+``indexes.TIER_GROUP_KINDS``). The pool
 (``TieredHybridBlockPool`` / ``TieredHybridPolicyBlockPool``) demotes each evicted
 ``(hash, group)`` key to a ``host_tier.GroupHostTier`` (one slot = one block of one
 group) and drops a host copy when the device caches the key again; each group's

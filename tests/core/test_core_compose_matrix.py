@@ -18,7 +18,7 @@ from prefixcache.core.kv_cache_blocks import KVCacheBlocks
 from prefixcache.core.kv_groups import parse_kv_groups
 
 BS = 4
-LAYOUTS = {"full": None, "full+sw": "full,sw6"}
+LAYOUTS = {"full": None, "full+sw": "full,sw6", "full+mamba": "full,mamba"}
 TIERS = {"none": 0, "host": 6}
 
 
@@ -73,7 +73,9 @@ def _run(index, eviction, tier, layout, num_blocks):
             blocks, n = m.get_computed_blocks(r)
             assert isinstance(blocks, KVCacheBlocks)
             assert len(blocks.blocks) == m.num_groups
-            new = m.allocate_slots(r, r.num_tokens - n, n, blocks)
+            # (a state group's prefill stops where it keeps a state: in chunks)
+            chunks = m.prefill_chunks(r, n) if "mamba" in layout else [r.num_tokens - n]
+            new = m.allocate_slots(r, chunks[0], n, blocks)
             m.check_invariants()
             if new is not None or not running:
                 break
@@ -85,7 +87,14 @@ def _run(index, eviction, tier, layout, num_blocks):
             continue
         assert isinstance(new, KVCacheBlocks) and len(new.blocks) == m.num_groups
         hits.append(n)
-        r.num_computed_tokens = r.num_tokens
+        r.num_computed_tokens = n + chunks[0]
+        for c in chunks[1:]:
+            while m.allocate_slots(r, c) is None:  # (the running ones make room)
+                assert running, "a lone request's chunk found no blocks"
+                m.free(running.pop(0))
+                m.check_invariants()
+            m.check_invariants()
+            r.num_computed_tokens += c
         running.append(r)
         for t in range(3):
             r.append_output_token_ids(100 + t)

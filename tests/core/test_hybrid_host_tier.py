@@ -5,9 +5,11 @@ num_host_blocks=N)``: ``core/hybrid.py`` drives a ``GroupHostTier`` keyed by the
 Exact promotion on a hand-sized pool (which group's blocks load, a sliding window's
 slots before its window never loaded, transfers and CPU events naming their group),
 stale / misplaced host hits refused before any change, the refusals of the one rule
-(radix layout index, state-space groups), a host tier holding every evicted block =
-an unbounded device pool's hits (direct and through the replay), and a random-operation
-property test with the invariants and a page-content model checked after every call.
+(radix layout index; state-space groups are served on the hash index only), a host tier
+holding every evicted block = an unbounded device pool's hits (direct and through the
+replay; sliding-window and state-space layouts), and random-operation property tests
+(sliding-window and state-space layouts) with the invariants and a page-content model
+checked after every call.
 """
 
 from __future__ import annotations

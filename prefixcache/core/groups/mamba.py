@@ -33,6 +33,18 @@ peer harness drives; ``tests/data/replay_golden_state``):
   at are cached -- the prompt's replay boundary and the lookup's junction (vLLM's
   Marconi-style admission); decode and intermediate chunk states are not.
 
+* **Host tier** (``num_host_blocks=N``, hash index). A cached state block is one
+  state snapshot, one page of the group's state arrays, under its ``(hash, group)``
+  key: when the device evicts it, it is demoted like any block; the lookup above reads
+  ``get_cached``, which with a tier answers a host entry as a hit, so the rightmost
+  state within the candidate length may be host-resident (dense or sparse retention
+  alike); admission loads it into a fresh block (counted by ``blocks_to_allocate``:
+  ``HostHit.ref_cnt`` is 0), which then plays the hit block (the previous step's
+  state, released a step later). Sound because a state is demoted by its key, not by
+  table position (vLLM's connectors hand mamba states off the same way, exact block
+  and boundary, because the table is not append-only), and a joint hit needs every
+  other group's blocks too (full attention's, device or host, loaded with it).
+
 NOTE: not modelled (off in the configuration above): speculative blocks, prefill
 checkpoint blocks, partial (sub-block) hash hits and their copy-on-write, sparse
 retention intervals other than 0 (``MambaSpec.retention_interval``), vLLM's "cached this step" deferral (a
