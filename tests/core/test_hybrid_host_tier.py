@@ -282,12 +282,13 @@ def test_big_host_tier_gives_the_unbounded_device_hits(layout, eviction):
     assert {g for g, k in enumerate(groups) if k.spec.kind == "mamba"} <= loaded
 
 
-def test_replay_summary_counts_host_hits_of_groups():
+@pytest.mark.parametrize("layout", ["full,sw8", "full,mamba", "full,mamba_r0"])
+def test_replay_summary_counts_host_hits_of_groups(layout):
     rng = random.Random(1)
     systems = [[rng.randrange(1, 50) for _ in range(40)] for _ in range(4)]
     reqs = [TraceRequest(str(i), systems[i % 4] + [rng.randrange(50, 99) for _ in range(6)], 4)
             for i in range(40)]
-    kw = dict(block_size=BS, kv_cache_groups="full,sw8", concurrency=2, hash_seed=0)
+    kw = dict(block_size=BS, kv_cache_groups=layout, concurrency=2, hash_seed=0)
     ideal = replay(reqs, num_blocks=5000, **kw)
     dev = replay(reqs, num_blocks=40, **kw)
     s = replay(reqs, num_blocks=40, num_host_blocks=5000, **kw)
