@@ -347,7 +347,7 @@ def test_random_demote_promote_keeps_invariants_and_pages(seed, num_blocks, num_
     _random_ops(seed, num_blocks, num_host, layout, eviction, host_eviction, free_order)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(10, 18),
        num_host=st.integers(1, 24),
        layout=st.sampled_from(["full,mamba", "full,mamba_r0", "mamba", "sw6,full,mamba"]),
