@@ -251,7 +251,7 @@ def _tier_refusal(index: str | type, groups, num_host_blocks: int) -> str | None
     if index != DEFAULT_INDEX:
         # (the radix index refuses state groups already, by ("state", "index"); an
         # index class may declare them in LAYOUT_KINDS)
-        state = [g.spec.kind for g in groups if g.spec.kind == "mamba"]
+        state = any(g.spec.kind == "mamba" for g in groups)
         rule = ("state", "tier") if state else ("layout index", "tier")
         return (f"num_host_blocks={num_host_blocks} with index={index_name(index)!r} is not supported "
                 "with KV cache groups other than one full-attention group: "
