@@ -15,6 +15,7 @@ checked after every call.
 from __future__ import annotations
 
 import random
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -28,11 +29,13 @@ from prefixcache.core import (
     HostTransfer,
     KVCacheManager,
     Request,
+    kv_groups,
 )
 from prefixcache.core.groups.base import _KEY_BYTES
+from prefixcache.core.groups.full_attention import FullAttentionManager
 from prefixcache.core.host_tier import GroupHostTier, GroupHostTransfer
 from prefixcache.core.indexes import COMBINATION_RULES, refusal
-from prefixcache.core.kv_groups import parse_kv_groups
+from prefixcache.core.kv_groups import KVCacheGroup, parse_kv_groups
 from prefixcache.core.radix import RadixKVCacheManager
 from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager
 from prefixcache.sim.replay import replay
@@ -226,6 +229,32 @@ def test_radix_layouts_keep_the_rules_refusal_and_state_groups_are_served():
     assert why.endswith(COMBINATION_RULES[("state", "tier")])
     with pytest.raises(ValueError) as e:
         KVCacheManager(8, BS, index=StateLayoutIndex, kv_cache_groups=mamba, num_host_blocks=4)
+    assert str(e.value) == why
+
+
+class _ToySpec:
+    """A kind registered without being listed in ``TIER_GROUP_KINDS``."""
+
+    kind = "toy_full_tier"
+
+    @property
+    def sliding_window(self) -> None:
+        return None
+
+
+class _ToyManager(FullAttentionManager):
+    spec_class = _ToySpec
+
+
+def test_a_kind_not_listed_for_the_tier_is_refused_by_its_rule(monkeypatch):
+    monkeypatch.setattr(kv_groups, "GROUP_KINDS", MappingProxyType(
+        {**kv_groups.GROUP_KINDS, "toy_full_tier": f"{__name__}:_ToyManager"}))
+    layout = [KVCacheGroup(kv_groups.FullAttentionSpec(), ["a"]), KVCacheGroup(_ToySpec(), ["b"])]
+    assert refusal("hash", layout, "lru", 0) is None
+    why = refusal("hash", layout, "lru", 4)
+    assert why.endswith(COMBINATION_RULES[("kind", "tier")]) and "'toy_full_tier'" in why
+    with pytest.raises(ValueError) as e:
+        KVCacheManager(8, BS, kv_cache_groups=layout, num_host_blocks=4)
     assert str(e.value) == why
 
 
