@@ -681,8 +681,9 @@ def probe_refusal(index, kv_cache_groups) -> str | None:
     """Why a manager with this index and layout cannot be followed by probes (the
     engine's miss accounting: its KV events belong to the KV-event publisher), or
     ``None``: the hash or radix index of one full-attention group
-    (``MissAccountant.for_manager``), or the hash index of a layout of full-attention
-    and sliding-window groups (``GroupProbeAccountant``). The one rule."""
+    (``MissAccountant.for_manager``), or the hash or radix index of a layout of
+    full-attention and sliding-window groups with a full-attention group
+    (``GroupProbeAccountant``). The one rule."""
     from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
     from prefixcache.core.kv_groups import (  # noqa: PLC0415
         FullAttentionSpec, SlidingWindowSpec, is_hybrid)
@@ -694,9 +695,10 @@ def probe_refusal(index, kv_cache_groups) -> str | None:
                 "full-attention group)")
     kinds = sorted({type(g.spec).__name__ for g in kv_cache_groups
                     if not isinstance(g.spec, (FullAttentionSpec, SlidingWindowSpec))})
-    if index != DEFAULT_INDEX:
+    if index not in (DEFAULT_INDEX, "radix"):
         return (f"index={index!r} with sliding-window layers: miss reasons probe the "
-                "hash index of a layout of full-attention and sliding-window groups")
+                "hash or radix index of a layout of full-attention and sliding-window "
+                "groups")
     if kinds:
         return (f"{', '.join(kinds)} groups: miss reasons probe full-attention and "
                 "sliding-window groups only (state checkpoints are not probed)")
@@ -770,29 +772,43 @@ class GroupEvictions:
 
 
 class GroupProbeAccountant(MissAccountant):
-    """Miss reasons for the hash index of a layout of full-attention and
-    sliding-window groups (``core/hybrid.py``), by probes: no events, so the manager's
-    KV events stay the KV-event publisher's. The first full-attention group is
-    followed as in events mode (``_tracked_group``): its digests are probed in the
-    pool's ``(hash, group)`` map and the host tier's; its evictions come from the
-    ``evicted_by`` hook of the pool and the host tier (``GroupEvictions``). A block
-    cached there but past the aligned hit is a ``window`` miss, as the replay gives
-    it. Equal to the events mode (tested against the replay)."""
+    """Miss reasons for a layout of full-attention and sliding-window groups, by
+    probes: no events, so the manager's KV events stay the KV-event publisher's. The
+    first full-attention group is followed as in events mode (``_tracked_group``).
+
+    * The hash index (``core/hybrid.py``): its digests are probed in the pool's
+      ``(hash, group)`` map and the host tier's.
+    * The radix index (``core/radix_hybrid.py``): a full-attention group holds a block
+      on every node, so its cached missed blocks are the lookup's walked path past the
+      hit (and, for the whole-prompt hit cut to ``num_tokens - 1`` tokens, the last
+      block's node); plain keys are probed on the tree as for one group.
+
+    Evictions come from the ``evicted_by`` hook of the pool / tree and the host tier
+    (``GroupEvictions``). A block cached there but past the aligned hit is a
+    ``window`` miss, as the replay gives it. Equal to the events mode (tested against
+    the replay)."""
+
+    _tree = None  # the radix index: the manager (its tree is walked per lookup)
 
     @classmethod
     def for_manager(cls, manager) -> "GroupProbeAccountant":
         from prefixcache.core.groups.base import group_suffix  # noqa: PLC0415
         from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
 
+        from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
+
         impl = getattr(manager, "implementation", manager)
-        if type(impl) is not HybridKVCacheManager:
-            raise ValueError(f"GroupProbeAccountant probes the hash index of a hybrid "
-                             f"layout (HybridKVCacheManager), not a {type(impl).__name__}")
+        tree = type(impl) is RadixHybridKVCacheManager
+        if type(impl) is not HybridKVCacheManager and not tree:
+            raise ValueError(
+                "GroupProbeAccountant probes the hash or radix index of a hybrid layout "
+                "(HybridKVCacheManager, RadixHybridKVCacheManager), not a "
+                f"{type(impl).__name__}")
         groups = impl.kv_cache_groups
-        why = probe_refusal("hash", groups)
+        why = probe_refusal("radix" if tree else "hash", groups)
         if why is not None:
             raise ValueError(why)
-        pool = impl.block_pool
+        pool = impl if tree else impl.block_pool
         if pool.evicted_by is not None:
             raise ValueError("this manager already has a miss accountant attached")
         g, windowed = _tracked_group(groups)
@@ -802,7 +818,11 @@ class GroupProbeAccountant(MissAccountant):
         acct._hpool = pool
         acct._tier = impl.host_tier
         acct._hook = GroupEvictions(acct._dropped, suffix)
-        acct._device = _GroupKeys(pool, "cached_block_hash_to_block", suffix)
+        if tree:
+            acct._tree = acct._pool = impl  # (``_radix``: plain keys probed on the tree)
+            acct._radix = True
+        else:
+            acct._device = _GroupKeys(pool, "cached_block_hash_to_block", suffix)
         acct._host = (() if acct._tier is None
                       else _GroupKeys(acct._tier, "hash_to_slot", suffix))
         acct._install()
@@ -823,6 +843,8 @@ class GroupProbeAccountant(MissAccountant):
             self._hook.dropped = self._dropped
             self._hook.replay(hook)  # (evictions since the reset, if any)
             self._install()
+        if self._tree is not None:
+            self._device = self._tree_cached(request, num_hit_tokens)
         # NOTE: the events-mode path of ``MissAccountant.classify`` reads ``_device`` /
         # ``_host``, which are the probes here (and takes ``_dropped`` as a dict).
         self.uses_events = True
@@ -830,3 +852,28 @@ class GroupProbeAccountant(MissAccountant):
             return super().classify(request, num_hit_tokens)
         finally:
             self.uses_events = False
+
+    def _tree_cached(self, request, num_hit_tokens: int) -> dict:
+        """The request's missed keys the tree's full-attention group holds: the walked
+        path past the hit, and the last block's node when the walk stopped short of it
+        (a lookup walks at most ``num_tokens - 1`` tokens)."""
+        from prefixcache.core.radix import _namespace, block_keys  # noqa: PLC0415
+
+        tree = self._tree
+        bs = self.block_size
+        n = request.num_tokens
+        num_full = n // bs
+        hit = num_hit_tokens // bs
+        if num_full <= hit:
+            return {}
+        nodes = tree._lookup_nodes(request)
+        ks = request.block_hashes
+        out = dict.fromkeys(ks[hit:len(nodes)], True)
+        last = num_full - 1
+        if len(nodes) == last and n == num_full * bs:
+            parent = nodes[-1] if nodes else tree._roots.get(_namespace(request))
+            if parent is not None:
+                key = block_keys(request, last, num_full, bs, tree._extras(request))[0]
+                if key in parent.children:
+                    out[ks[last]] = True
+        return out

@@ -102,7 +102,7 @@ def test_engine_reasons_equal_the_replays(index):
     assert engine.metrics().miss_reasons["missed_blocks"] == 0
 
 
-def _sliding_trace(seed=4, n=20):
+def _sliding_trace(seed, n=20):
     # Random prompts of at most 63 tokens (one step: no chunked prefill), half of them
     # a prefix of an earlier one plus new tokens; a salted copy (isolated) and an exact
     # whole-block prefix of an earlier prompt (last_token).
@@ -123,8 +123,8 @@ def _sliding_trace(seed=4, n=20):
 
 
 def test_engine_sliding_window_reasons_equal_the_replays():
-    # A sliding-window model (S,S,F,S, window 16 = 2 blocks), the hash index, with and
-    # without a host tier: the engine probes its hybrid coordinator (no events), and its
+    # A sliding-window model (S,S,F,S, window 16 = 2 blocks), the hash index with and
+    # without a host tier, the radix index (SWA radix tree): the engine probes its hybrid coordinator (no events), and its
     # reasons, per request and summed (window ones included), are the replay's (events
     # mode) on the same trace. The KV events a publisher would send are byte-equal to
     # those of the same engine without miss reasons (the accountant takes none).
@@ -132,10 +132,12 @@ def test_engine_sliding_window_reasons_equal_the_replays():
 
     bs = 8
     config = ModelConfig.tiny_hybrid()
-    trace = _sliding_trace()
     first = None
-    for num_host, evicted in ((16, "evicted_host"), (0, "evicted_device")):
-        kw = dict(num_blocks=24, num_host_blocks=num_host, block_size=bs, seed=0,
+    for index, num_host, evicted, seed in (("hash", 16, "evicted_host", 4),
+                                           ("hash", 0, "evicted_device", 4),
+                                           ("radix", 0, "evicted_device", 0)):
+        trace = _sliding_trace(seed)  # (seeds whose traces have window misses)
+        kw = dict(index=index, num_blocks=24, num_host_blocks=num_host, block_size=bs, seed=0,
                   max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
                   token_buckets=(64,), seq_buckets=(4,), page_buckets=(16,),
                   manager_kwargs={"enable_events": True})
@@ -155,9 +157,12 @@ def test_engine_sliding_window_reasons_equal_the_replays():
         assert plain.metrics().miss_reasons is None
         recs = []
         mgr = engine.kv_cache_manager
-        summary = replay(trace, num_blocks=24, num_host_blocks=num_host, block_size=bs,
+        pool = getattr(mgr, "block_pool", None)
+        summary = replay(trace, index=index, num_blocks=24, num_host_blocks=num_host,
+                         block_size=bs,
                          concurrency=1, kv_cache_groups=mgr.kv_cache_groups,
-                         hash_algo="sha256", free_order=mgr.block_pool.free_order,
+                         hash_algo="sha256",
+                         free_order=pool.free_order if pool is not None else "append",
                          max_model_len=128, miss_reasons=True, on_record=recs.append)
         assert [o.metrics.miss_reasons for o in outs] == [r["miss_reasons"] for r in recs]
         got = {r for o in outs for r in o.metrics.miss_reasons}
@@ -178,10 +183,23 @@ def test_engine_sliding_window_reasons_equal_the_replays():
 
 
 def test_engine_off_and_refusals():
-    # One rule (misses.probe_refusal): the engine probes the hash or radix index of one
-    # full-attention group, or the hash index of a sliding-window layout; anything else
-    # is refused before anything is built (the replay classifies it from events).
-    config = ModelConfig.tiny(architecture="MistralForCausalLM", sliding_window=8)
-    with pytest.raises(ValueError, match="miss_reasons=True: .*index='radix' with "
-                                         "sliding-window layers"):
-        Engine(config, num_blocks=8, block_size=16, miss_reasons=True, index="radix")
+    # One rule (misses.probe_refusal): the engine probes the hash or radix index, of one
+    # full-attention group or of a layout of full-attention and sliding-window groups;
+    # anything else is refused before anything is built (the replay classifies it from
+    # events).
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager
+    from prefixcache.core.kv_groups import parse_kv_groups
+    from prefixcache.sim.misses import probe_refusal
+
+    assert probe_refusal("hash", None) is None and probe_refusal("radix", None) is None
+    assert probe_refusal("radix", parse_kv_groups("full,sw16")) is None
+    assert "state checkpoints" in probe_refusal("hash", parse_kv_groups("full,mamba"))
+    assert "only sliding-window" in probe_refusal("hash", parse_kv_groups("sw16,sw32"))
+
+    class MyIndex(HashKVCacheManager):
+        INDEX_NAME = "my_index"
+
+    with pytest.raises(ValueError, match="miss_reasons=True: .*index=.*MyIndex.* probe "
+                                         "the hash or radix index"):
+        Engine(ModelConfig.tiny(), num_blocks=8, block_size=16, miss_reasons=True,
+               index=MyIndex)
