@@ -138,9 +138,9 @@ class Engine:
         cold / evicted by tier / isolated / partial / last_token / preempted) into
         `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`, by
         probing the index, no KV events (`misses.probe_refusal`, the one rule): the hash
-        or radix index of one full-attention group, or the hash index with
-        sliding-window layers (`window`: cached in the full-attention group, past the
-        hit the windows allow); ValueError otherwise. False: no cost.
+        or radix index, of one full-attention group or with sliding-window layers
+        (`window`: cached in the full-attention group, past the hit the windows allow;
+        `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
