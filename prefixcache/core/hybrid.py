@@ -154,6 +154,8 @@ class HybridBlockPool(BlockPool):
                 f"{block.block_id} that carries it")
         block.block_hash = None
         self.num_evictions += 1
+        if self.evicted_by is not None:  # miss accounting's hook (``BlockPool.evicted_by``;
+            self.evicted_by[key] = "device"  # the (hash, group) key: misses.GroupEvictions)
         if self.enable_events:
             self.events.append(BlockRemoved(
                 block_hashes=[self._event_hash(key[:-_KEY_BYTES])], medium=MEDIUM_GPU,

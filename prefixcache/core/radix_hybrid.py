@@ -95,7 +95,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.groups.base import check_group_hits
+from prefixcache.core.groups.base import check_group_hits, group_suffix
 from prefixcache.core.groups.sliding_window import check_leading_nulls, longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
@@ -275,8 +275,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.num_host_blocks = 0
         self.host_eviction = host_eviction
         self.host_hit_tokens = 0
-        # Miss accounting reads this layout's KV events (no probe hook); the shared
-        # reset (``RadixKVCacheManager.reset_prefix_cache``) reads the attribute.
+        # Miss accounting's hook (the replay follows this layout's KV events; the engine
+        # probes: ``misses.GroupProbeAccountant`` sets it to a ``GroupEvictions``, which
+        # takes ``(hash, group)`` keys); the shared reset
+        # (``RadixKVCacheManager.reset_prefix_cache``) replaces it with a new dict.
         self.evicted_by = None
 
     @property
@@ -614,6 +616,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             self.events.append(BlockRemoved(
                 block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
                 group_idx=g))
+        if self.evicted_by is not None:  # miss accounting's hook (misses.GroupEvictions)
+            self.evicted_by[b.block_hash + group_suffix(g)] = "device"
         b.block_hash = None
         self._owner[b.block_id] = None
         self._num_cached -= 1

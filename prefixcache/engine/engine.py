@@ -136,8 +136,11 @@ class Engine:
         blocks (one block and the padding page) is a ValueError.
       miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``:
         cold / evicted by tier / isolated / partial / last_token / preempted) into
-        `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`. The hash
-        index of one full-attention group only (ValueError otherwise). False: no cost.
+        `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`, by
+        probing the index, no KV events (`misses.probe_refusal`, the one rule): the hash
+        or radix index, of one full-attention group or with sliding-window layers
+        (`window`: cached in the full-attention group, past the hit the windows allow;
+        `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -261,14 +264,14 @@ class Engine:
             if why is not None:
                 raise ValueError(why)
         if miss_reasons:
-            from prefixcache.sim.misses import uses_probes  # noqa: PLC0415
+            from prefixcache.sim.misses import probe_refusal  # noqa: PLC0415
 
-            if not uses_probes(index, kv_cache_groups):
+            why = probe_refusal(index, kv_cache_groups)
+            if why is not None:
                 raise ValueError(
-                    "miss_reasons=True: the engine classifies misses by probing the index "
-                    "(hash or radix) of one full-attention group; index="
-                    f"{index!r}{' with sliding-window layers' if kv_cache_groups else ''} "
-                    "is not supported (replay a trace with miss_reasons=True instead)")
+                    f"miss_reasons=True: the engine classifies misses by probing the index "
+                    f"(its KV events are the publisher's): {why}; not supported (replay a "
+                    "trace with miss_reasons=True instead)")
 
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
@@ -355,9 +358,12 @@ class Engine:
                                    max_loras=max_loras if enable_lora else None)
         self.miss_reasons = bool(miss_reasons)
         if miss_reasons:  # (checked before anything was built: _check_miss_reasons)
-            from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
+            from prefixcache.sim.misses import (  # noqa: PLC0415
+                GroupProbeAccountant, MissAccountant)
 
-            self.scheduler.miss_accountant = MissAccountant.for_manager(self.kv_cache_manager)
+            self.scheduler.miss_accountant = (
+                GroupProbeAccountant if kv_cache_groups is not None
+                else MissAccountant).for_manager(self.kv_cache_manager)
         program = None
         if share_programs_with is not None:
             if model is not None and model is not share_programs_with.model:

@@ -674,3 +674,206 @@ def sum_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         **{part: {k: full_reasons(v) for k, v in out.items()} for part, out in per.items()},
     }
 
+
+
+# -- probes for the hybrid coordinator (the engine with sliding-window layers) ---------
+def probe_refusal(index, kv_cache_groups) -> str | None:
+    """Why a manager with this index and layout cannot be followed by probes (the
+    engine's miss accounting: its KV events belong to the KV-event publisher), or
+    ``None``: the hash or radix index of one full-attention group
+    (``MissAccountant.for_manager``), or the hash or radix index of a layout of
+    full-attention and sliding-window groups with a full-attention group
+    (``GroupProbeAccountant``). The one rule."""
+    from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
+    from prefixcache.core.kv_groups import (  # noqa: PLC0415
+        FullAttentionSpec, SlidingWindowSpec, is_hybrid)
+
+    if kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups)):
+        if index in (DEFAULT_INDEX, "radix"):
+            return None
+        return (f"index={index!r}: miss reasons probe the hash or radix index (one "
+                "full-attention group)")
+    kinds = sorted({type(g.spec).__name__ for g in kv_cache_groups
+                    if not isinstance(g.spec, (FullAttentionSpec, SlidingWindowSpec))})
+    if index not in (DEFAULT_INDEX, "radix"):
+        return (f"index={index!r} with sliding-window layers: miss reasons probe the "
+                "hash or radix index of a layout of full-attention and sliding-window "
+                "groups")
+    if kinds:
+        return (f"{', '.join(kinds)} groups: miss reasons probe full-attention and "
+                "sliding-window groups only (state checkpoints are not probed)")
+    if not any(isinstance(g.spec, FullAttentionSpec) for g in kv_cache_groups):
+        return ("only sliding-window groups: miss reasons probe the hash map of a "
+                "full-attention group")
+    return None
+
+
+class _GroupKeys:
+    """The digests one group holds in a ``(hash, group)``-keyed map, as the set the
+    events mode keeps (``k in view``, ``view.keys().isdisjoint(ks)``); the map is
+    re-read on every call (a reset replaces it)."""
+
+    __slots__ = ("_owner", "_attr", "_suffix")
+
+    def __init__(self, owner, attr: str, suffix: bytes):
+        self._owner, self._attr, self._suffix = owner, attr, suffix
+
+    def __contains__(self, k) -> bool:
+        return k + self._suffix in getattr(self._owner, self._attr)
+
+    def __len__(self) -> int:  # (a truth test: whether the map holds anything)
+        return len(getattr(self._owner, self._attr))
+
+    def keys(self):
+        return self
+
+    def isdisjoint(self, ks) -> bool:
+        m = getattr(self._owner, self._attr)
+        s = self._suffix
+        for k in ks:
+            if k + s in m:
+                return False
+        return True
+
+
+class GroupEvictions:
+    """The ``evicted_by`` hook of a hybrid pool and its host tier: keeps the
+    evictions of one group's ``(hash, group)`` keys as ``digest -> tier`` in
+    ``dropped`` (the accountant's dict); the other groups' are ignored. Takes both
+    hook protocols: ``hook[key] = tier``, and ``hook.append(key)`` (device) /
+    ``hook += (key, None)`` (host)."""
+
+    __slots__ = ("dropped", "_suffix", "_n")
+
+    def __init__(self, dropped: dict, suffix: bytes):
+        self.dropped, self._suffix, self._n = dropped, suffix, len(suffix)
+
+    def __setitem__(self, key: bytes, tier: str) -> None:
+        if key.endswith(self._suffix):
+            self.dropped[key[:-self._n]] = tier
+
+    def append(self, key: bytes) -> None:
+        self[key] = "device"
+
+    def __iadd__(self, entries):
+        self.replay(list(entries))
+        return self
+
+    def replay(self, hook) -> None:
+        """Take the entries of a plain hook (a dict ``key -> tier``, or a list of
+        keys, a host eviction followed by ``None``), in order."""
+        if isinstance(hook, dict):
+            for k, t in hook.items():
+                self[k] = t
+            return
+        for i, k in enumerate(hook):
+            if k is not None:
+                self[k] = "host" if i + 1 < len(hook) and hook[i + 1] is None else "device"
+
+
+class GroupProbeAccountant(MissAccountant):
+    """Miss reasons for a layout of full-attention and sliding-window groups, by
+    probes: no events, so the manager's KV events stay the KV-event publisher's. The
+    first full-attention group is followed as in events mode (``_tracked_group``).
+
+    * The hash index (``core/hybrid.py``): its digests are probed in the pool's
+      ``(hash, group)`` map and the host tier's.
+    * The radix index (``core/radix_hybrid.py``): a full-attention group holds a block
+      on every node, so its cached missed blocks are the lookup's walked path past the
+      hit (and, for the whole-prompt hit cut to ``num_tokens - 1`` tokens, the last
+      block's node); plain keys are probed on the tree as for one group.
+
+    Evictions come from the ``evicted_by`` hook of the pool / tree and the host tier
+    (``GroupEvictions``). A block cached there but past the aligned hit is a
+    ``window`` miss, as the replay gives it. Equal to the events mode (tested against
+    the replay)."""
+
+    _tree = None  # the radix index: the manager (its tree is walked per lookup)
+
+    @classmethod
+    def for_manager(cls, manager) -> "GroupProbeAccountant":
+        from prefixcache.core.groups.base import group_suffix  # noqa: PLC0415
+        from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
+
+        from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
+
+        impl = getattr(manager, "implementation", manager)
+        tree = type(impl) is RadixHybridKVCacheManager
+        if type(impl) is not HybridKVCacheManager and not tree:
+            raise ValueError(
+                "GroupProbeAccountant probes the hash or radix index of a hybrid layout "
+                "(HybridKVCacheManager, RadixHybridKVCacheManager), not a "
+                f"{type(impl).__name__}")
+        groups = impl.kv_cache_groups
+        why = probe_refusal("radix" if tree else "hash", groups)
+        if why is not None:
+            raise ValueError(why)
+        pool = impl if tree else impl.block_pool
+        if pool.evicted_by is not None:
+            raise ValueError("this manager already has a miss accountant attached")
+        g, windowed = _tracked_group(groups)
+        acct = cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
+        acct.uses_events = False
+        suffix = group_suffix(g)
+        acct._hpool = pool
+        acct._tier = impl.host_tier
+        acct._hook = GroupEvictions(acct._dropped, suffix)
+        if tree:
+            acct._tree = acct._pool = impl  # (``_radix``: plain keys probed on the tree)
+            acct._radix = True
+        else:
+            acct._device = _GroupKeys(pool, "cached_block_hash_to_block", suffix)
+        acct._host = (() if acct._tier is None
+                      else _GroupKeys(acct._tier, "hash_to_slot", suffix))
+        acct._install()
+        return acct
+
+    def _install(self) -> None:
+        self._hpool.evicted_by = self._hook
+        if self._tier is not None:
+            self._tier.evicted_by = self._hook
+
+    def observe(self, events: Iterable) -> None:
+        raise TypeError("GroupProbeAccountant probes the manager: it takes no events")
+
+    def classify(self, request, num_hit_tokens: int) -> dict[str, int]:
+        hook = self._hpool.evicted_by
+        if hook is not self._hook:  # the pool was reset (it holds a new plain hook)
+            self.cleared()
+            self._hook.dropped = self._dropped
+            self._hook.replay(hook)  # (evictions since the reset, if any)
+            self._install()
+        if self._tree is not None:
+            self._device = self._tree_cached(request, num_hit_tokens)
+        # NOTE: the events-mode path of ``MissAccountant.classify`` reads ``_device`` /
+        # ``_host``, which are the probes here (and takes ``_dropped`` as a dict).
+        self.uses_events = True
+        try:
+            return super().classify(request, num_hit_tokens)
+        finally:
+            self.uses_events = False
+
+    def _tree_cached(self, request, num_hit_tokens: int) -> dict:
+        """The request's missed keys the tree's full-attention group holds: the walked
+        path past the hit, and the last block's node when the walk stopped short of it
+        (a lookup walks at most ``num_tokens - 1`` tokens)."""
+        from prefixcache.core.radix import _namespace, block_keys  # noqa: PLC0415
+
+        tree = self._tree
+        bs = self.block_size
+        n = request.num_tokens
+        num_full = n // bs
+        hit = num_hit_tokens // bs
+        if num_full <= hit:
+            return {}
+        nodes = tree._lookup_nodes(request)
+        ks = request.block_hashes
+        out = dict.fromkeys(ks[hit:len(nodes)], True)
+        last = num_full - 1
+        if len(nodes) == last and n == num_full * bs:
+            parent = nodes[-1] if nodes else tree._roots.get(_namespace(request))
+            if parent is not None:
+                key = block_keys(request, last, num_full, bs, tree._extras(request))[0]
+                if key in parent.children:
+                    out[ks[last]] = True
+        return out

@@ -4,6 +4,7 @@ to the replay's on the same requests; ``preempted`` for KV a preempted request l
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import pytest
@@ -101,10 +102,104 @@ def test_engine_reasons_equal_the_replays(index):
     assert engine.metrics().miss_reasons["missed_blocks"] == 0
 
 
+def _sliding_trace(seed, n=20):
+    # Random prompts of at most 63 tokens (one step: no chunked prefill), half of them
+    # a prefix of an earlier one plus new tokens; a salted copy (isolated) and an exact
+    # whole-block prefix of an earlier prompt (last_token).
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        if prompts and rng.random() < 0.5:
+            p = rng.choice(prompts)
+            p = p[:rng.randrange(8, len(p) + 1)] + [rng.randrange(1, 200)
+                                                     for _ in range(rng.randrange(0, 20))]
+        else:
+            p = [rng.randrange(1, 200) for _ in range(rng.randrange(10, 40))]
+        prompts.append(p[:63])
+    trace = [TraceRequest(f"r{i}", p, 1) for i, p in enumerate(prompts)]
+    trace.insert(3, TraceRequest("salted", trace[2].prompt, 1, cache_salt="t1"))
+    trace.insert(4, TraceRequest("exact", trace[2].prompt[:8], 1))
+    return trace
+
+
+def test_engine_sliding_window_reasons_equal_the_replays():
+    # A sliding-window model (S,S,F,S, window 16 = 2 blocks), the hash index with and
+    # without a host tier, the radix index (SWA radix tree): the engine probes its hybrid coordinator (no events), and its
+    # reasons, per request and summed (window ones included), are the replay's (events
+    # mode) on the same trace. The KV events a publisher would send are byte-equal to
+    # those of the same engine without miss reasons (the accountant takes none).
+    from prefixcache.serve.kv_events import encode_batch
+
+    bs = 8
+    config = ModelConfig.tiny_hybrid()
+    first = None
+    for index, num_host, evicted, seed in (("hash", 16, "evicted_host", 4),
+                                           ("hash", 0, "evicted_device", 4),
+                                           ("radix", 0, "evicted_device", 0)):
+        trace = _sliding_trace(seed)  # (seeds whose traces have window misses)
+        kw = dict(index=index, num_blocks=24, num_host_blocks=num_host, block_size=bs, seed=0,
+                  max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                  token_buckets=(64,), seq_buckets=(4,), page_buckets=(16,),
+                  manager_kwargs={"enable_events": True})
+        engine = Engine(config, miss_reasons=True, share_programs_with=first, **kw)
+        first = first or engine
+        plain = Engine(config, share_programs_with=first, **kw)
+        outs, wires = [], {id(engine): [], id(plain): []}
+        for tr in trace:  # one at a time: each request sees its predecessors' blocks
+            for e in (engine, plain):
+                o = e.generate([Request(tr.id, tr.prompt, cache_salt=tr.cache_salt)],
+                               SamplingParams(max_tokens=1))
+                if e is engine:
+                    outs += o
+                wires[id(e)].append(encode_batch(e.kv_cache_manager.take_events(), ts=0.0))
+        assert wires[id(engine)] == wires[id(plain)]
+        assert sum(len(w) for w in wires[id(plain)]) > 40 * len(trace)  # (events queued)
+        assert plain.metrics().miss_reasons is None
+        recs = []
+        mgr = engine.kv_cache_manager
+        pool = getattr(mgr, "block_pool", None)
+        summary = replay(trace, index=index, num_blocks=24, num_host_blocks=num_host,
+                         block_size=bs,
+                         concurrency=1, kv_cache_groups=mgr.kv_cache_groups,
+                         hash_algo="sha256",
+                         free_order=pool.free_order if pool is not None else "append",
+                         max_model_len=128, miss_reasons=True, on_record=recs.append)
+        assert [o.metrics.miss_reasons for o in outs] == [r["miss_reasons"] for r in recs]
+        got = {r for o in outs for r in o.metrics.miss_reasons}
+        assert {"cold", "isolated", "partial", evicted, "last_token", "window"} <= got, got
+        m = engine.metrics()
+        assert m.miss_reasons == summary["miss_reasons"]
+        assert m.miss_reasons["missed_blocks"] == sum(
+            _blocks(o.metrics.num_prompt_tokens, bs) - o.metrics.num_cached_tokens // bs
+            for o in outs)
+    # a reset (not an eviction) starts the accounting afresh: the evictions before it
+    # are forgotten, the prompts are cold again
+    before = set(engine.scheduler.miss_accountant._dropped)
+    assert before
+    assert mgr.reset_prefix_cache()
+    again = engine.generate([Request("again", trace[-1].prompt)], SamplingParams(max_tokens=1))
+    assert set(again[0].metrics.miss_reasons) <= {"cold", "partial"}
+    assert not before & set(engine.scheduler.miss_accountant._dropped)
+
+
 def test_engine_off_and_refusals():
-    # One rule: the engine probes an index of one full-attention group (hash or radix);
-    # a model with sliding-window layers (a group layout) is refused before anything is
-    # built (the replay classifies such layouts from events).
-    config = ModelConfig.tiny(architecture="MistralForCausalLM", sliding_window=8)
-    with pytest.raises(ValueError, match="miss_reasons=True: .*sliding-window layers"):
-        Engine(config, num_blocks=8, block_size=16, miss_reasons=True)
+    # One rule (misses.probe_refusal): the engine probes the hash or radix index, of one
+    # full-attention group or of a layout of full-attention and sliding-window groups;
+    # anything else is refused before anything is built (the replay classifies it from
+    # events).
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager
+    from prefixcache.core.kv_groups import parse_kv_groups
+    from prefixcache.sim.misses import probe_refusal
+
+    assert probe_refusal("hash", None) is None and probe_refusal("radix", None) is None
+    assert probe_refusal("radix", parse_kv_groups("full,sw16")) is None
+    assert "state checkpoints" in probe_refusal("hash", parse_kv_groups("full,mamba"))
+    assert "only sliding-window" in probe_refusal("hash", parse_kv_groups("sw16,sw32"))
+
+    class MyIndex(HashKVCacheManager):
+        INDEX_NAME = "my_index"
+
+    with pytest.raises(ValueError, match="miss_reasons=True: .*index=.*MyIndex.* probe "
+                                         "the hash or radix index"):
+        Engine(ModelConfig.tiny(), num_blocks=8, block_size=16, miss_reasons=True,
+               index=MyIndex)
