@@ -114,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-host-blocks", type=_non_negative_int, default=0)
     p.add_argument("--miss-reasons", action="store_true",
                    help="classify missed prompt blocks (cold, evicted, isolated, partial, "
-                   "last_token, preempted): per request in usage.prompt_tokens_details."
+                   "last_token, window, preempted): per request in usage.prompt_tokens_details."
                    "prefixcache_block_miss_reasons, summed in "
-                   "prefixcache:prompt_block_misses_total{reason=...} (hash index only)")
+                   "prefixcache:prompt_block_misses_total{reason=...} (hash or radix "
+                   "index; full-attention and sliding-window layers)")
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[],
                    metavar="NAME=PATH")
