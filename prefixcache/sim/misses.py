@@ -132,6 +132,9 @@ class MissAccountant:
         self.track_group = track_group
         self.windowed = windowed
         self.uses_events = True
+        # Whether ``classify`` reads the cached keys from ``_device`` / ``_host`` (the
+        # events' counts, or a subclass's own probe maps) rather than probing ``_pool``.
+        self._reads_key_maps = True
         self._pool = None  # probe mode: the pool (its hash map is re-read: reset swaps it)
         self._radix = False  # probe mode on the radix tree (``_pool`` is the manager)
         self._tier = None  # probe mode: the host tier, if any
@@ -177,6 +180,7 @@ class MissAccountant:
             if pool.evicted_by is not None:
                 raise ValueError("this manager already has a miss accountant attached")
             acct.uses_events = False
+            acct._reads_key_maps = False  # (probes ``_pool``'s hash map)
             acct._pool = pool
             pool.evicted_by = acct._dropped
             if radix:
@@ -451,7 +455,7 @@ class MissAccountant:
             memo = self._plain_memo
             if memo is not None and memo[0] is request:
                 memo[3] = None  # (a lookup again: this one decides what is registered)
-            if self.uses_events:
+            if self._reads_key_maps:
                 dev, host = self._device, self._host
             else:
                 pool = self._pool
@@ -489,7 +493,7 @@ class MissAccountant:
                 ne = lo
                 if ne:
                     nh = (list(map(dropped.__getitem__, ks[:ne])).count("host")
-                          if self._tier is not None or self.uses_events else 0)
+                          if self._tier is not None or self._reads_key_maps else 0)
                     if ne - nh:
                         reasons["evicted_device"] = ne - nh
                     if nh:
@@ -845,13 +849,9 @@ class GroupProbeAccountant(MissAccountant):
             self._install()
         if self._tree is not None:
             self._device = self._tree_cached(request, num_hit_tokens)
-        # NOTE: the events-mode path of ``MissAccountant.classify`` reads ``_device`` /
-        # ``_host``, which are the probes here (and takes ``_dropped`` as a dict).
-        self.uses_events = True
-        try:
-            return super().classify(request, num_hit_tokens)
-        finally:
-            self.uses_events = False
+        # NOTE: ``MissAccountant.classify`` reads ``_device`` / ``_host`` (``_reads_key_maps``),
+        # which are the probes here (and takes ``_dropped`` as a dict).
+        return super().classify(request, num_hit_tokens)
 
     def _tree_cached(self, request, num_hit_tokens: int) -> dict:
         """The request's missed keys the tree's full-attention group holds: the walked
