@@ -85,7 +85,7 @@ from prefixcache.core.host_tier import (
     check_tier_args,
     make_host_tier,
 )
-from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation, refusal
+from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
 from prefixcache.core.kv_cache_manager import (
     BlockPoolViews,
     _admission_checks,
@@ -402,11 +402,6 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         groups = check_kv_cache_groups(kv_cache_groups)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
-        if num_host_blocks:
-            # The one composition rule (a layout whose groups the tier does not serve).
-            why = refusal(DEFAULT_INDEX, groups, DEFAULT_POLICY, num_host_blocks)
-            if why is not None:
-                raise ValueError(why)
         # (free_order: HybridBlockPool checks it, after the policy's checks)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len)
