@@ -741,11 +741,10 @@ class _GroupKeys:
 
 
 class GroupEvictions:
-    """The ``evicted_by`` hook of a hybrid pool and its host tier: keeps the
-    evictions of one group's ``(hash, group)`` keys as ``digest -> tier`` in
-    ``dropped`` (the accountant's dict); the other groups' are ignored. Takes both
-    hook protocols: ``hook[key] = tier``, and ``hook.append(key)`` (device) /
-    ``hook += (key, None)`` (host)."""
+    """The ``evicted_by`` hook of a hybrid pool and its host tier (``hook[key] = tier``,
+    as ``BlockPool.evicted_by``): keeps the evictions of one group's ``(hash, group)``
+    keys as ``digest -> tier`` in ``dropped`` (the accountant's dict); the other groups'
+    are ignored."""
 
     __slots__ = ("dropped", "_suffix", "_n")
 
@@ -756,23 +755,10 @@ class GroupEvictions:
         if key.endswith(self._suffix):
             self.dropped[key[:-self._n]] = tier
 
-    def append(self, key: bytes) -> None:
-        self[key] = "device"
-
-    def __iadd__(self, entries):
-        self.replay(list(entries))
-        return self
-
-    def replay(self, hook) -> None:
-        """Take the entries of a plain hook (a dict ``key -> tier``, or a list of
-        keys, a host eviction followed by ``None``), in order."""
-        if isinstance(hook, dict):
-            for k, t in hook.items():
-                self[k] = t
-            return
-        for i, k in enumerate(hook):
-            if k is not None:
-                self[k] = "host" if i + 1 < len(hook) and hook[i + 1] is None else "device"
+    def replay(self, hook: dict) -> None:
+        """Take the entries of a plain hook (a dict ``key -> tier``), in order."""
+        for k, t in hook.items():
+            self[k] = t
 
 
 class GroupProbeAccountant(MissAccountant):
