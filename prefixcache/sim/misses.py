@@ -474,22 +474,29 @@ class MissAccountant:
             windowed = self.windowed
             # NOTE: one slice (the view's per-item indexing is a Python-level call).
             ks = request.block_hashes[hit:num_full]
-            if (not lost and dev.keys().isdisjoint(ks)
-                    and (not host or host.isdisjoint(ks) if type(host) is set
-                         else not host or host.keys().isdisjoint(ks))):
-                # The common case: no missed block is cached, so each one is classified
-                # alone (no chain). A block is cached only with every block before it
-                # (its key chains its parent's), so "ever cached" is a prefix of the run:
-                # its evicted blocks are the first ``ne``, found by bisection (a dict of
-                # every evicted key is large: each probe is a cache miss).
-                lo, hi = 0, len(ks)
-                if dropped:
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if ks[mid] in dropped:
-                            lo = mid + 1
-                        else:
-                            hi = mid
+            # A block is cached only with every block before it (its key chains its
+            # parent's), so "ever cached" (cached now, or evicted) is a prefix of the
+            # run: its length ``ever``, by bisection (a dict of every evicted key is
+            # large: each probe is a cache miss). The blocks past it were never cached.
+            lo, hi = 0, len(ks)
+            if dropped or dev or host:
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    k = ks[mid]
+                    if k in dropped or k in dev or (host and k in host):
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            ever = lo
+            # (a sliding-window group may cache a block whose parent it never cached:
+            # there the prefix rule holds for the evicted keys only, so all are checked)
+            head = ks if (windowed or ever == len(ks)) else ks[:ever]
+            if (not lost and dev.keys().isdisjoint(head)
+                    and (not host or host.isdisjoint(head) if type(host) is set
+                         else not host or host.keys().isdisjoint(head))):
+                # The common case: no missed block is cached (only the first ``ever``
+                # can be), so each one is classified alone (no chain): the ever-cached
+                # ones were evicted.
                 ne = lo
                 if ne:
                     nh = (list(map(dropped.__getitem__, ks[:ne])).count("host")
