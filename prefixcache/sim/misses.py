@@ -53,7 +53,9 @@ missed blocks is neither cached nor evicted, from the plain key of its own last
 registered block (``_plain_of``), block by block through the accountant's memo
 ``(parent plain key, token bytes) -> plain key``, and only up to the first block whose
 plain key was never cached ("ever cached" is prefix-closed: a block is cached only
-with its parent). Its admission registers the plain keys it hashed; the computed
+with its parent); while no request without extra keys was admitted (since a reset), no
+block is cached under a plain key, so a block the memo does not know is that first
+block, unhashed. Its admission registers the plain keys it hashed; the computed
 blocks past them wait as one pending run ``(parent plain key, first block's token
 bytes) -> its token bytes``, hashed and registered when a later lookup reaches the
 same parent and tokens (the only way to ask for them). A block then is ``isolated``
@@ -155,6 +157,10 @@ class MissAccountant:
         self._pending: dict = {}
         self._plain_of: dict = {}  # a request's own block key -> its plain key
         self._plain_tag = None  # the hasher's plain_block_tag (() where it has none)
+        # Whether a request without extra keys was admitted since the last reset: until
+        # then no block is cached under a plain key, so a plain block this accountant
+        # never hashed (nor holds pending) was never cached: no need to hash it.
+        self._plain_admitted = False
         self._lost: dict = {}  # request id -> full blocks it had computed when preempted
         # [request, b0, its plain keys from block b0 on, the first block to register at
         # admission, the parent of block b0] (``_plain_to``)
@@ -226,6 +232,7 @@ class MissAccountant:
         self._plain_next.clear()
         self._pending.clear()
         self._plain_of.clear()
+        self._plain_admitted = False
 
     # -- the cache's state, from the manager's events ---------------------------------
     def observe(self, events: Iterable) -> None:
@@ -364,6 +371,9 @@ class MissAccountant:
                 chunk = tb[p * w:(p + 1) * w]
                 d = get((parent, chunk))
                 if d is None:
+                    if not self._plain_admitted and (parent, chunk) not in self._pending:
+                        memo[3] = p  # never cached (``_plain_admitted``): not hashed
+                        return p - a
                     d = digest(parent, chunk)
                 append(d)
             if p >= depth and not (d in content or d in dev or d in dropped
@@ -606,6 +616,8 @@ class MissAccountant:
             reasons = self.classify(request, num_hit_tokens)
         if self._has_extras(request):
             self._register(request)
+        else:
+            self._plain_admitted = True
         self._plain_memo = None
         if self._lost:
             self._lost.pop(request.request_id, None)

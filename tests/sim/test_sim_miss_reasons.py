@@ -162,6 +162,12 @@ def _with_plain_copies(trace):
     return out
 
 
+class _EagerPlain(MissAccountant):
+    """Hashes every plain block it needs (never trusts "no plain request admitted")."""
+
+    _plain_admitted = property(lambda self: True, lambda self, value: None)
+
+
 @settings(max_examples=12, deadline=None)
 @given(workload=st.sampled_from(["multi_turn", "rag", "mm_salt", "mm_salt_plain"]),
        eviction=st.sampled_from(["lru", "s3fifo", "fifo"]),
@@ -188,6 +194,9 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
     probe = MissAccountant.for_manager(m)
     assert not probe.uses_events
     events = MissAccountant(BS, m.hasher)
+    # and an accountant that hashes a plain block even before any request without
+    # extra keys was admitted (where the others know it was never cached, unhashed)
+    eager = _EagerPlain(BS, m.hasher)
     running = []
     from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
@@ -198,10 +207,12 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
                       block_size=BS, lora=LoRARequest(*tr.lora) if tr.lora else None,
                       mm_features=[MultiModalFeature(*x) for x in tr.mm])
         while True:
-            events.observe(m.take_events())
+            evs = m.take_events()
+            events.observe(evs)
+            eager.observe(evs)
             computed, hit = m.get_computed_blocks(req)
             a, b = probe.lookup(req, hit), events.lookup(req, hit)
-            assert a == b, (tr.id, a, b)
+            assert a == b == eager.lookup(req, hit), (tr.id, a, b)
             admitted = m.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
             if admitted or not running:
                 break
@@ -210,6 +221,7 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
             continue
         probe.admit(req, hit, a)
         events.admit(req, hit, b)
+        eager.admit(req, hit, b)
         req.num_computed_tokens = req.num_tokens
         for step in range(tr.output_len - 1):
             req.append_output_token_ids(7 + step)
@@ -217,7 +229,7 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
                 break
             req.num_computed_tokens += 1
         running.append(req)
-    assert probe.summary() == events.summary()
+    assert probe.summary() == events.summary() == eager.summary()
 
 
 def test_bad_input():
