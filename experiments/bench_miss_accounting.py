@@ -2,6 +2,7 @@ r"""Cost of miss accounting: ``replay(miss_reasons=True)`` against the same repl
 
   python -m experiments.bench_miss_accounting --rounds=7
   python -m experiments.bench_miss_accounting --workloads=multi_turn --index=radix
+  python -m experiments.bench_miss_accounting --workloads=multi_turn,mm_salt --kv_groups=full,sw32
 
 Side by side in ONE process (on a shared machine timings drift by tens of percent over
 seconds; only a ratio of interleaved runs means anything): each round replays every
@@ -11,7 +12,9 @@ min and median ``loop_s`` of both and the on/off ratios (issue 26's target: with
 the generated workloads (``prefixcache.sim.workloads``) and, where the file exists,
 the first ``--mooncake_requests`` requests of the Mooncake conversation trace
 (``--mooncake``; hash ids as block keys, 16-token blocks). Also checks that the
-summaries off and on agree outside ``miss_reasons``. Last stdout line: one JSON
+summaries off and on agree outside ``miss_reasons``. ``--kv_groups=full,sw32``
+replays a sliding-window / hybrid layout (``kv_groups.parse_kv_groups``; default: one
+full-attention group). Last stdout line: one JSON
 record with provenance.
 """
 
@@ -41,6 +44,9 @@ _INDEX = flags.DEFINE_string("index", "hash", "Prefix index.")
 _EVICTION = flags.DEFINE_string("eviction", "lru", "Eviction policy.")
 _ALGO = flags.DEFINE_string("hash_algo", "sha256_cbor", "Hash algorithm.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_KV_GROUPS = flags.DEFINE_string(
+    "kv_groups", "", "KV cache group layout (kv_groups.parse_kv_groups, e.g. full,sw32); "
+    "'' (default): one full-attention group.")
 
 
 def _cells():
@@ -61,11 +67,13 @@ def _cells():
 
 def main(argv):
     del argv
+    from prefixcache.core.kv_groups import parse_kv_groups  # noqa: PLC0415
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     common = dict(hash_algo=_ALGO.value, free_order="unhashed_first", concurrency=4,
                   index=_INDEX.value, eviction=_EVICTION.value,
                   num_host_blocks=_NUM_HOST.value, hash_seed="0")
+    groups = parse_kv_groups(_KV_GROUPS.value) if _KV_GROUPS.value else None
     results = []
     for name, trace, kw in _cells():
         times = {False: [], True: []}
@@ -73,7 +81,7 @@ def main(argv):
         ref = None
         for rnd in range(_ROUNDS.value + 1):  # round 0: warm-up (untimed)
             for on in ((False, True) if rnd % 2 else (True, False)):
-                s = replay(trace, miss_reasons=on, **kw, **common)
+                s = replay(trace, miss_reasons=on, kv_cache_groups=groups, **kw, **common)
                 if rnd:
                     times[on].append(s["timing"]["loop_s"])
                 key = {k: v for k, v in s.items()
@@ -100,7 +108,7 @@ def main(argv):
     print(json.dumps(_common.to_jsonable({
         "benchmark": "bench_miss_accounting",
         "rounds": _ROUNDS.value,
-        "settings": common,
+        "settings": {**common, "kv_groups": _KV_GROUPS.value or None},
         "results": results,
         "provenance": _common.provenance(None, seed=_SEED.value),
     })))
