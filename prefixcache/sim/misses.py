@@ -40,8 +40,12 @@ How the cache's state is known (``MissAccountant.for_manager``):
   pool's / tree's and the host tier's ``evicted_by`` hook fills at each eviction (a
   reset gives the pool a new dict). No events, no work per cached block: one dict
   store per eviction, and per admission set operations over the missed blocks' keys.
-* events (sliding-window and state layouts): the accountant follows the manager's KV
-  events (``observe``), which it must be built to queue (``enable_events=True,
+* group probes (``GroupProbeAccountant``: a layout of full-attention and
+  sliding-window groups with a full-attention group, the hash or radix index): the
+  same, in the hybrid pool's ``(hash, group)`` map or on the tree.
+* events (where ``probe_refusal`` says why not: state groups, sliding-window-only
+  layouts, other indexes): the accountant follows the manager's KV events
+  (``observe``), which it must be built to queue (``enable_events=True,
   int_event_hashes=False``); in a group layout only the first full-attention group's
   events are followed.
 
@@ -83,14 +87,23 @@ EVICTED_BY = ("evicted_device", "evicted_host")
 
 def uses_probes(index: str, kv_cache_groups) -> bool:
     """Whether a manager built with this index and layout is followed by probes (no
-    events needed); ``False``: build it with ``enable_events=True,
-    int_event_hashes=False`` and call ``observe``."""
-    from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
-    from prefixcache.core.kv_groups import is_hybrid  # noqa: PLC0415
+    events needed: ``probe_refusal`` is ``None``); ``False``: build it with
+    ``enable_events=True, int_event_hashes=False`` and call ``observe``."""
+    return probe_refusal(index, kv_cache_groups) is None
 
-    if index not in (DEFAULT_INDEX, "radix"):
-        return False
-    return kv_cache_groups is None or not is_hybrid(tuple(kv_cache_groups))
+
+def _probes_groups(impl, kv_cache_groups) -> bool:
+    """Whether ``impl`` is a multi-group manager ``GroupProbeAccountant`` follows."""
+    from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
+    from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
+    from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
+
+    t = type(impl)
+    if t is HybridKVCacheManager:
+        return probe_refusal(DEFAULT_INDEX, kv_cache_groups) is None
+    if t is RadixHybridKVCacheManager:
+        return probe_refusal("radix", kv_cache_groups) is None
+    return False
 
 
 def _tracked_group(kv_cache_groups) -> tuple[int, bool]:
@@ -179,6 +192,8 @@ class MissAccountant:
 
         impl = getattr(manager, "implementation", manager)
         groups = getattr(manager, "kv_cache_groups", None)
+        if cls is MissAccountant and groups is not None and _probes_groups(impl, groups):
+            return GroupProbeAccountant.for_manager(manager)
         radix = type(impl) is RadixKVCacheManager  # (not the sliding-window tree)
         if isinstance(impl, HashKVCacheManager) or radix:
             acct = cls(manager.block_size, manager.hasher)

@@ -373,7 +373,7 @@ def replay(
     if miss_reasons:
         from prefixcache.sim.misses import MissAccountant, uses_probes  # noqa: PLC0415
 
-        if not uses_probes(index, cfg.kv_cache_groups):  # the radix index, group layouts
+        if not uses_probes(index, cfg.kv_cache_groups):  # (state groups, other indexes)
             manager_kw.update(enable_events=True, int_event_hashes=False)
     m = KVCacheManager(**manager_kw, log_stats=False)
     tiered = m.num_host_blocks > 0  # (validated by the manager)

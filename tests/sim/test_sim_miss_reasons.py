@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 from prefixcache.core import KVCacheManager
 from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from prefixcache.sim import workloads
-from prefixcache.sim.misses import REASONS, MissAccountant
+from prefixcache.core.kv_groups import parse_kv_groups
+from prefixcache.sim.misses import REASONS, GroupProbeAccountant, MissAccountant, _tracked_group
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import TraceRequest
 
@@ -168,13 +169,15 @@ class _EagerPlain(MissAccountant):
     _plain_admitted = property(lambda self: True, lambda self, value: None)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(workload=st.sampled_from(["multi_turn", "rag", "mm_salt", "mm_salt_plain"]),
        eviction=st.sampled_from(["lru", "s3fifo", "fifo"]),
        index=st.sampled_from(["hash", "radix"]),
        num_host_blocks=st.sampled_from([0, 6]),
-       num_blocks=st.integers(20, 120), seed=st.integers(0, 3))
-def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blocks, seed):
+       num_blocks=st.integers(20, 120), seed=st.integers(0, 3),
+       layout=st.sampled_from([None, "full,sw8", "sw8,full"]))
+def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blocks, seed,
+                             layout):
     # The hash index and the radix tree are followed by probes (pool / tree / host
     # hash maps, evicted_by hooks; plain chains hashed lazily); the KV events of the
     # same manager give the same reasons at every admission.
@@ -188,15 +191,21 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
                                **kwargs[workload])
     if workload == "mm_salt_plain":
         trace = _with_plain_copies(trace)
-    m = KVCacheManager(num_blocks, BS, eviction=eviction, num_host_blocks=num_host_blocks,
-                       index=index, enable_events=True, int_event_hashes=False,
-                       free_order="unhashed_first")
-    probe = MissAccountant.for_manager(m)
+    groups = None if layout is None else parse_kv_groups(layout)
+    if groups is not None and index == "radix":
+        num_host_blocks = 0  # (the radix multi-group manager takes no host tier)
+    m = KVCacheManager(num_blocks * (1 if groups is None else 2), BS, eviction=eviction,
+                       num_host_blocks=num_host_blocks, index=index, enable_events=True,
+                       int_event_hashes=False, free_order="unhashed_first",
+                       kv_cache_groups=groups)
+    probe = MissAccountant.for_manager(m)  # (a layout with groups: GroupProbeAccountant)
     assert not probe.uses_events
-    events = MissAccountant(BS, m.hasher)
+    assert (type(probe) is GroupProbeAccountant) == (groups is not None)
+    g, windowed = _tracked_group(groups)
+    events = MissAccountant(BS, m.hasher, track_group=g, windowed=windowed)
     # and an accountant that hashes a plain block even before any request without
     # extra keys was admitted (where the others know it was never cached, unhashed)
-    eager = _EagerPlain(BS, m.hasher)
+    eager = _EagerPlain(BS, m.hasher, track_group=g, windowed=windowed)
     running = []
     from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
@@ -235,9 +244,11 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
 def test_bad_input():
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         MissAccountant(0)
-    m = KVCacheManager(8, BS, kv_cache_groups=SLIDING)
+    m = KVCacheManager(8, BS, kv_cache_groups=parse_kv_groups("full,mamba"))
     with pytest.raises(ValueError, match="enable_events=True, int_event_hashes=False"):
-        MissAccountant.for_manager(m)
+        MissAccountant.for_manager(m)  # (state groups are followed by events)
+    assert type(MissAccountant.for_manager(KVCacheManager(8, BS, kv_cache_groups=SLIDING))
+                ) is GroupProbeAccountant
     r = KVCacheManager(8, BS, index="radix")
     assert not MissAccountant.for_manager(r).uses_events  # the tree is probed
     with pytest.raises(ValueError, match="already has a miss accountant"):
