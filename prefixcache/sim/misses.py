@@ -92,18 +92,16 @@ def uses_probes(index: str, kv_cache_groups) -> bool:
     return probe_refusal(index, kv_cache_groups) is None
 
 
-def _probes_groups(impl, kv_cache_groups) -> bool:
-    """Whether ``impl`` is a multi-group manager ``GroupProbeAccountant`` follows."""
+def _group_index(impl) -> str | None:
+    """The index of a multi-group manager ``GroupProbeAccountant`` can probe
+    (``"hash"`` / ``"radix"``), or ``None``: another kind of manager."""
     from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
-    from prefixcache.core.indexes import DEFAULT_INDEX  # noqa: PLC0415
     from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
 
     t = type(impl)
     if t is HybridKVCacheManager:
-        return probe_refusal(DEFAULT_INDEX, kv_cache_groups) is None
-    if t is RadixHybridKVCacheManager:
-        return probe_refusal("radix", kv_cache_groups) is None
-    return False
+        return "hash"
+    return "radix" if t is RadixHybridKVCacheManager else None
 
 
 def _tracked_group(kv_cache_groups) -> tuple[int, bool]:
@@ -192,8 +190,10 @@ class MissAccountant:
 
         impl = getattr(manager, "implementation", manager)
         groups = getattr(manager, "kv_cache_groups", None)
-        if cls is MissAccountant and groups is not None and _probes_groups(impl, groups):
-            return GroupProbeAccountant.for_manager(manager)
+        if cls is MissAccountant and groups is not None:
+            index = _group_index(impl)
+            if index is not None and probe_refusal(index, groups) is None:
+                return GroupProbeAccountant.for_manager(manager)
         radix = type(impl) is RadixKVCacheManager  # (not the sliding-window tree)
         if isinstance(impl, HashKVCacheManager) or radix:
             acct = cls(manager.block_size, manager.hasher)
@@ -817,19 +817,17 @@ class GroupProbeAccountant(MissAccountant):
     @classmethod
     def for_manager(cls, manager) -> "GroupProbeAccountant":
         from prefixcache.core.groups.base import group_suffix  # noqa: PLC0415
-        from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
-
-        from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
 
         impl = getattr(manager, "implementation", manager)
-        tree = type(impl) is RadixHybridKVCacheManager
-        if type(impl) is not HybridKVCacheManager and not tree:
+        index = _group_index(impl)
+        tree = index == "radix"
+        if index is None:
             raise ValueError(
                 "GroupProbeAccountant probes the hash or radix index of a hybrid layout "
                 "(HybridKVCacheManager, RadixHybridKVCacheManager), not a "
                 f"{type(impl).__name__}")
         groups = impl.kv_cache_groups
-        why = probe_refusal("radix" if tree else "hash", groups)
+        why = probe_refusal(index, groups)
         if why is not None:
             raise ValueError(why)
         pool = impl if tree else impl.block_pool
