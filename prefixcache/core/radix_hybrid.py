@@ -230,6 +230,11 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             num_blocks, block_size, max_model_len, free_order)
         self.hasher, self.policy = _radix_hasher_and_policy(
             hash_algo, hash_seed, eviction, eviction_options, num_blocks, block_size)
+        # A policy that reads each block's group (marconi) hears the layout first and
+        # each cached block's group (``on_cached_group``), as the hash index's pool.
+        self._grouped_policy = self.policy.needs_groups
+        if self._grouped_policy:
+            self.policy.set_groups(groups)  # (before any block is cached)
         self.eviction = eviction
         self.index = index
         self.kv_cache_groups = groups
@@ -739,6 +744,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         owner = self._owner
         owner_group = self._owner_group
         on_cached = self.policy.on_cached
+        grouped = self._grouped_policy
+        on_cached_group = self.policy.on_cached_group
         events = self.enable_events
         stored: list[list[int]] = [[] for _ in tables]
         for i, key in enumerate(keys, first):
@@ -765,7 +772,10 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 owner_group[b.block_id] = g
                 self._num_cached += 1
                 self.num_blocks_cached += 1
-                on_cached(b, h, request, i)
+                if grouped:
+                    on_cached_group(b, h, request, i, g)
+                else:
+                    on_cached(b, h, request, i)
                 if events:
                     stored[g].append(i)
             path.append(child)

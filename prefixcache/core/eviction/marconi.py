@@ -24,30 +24,42 @@ hash index's hybrid coordinator); a manager that tells no groups (one full-atten
 group, the radix tree) gets a full-attention block at every position, so the score
 degrades to recency plus a small position (prefix length) term.
 
-Normalisation. Marconi min-max normalises both terms over the candidates at each
-eviction. Here both are normalised by running scales so that a block's key is fixed
-when it becomes a candidate (a heap, O(log n) per operation, as every keyed policy):
-recency is the block's release stamp over ``recency_window`` clock ticks (default
-``2 x num_blocks``: a pool's worth of cache-and-release ticks, about the span of the
-candidates' stamps), efficiency is over the largest efficiency any cached block has
-had so far (so it lies in (0, 1]). ``alpha = 0`` is exactly LRU; ties fall back to LRU
-order. NOTE: Marconi tunes alpha per workload by replaying past requests (its
-"retrospective" grid search); here it is an option (default 1.0).
+Normalisation (option ``normalization``):
+
+* ``"running"`` (the default): both terms are normalised by running scales so that a
+  block's key is fixed when it becomes a candidate (a heap, O(log n) per operation, as
+  every keyed policy): recency is the block's release stamp over ``recency_window``
+  clock ticks (default ``2 x num_blocks``: a pool's worth of cache-and-release ticks,
+  about the span of the candidates' stamps), efficiency is over the largest efficiency
+  any cached block has had so far (so it lies in (0, 1]).
+* ``"minmax"``: Marconi's own rule: at each eviction both terms are min-max normalised
+  over the current candidates (recency: ``(stamp - min) / (max - min)``; a term whose
+  candidates are all equal counts 0), so a block's utility moves as the candidates
+  change. O(candidates) per eviction (numpy over the live candidates; no heap).
+
+In both, ``alpha = 0`` is exactly LRU and ties fall back to LRU order (then the order
+the blocks became candidates). NOTE: Marconi tunes alpha per workload by replaying past
+requests (its "retrospective" grid search); here it is an option (default 1.0).
 
 Options (checked before anything is built): ``alpha`` (a finite real >= 0), ``model``
 (a ``prefixcache.cost_model.MODEL_PRESETS`` name or a ``ModelShape``: the per-layer
 shape), ``state_bytes_per_layer`` (a state snapshot's bytes per layer; default
 Mamba2's with expand 2, d_state 128, d_conv 4: ``(2 d_model x 128 + 4 x (2 d_model +
-256)) x dtype_bytes``), ``recency_window`` (clock ticks, a positive int).
+256)) x dtype_bytes``), ``recency_window`` (clock ticks, a positive int; ``"running"``
+only), ``normalization`` (``"running"`` or ``"minmax"``).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from prefixcache._validate import check_positive_int
-from prefixcache.core.eviction.base import KeyedPolicy
+from prefixcache.core.eviction.base import KeyedPolicy, PolicyError
 from prefixcache.core.eviction.cost import DEFAULT_MODEL, model_shape
+
+NORMALIZATIONS = ("running", "minmax")
 
 # Mamba2's state shape defaults (expand, d_state, d_conv) for state_bytes_per_layer.
 _MAMBA2_EXPAND, _MAMBA2_D_STATE, _MAMBA2_D_CONV = 2, 128, 4
@@ -67,7 +79,10 @@ class MarconiPolicy(KeyedPolicy):
         alpha: the weight of FLOP efficiency (finite, >= 0; 0 is LRU).
         model: a ``MODEL_PRESETS`` name or a ``ModelShape`` (per-layer FLOPs and KV).
         state_bytes_per_layer: bytes of one state snapshot per layer (None: Mamba2's).
-        recency_window: clock ticks one unit of recency spans (None: 2 x num_blocks).
+        recency_window: clock ticks one unit of recency spans (None: 2 x num_blocks;
+            ``"running"`` only).
+        normalization: ``"running"`` (fixed keys, a heap) or ``"minmax"`` (Marconi's
+            min-max over the candidates at each eviction).
     """
 
     name = "marconi"
@@ -76,8 +91,14 @@ class MarconiPolicy(KeyedPolicy):
 
     def __init__(self, num_blocks: int, *, block_size: int, alpha: float = 1.0,
                  model=DEFAULT_MODEL, state_bytes_per_layer: int | None = None,
-                 recency_window: int | None = None):
+                 recency_window: int | None = None, normalization: str = "running"):
         super().__init__(num_blocks)
+        if not isinstance(normalization, str) or normalization not in NORMALIZATIONS:
+            raise ValueError(f"marconi: normalization must be one of {NORMALIZATIONS}, "
+                             f"got {normalization!r}")
+        if normalization == "minmax" and recency_window is not None:
+            raise ValueError("marconi: recency_window is the running normalisation's "
+                             "scale; normalization='minmax' takes none")
 
         block_size = _positive_int("block_size", block_size)
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
@@ -112,6 +133,17 @@ class MarconiPolicy(KeyedPolicy):
         self.efficiency = [0.0] * num_blocks  # of each cached block
         self.group = [0] * num_blocks
         self.score = [0.0] * num_blocks  # the utility at add() (the key's first term)
+        self.normalization = normalization
+        # "minmax": the candidates in numpy (the heap is not used): live flags, the
+        # release stamp and efficiency each had when it became a candidate, and the
+        # order it did (the last tie-break); the block objects by id.
+        self._minmax = normalization == "minmax"
+        if self._minmax:
+            self._mm_live = np.zeros(num_blocks, dtype=bool)
+            self._mm_stamp = np.zeros(num_blocks, dtype=np.float64)
+            self._mm_eff = np.zeros(num_blocks, dtype=np.float64)
+            self._mm_order = np.zeros(num_blocks, dtype=np.int64)
+            self._mm_block: list = [None] * num_blocks
 
     # -- the FLOP / byte model ---------------------------------------------------------
     def set_groups(self, groups) -> None:
@@ -179,6 +211,123 @@ class MarconiPolicy(KeyedPolicy):
         # NOTE: the efficiency scale may have grown since add(): the key stays as set.
         bid = block.block_id
         return (self.score[bid], self.released_at[bid])
+
+    # -- "minmax": the candidates in numpy, utilities at each eviction --------------
+    def utilities(self, block_ids) -> np.ndarray:
+        """Marconi's min-max utilities of candidates ``block_ids`` (as at an eviction
+        now: recency and efficiency each min-max normalised over ALL candidates)."""
+        if not self._minmax:
+            raise ValueError("marconi: utilities() is the minmax normalisation's")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        live = np.flatnonzero(self._mm_live)
+        bad = ids[~np.isin(ids, live)]
+        if len(bad):
+            raise ValueError(f"marconi: blocks {bad[:10].tolist()} are not candidates")
+        if not len(ids):
+            return np.zeros(0)
+        return self._utilities(live)[1][np.searchsorted(live, ids)]
+
+    def _utilities(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        st = self._mm_stamp[ids]
+        u = st - st.min()
+        span = u.max()
+        if span > 0:
+            u /= span
+        else:
+            u[:] = 0.0
+        if self.alpha:
+            ef = self._mm_eff[ids]
+            e = ef - ef.min()
+            espan = e.max()
+            if espan > 0:
+                u += self.alpha * (e / espan)
+        return st, u
+
+    def _order(self) -> np.ndarray:
+        """The live candidates' ids, the next victim first (utility, then stamp, then
+        the order they became candidates)."""
+        ids = np.flatnonzero(self._mm_live)
+        if not len(ids):
+            return ids
+        st, u = self._utilities(ids)
+        return ids[np.lexsort((self._mm_order[ids], st, u))]
+
+    def add(self, block) -> None:
+        if not self._minmax:
+            return KeyedPolicy.add(self, block)
+        bid = block.block_id
+        if self._mm_live[bid]:
+            raise PolicyError(f"{self.name}: block {bid} is already a candidate")
+        self._next_token += 1
+        self._mm_live[bid] = True
+        self._mm_stamp[bid] = self.released_at[bid]
+        self._mm_eff[bid] = self.efficiency[bid]
+        self._mm_order[bid] = self._next_token
+        self._mm_block[bid] = block
+        self._n += 1
+        return None
+
+    def discard(self, block) -> None:
+        if not self._minmax:
+            return KeyedPolicy.discard(self, block)
+        bid = block.block_id
+        if not self._mm_live[bid]:
+            raise PolicyError(f"{self.name}: block {bid} is not a candidate")
+        self._mm_live[bid] = False
+        self._mm_block[bid] = None
+        self._n -= 1
+        return None
+
+    def pop(self):
+        if not self._minmax:
+            return KeyedPolicy.pop(self)
+        ids = np.flatnonzero(self._mm_live)
+        if not len(ids):
+            raise PolicyError(f"{self.name}: pop() with no candidates")
+        st, u = self._utilities(ids)
+        # the smallest utility; among equal ones the oldest stamp, then the first added
+        m = np.flatnonzero(u == u.min())
+        if len(m) > 1:
+            m = m[np.lexsort((self._mm_order[ids[m]], st[m]))]
+        bid = int(ids[m[0]])
+        block = self._mm_block[bid]
+        self._mm_live[bid] = False
+        self._mm_block[bid] = None
+        self._n -= 1
+        return block
+
+    def clear(self) -> None:
+        KeyedPolicy.clear(self)
+        if self._minmax:
+            self._mm_live[:] = False
+            self._mm_block = [None] * self.num_blocks
+
+    def candidate_ids(self) -> list[int]:
+        if not self._minmax:
+            return KeyedPolicy.candidate_ids(self)
+        return self._order().tolist()
+
+    def check_invariants(self, candidate_ids) -> None:
+        if not self._minmax:
+            return KeyedPolicy.check_invariants(self, candidate_ids)
+        live = np.flatnonzero(self._mm_live)
+        if len(live) != self._n:
+            raise PolicyError(f"{self.name}: {len(live)} live candidates but {self._n} "
+                              "counted")
+        for bid in live.tolist():
+            b = self._mm_block[bid]
+            if b is None or b.block_id != bid:
+                raise PolicyError(f"{self.name}: candidate {bid} holds no block of its id")
+            if (self._mm_stamp[bid] != self.released_at[bid]
+                    or self._mm_eff[bid] != self.efficiency[bid]):
+                raise PolicyError(
+                    f"{self.name}: candidate block {bid} was added with stamp "
+                    f"{self._mm_stamp[bid]} / efficiency {self._mm_eff[bid]} but has "
+                    f"{self.released_at[bid]} / {self.efficiency[bid]} now (metadata "
+                    "changed without a rekey)")
+        # (the candidate-set comparison of every policy)
+        super(KeyedPolicy, self).check_invariants(candidate_ids)
+        return None
 
 
 __all__ = ["MarconiPolicy"]
