@@ -29,6 +29,15 @@ marconi (Marconi's FLOP-aware eviction, alpha 1, llama_3_1_8b per-layer FLOPs, M
 state bytes; session 10; quick cells pinned as above):
   multi_turn 2048 blocks: full,full 0.540  full,mamba 0.778  full,mamba_r0 0.681
   (LRU 0.547 / 0.774 / 0.684); 8192 blocks and shared_system_prompt: LRU's figures.
+marconi_minmax (the same score min-max normalised over the candidates at each eviction,
+Marconi's rule; session 12): multi_turn 2048 blocks: full,full 0.267  full,mamba 0.751
+  full,mamba_r0 0.653; 8192 blocks and shared_system_prompt: LRU's figures. Min-max
+  stretches the small FLOP differences between attention blocks (deeper = a little more
+  attention saved) to the whole [0, 1], as wide as recency: at alpha 1 shallow blocks
+  go first and break the chains behind them (the hash pool may evict any released block;
+  on the radix index, which evicts leaves only, one group: 0.739 vs LRU 0.788). Small
+  alphas recover (Marconi tunes alpha per workload): full,mamba at alpha 0.01 / 0.05 /
+  0.2: 0.774 / 0.774 / 0.776 (LRU 0.774); full,full: 0.547 / 0.540 / 0.531.
 queue_aware (the replay's look-ahead of 8 waiting requests; per group, the blocks each
 one's hit would use: every prompt block in full attention, the state at the hit):
   multi_turn 2048 blocks: full,full 0.641  full,mamba 0.785  full,mamba_r0 0.686;
@@ -61,7 +70,12 @@ def get_config(arg=None):
     # prefixcache.core.eviction names (no future-readers); marconi: Marconi's FLOP-aware
     # eviction score (recency + alpha x FLOPs saved per byte, per group kind);
     # queue_aware: the replay's look-ahead of `concurrency` waiting requests, per group.
-    c.policies = "lru,lfu,s3fifo,marconi,queue_aware"
+    # marconi_minmax: marconi with Marconi's own min-max normalisation over the
+    # candidates at each eviction (policy_variants: label -> eviction + options).
+    c.policies = "lru,lfu,s3fifo,marconi,marconi_minmax,queue_aware"
+    c.policy_variants = ml_collections.ConfigDict({
+        "marconi_minmax": {"eviction": "marconi", "options": {"normalization": "minmax"}},
+    })
     c.capacities = "2048,8192"  # blocks
     c.block_size = 16
     c.concurrency = 8

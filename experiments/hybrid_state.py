@@ -17,8 +17,15 @@ Outputs in ``--workdir``: ``hybrid_state.jsonl`` (one row per cell, each with it
 provenance). stdout: a table; the last line one JSON object (the rows without
 provenance).
 
-Bad input (unknown workload, layout entry, policy; a policy that needs the trace's
-future; a non-positive capacity) -> ``ValueError`` before any cell runs.
+A ``policies`` entry is a registered policy name or a label of ``policy_variants``
+(label -> ``{"eviction": name, "options": {...}}``: the policy with those
+``eviction_options``, e.g. ``marconi_minmax``: marconi with Marconi's min-max
+normalisation); rows carry the label as ``policy`` and the ``eviction`` /
+``eviction_options`` they ran.
+
+Bad input (unknown workload, layout entry, policy or variant; a variant's options its
+policy refuses; a policy that needs the trace's future; a non-positive capacity) ->
+``ValueError`` before any cell runs.
 """
 
 from __future__ import annotations
@@ -45,10 +52,31 @@ def cells(config) -> list[dict]:
     layouts = [layout.replace(";", ",") for layout in _split(config.layouts, "|")]
     for layout in layouts:
         parse_kv_groups(layout)  # bad entry -> ValueError
+    from prefixcache.core.eviction import make_policy  # noqa: PLC0415
+
     policies = _split(config.policies)
+    variants = _common.to_jsonable(config.get("policy_variants") or {})
+    runs = {}  # label -> (policy name, options)
     for p in policies:
-        if get_policy_class(p).needs_future:  # unknown -> ValueError
+        if p in variants:
+            v = variants[p]
+            if not isinstance(v, dict) or set(v) - {"eviction", "options"} \
+                    or "eviction" not in v:
+                raise ValueError(f"policy_variants[{p!r}] must be {{'eviction': name, "
+                                 f"'options': {{...}}}}, got {v!r}")
+            name, options = v["eviction"], dict(v.get("options") or {})
+        else:
+            name, options = p, {}
+        cls = get_policy_class(name)  # unknown -> ValueError
+        if cls.needs_future:
             raise ValueError(f"policy {p!r} needs the trace's future: not in this study")
+        if options:  # (the policy's own checks, before any cell runs)
+            kw = {"block_size": config.block_size} if cls.needs_block_size else {}
+            try:
+                make_policy(name, num_blocks=2, **kw, **options)
+            except TypeError as e:
+                raise ValueError(f"policy_variants[{p!r}]: {e}") from None
+        runs[p] = (name, options)
     capacities = []
     for c in _split(config.capacities):
         if not c.isdigit() or int(c) < 1:
@@ -56,7 +84,8 @@ def cells(config) -> list[dict]:
         capacities.append(int(c))
     if not (workloads and layouts and policies and capacities):
         raise ValueError("workloads, layouts, policies and capacities must be non-empty")
-    return [dict(workload=w, layout=lay, policy=p, num_blocks=n)
+    return [dict(workload=w, layout=lay, policy=p, eviction=runs[p][0],
+                 eviction_options=runs[p][1], num_blocks=n)
             for w in workloads for lay in layouts for p in policies for n in capacities]
 
 
@@ -81,7 +110,8 @@ def run(config, *, progress: bool = False) -> dict:
         t0 = time.perf_counter()
         s = replay(traces[w], num_blocks=cell["num_blocks"], block_size=config.block_size,
                    hash_algo=config.hash_algo, hash_seed=0, free_order=config.free_order,
-                   concurrency=config.concurrency, eviction=cell["policy"],
+                   concurrency=config.concurrency, eviction=cell["eviction"],
+                   eviction_options=cell["eviction_options"] or None,
                    kv_cache_groups=parse_kv_groups(cell["layout"]),
                    on_record=lambda r: chunked.append("prefill_chunks" in r))
         rows.append({
@@ -96,10 +126,10 @@ def run(config, *, progress: bool = False) -> dict:
         })
         bar.update(1)
     bar.close()
-    print(f"{'workload':>22} {'layout':>13} {'policy':>11} {'blocks':>6} {'hit':>6} "
+    print(f"{'workload':>22} {'layout':>13} {'policy':>14} {'blocks':>6} {'hit':>6} "
           f"{'hit tok':>9} {'evict':>7} {'peak':>6} {'mean':>7}")
     for r in rows:
-        print(f"{r['workload']:>22} {r['layout']:>13} {r['policy']:>11} {r['num_blocks']:>6} "
+        print(f"{r['workload']:>22} {r['layout']:>13} {r['policy']:>14} {r['num_blocks']:>6} "
               f"{r['hit_rate_tokens']:6.3f} {r['hit_tokens']:>9} {r['evictions']:>7} "
               f"{r['peak_cached_blocks']:>6} {r['mean_cached_blocks']:>7}")
     if workdir is not None:
