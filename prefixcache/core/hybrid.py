@@ -133,6 +133,11 @@ class HybridBlockPool(BlockPool):
         # NOTE: the padding page; not in self.blocks (ids 0..num_blocks-1 stay the pool).
         self.null_block = KVCacheBlock(num_blocks)
         self._groups = groups
+        # Miss accounting (``misses.GroupProbeAccountant``, no host tier): the suffix
+        # of the one group whose evictions ``evicted_by`` gets, as plain digests (the
+        # other groups' cost one ``endswith``); ``None``: ``evicted_by`` takes every
+        # ``(hash, group)`` key (a filtering hook: ``misses.GroupEvictions``).
+        self.evicted_suffix: bytes | None = None
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop ``block`` from the hash map (it is being reused)."""
@@ -154,8 +159,13 @@ class HybridBlockPool(BlockPool):
                 f"{block.block_id} that carries it")
         block.block_hash = None
         self.num_evictions += 1
-        if self.evicted_by is not None:  # miss accounting's hook (``BlockPool.evicted_by``;
-            self.evicted_by[key] = "device"  # the (hash, group) key: misses.GroupEvictions)
+        ev = self.evicted_by  # miss accounting's hook (``BlockPool.evicted_by``)
+        if ev is not None:
+            sfx = self.evicted_suffix
+            if sfx is None:
+                ev[key] = "device"  # (the (hash, group) key: misses.GroupEvictions)
+            elif key.endswith(sfx):
+                ev[key[:-_KEY_BYTES]] = "device"  # (the tracked group's digest)
         if self.enable_events:
             self.events.append(BlockRemoved(
                 block_hashes=[self._event_hash(key[:-_KEY_BYTES])], medium=MEDIUM_GPU,

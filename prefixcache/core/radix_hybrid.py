@@ -95,7 +95,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.groups.base import check_group_hits, group_suffix
+from prefixcache.core.groups.base import check_group_hits
 from prefixcache.core.groups.sliding_window import check_leading_nulls, longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
@@ -280,11 +280,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self.num_host_blocks = 0
         self.host_eviction = host_eviction
         self.host_hit_tokens = 0
-        # Miss accounting's hook (the replay follows this layout's KV events; the engine
-        # probes: ``misses.GroupProbeAccountant`` sets it to a ``GroupEvictions``, which
-        # takes ``(hash, group)`` keys); the shared reset
+        # Miss accounting's hook (``misses.GroupProbeAccountant``): a dict that each
+        # eviction of group ``evicted_group``'s blocks sets ``evicted_by[digest] =
+        # "device"`` in (the other groups' are not recorded); the shared reset
         # (``RadixKVCacheManager.reset_prefix_cache``) replaces it with a new dict.
         self.evicted_by = None
+        self.evicted_group: int | None = None
 
     @property
     def null_block_id(self) -> int:
@@ -621,8 +622,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             self.events.append(BlockRemoved(
                 block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
                 group_idx=g))
-        if self.evicted_by is not None:  # miss accounting's hook (misses.GroupEvictions)
-            self.evicted_by[b.block_hash + group_suffix(g)] = "device"
+        if self.evicted_by is not None and g == self.evicted_group:
+            self.evicted_by[b.block_hash] = "device"  # miss accounting's hook: the digest
         b.block_hash = None
         self._owner[b.block_id] = None
         self._num_cached -= 1

@@ -807,8 +807,10 @@ class GroupProbeAccountant(MissAccountant):
       hit (and, for the whole-prompt hit cut to ``num_tokens - 1`` tokens, the last
       block's node); plain keys are probed on the tree as for one group.
 
-    Evictions come from the ``evicted_by`` hook of the pool / tree and the host tier
-    (``GroupEvictions``). A block cached there but past the aligned hit is a
+    Evictions come from the ``evicted_by`` hook of the pool / tree: a plain dict of
+    the tracked group's digests, which the pool (``evicted_suffix``) or tree
+    (``evicted_group``) filters itself; with a host tier, a ``GroupEvictions`` that
+    the pool and the tier both feed ``(hash, group)`` keys. A block cached there but past the aligned hit is a
     ``window`` miss, as the replay gives it. Equal to the events mode (tested against
     the replay)."""
 
@@ -839,7 +841,17 @@ class GroupProbeAccountant(MissAccountant):
         suffix = group_suffix(g)
         acct._hpool = pool
         acct._tier = impl.host_tier
-        acct._hook = GroupEvictions(acct._dropped, suffix)
+        # No host tier: the pool / tree records the tracked group's digests itself
+        # (``evicted_suffix`` / ``evicted_group``: no Python call per eviction); with
+        # one, device and host tier both feed a filtering hook (``GroupEvictions``).
+        if acct._tier is None:
+            acct._hook = None
+            if tree:
+                pool.evicted_group = g
+            else:
+                pool.evicted_suffix = suffix
+        else:
+            acct._hook = GroupEvictions(acct._dropped, suffix)
         if tree:
             acct._tree = acct._pool = impl  # (``_radix``: plain keys probed on the tree)
             acct._radix = True
@@ -851,6 +863,9 @@ class GroupProbeAccountant(MissAccountant):
         return acct
 
     def _install(self) -> None:
+        if self._hook is None:
+            self._hpool.evicted_by = self._dropped
+            return
         self._hpool.evicted_by = self._hook
         if self._tier is not None:
             self._tier.evicted_by = self._hook
@@ -860,7 +875,11 @@ class GroupProbeAccountant(MissAccountant):
 
     def classify(self, request, num_hit_tokens: int) -> dict[str, int]:
         hook = self._hpool.evicted_by
-        if hook is not self._hook:  # the pool was reset (it holds a new plain hook)
+        if self._hook is None:
+            if hook is not self._dropped:  # the pool was reset: its new dict is the record
+                self.cleared()
+                self._dropped = hook
+        elif hook is not self._hook:  # the pool was reset (it holds a new plain hook)
             self.cleared()
             self._hook.dropped = self._dropped
             self._hook.replay(hook)  # (evictions since the reset, if any)

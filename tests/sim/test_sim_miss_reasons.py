@@ -175,9 +175,10 @@ class _EagerPlain(MissAccountant):
        index=st.sampled_from(["hash", "radix"]),
        num_host_blocks=st.sampled_from([0, 6]),
        num_blocks=st.integers(20, 120), seed=st.integers(0, 3),
-       layout=st.sampled_from([None, "full,sw8", "sw8,full"]))
+       layout=st.sampled_from([None, "full,sw8", "sw8,full"]),
+       reset_at=st.integers(0, 14))
 def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blocks, seed,
-                             layout):
+                             layout, reset_at):
     # The hash index and the radix tree are followed by probes (pool / tree / host
     # hash maps, evicted_by hooks; plain chains hashed lazily); the KV events of the
     # same manager give the same reasons at every admission.
@@ -209,7 +210,11 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
     running = []
     from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 
-    for tr in trace:
+    for i, tr in enumerate(trace):
+        if i == reset_at and i:  # a prefix-cache reset part-way (not an eviction)
+            while running:
+                m.free(running.pop(0))
+            assert m.reset_prefix_cache()
         if len(running) >= 2:
             m.free(running.pop(0))
         req = Request(tr.id, tr.prompt, cache_salt=tr.cache_salt, hasher=m.hasher,
