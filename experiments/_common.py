@@ -476,6 +476,17 @@ def load_requests(config, workdir: str | os.PathLike | None = None, *,
     return reqs, total
 
 
+def check_dataset_block_size(config) -> None:
+    """A replay of a registered hash-id dataset (``config.dataset``) uses its tokens per
+    hash id as ``config.block_size`` (``prefixcache.sim.datasets.check_block_size``:
+    ``DatasetError``, a ``ValueError``, before anything is read); a trace given as a
+    file (``config.trace``) is not checked (the token path at any block size)."""
+    if config.get("dataset"):
+        from prefixcache.sim import datasets  # noqa: PLC0415
+
+        datasets.check_block_size(config.dataset, config.block_size)
+
+
 def trace_path(config, *, progress: bool = False) -> str:
     """The trace file the config names: its ``trace``, or its ``dataset``'s local copy.
 

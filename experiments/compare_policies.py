@@ -84,10 +84,7 @@ def resolve_grid(config) -> dict:
     from prefixcache.sim import compare  # noqa: PLC0415
 
     _parallel.check_executor(config.executor, config.workers)
-    if config.get("dataset"):  # a hash-id trace is replayed at its own block size
-        from prefixcache.sim import datasets  # noqa: PLC0415
-
-        datasets.check_block_size(config.dataset, config.block_size)
+    _common.check_dataset_block_size(config)  # (a hash-id dataset: its own block size)
     for field in ("block_size", "concurrency"):
         v = config[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -94,6 +94,7 @@ def resolve(config) -> dict:
     for field in ("num_blocks", "block_size", "concurrency", "num_chips",
                   "max_num_batched_tokens", "max_num_seqs"):
         check_count(field, config[field], min=1)
+    _common.check_dataset_block_size(config)
     check_count("des_max_requests", config.des_max_requests)
     multiples = parse_multiples(config.host_multiples)
     online = tuple(p for p in POLICIES if not get_policy_class(p).needs_future)

@@ -58,6 +58,7 @@ def run(config, *, progress: bool = False) -> dict:
     """
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
+    _common.check_dataset_block_size(config)  # (before the workdir is touched)
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     out = config.out or (str(workdir / "requests.jsonl") if workdir else "")
     first, total = _common.load_requests(config, workdir, progress=progress)

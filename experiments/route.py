@@ -87,6 +87,7 @@ def check_config(config) -> tuple[list[str], list[int]]:
     if config.num_blocks < 0 or config.block_size < 1:
         raise ValueError("num_blocks must be >= 0 (0: all HBM left after the weights) and "
                          "block_size >= 1")
+    _common.check_dataset_block_size(config)
     from prefixcache._validate import check_count  # noqa: PLC0415
 
     check_count("num_host_blocks", config.num_host_blocks)

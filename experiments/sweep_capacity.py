@@ -182,6 +182,7 @@ def run(config, *, progress: bool = False) -> dict:
     _kv_budget.resolve(capacities=config.capacities, kv_bytes=config.get("kv_bytes", ""),
                        kv_dtype=config.get("kv_dtype", "bfloat16"),
                        model=config.get("model", "llama_3_2_1b"), block_size=config.block_size)
+    _common.check_dataset_block_size(config)
     workdir = _common.prepare_workdir(config.workdir)
     requests = list(_common.requests_from_config(config, workdir))
     rows = kv_sweep(requests, config=config, warmup_requests=config.warmup_requests,
