@@ -810,8 +810,8 @@ class GroupProbeAccountant(MissAccountant):
     Evictions come from the ``evicted_by`` hook of the pool / tree: a plain dict of
     the tracked group's digests, which the pool (``evicted_suffix``) or tree
     (``evicted_group``) filters itself; with a host tier, a ``GroupEvictions`` that
-    the pool and the tier both feed ``(hash, group)`` keys. A block cached there but past the aligned hit is a
-    ``window`` miss, as the replay gives it. Equal to the events mode (tested against
+    the pool and the tier both feed ``(hash, group)`` keys. A block cached there but
+    past the aligned hit is a ``window`` miss, as the replay gives it. Equal to the events mode (tested against
     the replay)."""
 
     _tree = None  # the radix index: the manager (its tree is walked per lookup)
