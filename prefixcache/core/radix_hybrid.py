@@ -44,6 +44,14 @@ so full KV is evicted leaf by leaf and nothing strands. Free blocks without a ha
 reused first. Available blocks = free unhashed + free cached sliding-window blocks +
 full blocks of unlocked nodes.
 
+Waiting queue (a policy with ``needs_waiting``: ``queue_aware``). ``on_waiting`` announces
+a waiting request's prompt blocks to the policy as ``(hash, group id)`` keys, per group
+the blocks its hit would use (``waiting_keys``, the hash coordinator's rule: every
+full-attention prompt block, a sliding window's blocks inside the window at the aligned
+hit); admission drops the request. The path a prompt's hashes lead to is found through a
+hash -> node index the tree keeps only with such a policy (``_node_by_hash``: no cost on
+the hot paths otherwise).
+
 Invariants (``check_invariants``):
     * Every cached block is exactly one node's ``blocks[g]`` (its group), with a hash
       (the request's chained digest at the node's depth); every node is reachable; a
@@ -57,6 +65,8 @@ Invariants (``check_invariants``):
       duplicate; slots past the path hold no hash.
     * The policy's candidates are exactly the free cached sliding-window blocks and the
       full blocks of unlocked leaves.
+    * With a waiting-queue policy: the hash index is exactly the tree's nodes, each
+      under its blocks' hash; no request that holds blocks is still waiting.
     * A call that raises changes nothing. NOTE: one that returns ``None`` may have
       released a running request's blocks before its window, as vLLM does (and the hash
       index's hybrid manager).
@@ -126,9 +136,11 @@ class _HybridNode:
         children: child key -> node.
         blocks: per group, the cached ``KVCacheBlock`` or ``None`` (a tombstone).
         lock: running requests whose path holds this node.
+        block_hash: the chained block hash of the position; set (and read) only while
+            the manager keeps its hash index (a waiting-queue policy: ``_node_by_hash``).
     """
 
-    __slots__ = ("key", "parent", "children", "blocks", "lock")
+    __slots__ = ("key", "parent", "children", "blocks", "lock", "block_hash")
 
     def __init__(self, key, parent: "_HybridNode | None", blocks: list | None):
         self.key = key
@@ -235,6 +247,14 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._grouped_policy = self.policy.needs_groups
         if self._grouped_policy:
             self.policy.set_groups(groups)  # (before any block is cached)
+        # A policy that reads the waiting queue (queue_aware): the per-group waiting
+        # hooks (on_waiting -> waiting_keys) feed it and admission drops the request.
+        # It needs the path a prompt's block hashes lead to, so the tree then keeps a
+        # hash -> node index (``_node_by_hash``: set in ``_cache``, cleared in
+        # ``_drop_node``); None otherwise, and the hot paths pay one check per call.
+        self._waiting_policy = self.policy if self.policy.needs_waiting else None
+        self._node_by_hash: dict[bytes, _HybridNode] | None = (
+            {} if self._waiting_policy is not None else None)
         self.eviction = eviction
         self.index = index
         self.kv_cache_groups = groups
@@ -373,6 +393,95 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         if not self.enable_caching:
             return 0
         return self._longest_hit(self._lookup_nodes(request))[1] * self.block_size
+
+    # ------------------------------------------------------- the waiting queue
+    def on_waiting(self, request_id, block_hashes) -> None:
+        """``request_id`` joined the waiting queue with the prompt block hashes it can
+        hit (``request.block_hashes[:(request.num_tokens - 1) // block_size]``), as
+        ``HybridKVCacheManager.on_waiting``: a policy with ``needs_waiting``
+        (``queue_aware``) then keeps, per group, the cached blocks the request's hit
+        would use (``waiting_keys``) until it is admitted (``allocate_slots`` drops it)
+        or leaves (``drop_waiting``, inherited); a no-op for every other policy.
+
+        Raises:
+            ArgumentTypeError: a hash is not ``bytes``. ValueError: the request is
+            already waiting. Nothing changed.
+        """
+        if self._waiting_policy is not None:
+            self._waiting_policy.on_waiting(request_id, self.waiting_keys(block_hashes))
+
+    def waiting_keys(self, block_hashes) -> list[tuple[bytes, int]]:
+        """The ``(block hash, group id)`` keys a waiting request holding the prompt
+        blocks ``block_hashes`` would hit, per group, as the tree is now -- the hash
+        index's rule (``HybridKVCacheManager.waiting_keys``): the aligned hit ``L``
+        over the tree path those hashes lead to (``_longest_hit``), then
+
+        * a full-attention group keeps every prompt block (``queue_aware``'s NOTE:
+          deeper blocks are the ones a chain extension reuses);
+        * a sliding-window group keeps the blocks its hit of ``L`` tokens holds past
+          its skipped tokens (``_skipped_tokens(g, L)``, as admission keeps them): the
+          blocks inside the window ending at ``L``; none when ``L == 0``;
+        * a ``W == 1`` group caches no block: no key.
+
+        NOTE: ``L`` is the hit at the announcement (as the hash index): sliding-window
+        blocks cached later that would lengthen it are not protected.
+        """
+        if isinstance(block_hashes, (str, bytes)):
+            raise ArgumentTypeError(
+                f"block_hashes must be a sequence of block hashes (bytes), got {block_hashes!r}")
+        hashes = list(block_hashes)
+        for h in hashes:
+            if type(h) is not bytes:
+                raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
+        n = len(hashes)
+        hit = 0
+        if n and self.enable_caching:
+            nodes = self._path_of_hashes(hashes)
+            if nodes:
+                hit = self._longest_hit(nodes)[1]
+        num_hit = hit * self.block_size
+        bs = self.block_size
+        keys = []
+        for g, w in enumerate(self._windows):
+            if not self._cacheable[g]:
+                continue
+            if w is None:
+                lo, hi = 0, n
+            else:
+                lo, hi = self._skipped_tokens(g, num_hit) // bs, hit
+            keys.extend((hashes[i], g) for i in range(lo, hi))
+        return keys
+
+    def _path_of_hashes(self, hashes: list[bytes]) -> list[_HybridNode]:
+        """The tree path (from a namespace's root) whose positions carry the chained
+        block hashes ``hashes[:len(path)]``, as long as the tree holds it: the deepest
+        ``hashes[i]`` found at depth ``i``, with its ancestors. (Block hashes chain the
+        LoRA adapter, items and salt, so one map over every root suffices.)
+
+        With a waiting-queue policy the hash index answers (every node, tombstones
+        included); without one the tree keeps no index (the hot paths pay nothing for
+        it), so this maps the present blocks' hashes first (O(tree)) -- the same path
+        up to trailing all-tombstone nodes, which no group's hit ends in."""
+        by_hash = self._node_by_hash
+        if by_hash is None:
+            by_hash = {}
+            for _, child in _tree_edges(self._roots, "blocks"):
+                for b in child.blocks:
+                    if b is not None:
+                        by_hash[b.block_hash] = child
+                        break
+        for i in range(len(hashes) - 1, -1, -1):
+            node = by_hash.get(hashes[i])
+            if node is None:
+                continue
+            path = []
+            while node.blocks is not None:  # up to the root
+                path.append(node)
+                node = node.parent
+            if len(path) == i + 1:  # (else a hash collision across depths: skip it)
+                path.reverse()
+                return path
+        return []
 
     # ------------------------------------------------------------- allocation
     def _check_hit_blocks(self, new_computed_blocks):
@@ -517,6 +626,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 num_null.append(skipped)
             st = _HybridRadixState(request, tables, list(nodes), _namespace(request), bs,
                                    num_null)
+            if self._waiting_policy is not None:  # admitted: no longer waiting
+                self._waiting_policy.drop_waiting(request.request_id)
             self._states[request.request_id] = st
             self._states_by_request[request] = st
             self._lookup = None  # NOTE: holds no request past its admission
@@ -593,10 +704,13 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     def _drop_node(self, node: _HybridNode) -> None:
         """Remove the unlocked, blockless leaf ``node``; then any parent left an
         unlocked blockless leaf (an unlocked full leaf becomes a candidate)."""
+        by_hash = self._node_by_hash  # (None: no waiting-queue policy, no index)
         while True:
             parent = node.parent
             del parent.children[node.key]
             node.parent = None
+            if by_hash is not None and by_hash.get(node.block_hash) is node:
+                del by_hash[node.block_hash]
             self._num_nodes -= 1
             self._epoch += 1
             if parent.blocks is None:  # a root
@@ -781,6 +895,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                     stored[g].append(i)
             path.append(child)
             parent = child
+        by_hash = self._node_by_hash
+        if by_hash is not None:  # the hash index (a waiting-queue policy only)
+            for i in range(first, num_full):
+                node = path[i]
+                node.block_hash = h = hashes[i]
+                by_hash[h] = node
         if events:
             for g, positions in enumerate(stored):
                 self._stored_events(request, hashes, positions, g)
@@ -894,6 +1014,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 self.blocks[i].block_hash = None
                 self._owner[i] = None
         self._num_cached = self._num_free_sw = self._num_unlocked_full = 0
+        if self._node_by_hash is not None:
+            self._node_by_hash = {}
 
     # -------------------------------------------------------------- checking
     def check_invariants(self) -> None:
@@ -1045,6 +1167,21 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         if not self.enable_caching and self._num_nodes:
             raise InvariantError("caching is off but the tree holds blocks")
         self.policy.check_invariants(candidates)
+        by_hash = self._node_by_hash
+        if by_hash is not None:  # the hash index: exactly the tree's nodes
+            if len(by_hash) != num_nodes:
+                raise InvariantError(
+                    f"the hash index holds {len(by_hash)} nodes, the tree {num_nodes}")
+            for node in nodes_by_id.values():
+                h = node.block_hash
+                if by_hash.get(h) is not node or any(
+                        b is not None and b.block_hash != h for b in node.blocks):
+                    raise InvariantError(f"{node!r} is not indexed under its block hash")
+        if self._waiting_policy is not None:  # admission drops a request's interest
+            held = [r for r in self._waiting_policy.waiting_ids() if r in self._states]
+            if held:
+                raise InvariantError(f"requests {held[:5]} hold blocks but are still "
+                                     "waiting for the queue-aware policy (a leak)")
 
 
 __all__ = ["RadixHybridKVCacheManager"]

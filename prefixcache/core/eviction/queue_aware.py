@@ -24,11 +24,12 @@ first one it would miss (the hash chain cannot reach them for that request); cou
 only the currently reachable prefix would need a lookup per queue change, and the
 deeper blocks are the ones a later chain extension reuses.
 
-Several KV cache groups (``needs_groups``; the hash index's hybrid coordinator): a
-block is known by ``(hash, group id)`` (``on_cached_group``) and the coordinator
-announces a waiting request with such keys, per group only the blocks its hit would use
-(``HybridKVCacheManager.waiting_keys``: a sliding window's blocks inside the window at
-the aligned hit, not every block holding the hash). One group: plain hashes, as above.
+Several KV cache groups (``needs_groups``; the hash index's hybrid coordinator and the
+radix index's multi-group tree): a block is known by ``(hash, group id)``
+(``on_cached_group``) and the manager announces a waiting request with such keys, per
+group only the blocks its hit would use (``HybridKVCacheManager.waiting_keys``,
+``RadixHybridKVCacheManager.waiting_keys``: a sliding window's blocks inside the window
+at the aligned hit, not every block holding the hash). One group: plain hashes, as above.
 
 Invariants (``check_invariants``): ``wanted`` is exactly the per-hash count over the
 waiting requests' hashes, every cached block is listed under its hash, and each
