@@ -78,9 +78,11 @@ COMBINATION_RULES = MappingProxyType({
         "declare (LAYOUT_CLASS, with the group kinds it serves in LAYOUT_KINDS)"),
     ("layout index", "waiting"): (
         "a waiting-queue policy protects the blocks a waiting request will hit, which "
-        "with sliding-window groups depend on where each group's hit ends; the per-group "
-        "waiting hooks are built in the hash index's coordinator (core/hybrid.py "
-        "waiting_keys), not in the radix tree's multi-group manager"),
+        "with sliding-window groups depend on where each group's hit ends; an index's "
+        "layout implementation serves it only with the per-group waiting hooks "
+        "(indexes.WAITING_HOOKS: on_waiting, drop_waiting, waiting_keys, as the hash "
+        "index's coordinator core/hybrid.py and the radix index's core/radix_hybrid.py "
+        "provide them), which this one does not declare"),
     ("state", "index"): (
         "a state-space (Mamba) group keeps one state snapshot per cached block boundary; "
         "only the hash index (vLLM's MambaManager rules) keeps them -- state checkpoints "
@@ -89,6 +91,11 @@ COMBINATION_RULES = MappingProxyType({
 
 # An index class of a user's own package: what it must provide (``check_index_class``).
 INDEX_PROTOCOL = ("get_computed_blocks", "allocate_slots", "free", "check_invariants")
+
+# What a layout implementation (``LAYOUT_CLASS``, ``LAYOUT_INDEXES``) provides to serve
+# a policy that reads the waiting queue (``needs_waiting``: queue_aware): the per-group
+# keys of a waiting request's hit (``waiting_keys``) and the queue's two hooks.
+WAITING_HOOKS = ("on_waiting", "drop_waiting", "waiting_keys")
 
 # The group kinds each index's layout implementation serves (the hash index serves
 # every registered kind, ``kv_groups.GROUP_KINDS``).
@@ -239,11 +246,23 @@ def refusal(index: str | type, kv_cache_groups, eviction: str, num_host_blocks) 
         waiting = get_policy_class(eviction).needs_waiting
     except ValueError:  # an unknown policy: the implementation's own check names it
         waiting = False
-    if waiting and index != DEFAULT_INDEX:
+    if waiting and index != DEFAULT_INDEX and not _serves_waiting(index):
         return (f"eviction={policy_name(eviction)!r} is not supported by index={index_name(index)!r} "
                 f"with KV cache groups other than one full-attention group: "
                 f"{COMBINATION_RULES[('layout index', 'waiting')]}")
     return None
+
+
+def _serves_waiting(index) -> bool:
+    """``index``'s layout implementation has the per-group waiting hooks
+    (``WAITING_HOOKS``; the radix index's does). NOTE: imports it (a registered
+    ``"module:Class"`` or an index class's ``LAYOUT_CLASS``), as building it would."""
+    layout = _layout_of(index)[1]
+    if layout is None:
+        return False
+    cls = layout if isinstance(layout, type) else _load({index_name(index): layout}, "index",
+                                                        index_name(index))
+    return all(callable(getattr(cls, m, None)) for m in WAITING_HOOKS)
 
 
 def _tier_refusal(index: str | type, groups, num_host_blocks: int) -> str | None:
@@ -293,6 +312,7 @@ __all__ = [
     "LAYOUT_INDEXES",
     "TIERS",
     "TIER_GROUP_KINDS",
+    "WAITING_HOOKS",
     "check_implementation",
     "check_index_class",
     "get_index_class",

@@ -3,8 +3,9 @@ per group, the blocks a waiting request's hit would use are evicted last (full
 attention: every prompt block; a sliding window: only the blocks inside the window at
 the aligned hit; a state group: the state block at the hit), admission and
 ``drop_waiting`` drop the interest (the leak check fails on a corrupted state), random
-operations keep the invariants and the protection order, and the radix tree's
-multi-group manager is refused by the one rule.
+operations keep the invariants and the protection order, and the one rule serves the
+radix tree's multi-group manager too (its own tests:
+``test_core_queue_aware_radix_groups.py``).
 """
 
 from __future__ import annotations
@@ -119,14 +120,28 @@ def test_lru_hybrid_has_no_waiting_work():
     m.drop_waiting("w")
 
 
-def test_radix_layout_is_refused_by_the_rule():
+def test_radix_layout_is_served_by_the_rule():
+    # The radix tree's multi-group manager has the per-group waiting hooks too
+    # (tests/core/test_core_queue_aware_radix_groups.py): same keys as this coordinator.
     groups = parse_kv_groups("full,sw3")
-    why = refusal("radix", groups, "queue_aware", 0)
-    assert why is not None and COMBINATION_RULES[("layout index", "waiting")] in why
-    with pytest.raises(ValueError) as e:
-        KVCacheManager(20, BS, index="radix", eviction="queue_aware", kv_cache_groups=groups)
-    assert str(e.value) == why
+    assert refusal("radix", groups, "queue_aware", 0) is None
     assert refusal("hash", groups, "queue_aware", 0) is None
+    ms = [KVCacheManager(20, BS, index=i, eviction="queue_aware", kv_cache_groups=groups)
+          for i in ("hash", "radix")]
+    prompt = list(range(1, 12))
+    for m in ms:
+        req = Request("a", prompt)
+        blocks, hit = m.get_computed_blocks(req)
+        assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+        m.free(req)
+    w = Request("w", prompt + [99])
+    keys = []
+    for m in ms:
+        w.bind_hasher(m.hasher, BS)
+        keys.append(m.waiting_keys(w.block_hashes[: (w.num_tokens - 1) // BS]))
+        m.on_waiting("w", w.block_hashes[: (w.num_tokens - 1) // BS])
+        m.check_invariants()
+    assert keys[0] == keys[1] and len(keys[0]) == 6
     assert ("hybrid", "waiting") not in COMBINATION_RULES
 
 
@@ -178,6 +193,7 @@ def test_random_operations_keep_invariants(layout):
 
 @pytest.mark.parametrize("kw", [
     dict(kv_cache_groups=parse_kv_groups("full,sw5"), eviction="queue_aware"),
+    dict(kv_cache_groups=parse_kv_groups("full,sw5"), eviction="queue_aware", index="radix"),
     dict(num_host_blocks=4, host_eviction="queue_aware"),  # only the host tier reads it
     dict(num_host_blocks=4, host_eviction="queue_aware", index="radix"),
     dict(kv_cache_groups=parse_kv_groups("full,sw5"), num_host_blocks=4,

@@ -284,11 +284,10 @@ def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layou
     prompts = [list(rng.choice(stems)) + [rng.randrange(30, 40) for _ in range(rng.randrange(1, 8))]
                for _ in range(30)]
     opts = {"future": _future(prompts)} if POLICIES[eviction].needs_future else None
-    if POLICIES[eviction].needs_waiting:  # one rule refuses it for both indexes (its reason)
-        with pytest.raises(ValueError, match="waiting-queue policy"):
-            _manager(layout, 24, eviction=eviction, eviction_options=opts)
-        return
     m = _manager(layout, 24, eviction=eviction, eviction_options=opts)
+    # A policy that reads the waiting queue (queue_aware): each request waits from its
+    # arrival to its admission (which drops it) or its failure (drop_waiting).
+    waits = POLICIES[eviction].needs_waiting
     windows = [g.spec.sliding_window for g in m.kv_cache_groups]
     null = m.null_block_id
     running = []
@@ -296,6 +295,10 @@ def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layou
     for i, p in enumerate(prompts):
         r = Request(f"r{i}", p)
         m.on_arrival(r, i)
+        if waits:
+            r.bind_hasher(m.hasher, BS)
+            m.on_waiting(r.request_id, r.block_hashes[: (r.num_tokens - 1) // BS])
+            m.check_invariants()
         while True:
             blocks, hit = m.get_computed_blocks(r)
             new = m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
@@ -305,6 +308,7 @@ def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layou
             m.free(running.pop(0))
             m.check_invariants()
         if new is None:
+            m.drop_waiting(r.request_id)  # (a no-op unless the policy reads the queue)
             continue
         num_hits += hit > 0
         r.num_computed_tokens = r.num_tokens
@@ -330,6 +334,8 @@ def test_every_policy_under_pressure_keeps_invariants_and_the_window_bound(layou
         m.free(r)
     m.check_invariants()
     assert m.num_free_blocks == 24 and m.num_evictions > 0 and num_hits > 0
+    if waits:  # every request was admitted or dropped: no interest left
+        assert m.policy.waiting_ids() == [] and m.policy.wanted == {}
 
 
 # ------------------------------------------------------- rule, refusals, bad input
