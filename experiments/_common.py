@@ -480,8 +480,9 @@ def check_dataset_block_size(config) -> None:
     """A replay of a registered hash-id dataset (``config.dataset``) uses its tokens per
     hash id as ``config.block_size`` (``prefixcache.sim.datasets.check_block_size``:
     ``DatasetError``, a ``ValueError``, before anything is read); a trace given as a
-    file (``config.trace``) is not checked (the token path at any block size)."""
-    if config.get("dataset"):
+    file (``config.trace``) is not checked (the token path at any block size; both
+    set is ``trace_path``'s error)."""
+    if config.get("dataset") and not config.get("trace"):
         from prefixcache.sim import datasets  # noqa: PLC0415
 
         datasets.check_block_size(config.dataset, config.block_size)
