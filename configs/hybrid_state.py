@@ -38,6 +38,13 @@ Marconi's rule; session 12): multi_turn 2048 blocks: full,full 0.267  full,mamba
   on the radix index, which evicts leaves only, one group: 0.739 vs LRU 0.788). Small
   alphas recover (Marconi tunes alpha per workload): full,mamba at alpha 0.01 / 0.05 /
   0.2: 0.774 / 0.774 / 0.776 (LRU 0.774); full,full: 0.547 / 0.540 / 0.531.
+marconi_tuned (min-max, alpha picked per cell on the first quarter of the trace from
+  0 / 0.05 / 0.2 / 0.5 / 1; session 12): alpha 0 (= LRU) in every multi_turn 2048 cell --
+  on full,full the prefix's hit tokens fall with alpha (66,576 at 0 ... 43,120 at 1), on
+  full,mamba and full,mamba_r0 every value ties there -- so it equals LRU. Held-out token
+  hit rate (the requests after that quarter), multi_turn 2048 blocks, full,full /
+  full,mamba / full,mamba_r0: lru 0.509 / 0.777 / 0.690; marconi 0.503 / 0.782 / 0.687;
+  marconi_minmax 0.217 / 0.747 / 0.651; queue_aware 0.615 / 0.791 / 0.693.
 queue_aware (the replay's look-ahead of 8 waiting requests; per group, the blocks each
 one's hit would use: every prompt block in full attention, the state at the hit):
   multi_turn 2048 blocks: full,full 0.641  full,mamba 0.785  full,mamba_r0 0.686;
@@ -72,10 +79,16 @@ def get_config(arg=None):
     # queue_aware: the replay's look-ahead of `concurrency` waiting requests, per group.
     # marconi_minmax: marconi with Marconi's own min-max normalisation over the
     # candidates at each eviction (policy_variants: label -> eviction + options).
-    c.policies = "lru,lfu,s3fifo,marconi,marconi_minmax,queue_aware"
+    # marconi_tuned: the same with alpha picked per cell on the first tune_fraction of the
+    # trace (Marconi's retrospective grid search, offline; rows: "tuned", and every row's
+    # heldout_hit_rate_tokens over the requests after that prefix).
+    c.policies = "lru,lfu,s3fifo,marconi,marconi_minmax,marconi_tuned,queue_aware"
     c.policy_variants = ml_collections.ConfigDict({
         "marconi_minmax": {"eviction": "marconi", "options": {"normalization": "minmax"}},
+        "marconi_tuned": {"eviction": "marconi", "options": {"normalization": "minmax"},
+                          "tune": {"option": "alpha", "grid": [0.0, 0.05, 0.2, 0.5, 1.0]}},
     })
+    c.tune_fraction = 0.25
     c.capacities = "2048,8192"  # blocks
     c.block_size = 16
     c.concurrency = 8

@@ -23,6 +23,14 @@ A ``policies`` entry is a registered policy name or a label of ``policy_variants
 normalisation); rows carry the label as ``policy`` and the ``eviction`` /
 ``eviction_options`` they ran.
 
+Tuning (Marconi's "retrospective" search, offline): a variant with ``"tune": {"option":
+name, "grid": [values]}`` replays the first ``tune_fraction`` of the trace (arrival
+order) once per grid value, takes the value with the most hit tokens there (ties: the
+first in the grid), and runs the whole trace with it; its row carries ``tuned``
+(option, value, per-value hit rate on the tuning prefix). Every row reports
+``heldout_hit_rate_tokens``: the token hit rate of the requests after that prefix (the
+part no tuning saw), so tuned and untuned policies compare on equal ground.
+
 Bad input (unknown workload, layout entry, policy or variant; a variant's options its
 policy refuses; a policy that needs the trace's future; a non-positive capacity) ->
 ``ValueError`` before any cell runs.
@@ -60,23 +68,31 @@ def cells(config) -> list[dict]:
     for p in policies:
         if p in variants:
             v = variants[p]
-            if not isinstance(v, dict) or set(v) - {"eviction", "options"} \
+            if not isinstance(v, dict) or set(v) - {"eviction", "options", "tune"} \
                     or "eviction" not in v:
                 raise ValueError(f"policy_variants[{p!r}] must be {{'eviction': name, "
-                                 f"'options': {{...}}}}, got {v!r}")
+                                 f"'options': {{...}}[, 'tune': {{'option': name, "
+                                 f"'grid': [values]}}]}}, got {v!r}")
             name, options = v["eviction"], dict(v.get("options") or {})
+            tune = _check_tune(p, v.get("tune"))
         else:
-            name, options = p, {}
+            name, options, tune = p, {}, None
         cls = get_policy_class(name)  # unknown -> ValueError
         if cls.needs_future:
             raise ValueError(f"policy {p!r} needs the trace's future: not in this study")
-        if options:  # (the policy's own checks, before any cell runs)
-            kw = {"block_size": config.block_size} if cls.needs_block_size else {}
+        # (the policy's own checks, before any cell runs: every tuned value too)
+        kw = {"block_size": config.block_size} if cls.needs_block_size else {}
+        for opts in ([{**options, tune["option"]: x} for x in tune["grid"]] if tune
+                     else [options] if options else []):
             try:
-                make_policy(name, num_blocks=2, **kw, **options)
+                make_policy(name, num_blocks=2, **kw, **opts)
             except TypeError as e:
                 raise ValueError(f"policy_variants[{p!r}]: {e}") from None
-        runs[p] = (name, options)
+        runs[p] = (name, options, tune)
+    fraction = config.get("tune_fraction", 0.25)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0 < fraction < 1:
+        raise ValueError(f"tune_fraction must be a number in (0, 1), got {fraction!r}")
     capacities = []
     for c in _split(config.capacities):
         if not c.isdigit() or int(c) < 1:
@@ -85,8 +101,20 @@ def cells(config) -> list[dict]:
     if not (workloads and layouts and policies and capacities):
         raise ValueError("workloads, layouts, policies and capacities must be non-empty")
     return [dict(workload=w, layout=lay, policy=p, eviction=runs[p][0],
-                 eviction_options=runs[p][1], num_blocks=n)
+                 eviction_options=runs[p][1], tune=runs[p][2], num_blocks=n)
             for w in workloads for lay in layouts for p in policies for n in capacities]
+
+
+def _check_tune(label: str, tune) -> dict | None:
+    """A variant's ``tune`` entry, checked: ``{"option": name, "grid": [values]}``."""
+    if tune is None:
+        return None
+    if (not isinstance(tune, dict) or set(tune) != {"option", "grid"}
+            or not isinstance(tune["option"], str)
+            or not isinstance(tune["grid"], (list, tuple)) or not tune["grid"]):
+        raise ValueError(f"policy_variants[{label!r}]['tune'] must be {{'option': name, "
+                         f"'grid': [one or more values]}}, got {tune!r}")
+    return {"option": tune["option"], "grid": list(tune["grid"])}
 
 
 def run(config, *, progress: bool = False) -> dict:
@@ -95,6 +123,7 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     grid = cells(config)
+    fraction = config.get("tune_fraction", 0.25)
     workdir = _common.prepare_workdir(config.workdir) if config.workdir else None
     traces = {}
     rows = []
@@ -106,16 +135,43 @@ def run(config, *, progress: bool = False) -> dict:
             kwargs = dict(config.workload_kwargs.get(w, {}))
             traces[w] = workloads.generate(w, seed=config.seed, **{
                 k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
-        chunked = []
+        trace = traces[w]
+        n_tune = max(1, int(len(trace) * fraction))
+
+        def run_cell(requests, options, on_record=None, cell=cell):
+            return replay(requests, num_blocks=cell["num_blocks"],
+                          block_size=config.block_size, hash_algo=config.hash_algo,
+                          hash_seed=0, free_order=config.free_order,
+                          concurrency=config.concurrency, eviction=cell["eviction"],
+                          eviction_options=options or None,
+                          kv_cache_groups=parse_kv_groups(cell["layout"]),
+                          on_record=on_record)
+
         t0 = time.perf_counter()
-        s = replay(traces[w], num_blocks=cell["num_blocks"], block_size=config.block_size,
-                   hash_algo=config.hash_algo, hash_seed=0, free_order=config.free_order,
-                   concurrency=config.concurrency, eviction=cell["eviction"],
-                   eviction_options=cell["eviction_options"] or None,
-                   kv_cache_groups=parse_kv_groups(cell["layout"]),
-                   on_record=lambda r: chunked.append("prefill_chunks" in r))
+        options, tuned, tune = dict(cell["eviction_options"]), None, cell.pop("tune")
+        if tune is not None:  # the grid on the tuning prefix only; the best value runs
+            rates = {}
+            for x in tune["grid"]:
+                rates[x] = run_cell(trace[:n_tune], {**options, tune["option"]: x})[
+                    "hit_tokens"]
+            best = max(tune["grid"], key=lambda x: (rates[x], -tune["grid"].index(x)))
+            tuned = {"option": tune["option"], "value": best, "requests": n_tune,
+                     "hit_tokens_by_value": {str(x): rates[x] for x in tune["grid"]}}
+            options[tune["option"]] = best
+        chunked = []
+        held = [0, 0]  # prompt tokens, hit tokens of the requests after the prefix
+
+        def on_record(r):
+            chunked.append("prefill_chunks" in r)
+            if len(chunked) > n_tune:
+                held[0] += r["prompt_tokens"]
+                held[1] += r["num_computed_tokens"]
+
+        s = run_cell(trace, options, on_record)
         rows.append({
-            **cell, "block_size": config.block_size, "concurrency": config.concurrency,
+            **cell, "eviction_options": options, "tuned": tuned,
+            "heldout_hit_rate_tokens": held[1] / held[0] if held[0] else 0.0,
+            "block_size": config.block_size, "concurrency": config.concurrency,
             "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
             "hit_tokens": s["hit_tokens"], "hit_rate_tokens": s["hit_rate_tokens"],
             "requests_with_hit": s["requests_with_hit"], "prompts_split": sum(chunked),

@@ -58,3 +58,57 @@ def test_bad_variants_are_refused_before_any_cell(variants, match):
 def test_an_unknown_label_is_an_unknown_policy():
     with pytest.raises(ValueError, match="mm9"):
         hybrid_state.cells(_small(policies="lru,mm9"))
+
+
+def test_a_tuned_variant_picks_the_best_value_on_the_prefix_and_reports_held_out():
+    from prefixcache.core.kv_groups import parse_kv_groups
+    from prefixcache.sim import workloads
+    from prefixcache.sim.replay import replay
+
+    c = _small(policies="lru,mmt", layouts="full;mamba", tune_fraction=0.5)
+    grid = [8.0, 0, 0.2]
+    c.policy_variants = {"mmt": {"eviction": "marconi", "options": {"normalization": "minmax"},
+                                 "tune": {"option": "alpha", "grid": grid}}}
+    rows = {r["policy"]: r for r in hybrid_state.run(c)["rows"]}
+    trace = workloads.generate("multi_turn", seed=c.seed, **{
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in dict(c.workload_kwargs["multi_turn"]).items()})
+    n = len(trace) // 2
+    kw = dict(num_blocks=96, block_size=16, hash_algo=c.hash_algo, hash_seed=0,
+              free_order=c.free_order, concurrency=c.concurrency,
+              kv_cache_groups=parse_kv_groups("full,mamba"))
+    by_value = {x: replay(trace[:n], eviction="marconi", eviction_options={
+        "normalization": "minmax", "alpha": x}, **kw)["hit_tokens"] for x in grid}
+    assert len(set(by_value.values())) > 1  # (the grid matters on this prefix)
+    best = max(grid, key=lambda x: (by_value[x], -grid.index(x)))
+    t = rows["mmt"]["tuned"]
+    assert t["option"] == "alpha" and t["value"] == best and t["requests"] == n
+    assert t["hit_tokens_by_value"] == {str(x): by_value[x] for x in grid}
+    assert rows["mmt"]["eviction_options"] == {"normalization": "minmax", "alpha": best}
+    assert rows["lru"]["tuned"] is None
+    # held out: the requests after the prefix, from the replay's per-request records
+    recs = []
+    replay(trace, eviction="lru", on_record=recs.append, **kw)
+    tail = recs[n:]
+    want = sum(r["num_computed_tokens"] for r in tail) / sum(r["prompt_tokens"] for r in tail)
+    assert rows["lru"]["heldout_hit_rate_tokens"] == pytest.approx(want)
+    assert 0 < want < 1
+
+
+@pytest.mark.parametrize("tune,match", [
+    ({"option": "alpha"}, r"\['tune'\] must be"),
+    ({"option": "alpha", "grid": []}, r"\['tune'\] must be"),
+    ({"option": "alpha", "grid": [1, -1]}, "alpha"),
+    ({"option": "gamma", "grid": [1]}, "gamma"),
+])
+def test_bad_tuning_is_refused_before_any_cell(tune, match):
+    c = _small(policies="lru,v")
+    c.policy_variants = {"v": {"eviction": "marconi", "tune": tune}}
+    with pytest.raises(ValueError, match=match):
+        hybrid_state.cells(c)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5, -0.25])
+def test_bad_tune_fraction_is_refused(fraction):
+    with pytest.raises(ValueError, match="tune_fraction"):
+        hybrid_state.cells(_small(tune_fraction=fraction))
