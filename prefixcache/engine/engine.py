@@ -149,8 +149,9 @@ class Engine:
     (`model_config.layer_kv_slots`), so a block id costs one group's layers' bytes and
     `num_blocks` blocks take num_blocks x `kv_group_size` layer pages. A sliding group
     holds only the blocks overlapping the window (the earlier ones go back to the cache,
-    their slots read the padding page), and each layer reads its group's table. Such models need eviction "lru" and
-    index "hash" or "radix" (`core/radix_hybrid.py`; ValueError here otherwise); a host
+    their slots read the padding page), and each layer reads its group's table. Such models
+    take any online eviction policy with its options and index "hash" or "radix"
+    (`core/radix_hybrid.py`; ValueError here otherwise); a host
     tier (`num_host_blocks`) runs with index "hash" (one host slot = one page of each KV
     array, i.e. one block of one group; the radix index refuses it by the one rule).
 
@@ -251,8 +252,7 @@ class Engine:
         if get_policy_class(host_eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"host_eviction={host_eviction!r} needs the trace's future: "
                              "an online engine has none")
-        kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index,
-                                           manager_kwargs=manager_kwargs)
+        kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index)
         if kv_cache_groups is not None and num_host_blocks:
             # NOTE: served by the hash index (per-group host slots, core/hybrid.py): a
             # block id is a page of every shared KV array, which holds one layer of each
@@ -1193,14 +1193,15 @@ def _replicated(mesh):
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tuple | None:
+def _kv_cache_groups(config, *, eviction: str, index: str) -> tuple | None:
     """The KV cache groups of a model with sliding-window layers (None otherwise):
     `config.kv_groups`, built by vLLM's rule (equal-size groups whose i-th layers share
     one KV array; the step's per-group metadata has the same order).
 
     Raises:
-      ValueError: a sliding-window model with an eviction policy, index or manager
-        option the hybrid manager does not serve (checked before anything is built).
+      ValueError: a sliding-window model with an index the hybrid managers do not
+        serve, or a combination the one rule refuses (checked before anything is built;
+        the policy's options are the manager's to check, before the model runner).
     """
     groups = getattr(config, "kv_groups", None)
     if not groups or (len(groups) == 1 and groups[0][0] is None):
@@ -1209,24 +1210,21 @@ def _kv_cache_groups(config, *, eviction: str, index: str, manager_kwargs) -> tu
 
     windows = sorted({w for w, _ in groups if w is not None})
     # NOTE: both indexes serve sliding-window layers (hash: vLLM's hybrid manager;
-    # radix: core/radix_hybrid.py, SGLang's SWA radix cache).
-    if eviction != "lru" or (index not in ("hash", "radix") and not isinstance(index, type)):
-        raise ValueError(f"sliding-window layers (window {windows}) need eviction='lru' and "
-                         f"index='hash' or 'radix' (the hybrid KV cache managers); got "
-                         f"eviction={eviction!r}, index={index!r}")
-    if manager_kwargs and manager_kwargs.get("eviction_options"):
-        raise ValueError("sliding-window layers: eviction_options are not supported by the "
-                         "hybrid KV cache manager")
+    # radix: core/radix_hybrid.py, SGLang's SWA radix cache), with every online eviction
+    # policy and its options (the one rule below says what is refused, and why).
+    if index not in ("hash", "radix") and not isinstance(index, type):
+        raise ValueError(f"sliding-window layers (window {windows}) need index='hash' or "
+                         f"'radix' (the hybrid KV cache managers) or an index class; got "
+                         f"index={index!r}")
     layout = tuple(
         KVCacheGroup(FullAttentionSpec() if w is None else SlidingWindowSpec(w),
                      tuple(f"layers.{i}" for i in layers))
         for w, layers in groups)
-    if isinstance(index, type):  # an index class of the user's own: the one rule
-        from prefixcache.core.indexes import refusal  # noqa: PLC0415
+    from prefixcache.core.indexes import refusal  # noqa: PLC0415
 
-        why = refusal(index, layout, eviction, 0)
-        if why is not None:
-            raise ValueError(f"sliding-window layers (window {windows}): {why}")
+    why = refusal(index, layout, eviction, 0)  # (the host tier: checked by the caller)
+    if why is not None:
+        raise ValueError(f"sliding-window layers (window {windows}): {why}")
     return layout
 
 

@@ -203,9 +203,9 @@ def test_plain_model_keeps_one_table_and_one_metadata():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(eviction="lfu"), "need eviction='lru' and index='hash'"),
+        (dict(index="nope"), "unknown index 'nope'"),
+        (dict(eviction="belady"), "needs the trace's future"),
         (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
-        (dict(manager_kwargs={"eviction_options": {"x": 1}}), "eviction_options"),
         (dict(num_host_blocks=8, index="radix"), "radix layout index"),
     ],
 )
@@ -221,6 +221,26 @@ def test_bad_hybrid_configurations_fail_before_anything_is_built(config, monkeyp
     monkeypatch.setattr(core, "KVCacheManager", boom)
     with pytest.raises(ValueError, match=match):
         Engine(config, **{**COMMON, **kw})
+
+
+@pytest.mark.parametrize("eviction,options,error", [
+    ("marconi", {"normalization": "zscore"}, ValueError),
+    ("lfu", {"nope": 1}, TypeError),
+])
+def test_a_policys_bad_options_fail_before_the_model_runner(config, monkeypatch, eviction,
+                                                            options, error):
+    # Any online policy serves a sliding-window model; its options are the manager's
+    # to check, before the (expensive) model runner is built.
+    import prefixcache.engine.engine as engine_mod
+
+    def boom(*a, **k):
+        raise AssertionError("the model runner was built before the options were checked")
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", boom)
+    with pytest.raises(error):
+        Engine(config, eviction=eviction, manager_kwargs={"eviction_options": options},
+               **COMMON)
+
 
 
 def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
