@@ -27,7 +27,8 @@ Tuning (Marconi's "retrospective" search, offline): a variant with ``"tune": {"o
 name, "grid": [values]}`` replays the first ``tune_fraction`` of the trace (arrival
 order) once per grid value, takes the value with the most hit tokens there (ties: the
 first in the grid), and runs the whole trace with it; its row carries ``tuned``
-(option, value, per-value hit rate on the tuning prefix). Every row reports
+(``option``, the chosen ``value``, the prefix's ``requests`` and
+``hit_tokens_by_value`` there). Every row reports
 ``heldout_hit_rate_tokens``: the token hit rate of the requests after that prefix (the
 part no tuning saw), so tuned and untuned policies compare on equal ground.
 
@@ -64,7 +65,7 @@ def cells(config) -> list[dict]:
 
     policies = _split(config.policies)
     variants = _common.to_jsonable(config.get("policy_variants") or {})
-    runs = {}  # label -> (policy name, options)
+    runs = {}  # label -> (policy name, options, tune entry or None)
     for p in policies:
         if p in variants:
             v = variants[p]
@@ -150,14 +151,13 @@ def run(config, *, progress: bool = False) -> dict:
         t0 = time.perf_counter()
         options, tuned, tune = dict(cell["eviction_options"]), None, cell.pop("tune")
         if tune is not None:  # the grid on the tuning prefix only; the best value runs
-            rates = {}
-            for x in tune["grid"]:
-                rates[x] = run_cell(trace[:n_tune], {**options, tune["option"]: x})[
-                    "hit_tokens"]
-            best = max(tune["grid"], key=lambda x: (rates[x], -tune["grid"].index(x)))
-            tuned = {"option": tune["option"], "value": best, "requests": n_tune,
-                     "hit_tokens_by_value": {str(x): rates[x] for x in tune["grid"]}}
-            options[tune["option"]] = best
+            values = tune["grid"]
+            hits = [run_cell(trace[:n_tune], {**options, tune["option"]: x})["hit_tokens"]
+                    for x in values]
+            best = max(range(len(values)), key=lambda i: (hits[i], -i))  # (ties: first)
+            tuned = {"option": tune["option"], "value": values[best], "requests": n_tune,
+                     "hit_tokens_by_value": {str(x): h for x, h in zip(values, hits)}}
+            options[tune["option"]] = values[best]
         chunked = []
         held = [0, 0]  # prompt tokens, hit tokens of the requests after the prefix
 
