@@ -183,12 +183,9 @@ def test_unknown_group_kind_is_refused():
         _policy().set_groups((_Group(),))
 
 
-@pytest.mark.parametrize("layout", [None, "full,sw3", "full,mamba", "full,sw5,mamba_r0"])
-def test_random_operations_keep_invariants(layout):
-    rng = random.Random(f"marconi-{layout}")
-    groups = parse_kv_groups(layout) if layout else None
-    m = KVCacheManager(24, 2, eviction="marconi", kv_cache_groups=groups,
-                       free_order="unhashed_first")
+def _random_operations(m, rng) -> None:
+    """150 random admissions (prefill split where the layout splits it) and frees, with
+    ``check_invariants`` after each; the pool must have evicted."""
     prefixes = [[rng.randrange(20) for _ in range(rng.randrange(2, 9))] for _ in range(5)]
     live = []
     for i in range(150):
@@ -198,7 +195,7 @@ def test_random_operations_keep_invariants(layout):
             req = Request(f"r{i}", rng.choice(prefixes)
                           + [rng.randrange(20) for _ in range(rng.randrange(1, 5))])
             blocks, hit = m.get_computed_blocks(req)
-            chunks = m.prefill_chunks(req, hit) if groups else [req.num_tokens - hit]
+            chunks = _chunks(m, req, hit)
             if m.allocate_slots(req, chunks[0], hit, blocks) is not None:
                 req.num_computed_tokens = hit + chunks[0]
                 live.append(req)
@@ -209,6 +206,15 @@ def test_random_operations_keep_invariants(layout):
                     req.num_computed_tokens += c
         m.check_invariants()
     assert m.num_evictions > 0
+
+
+@pytest.mark.parametrize("layout", [None, "full,sw3", "full,mamba", "full,sw5,mamba_r0"])
+def test_random_operations_keep_invariants(layout):
+    rng = random.Random(f"marconi-{layout}")
+    groups = parse_kv_groups(layout) if layout else None
+    m = KVCacheManager(24, 2, eviction="marconi", kv_cache_groups=groups,
+                       free_order="unhashed_first")
+    _random_operations(m, rng)
     p = m.policy
     # A key changed behind the heap's back is caught.
     if len(p):
@@ -374,26 +380,7 @@ def test_minmax_random_operations_keep_invariants(layout, index):
     m = KVCacheManager(24, 2, eviction="marconi", kv_cache_groups=groups, index=index,
                        free_order="unhashed_first",
                        eviction_options={"normalization": "minmax", "alpha": 2.0})
-    prefixes = [[rng.randrange(20) for _ in range(rng.randrange(2, 9))] for _ in range(5)]
-    live = []
-    for i in range(150):
-        if live and (rng.random() < 0.45 or len(live) > 3):
-            m.free(live.pop(rng.randrange(len(live))))
-        else:
-            req = Request(f"r{i}", rng.choice(prefixes)
-                          + [rng.randrange(20) for _ in range(rng.randrange(1, 5))])
-            blocks, hit = m.get_computed_blocks(req)
-            chunks = _chunks(m, req, hit)
-            if m.allocate_slots(req, chunks[0], hit, blocks) is not None:
-                req.num_computed_tokens = hit + chunks[0]
-                live.append(req)
-                for c in chunks[1:]:
-                    if m.allocate_slots(req, c) is None:
-                        m.free(live.pop())
-                        break
-                    req.num_computed_tokens += c
-        m.check_invariants()
-    assert m.num_evictions > 0
+    _random_operations(m, rng)
     p = m.policy
     if len(p):  # a candidate's metadata changed behind its back is caught
         bid = p.candidate_ids()[0]
