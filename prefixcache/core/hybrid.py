@@ -98,7 +98,12 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.groups.base import _KEY_BYTES, SingleTypeManager, check_group_hits
+from prefixcache.core.groups.base import (
+    _KEY_BYTES,
+    SingleTypeManager,
+    check_block_hash_list,
+    check_group_hits,
+)
 from prefixcache.core.groups.base import group_suffix as _group_suffix
 from prefixcache.core.kv_groups import (
     check_kv_cache_groups,
@@ -1012,13 +1017,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         lengthen it are protected only in downward-closed groups (a sliding window's
         or state's blocks at a longer hit are not known until a lookup).
         """
-        if isinstance(block_hashes, (str, bytes)):
-            raise ArgumentTypeError(
-                f"block_hashes must be a sequence of block hashes (bytes), got {block_hashes!r}")
-        hashes = list(block_hashes)
-        for h in hashes:
-            if type(h) is not bytes:
-                raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
+        hashes = check_block_hash_list(block_hashes)
         n = len(hashes)
         bs = self.block_size
         hit = self._hit_of_hashes(hashes, n * bs)[1] if n and self.enable_caching else 0

@@ -105,7 +105,7 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.groups.base import check_group_hits
+from prefixcache.core.groups.base import check_block_hash_list, check_group_hits
 from prefixcache.core.groups.sliding_window import check_leading_nulls, longest_window_hit
 from prefixcache.core.kv_groups import (
     FullAttentionSpec,
@@ -426,13 +426,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         NOTE: ``L`` is the hit at the announcement (as the hash index): sliding-window
         blocks cached later that would lengthen it are not protected.
         """
-        if isinstance(block_hashes, (str, bytes)):
-            raise ArgumentTypeError(
-                f"block_hashes must be a sequence of block hashes (bytes), got {block_hashes!r}")
-        hashes = list(block_hashes)
-        for h in hashes:
-            if type(h) is not bytes:
-                raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
+        hashes = check_block_hash_list(block_hashes)
         n = len(hashes)
         hit = 0
         if n and self.enable_caching:

@@ -21,6 +21,20 @@ from prefixcache.core.block_pool import InvariantError, KVCacheBlock
 _KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
 
 
+def check_block_hash_list(block_hashes) -> list[bytes]:
+    """``block_hashes`` as a list, each a ``bytes`` digest (``ArgumentTypeError``
+    otherwise: a string or bytes object is not a sequence of hashes); the multi-group
+    managers' ``waiting_keys`` argument check."""
+    if isinstance(block_hashes, (str, bytes)):
+        raise ArgumentTypeError(
+            f"block_hashes must be a sequence of block hashes (bytes), got {block_hashes!r}")
+    hashes = list(block_hashes)
+    for h in hashes:
+        if type(h) is not bytes:
+            raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
+    return hashes
+
+
 def group_suffix(group_id: int) -> bytes:
     """The 4 big-endian bytes that follow a block hash in group ``group_id``'s keys."""
     return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
@@ -248,4 +262,4 @@ class SingleTypeManager:
             raise InvariantError(f"request {rid!r}: full-attention group {g} has null slots")
 
 
-__all__ = ["SingleTypeManager", "group_suffix"]
+__all__ = ["SingleTypeManager", "check_block_hash_list", "group_suffix"]
