@@ -73,9 +73,9 @@ def test_relative_links_resolve(page):
     assert broken == [], f"{page.relative_to(ROOT)}: {broken}"
 
 
-def _readme_commands() -> list[str]:
-    """Command lines of the README (code blocks and inline code), continuations joined."""
-    text = README.read_text().replace("\\\n", " ")
+def _commands(page: pathlib.Path = README) -> list[str]:
+    """Command lines of a page (code blocks and inline code), continuations joined."""
+    text = page.read_text().replace("\\\n", " ")
     spans = re.findall(r"^(?:```|~~~)[^\n]*\n(.*?)^(?:```|~~~)", text, re.M | re.S)
     spans += re.findall(r"`([^`\n]+)`", text)
     return [line.strip() for span in spans for line in span.splitlines() if line.strip()]
@@ -87,22 +87,27 @@ def _main_scripts() -> set[str]:
             if not p.name.startswith("_") and re.search(r"^def main\(", p.read_text(), re.M)}
 
 
-def test_readme_experiment_commands_exist():
-    lines = _readme_commands()
-    scripts = {m for line in lines for m in re.findall(r"-m experiments\.(\w+)", line)}
-    scripts |= {m for line in lines for m in re.findall(r"\bexperiments/(\w+)\.py\b", line)}
+def _scripts(lines: list[str]) -> set[str]:
+    found = {m for line in lines for m in re.findall(r"-m experiments\.(\w+)", line)}
+    return found | {m for line in lines for m in re.findall(r"\bexperiments/(\w+)\.py\b", line)}
+
+
+def test_experiment_commands_exist():
+    for page in DOCS:
+        missing = sorted(s for s in _scripts(_commands(page))
+                         if not (ROOT / "experiments" / f"{s}.py").is_file())
+        assert missing == [], page.relative_to(ROOT)
+    scripts = _scripts(_commands())
     assert {"quickstart", "replay", "compare_policies"} <= scripts
-    missing = sorted(s for s in scripts if not (ROOT / "experiments" / f"{s}.py").is_file())
-    assert missing == []
     # Every script in experiments/ is in the README's index.
-    listed = {s for s in scripts} | set(re.findall(r"^\| `(\w+)` \|", README.read_text(), re.M))
+    listed = scripts | set(re.findall(r"^\| `(\w+)` \|", README.read_text(), re.M))
     unlisted = sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                       if not p.name.startswith("_") and p.stem not in listed)
     assert unlisted == [], "experiments without a line in the README's index"
 
 
-def test_readme_configs_build():
-    configs = sorted({(f, v or None) for line in _readme_commands()
+def test_configs_named_in_commands_build():
+    configs = sorted({(f, v) for page in DOCS for line in _commands(page)
                       for f, v in re.findall(r"--config=configs/(\w+)\.py(?::(\w+))?", line)})
     assert len(configs) >= 10
     sys.path.insert(0, str(ROOT))
@@ -117,7 +122,7 @@ def test_readme_configs_build():
 
 
 def test_readme_help_of_scripts_not_checked_elsewhere():
-    scripts = {m for line in _readme_commands() for m in re.findall(r"-m experiments\.(\w+)", line)}
+    scripts = {m for line in _commands() for m in re.findall(r"-m experiments\.(\w+)", line)}
     others = sorted(scripts - _main_scripts())
     procs = [subprocess.Popen([sys.executable, "-m", f"experiments.{s}", "--help"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -130,7 +135,7 @@ def test_readme_help_of_scripts_not_checked_elsewhere():
 def test_readme_server_commands_parse():
     from prefixcache.serve.cli import parse_args
 
-    lines = [line for line in _readme_commands() if line.startswith("prefixcache serve ")]
+    lines = [line for line in _commands() if line.startswith("prefixcache serve ")]
     argvs = [shlex.split(line.split("#")[0])[1:] for line in lines]
     argvs = [a for a in argvs if not a[1].isupper()]  # `prefixcache serve MODEL`: a placeholder
     assert argvs
@@ -139,8 +144,8 @@ def test_readme_server_commands_parse():
         assert args.model == argv[1], argv
 
 
-def test_readme_library_modules_import():
-    modules = {m for line in _readme_commands()
+def test_library_modules_in_commands_import():
+    modules = {m for page in DOCS for line in _commands(page)
                for m in re.findall(r"python -m (prefixcache[\w.]*)", line)}
     assert "prefixcache.serve" in modules
     assert [m for m in modules if importlib.util.find_spec(m) is None] == []
@@ -151,7 +156,7 @@ def test_readme_test_command_is_what_ci_runs():
         return s.replace("python -m pip", "pip").replace(" -q", "")
 
     ci = norm((ROOT / ".ci" / "run").read_text())
-    [command] = [line for line in _readme_commands()
+    [command] = [line for line in _commands()
                  if "python -m pytest" in line and "pip install" in line]
     steps = [norm(s.strip()) for s in command.split("&&")
              if s.strip().startswith(("pip install", "python -m pytest"))]
@@ -161,7 +166,7 @@ def test_readme_test_command_is_what_ci_runs():
 
 # ---------------------------------------------------------------- the API reference
 def _pdoc_command() -> list[str]:
-    [line] = [line for line in _readme_commands() if line.startswith("python -m pdoc ")]
+    [line] = [line for line in _commands() if line.startswith("python -m pdoc ")]
     return shlex.split(line)
 
 
