@@ -2,7 +2,7 @@
 
 The scheduler hands over, per scheduled sequence, its block table, how many tokens of KV it
 already holds and the token ids scheduled now (`ScheduledSeq`). `MetadataBuilder.build` turns
-a list of them into the int32 arrays of the index-array contract (the project's design brief):
+a list of them into the int32 arrays of the index-array contract (docs/DESIGN.md):
 
     page_indices  i32[S, P]   block table, row per sequence (rows in *sorted* order, below)
     kv_lens       i32[S]      tokens of KV each sequence attends to after this step

@@ -1,7 +1,7 @@
 """Shared input validation and constants for the paged-attention kernels.
 
 All kernels in this package take the same arguments (the index-array contract of
-DESIGN.md):
+docs/DESIGN.md in the repository):
 
 - `q: [num_tokens, num_q_heads, head_dim]` (f32 or bf16), ragged over sequences.
 - `kv_pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]`, K of kv-head h at slot

@@ -1,4 +1,5 @@
-"""The README's "Extending" recipes, each followed with a toy plug-in defined here.
+"""The "Extending" recipes (docs/extending.md, summed up in the README), each followed
+with a toy plug-in defined here.
 
 Every registry is read-only (a ``MappingProxyType``) and no test edits one: a toy is
 registered the way a user's own package registers it without editing ours -- its class

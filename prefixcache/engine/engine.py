@@ -104,7 +104,7 @@ class Engine:
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
-      num_host_blocks: blocks of the host-memory tier (issue 16; 0, the default: off).
+      num_host_blocks: blocks of the host-memory tier (0, the default: off).
         Cached blocks the device pool evicts are demoted to host pages (numpy, owned
         by the runner: `runner.host_pages`) and promoted back on a hit; each step's
         copies run batched before the step computes (`prefixcache.engine.host_pages`).
@@ -218,7 +218,7 @@ class Engine:
 
         # None: the model's dtype (today's behaviour); unknown names fail here, first.
         kv_dtype = check_kv_dtype(model_config.dtype if kv_dtype is None else kv_dtype)
-        # The pool's size: num_blocks, or the blocks a byte budget holds (issue 17).
+        # The pool's size: num_blocks, or the blocks a byte budget holds (kv_cache_bytes).
         num_blocks, kv_cache_bytes, kv_block_bytes = _pool_size(
             model_config, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             block_size=block_size, kv_dtype=kv_dtype)

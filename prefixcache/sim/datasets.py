@@ -92,7 +92,7 @@ _MOONCAKE_RAW = (f"https://raw.githubusercontent.com/kvcache-ai/Mooncake/{_MOONC
 # at this commit are LFS pointers whose oid is the sha256 registered below.
 _BAILIAN_REPO = "https://github.com/alibaba-edu/qwen-bailian-usagetraces-anon/raw"
 _BAILIAN_COMMIT = "0b4273a1d8a83935b9d9356e78f95c31f2ac64cf"
-# The to-C / to-B files as other projects pin them (README commit 5f7439c).
+# The to-C / to-B files at the upstream revision other projects pin them to.
 _BAILIAN_AB_COMMIT = "5f7439c51ec248a0c585f7d90a41a6f57773b912"
 _HF = "https://huggingface.co/datasets/semianalysisai"
 # Tokens per hash id of each format (a replay of a dataset uses its format's).

@@ -29,7 +29,7 @@ scheduler use; FCFS, chunked prefill, a per-step token budget):
 The decode tokens are ``output_token(id, k)``, as in the replay, so multi-turn
 workloads hit their earlier turns' outputs here too.
 
-Host memory tier (``num_host_blocks > 0``; the contract of issue 16): the
+Host memory tier (``num_host_blocks > 0``; the manager's host-tier contract): the
 manager demotes the cached blocks the device pool evicts into a host pool and
 promotes host hits back when ``allocate_slots`` admits a request. The blocks a
 step promotes are copied host -> device before it computes: the step takes
