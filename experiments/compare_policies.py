@@ -55,6 +55,14 @@ grid every cell row carries its distance to it at the same index and capacity:
 stdout is followed by the evicted blocks per cell. ``queue_depth`` sets ``queue_aware``'s
 waiting queue in the replay (0: ``concurrency``).
 
+Non-prefix reuse (``nonprefix_bound``, on by default): the ideal row also carries what a
+position-independent chunk cache (CacheBlend / EPIC style) could reuse beyond prefix
+caching at infinite capacity (``prefixcache.sim.nonprefix``): ``nonprefix_hit_tokens``,
+``nonprefix_hit_rate_tokens``, ``nonprefix_blocks`` (full blocks found by content only),
+with ``nonprefix_recompute_fraction`` (the share of a reused chunk recomputed) and
+``nonprefix_alignment`` (``block`` or ``token``: where earlier chunks may start); the plot
+draws it as a dotted line above the infinite-cache ideal.
+
 Bad input (unknown policy, index, hash algorithm, free order, model preset or
 executor; Ray missing for ``--executor=ray``; a policy or index the replay cannot run;
 a missing trace; a registered dataset at another block size than its own) ->
@@ -93,6 +101,12 @@ def resolve_grid(config) -> dict:
         raise ValueError(f"unknown hash_algo {config.hash_algo!r}; expected one of {HASH_ALGOS}")
     if config.free_order not in FREE_ORDERS:
         raise ValueError(f"unknown free_order {config.free_order!r}; expected one of {FREE_ORDERS}")
+    if config.nonprefix_bound:  # its options, checked before any cell (an empty trace)
+        from prefixcache.sim.nonprefix import nonprefix_bound  # noqa: PLC0415
+
+        nonprefix_bound([], config.block_size,
+                        recompute_fraction=config.nonprefix_recompute_fraction,
+                        alignment=config.nonprefix_alignment)
     known = compare.policy_names()
     policies = compare.parse_names(config.policies, known=known, what="eviction policy")
     # NOTE: the offline bound is drawn whenever it exists: belady joins the grid unless
@@ -181,6 +195,8 @@ def run_cell(cell: dict) -> dict:
         row["missed_blocks"] = misses["missed_blocks"]
         row["miss_reasons"] = misses["reasons"]
         row["evicted_blocks"] = misses["reasons"]["evicted"]  # eviction-induced prefills
+    if record == compare.IDEAL and config.nonprefix_bound:
+        row.update(nonprefix_fields(make_requests(), config))
     if record == compare.IDEAL and row["evictions"]:  # pragma: no cover - a bug
         raise AssertionError(f"the ideal cell evicted {row['evictions']} blocks "
                              f"at {num_blocks} blocks")
@@ -192,6 +208,23 @@ def run_cell(cell: dict) -> dict:
             row[f"{which}_cached_bytes"] = None if blocks is None else blocks * bpb
     row["cell_s"] = time.perf_counter() - t0
     return row
+
+
+def nonprefix_fields(requests, config) -> dict:
+    """The ideal row's non-prefix reuse bound (``prefixcache.sim.nonprefix``): what a
+    position-independent chunk cache (CacheBlend-style) could reuse beyond prefix
+    caching on this trace, at infinite capacity, one request at a time."""
+    from prefixcache.sim.nonprefix import nonprefix_bound  # noqa: PLC0415
+
+    b = nonprefix_bound(requests, config.block_size,
+                        recompute_fraction=config.nonprefix_recompute_fraction,
+                        alignment=config.nonprefix_alignment)
+    return {"nonprefix_hit_tokens": b["nonprefix_hit_tokens"],
+            "nonprefix_hit_rate_tokens": b["nonprefix_hit_rate_tokens"],
+            "nonprefix_blocks": b["nonprefix_blocks"],
+            "nonprefix_prefix_hit_tokens": b["prefix_hit_tokens"],
+            "nonprefix_recompute_fraction": b["recompute_fraction"],
+            "nonprefix_alignment": b["alignment"]}
 
 
 def add_belady_distance(rows: Sequence[dict]) -> None:
@@ -270,6 +303,10 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
         for r in ideal:
             ax.axhline(r["hit_rate_tokens"], color="gray", linestyle="-.",
                        label=f"infinite cache ({r['hit_rate_tokens']:.3f})")
+            if r.get("nonprefix_hit_rate_tokens") is not None:
+                ax.axhline(r["nonprefix_hit_rate_tokens"], color="tab:purple", linestyle=":",
+                           linewidth=1.6, label=f"non-prefix bound "
+                           f"({r['nonprefix_hit_rate_tokens']:.3f})")
         ax.set_xscale("log")
         # Ticks at the capacities run, as plain numbers (no minor labels to collide).
         caps = sorted({r["num_blocks"] for r in cells})
@@ -314,6 +351,11 @@ def run(config, *, progress: bool = False) -> dict:
     if config.miss_reasons:
         print(format_table(rows, field="evicted_blocks"), flush=True)
     ideal = next(r for r in rows if r["record"] == "ideal")
+    if ideal.get("nonprefix_hit_rate_tokens") is not None:
+        print(f"non-prefix bound (chunk reuse, recompute fraction "
+              f"{ideal['nonprefix_recompute_fraction']}, {ideal['nonprefix_alignment']} "
+              f"alignment): token hit rate {ideal['nonprefix_hit_rate_tokens']:.4f} vs the "
+              f"prefix ideal {ideal['hit_rate_tokens']:.4f}", flush=True)
     return {"rows": str(rows_path), "png": str(png_path), "cells": len(rows) - 1,
             "ideal_hit_rate_tokens": ideal["hit_rate_tokens"],
             "cells_s": sum(r["cell_s"] for r in rows)}
