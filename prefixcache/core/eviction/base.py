@@ -443,9 +443,11 @@ def policy_clock(manager) -> Callable[[float | None, int], None] | None:
     if len(policies) == 1:
         return policies[0].set_time
 
+    checks = [p.time_of for p in policies if callable(getattr(p, "time_of", None))]
+
     def set_time(now_s, step) -> None:
-        for p in policies:
-            p.time_of(now_s, step)
+        for check in checks:  # (TimedPolicy's: the reading, checked without a change)
+            check(now_s, step)
         for p in policies:
             p.set_time(now_s, step)
 
