@@ -25,6 +25,8 @@ length + belady, 256/1024/4096 blocks, hash and radix; 25 rows): 21 s wall on th
 2-core dev machine under a load average of ~10 (8.8 s at ~8 with fewer jobs).
 """
 
+import ml_collections
+
 from configs import _base
 
 
@@ -35,6 +37,9 @@ def get_config(arg=None):
     c.capacities = "256,512,1024,2048,4096,8192,16384,32768"  # blocks, comma-separated
     c.policies = "all"  # comma-separated names of prefixcache.core.eviction, or all
     c.belady_bound = True  # add belady (the offline bound) when it is registered
+    # Policies with options, by label (name the label in `policies`), e.g.
+    # {"ttl60s": {"eviction": "ttl_lru", "options": {"ttl": 60, "unit": "s"}}}.
+    c.policy_variants = ml_collections.ConfigDict({})
     c.indexes = "hash"  # comma-separated: hash, radix (or all)
     c.concurrency = 8
     c.free_order = "unhashed_first"  # vLLM's

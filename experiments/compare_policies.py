@@ -29,8 +29,16 @@ cached bytes are of that dtype:
 ``belady`` (the offline bound) joins
 the policies whenever it is registered, unless ``--config.belady_bound=false``.
 
+Policy variants: a ``policies`` entry may be a label of ``policy_variants`` (label ->
+``{"eviction": name, "options": {...}}``: the policy with those ``eviction_options``,
+e.g. ``"ttl60": {"eviction": "ttl_lru", "options": {"ttl": 60, "unit": "s"}}``), checked
+by building each variant's policy before any cell runs
+(``prefixcache.sim.compare.resolve_policy_variants``). Rows carry the label as ``policy``
+and the ``eviction`` / ``eviction_options`` they ran; the table and the plot show labels.
+
 Outputs in ``--workdir``:
-  * ``compare_policies.jsonl``: one row per cell (``policy``, ``index``,
+  * ``compare_policies.jsonl``: one row per cell (``policy``, ``eviction``,
+    ``eviction_options``, ``index``,
     ``num_blocks``, ``block_size``, ``concurrency``, ``requests``, ``prompt_tokens``,
     ``hit_tokens``, ``hit_rate_tokens``, ``requests_with_hit``, ``evictions``,
     ``stranded_blocks``, ``peak_cached_blocks``, ``peak_cached_bytes``, ``loop_s``,
@@ -82,7 +90,8 @@ PNG_FILE = "compare_policies.png"
 
 
 def resolve_grid(config) -> dict:
-    """Validates the config; returns ``{"policies", "indexes", "capacities"}`` (tuples).
+    """Validates the config; returns ``{"policies", "indexes", "capacities"}`` (tuples)
+    and ``"variants"`` (label -> ``{"eviction", "options"}`` for every policy label).
 
     Raises:
         ValueError: any bad field (see the module docstring), before anything runs.
@@ -108,13 +117,17 @@ def resolve_grid(config) -> dict:
                         recompute_fraction=config.nonprefix_recompute_fraction,
                         alignment=config.nonprefix_alignment)
     known = compare.policy_names()
-    policies = compare.parse_names(config.policies, known=known, what="eviction policy")
+    variants = _common.to_jsonable(config.get("policy_variants") or {})
+    policies = compare.parse_names(config.policies, known=known + tuple(variants),
+                                   what="eviction policy")
     # NOTE: the offline bound is drawn whenever it exists: belady joins the grid unless
     # belady_bound is off (before the policy seam is merged it is not registered yet).
     if config.belady_bound and BELADY in known and BELADY not in policies:
         policies += (BELADY,)
     grid = {
         "policies": policies,
+        "variants": compare.resolve_policy_variants(policies, variants,
+                                                    block_size=config.block_size),
         "indexes": compare.parse_names(config.indexes, known=compare.index_names(),
                                        what="index"),
     }
@@ -131,22 +144,27 @@ def resolve_grid(config) -> dict:
         grid["kv"] = {nb: (dt, bpb, budget) for dt, nb, bpb, budget in plan}
     else:
         grid["capacities"] = compare.parse_capacities(config.capacities)
-    for policy in grid["policies"]:
+    for label in grid["policies"]:
         for index in grid["indexes"]:
-            compare.check_replay_supports(policy, index, model=config.model or None)
+            compare.check_replay_supports(grid["variants"][label]["eviction"], index,
+                                          model=config.model or None)
     return grid
 
 
 def make_cells(config, grid: dict) -> list[dict]:
-    """The cells: every (index, policy, capacity), then the ideal (``num_blocks`` 0)."""
+    """The cells: every (index, policy label, capacity), then the ideal (``num_blocks``
+    0); each cell names its label's ``eviction`` and ``eviction_options``."""
     cfg = config.to_dict()
-    cells = [{"config": cfg, "policy": p, "index": i, "num_blocks": n}
+    variants = grid["variants"]
+    cells = [{"config": cfg, "policy": p, "eviction": variants[p]["eviction"],
+              "eviction_options": variants[p]["options"], "index": i, "num_blocks": n}
              for i in grid["indexes"] for p in grid["policies"] for n in grid["capacities"]]
     for cell in cells:
         if "kv" in grid:
             cell["kv"] = grid["kv"][cell["num_blocks"]]
     # The ideal: lru on the hash chain with nothing ever evicted (the policy cannot matter).
-    cells.append({"config": cfg, "policy": "lru", "index": "hash", "num_blocks": 0})
+    cells.append({"config": cfg, "policy": "lru", "eviction": "lru", "eviction_options": {},
+                  "index": "hash", "num_blocks": 0})
     if "kv" in grid:  # the ideal's bytes in the same dtype (it has no budget)
         dt, bpb, _ = next(iter(grid["kv"].values()))
         cells[-1]["kv"] = (dt, bpb, None)
@@ -157,8 +175,9 @@ def run_cell(cell: dict) -> dict:
     """One cell, in a worker: reads the trace from the config, replays, returns the row.
 
     Args:
-        cell: ``{"config": dict, "policy", "index", "num_blocks"}``; ``num_blocks == 0``
-            is the infinite-cache ideal (``compare.ideal_num_blocks`` of the trace).
+        cell: ``{"config": dict, "policy" (the label), "eviction", "eviction_options",
+            "index", "num_blocks"}``; ``num_blocks == 0`` is the infinite-cache ideal
+            (``compare.ideal_num_blocks`` of the trace).
     """
     import ml_collections  # noqa: PLC0415
 
@@ -177,17 +196,18 @@ def run_cell(cell: dict) -> dict:
     extra = {}
     if config.miss_reasons:
         extra["miss_reasons"] = True
-    if config.queue_depth and get_policy_class(cell["policy"]).needs_waiting:
+    eviction, options = cell["eviction"], cell["eviction_options"]
+    if config.queue_depth and get_policy_class(eviction).needs_waiting:
         extra["queue_depth"] = config.queue_depth  # (0: the replay's default, concurrency)
     summary = compare.replay_cell(
-        make_requests, policy=cell["policy"], index=cell["index"], num_blocks=num_blocks,
+        make_requests, policy=eviction, index=cell["index"], num_blocks=num_blocks,
         block_size=config.block_size, model=config.model or None, hash_algo=config.hash_algo,
         hash_seed=config.hash_seed or None, free_order=config.free_order,
-        concurrency=config.concurrency, **extra)
+        concurrency=config.concurrency, eviction_options=options, **extra)
     row = compare.cell_row(summary, policy=cell["policy"], index=cell["index"],
                            num_blocks=num_blocks, block_size=config.block_size,
                            concurrency=config.concurrency, model=config.model or None,
-                           record=record)
+                           record=record, eviction=eviction, eviction_options=options)
     if "queue_depth" in summary:
         row["queue_depth"] = summary["queue_depth"]
     if config.miss_reasons:  # why the missed prompt blocks missed (prefixcache.sim.misses)
@@ -233,7 +253,7 @@ def add_belady_distance(rows: Sequence[dict]) -> None:
     and, with miss reasons, ``belady_gap_evicted_blocks`` (the row's evicted-block
     prefills minus belady's) to every cell row, when belady is in the grid."""
     bound = {(r["index"], r["num_blocks"]): r for r in rows
-             if r["record"] == "cell" and r["policy"] == BELADY}
+             if r["record"] == "cell" and r.get("eviction", r["policy"]) == BELADY}
     for r in rows:
         b = bound.get((r["index"], r["num_blocks"])) if r["record"] == "cell" else None
         if b is None:
@@ -277,7 +297,10 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     cells = [r for r in rows if r["record"] == "cell"]
     from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
 
-    def offline(policy):  # a bound that needs the future (belady), drawn as a bound
+    evictions = {r["policy"]: r.get("eviction", r["policy"]) for r in cells}
+
+    def offline(label):  # a bound that needs the future (belady), drawn as a bound
+        policy = evictions.get(label, label)
         return policy in POLICIES and get_policy_class(policy).needs_future
 
     indexes = list(dict.fromkeys(r["index"] for r in cells))
