@@ -1,6 +1,8 @@
 """write_kv and input validation of paged_attention."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,28 @@ def test_write_then_attend_equals_attention_over_concatenated_sequence(dtype):
   changed = ~((before == after) | (np.isnan(before) & np.isnan(after)))
   changed_slots = set(np.flatnonzero(changed.reshape(-1, *changed.shape[2:]).any(axis=(1, 2))))
   assert changed_slots <= set(slots)
+  # The fused call (jitted, pages donated) is the two calls above, bit for bit.
+  fused = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.125,
+                                    num_blocks=pad_page, backend="reference"),
+                  donate_argnums=3)
+  args = list(case.args())
+  out_f, kv_f = fused(args[0], jnp.asarray(np.stack(k_new), dtype),
+                      jnp.asarray(np.stack(v_new), dtype), jnp.asarray(case.kv_pages),
+                      jnp.asarray(slots, jnp.int32), *args[2:])
+  np.testing.assert_array_equal(np.asarray(kv_f.astype(jnp.float32)), after)
+  np.testing.assert_array_equal(np.asarray(out_f.astype(jnp.float32), np.float64), out)
+
+
+@pytest.mark.parametrize("head_dim, page_size", [(16, 4), (24, 1), (8, 3)])
+def test_reference_takes_any_head_dim_and_page_size(head_dim, page_size):
+  """Only the Pallas kernels have tiling limits; the reference runs any shape."""
+  case = make_case(1, [(3, 7), (1, 5)], num_kv_heads=2, group=2, head_dim=head_dim,
+                   page_size=page_size)
+  out = kernels.paged_attention(*case.args(), sm_scale=0.125, backend="reference")
+  n = case.num_live_tokens
+  rtol, atol = tolerance(np.float32)
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:n],
+                             oracle(case, sm_scale=0.125)[:n], rtol=rtol, atol=atol)
 
 
 def test_write_kv_layout_k_even_v_odd():
