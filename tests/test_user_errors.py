@@ -53,7 +53,8 @@ def _config(**kw):
 CASES = {
     # --- the kernels' arrays
     "fused: kv_pages without the padding page": (
-        _fused(kv_pages=_no_padding_page()), ValueError, r"kv_pages has 6 pages .*num_blocks \+ 1 = 7"),
+        _fused(kv_pages=_no_padding_page()), ValueError,
+        r"kv_pages has 6 pages .*num_blocks \+ 1 = 7"),
     "write_kv: kv_pages without the padding page": (
         lambda: kernels.write_kv(_no_padding_page(), jnp.ones((1, HEADS, HEAD_DIM)),
                                  jnp.ones((1, HEADS, HEAD_DIM)), jnp.zeros(1, jnp.int32),
