@@ -177,3 +177,31 @@ def test_check_backend_config(kw, match):
   ok = dict(args, page_size=16, head_dim=64, num_q_heads=4, q_dtype=jnp.float32,
             kv_dtype=jnp.float32, interpret=True)
   assert kernels.check_backend_config("reference", **ok) == "reference"
+
+
+def test_write_kv_and_attend_quantized_returns_scales():
+  """int8 pages: the fused call returns (out, kv_pages, kv_scales), equal to write_kv
+  then paged_attention over the written pages and scales."""
+  rng = np.random.default_rng(0)
+  # Two sequences (5 tokens in pages 2, 3; 1 token in page 0) of a 6-block pool, 4-token
+  # pages; page 6 is the padding page. T = 8 (2 padding tokens).
+  slots = jnp.array([8, 9, 10, 11, 12, 0, 24, 24], jnp.int32)
+  kv_lens = jnp.array([5, 1, 0, 0], jnp.int32)
+  pages = jnp.array([[2, 3], [0, 6], [6, 6], [6, 6]], jnp.int32)
+  cu = jnp.array([0, 5, 6, 6, 6], jnp.int32)
+  num_seqs = jnp.array([2], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(8, 2, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(8, 1, 16)), jnp.float32) for _ in range(2))
+  kv = jnp.zeros((7, 4, 2, 16), jnp.int8)
+  scales = jnp.zeros((7, 2), jnp.float32)
+  fused = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.25, num_blocks=6,
+                                    backend="reference"))
+  out, kv_f, scales_f = fused(q, k, v, kv, slots, kv_lens, pages, cu, num_seqs,
+                              kv_scales=scales)
+  kv_w, scales_w = kernels.write_kv(kv, k, v, slots, scales)
+  want = kernels.paged_attention(q, kv_w, kv_lens, pages, cu, num_seqs, sm_scale=0.25,
+                                 kv_scales=scales_w, backend="reference")
+  np.testing.assert_array_equal(np.asarray(kv_f), np.asarray(kv_w))
+  np.testing.assert_array_equal(np.asarray(scales_f), np.asarray(scales_w))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  assert np.abs(np.asarray(out[:6])).max() > 0.1  # live rows attend to written keys
