@@ -153,7 +153,8 @@ def check_backend_config(backend: str | KernelBackend = AUTO, *, interpret: bool
 
   Shared by all three: `num_q_heads` a multiple of `num_kv_heads`; `q_dtype` float32
   or bfloat16; `kv_dtype` float32, bfloat16, or float8_e4m3fn / int8 (quantized pages
-  with `kv_scales`, dequantized in-kernel by every backend); bfloat16 q over a float32
+  with `kv_scales`, dequantized in-kernel by every backend; compiled pallas_tpu has not
+  yet run on TPU hardware, its interpret mode runs everywhere); bfloat16 q over a float32
   cache is refused (cast q, or store the cache in bfloat16). pallas_gpu compiled (not
   interpret) reads float8_e4m3fn pages only on compute capability 8.9+ (sm_89;
   `compute_capability` ("8.0", ...) overrides the first GPU's, for checks made off the
