@@ -142,7 +142,8 @@ def generate(params, prompts, *, enable_caching: bool, max_new_tokens: int = 3) 
         token = int(np.argmax(logits[-1][i]))
         tokens[i].append(token)
         req.append_output_token_ids(token)
-        manager.allocate_slots(req, 1)  # a slot for the new token's K/V
+        if manager.allocate_slots(req, 1) is None:  # a slot for the new token's K/V
+          raise RuntimeError("the pool is too small for this example")
         scheduled.append(ScheduledSeq(manager.get_block_ids(req.request_id),
                                       req.num_computed_tokens, [token]))
       logits.append(run_step(requests, scheduled))
