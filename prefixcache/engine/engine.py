@@ -1158,11 +1158,20 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     from prefixcache.kv_dtypes import kv_bytes_per_block
     from prefixcache.model import check_kv_cache_memory
 
-    kernels.check_backend_config(
-        attention_backend, interpret=bool(interpret), page_size=block_size,
-        head_dim=config.head_dim, num_q_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
-        kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    try:
+        kernels.check_backend_config(
+            attention_backend, interpret=bool(interpret), page_size=block_size,
+            head_dim=config.head_dim, num_q_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
+            kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    except ValueError as e:
+        # NOTE: the kernels' page is the engine's block: a page-size limit is refused
+        # under the name the user gave it.
+        if "page_size" not in str(e):
+            raise
+        raise ValueError(f"block_size={block_size} is not supported by attention_backend="
+                         f"{attention_backend!r} (the block is the kernel's KV page, "
+                         f"page_size): {e}") from None
     extra = ()
     if lora is not None:
         from prefixcache.model.lora import TARGET_MODULES, lora_weights_nbytes
@@ -1173,8 +1182,12 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
                   f"modules x {config.num_layers} layers, {config.dtype})",
                   lora_weights_nbytes(config, max_loras=max_loras,
                                       max_lora_rank=max_lora_rank)),)
-    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh,
-                          extra=extra)
+    try:
+        check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh,
+                              extra=extra)
+    except ValueError as e:
+        raise ValueError(f"num_blocks={num_blocks} (block_size={block_size}, plus the padding "
+                         f"page) does not fit: {e}") from None
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:

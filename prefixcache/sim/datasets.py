@@ -81,6 +81,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Mapping
 
+from prefixcache._validate import ArgumentTypeError
+
 ENV_VAR = "PREFIXCACHE_DATA"
 
 # The Mooncake commit the URLs are pinned to (the files' bytes cannot change under it).
@@ -224,9 +226,15 @@ def get(name: str, registry: Mapping[str, Dataset] | None = None) -> Dataset:
       The ``Dataset``.
 
     Raises:
+      TypeError: ``name`` is not a str (a list, a path object, ...): an
+        ``ArgumentTypeError``, also a ValueError.
       DatasetError: unknown name (the message lists the known ones).
     """
     registry = DATASETS if registry is None else registry
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"dataset name must be a str (one of {', '.join(sorted(registry))}), got "
+            f"{type(name).__name__} {name!r}")
     if name not in registry:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(sorted(registry))}")
     return registry[name]

@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from prefixcache._validate import check_count, check_hash_seed, check_positive_int
+from prefixcache._validate import check_bool, check_count, check_hash_seed, check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.eviction import (
     TraceFuture,
@@ -331,6 +331,9 @@ def replay(
                   host_eviction_options=host_eviction_options)
     # (the one int rule: numpy ints are ints, bools are not -- _validate)
     concurrency = check_positive_int("concurrency", concurrency)
+    for flag, value in (("record_evictions", record_evictions), ("progress", progress),
+                        ("miss_reasons", miss_reasons)):
+        check_bool(flag, value)  # ("no" would be truthy)
     total = check_count("total", total) if total is not None else None
     if queue_depth is not None:
         queue_depth = check_positive_int("queue_depth", queue_depth)
