@@ -405,6 +405,8 @@ class Engine:
         self.step_logits: list[dict[str, np.ndarray]] = []
         self.last_scheduler_output: SchedulerOutput | None = None
         self.last_step_times: tuple[float, float, float, float] | None = None
+        # `num_programs_built` when `warmup()` last finished (None: never warmed up).
+        self._programs_at_warmup: int | None = None
         self.reset_metrics()
 
     @classmethod
@@ -983,6 +985,47 @@ class Engine:
                 done[out.request_id] = out
         return [done[i] for i in ids]
 
+    # -- warm-up --------------------------------------------------------------------
+
+    def warmup(self, *, progress: bool = True, multimodal: bool = False):
+        """Compiles every step program the scheduler can produce, before any request.
+
+        Runs one step of each program key (`runner.warmup_keys()`: the bucketed (T, S, P)
+        shapes a step can fill, greedy and sampling, with the engine's LoRA and KV-group
+        layout) on inputs that point only at the padding page: the prefix cache, the
+        block pool, every allocatable block's KV, the metrics window and the KV events
+        are unchanged. Afterwards `num_compiles_after_warmup` counts programs built
+        since (0 for any request mix of text requests; host-tier copy programs and,
+        without `multimodal`, multimodal steps are not warmed and would show there).
+        With the persistent compilation cache on (`prefixcache.engine.warmup.
+        enable_compilation_cache`) a second process loads the programs instead.
+
+        Args:
+          progress: show a tqdm bar (programs done / total, seconds).
+          multimodal: also the steps that inject multimodal embedding rows.
+
+        Returns:
+          `prefixcache.engine.warmup.WarmupResult` (num_programs, num_built, seconds).
+        """
+        from prefixcache.engine.warmup import warmup_engine  # noqa: PLC0415
+
+        result = warmup_engine(self, progress=progress, multimodal=multimodal)
+        self._programs_at_warmup = self.runner.num_programs_built
+        return result
+
+    @property
+    def num_programs_built(self) -> int:
+        """Programs the engine's jitted step (and host-copy) functions hold, from jax's
+        caches (`ModelRunner.num_programs_built`)."""
+        return self.runner.num_programs_built
+
+    @property
+    def num_compiles_after_warmup(self) -> int | None:
+        """Programs built since `warmup()` finished; None before any warm-up."""
+        if self._programs_at_warmup is None:
+            return None
+        return self.runner.num_programs_built - self._programs_at_warmup
+
     # -- metrics --------------------------------------------------------------------
 
     def reset_metrics(self) -> None:
@@ -1042,6 +1085,8 @@ class Engine:
                         if self._num_usage_samples else 0.0),
             num_steps=self._num_steps,
             num_compiled_programs=self.runner.num_compiled_programs,
+            num_programs_built=self.num_programs_built,
+            num_compiles_after_warmup=self.num_compiles_after_warmup,
             host_schedule_s=self._host_schedule_s, host_prepare_s=self._host_prepare_s,
             device_s=self._device_s, host_update_s=self._host_update_s,
             num_blocks=self.num_blocks, kv_dtype=self.kv_dtype,

@@ -341,6 +341,7 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         raise ValueError("serving must wrap the same engine")
     else:
         serving.metrics = metrics
+    metrics.set_programs(engine.num_programs_built, engine.num_compiles_after_warmup)
     ctx = ServerContext(served_model_name=served_model_name, lora_modules=lora_modules,
                         tokenizer=tokenizer, max_model_len=int(engine.max_model_len),
                         vocab_size=int(engine.vocab_size))

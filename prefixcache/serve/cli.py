@@ -1,8 +1,13 @@
 """`prefixcache serve MODEL_OR_PATH [flags]` (also `python -m prefixcache.serve MODEL ...`).
 
 MODEL: an HF checkpoint directory or a GGUF file (`Engine.from_pretrained`), or `tiny`
-(the built-in random-weight tiny model: no tokenizer, token-id prompts only). Flags
-carry vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+(the built-in random-weight tiny model with its built-in byte-level tokenizer and ChatML
+template, `prefixcache.text.Tokenizer.tiny()`: text and token-id prompts). Flags carry
+vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+Before `/health` answers, every step program is compiled (`Engine.warmup`, a progress
+bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persistent
+compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
+`--no-compilation-cache`), so a restart of the same configuration loads them.
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 `--shutdown-grace` seconds, abort the rest, exit 0.
 """
@@ -134,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve at once, compiling each step program when a request first "
+                   "needs it (debugging; requests then wait for compiles)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                       help="JAX's persistent compilation cache (default: "
+                       "$XDG_CACHE_HOME/prefixcache/jax_cache or ~/.cache/prefixcache/"
+                       "jax_cache)")
+    cache.add_argument("--no-compilation-cache", action="store_true",
+                       help="compile every program in every process")
     return parser
 
 
@@ -190,11 +205,45 @@ def build_engine(args):
         from prefixcache.model import ModelConfig
 
         cfg = ModelConfig.tiny(**({} if dtype is None else {"dtype": dtype}))
-        return Engine(cfg, **kw)
+        return Engine(cfg, tokenizer=_tiny_tokenizer(), **kw)
     if not hasattr(Engine, "from_pretrained"):
         raise ValueError("loading a checkpoint needs Engine.from_pretrained, which this "
                          "installation lacks; serve 'tiny' instead")
     return Engine.from_pretrained(args.model, dtype=dtype, **kw)
+
+
+def _tiny_tokenizer():
+    """`Tokenizer.tiny()`, or None (token-id prompts only, with a warning) when the
+    tokenizers / jinja2 packages are missing."""
+    try:
+        from prefixcache.text import Tokenizer
+
+        return Tokenizer.tiny()
+    except ImportError as e:
+        _log.warning("the tiny model serves token-id prompts only: %s", e)
+        return None
+
+
+def prepare_compilation(args) -> None:
+    """JAX's persistent compilation cache as the flags say (before anything compiles)."""
+    from prefixcache.engine.warmup import disable_compilation_cache, enable_compilation_cache
+
+    if args.no_compilation_cache:
+        disable_compilation_cache()
+    else:
+        path = enable_compilation_cache(args.compilation_cache_dir)
+        _log.info("JAX persistent compilation cache: %s", path)
+
+
+def warmup(engine, args) -> None:
+    """Compiles every step program before the server answers (unless --no-warmup)."""
+    if args.no_warmup:
+        _log.warning("--no-warmup: step programs compile inside the first requests "
+                     "that need them")
+        return
+    r = engine.warmup(progress=True)
+    _log.info("warm-up: %d step programs ready (%d built) in %.1f s", r.num_programs,
+              r.num_built, r.seconds)
 
 
 def serve(args) -> int:
@@ -206,10 +255,12 @@ def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        prepare_compilation(args)
         engine = build_engine(args)
     except (ValueError, OSError) as e:
         print(f"prefixcache serve: error: {e}", file=sys.stderr)
         return 1
+    warmup(engine, args)
     publisher = None
     if args.kv_events_endpoint:
         from prefixcache.serve.kv_events import KVEventPublisher

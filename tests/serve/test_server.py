@@ -376,6 +376,7 @@ def test_models_health_metrics_and_reset(server, client):
     ["serve", "tiny", "--lora-modules", "a=/tmp"],
     ["serve", "tiny", "--enable-lora", "--lora-modules", "a"],
     ["serve", "tiny", "--kv-events-topic", "t"],
+    ["serve", "tiny", "--no-compilation-cache", "--compilation-cache-dir", "/tmp"],
 ])
 def test_bad_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -402,7 +403,8 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixcache.serve", "tiny", "--port", str(port),
          "--num-blocks", "64", "--max-num-seqs", "4", "--shutdown-grace", "30",
-         "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+         "--log-level", "warning", "--no-warmup", "--no-compilation-cache"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
