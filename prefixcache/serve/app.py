@@ -447,6 +447,13 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        # A bug, not the request's fault: still an OpenAI error object (logged by
+        # Starlette's server-error middleware, which calls this handler).
+        return JSONResponse(APIError(500, f"internal server error: {type(exc).__name__}",
+                                     code="internal_error").body(), status_code=500)
+
     async def _body(request: Request):
         ctype = request.headers.get("content-type", "")
         if ctype.split(";", 1)[0].strip().lower() != "application/json":

@@ -5,7 +5,8 @@ and the prefix cache survive), streams with more choices than the running batch,
 reasons that say nothing of another tenant's cache, KV events on loopback.
 
 One server (api key, small bounds, two running sequences, miss reasons on) for the
-module; uvicorn on 127.0.0.1."""
+module; uvicorn on 127.0.0.1. Every request samples (no temperature 0) and every step
+has one shape, so the module compiles one program."""
 
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ def test_output_sequence_and_context_bounds(server):
     for extra in ({}, {"max_tokens": 1}):
         _error(_post(server, {"model": "tiny", "prompt": full, **extra}), 400,
                code="context_length_exceeded")
-    r = _post(server, {"model": "tiny", "prompt": full[:-1], "temperature": 0})
+    r = _post(server, {"model": "tiny", "prompt": full[:-1]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     models = httpx.get(server.url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == MAX_LEN
@@ -287,7 +288,7 @@ def _first_chunk(lines):
 
 
 def test_stream_with_n_above_max_num_seqs_starts_at_once_and_aborts_when_left(server):
-    long = {"model": "tiny", "max_tokens": MAX_LEN - 8, "temperature": 0, "ignore_eos": True,
+    long = {"model": "tiny", "max_tokens": MAX_LEN - 8, "seed": 0, "ignore_eos": True,
             "stream": True}
     before = _metric(server, ABORTED)
     # One slot taken by a blocker; two choices: one runs, one waits.
@@ -364,3 +365,19 @@ def test_kv_events_wildcard_binds_loopback_by_default():
         KVEventPublisher.from_endpoint("tcp://*:0", bind_host="")
     with pytest.raises(SystemExit):
         parse_args(["serve", "tiny", "--kv-events-bind-host", "a b"])
+
+
+def test_an_internal_failure_is_still_an_openai_error_object(server):
+    from starlette.testclient import TestClient
+
+    class Broken:
+        stop_token_ids = ()
+
+        def encode(self, text, add_special_tokens=True):
+            raise RuntimeError("tokenizer bug")
+
+    app = build_app(server.serving.engine, served_model_name="tiny", tokenizer=Broken())
+    with TestClient(app, raise_server_exceptions=False) as c:  # (its loop never starts)
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    err = _error(r, 500, code="internal_error")
+    assert err["type"] == "internal_server_error" and "RuntimeError" in err["message"]
