@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import operator
 import time
 import zlib
@@ -32,6 +33,7 @@ from prefixcache.engine.scheduler import (FINISH_ERROR, FINISH_LENGTH, FINISH_ST
 
 
 _REQUEST_ID = operator.attrgetter("state.request.request_id")
+_log = logging.getLogger(__name__)
 
 
 def _positive_int(name: str, value) -> int:
@@ -179,11 +181,14 @@ class Engine:
 
     A configuration the kernels cannot run (page size, head size, dtypes, backend) or
     KV arrays / a block pool larger than the free memory raise ValueError here, before
-    anything is allocated. A model step that raises does not break the engine: its
-    requests finish with finish_reason "error" (the exception in `.error`), the other
-    running requests are recomputed, the prefix cache is reset and lost KV arrays are
-    re-created (`_recover_failed_step`); a KeyboardInterrupt during a step requeues
-    every request and is re-raised.
+    anything is allocated. A model step that raises does not break the engine: the
+    requests that caused it finish with finish_reason "error" (the exception in
+    `.error`; every request of the step when no single one did) and, while the KV
+    arrays are intact, the others and the prefix cache go on as if nothing happened
+    (`_isolate_failed_step`); when the KV arrays were lost (or the host tier had copies
+    in flight) the other running requests are recomputed, the prefix cache is reset
+    and the KV arrays re-created (`_recover_failed_step`); a KeyboardInterrupt during a
+    step requeues every request and is re-raised.
     """
 
     def __init__(self, model_config, *, num_blocks: int | None = None, block_size: int = 16,
@@ -803,25 +808,37 @@ class Engine:
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         self._num_usage_samples += 1
         if sched.scheduled:
+            phase = "before_device"
+            tokens = logits = None
             try:
                 if self.fault_injector is not None:
                     self.fault_injector("before_device", sched)
                 if transfers:
                     self.runner.apply_host_transfers(transfers)
+                phase = "prepare"
                 prepared = self.runner.prepare(
                     sched.scheduled, self.scheduler.kv_group_tables or self.scheduler.block_tables)
                 t2 = time.perf_counter()
+                phase = "device"
                 tokens, logits = self.runner.execute(prepared,
                                                      return_logits=self.record_logits)
+                phase = "after_device"
                 if self.fault_injector is not None:
                     self.fault_injector("after_device", sched)
             except BaseException as e:
-                self._recover_failed_step(sched, e)
-                if not isinstance(e, Exception):
-                    raise  # KeyboardInterrupt & co: the engine is consistent again
-                self.last_scheduler_output = sched
-                outs, self._pending_outputs = self._pending_outputs, []
-                return outs
+                if isinstance(e, Exception) and not transfers and not self.num_host_blocks:
+                    rerun = self._isolate_failed_step(sched, e, phase, tokens, logits)
+                else:
+                    rerun = None
+                if rerun is None:
+                    self._recover_failed_step(sched, e)
+                    if not isinstance(e, Exception):
+                        raise  # KeyboardInterrupt & co: the engine is consistent again
+                    self.last_scheduler_output = sched
+                    outs, self._pending_outputs = self._pending_outputs, []
+                    return outs
+                tokens, logits = rerun
+                t2 = time.perf_counter()
             t3 = time.perf_counter()
             sampled = dict(zip(map(_REQUEST_ID, sched.scheduled), np.asarray(tokens).tolist()))
             if logits is not None:
@@ -849,6 +866,61 @@ class Engine:
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
+
+    def _isolate_failed_step(self, sched: SchedulerOutput, exc: Exception, phase: str,
+                             tokens, logits):
+        """Contains a failed model step to the requests that caused it, keeping the
+        prefix cache, when the KV arrays are intact: (tokens, logits) of the step to
+        go on with, or None (then `_recover_failed_step`, which resets everything).
+
+        NOTE: the choices made:
+          * culprits: a step that failed while its inputs were built on the host
+            (`runner.prepare`: e.g. a value its int32 / float32 arrays cannot hold) is
+            built again for each of its requests alone; those whose own inputs fail are
+            the culprits. Otherwise (a fault before or after the device call, or one
+            no request fails alone) every request of the step is, as before;
+          * the cache: every block this step was to write was already cached when it
+            was scheduled. If the device call never completed, the step runs again
+            with the culprits' sampling rows made greedy (their KV is computed, their
+            tokens thrown away), so every cached block holds its KV and nothing is
+            dropped; running requests outside the step are not touched. If that run
+            fails too, or the KV arrays were lost (a donated step that failed), or the
+            host tier has copies in flight, None: the full recovery;
+          * the culprits then finish with finish_reason "error"; the other requests of
+            the step take their tokens from the second run (the same tokens: sampling
+            is a pure function of seed and position).
+        """
+        if self.runner.ensure_valid_kv_caches():
+            return None  # every page is gone: nothing cached is intact
+        tables = self.scheduler.kv_group_tables or self.scheduler.block_tables
+        culprits = list(sched.scheduled)
+        if phase == "prepare" and len(culprits) > 1:
+            alone = []
+            for s in culprits:
+                try:
+                    self.runner.prepare([s], tables)
+                except Exception:  # noqa: BLE001 - this request's own inputs fail
+                    alone.append(s)
+            culprits = alone or culprits
+        if phase != "after_device":
+            for s in culprits:
+                st = s.state
+                st.params = SamplingParams(max_tokens=st.params.max_tokens)
+            try:
+                prepared = self.runner.prepare(sched.scheduled, tables)
+                tokens, logits = self.runner.execute(prepared,
+                                                     return_logits=self.record_logits)
+            except Exception:  # noqa: BLE001 - not contained: the full recovery
+                _log.warning("a failed model step failed again without its culprits' "
+                             "sampling; every running request is recomputed")
+                return None
+        error = f"model step failed: {type(exc).__name__}: {exc}"
+        for s in culprits:
+            state = s.state
+            if state.status is RequestStatus.RUNNING:
+                self.scheduler.finish_request(state, FINISH_ERROR, error)
+                self._finish(state)
+        return tokens, logits
 
     def _recover_failed_step(self, sched: SchedulerOutput, exc: BaseException) -> None:
         """Leaves the engine usable after the model step of `sched` raised.

@@ -9,7 +9,10 @@ bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persi
 compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
 `--no-compilation-cache`), so a restart of the same configuration loads them.
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
-`--shutdown-grace` seconds, abort the rest, exit 0.
+`--shutdown-grace` seconds, abort the rest, exit 0. As vLLM, the server refuses to
+start (exit 1) when one request of `--max-model-len` tokens would not fit the KV pool.
+`--api-key` (or the `VLLM_API_KEY` environment variable, as vLLM) guards the `/v1`
+routes and `/reset_prefix_cache`; `/health` and `/metrics` stay open.
 """
 
 from __future__ import annotations
@@ -130,11 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=_positive_int, default=16)
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV events over ZMQ (vLLM's convention: tcp://*:PORT binds)")
+                   help="publish KV events over ZMQ (vLLM's convention: tcp://*:PORT binds, "
+                   "on --kv-events-bind-host)")
+    p.add_argument("--kv-events-bind-host", default="127.0.0.1",
+                   help="the interface a wildcard KV events endpoint (tcp://*:PORT) binds: "
+                   "loopback unless told otherwise ('*': every interface, as vLLM)")
     p.add_argument("--kv-events-topic", default="")
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--max-waiting", type=_non_negative_int, default=1024,
                    help="most queued requests; beyond it 503 with Retry-After")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (one of these keys) on the /v1 "
+                   "routes and /reset_prefix_cache (default: $VLLM_API_KEY, else none)")
+    p.add_argument("--max-request-body-bytes", type=_bytes,
+                   default=32 * 2 ** 20,
+                   help="largest request body ('32MiB' ok); beyond it 413")
+    p.add_argument("--max-request-output-tokens", type=_positive_int, default=2 ** 18,
+                   help="most output tokens one request may ask for: prompts x n x "
+                   "max_tokens; beyond it 400")
     p.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
@@ -169,6 +185,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("kv_events_topic", "kv_events_replay_endpoint"):
         if getattr(args, flag) and not args.kv_events_endpoint:
             sp.error(f"--{flag.replace('_', '-')} needs --kv-events-endpoint")
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        args.api_key = [os.environ["VLLM_API_KEY"]]
+    if args.api_key is not None and not all(args.api_key):
+        sp.error("--api-key: an empty key")
+    if args.max_request_body_bytes < 1:
+        sp.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.kv_events_bind_host or any(c.isspace() or c == "/"
+                                           for c in args.kv_events_bind_host):
+        sp.error(f"--kv-events-bind-host: '*' or an interface address, got "
+                 f"{args.kv_events_bind_host!r}")
     for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         ep = getattr(args, flag)
         if ep is not None and "://" not in ep:
@@ -210,6 +236,20 @@ def build_engine(args):
         raise ValueError("loading a checkpoint needs Engine.from_pretrained, which this "
                          "installation lacks; serve 'tiny' instead")
     return Engine.from_pretrained(args.model, dtype=dtype, **kw)
+
+
+def pool_fit_error(engine) -> str | None:
+    """Why the server must not start, or None: as vLLM, one request of max_model_len
+    tokens must fit the KV pool (otherwise `/v1/models` would advertise a context that
+    is never served)."""
+    need = -(-int(engine.max_model_len) // int(engine.block_size))
+    if need <= int(engine.num_blocks):
+        return None
+    fits = int(engine.num_blocks) * int(engine.block_size)
+    return (f"max_model_len={engine.max_model_len} needs {need} KV blocks of "
+            f"{engine.block_size} tokens per request, but the KV pool has "
+            f"{engine.num_blocks} blocks ({fits} tokens): lower --max-model-len to at "
+            f"most {fits}, or raise --num-blocks / --kv-cache-memory")
 
 
 def _tiny_tokenizer():
@@ -260,6 +300,10 @@ def serve(args) -> int:
     except (ValueError, OSError) as e:
         print(f"prefixcache serve: error: {e}", file=sys.stderr)
         return 1
+    err = pool_fit_error(engine)
+    if err is not None:
+        print(f"prefixcache serve: error: {err}", file=sys.stderr)
+        return 1
     warmup(engine, args)
     publisher = None
     if args.kv_events_endpoint:
@@ -267,12 +311,15 @@ def serve(args) -> int:
 
         publisher = KVEventPublisher.from_endpoint(
             args.kv_events_endpoint, topic=args.kv_events_topic,
-            replay_endpoint=args.kv_events_replay_endpoint)
+            replay_endpoint=args.kv_events_replay_endpoint,
+            bind_host=args.kv_events_bind_host)
     loras = {name: LoRARequest(name, path, int_id=i + 1)
              for i, (name, path) in enumerate(args.lora_modules)}
     app = build_app(engine, served_model_name=args.served_model_name or args.model,
                     lora_modules=loras, max_waiting=args.max_waiting,
-                    kv_event_publisher=publisher)
+                    kv_event_publisher=publisher, api_keys=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    max_request_output_tokens=args.max_request_output_tokens)
     serving = app.state.serving
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level,
