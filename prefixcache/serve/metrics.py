@@ -17,7 +17,7 @@ engine thread updates them after each step; `GET /metrics` renders the registry.
 | `prefixcache:prompt_tokens_total`, `prefixcache:generation_tokens_total` | counter | tokens of finished requests |
 | `prefixcache:request_success_total` | counter | finished requests by `finished_reason` |
 | `prefixcache:num_preemptions_total` | counter | preemptions by recompute |
-| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.sim.misses.REASONS`; only with `serve --miss-reasons`) |
+| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.core.misses.REASONS`; only with `serve --miss-reasons`) |
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ServerMetrics:
     def add_misses(self, miss_reasons) -> None:
         """Count a finished request's miss reasons (``RequestMetrics.miss_reasons``;
         the evicted sub-counts are not reasons of their own and are left out)."""
-        from prefixcache.sim.misses import REASONS  # noqa: PLC0415
+        from prefixcache.core.misses import REASONS  # noqa: PLC0415
 
         for r, v in miss_reasons.items():
             if v and r in REASONS:
