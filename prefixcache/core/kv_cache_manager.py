@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from itertools import islice
 from operator import attrgetter
+from types import MappingProxyType
 from typing import Any, Sequence
 
 from prefixcache._validate import (ArgumentTypeError, check_arrival, check_count,
@@ -1150,11 +1151,11 @@ class KVCacheManager:
     implementation's own method, no extra Python frame per call -- the engine and the
     replay call ``allocate_slots`` / ``get_computed_blocks`` every step, and a frame
     costs ~600-1000 instructions under 3.11 -- while ``help(KVCacheManager)`` and
-    ``KVCacheManager.allocate_slots(manager, ...)`` see the class's. Attributes are
-    read-only properties with a C getter (``operator.attrgetter``); there is no
-    ``__getattr__``. An index class of a user's own may add public methods: they are
-    bound too (``manager.my_method``); its other attributes are read through
-    ``implementation``.
+    ``KVCacheManager.allocate_slots(manager, ...)`` see the class's. Attributes
+    (``_ATTRIBUTES``, below the class) are read-only properties with a C getter
+    (``operator.attrgetter``); there is no ``__getattr__``. An index class of a
+    user's own may add public methods: they are bound too (``manager.my_method``);
+    its other attributes are read through ``implementation``.
 
     Args:
         num_blocks, block_size: the pool (positional or keyword).
@@ -1382,62 +1383,57 @@ class KVCacheManager:
         if broken."""
         return self._impl.check_invariants()
 
-    # ------------------------------------------------------------- attributes
-    # (read-only; the implementation's own docstrings say more)
-    num_blocks = _read("num_blocks", "Allocatable blocks (ids 0 .. num_blocks - 1).")
-    block_size = _read("block_size", "Tokens per block.")
-    enable_caching = _read("enable_caching", "Prefix caching on.")
-    enable_events = _read("enable_events", "KV cache events are queued for take_events.")
-    log_stats = _read("log_stats", "PrefixCacheStats are collected.")
-    free_order = _read("free_order", "Where freed never-cached blocks go in the free queue.")
-    max_model_len = _read("max_model_len", "Longest allowed sequence (None: no limit).")
-    hasher = _read("hasher", "The BlockHasher requests are bound to.")
-    hash_algo = _read("hash_algo", "The hash algorithm's name.")
-    index = _read("index", "The prefix index's name.")
-    eviction = _read("eviction", "The eviction policy's name.")
-    policy = _read("policy", "The EvictionPolicy object (None: the LRU fast path).")
-    kv_cache_groups = _read("kv_cache_groups", "The KV cache group layout.")
-    num_groups = _read("num_groups", "Number of KV cache groups.")
-    block_pool = _read("block_pool", "The BlockPool (hash index only).")
-    blocks = _read("blocks", "Every KVCacheBlock by id (radix index only).")
-    null_block = _read("null_block", "The padding block of null slots (group layouts only).")
-    null_block_id = _read("null_block_id",
-                          "The id of null slots in get_block_ids (group layouts only).")
-    running_request_ids = _read("running_request_ids",
-                                "Ids of the requests holding blocks, in allocation order.")
-    num_free_blocks = _read("num_free_blocks", "Blocks in the free queue now.")
-    num_available_blocks = _read(
-        "num_available_blocks",
-        "Blocks an allocation may take now (radix index: free + unlocked nodes).")
-    usage = _read("usage", "Fraction of blocks held by requests (0.0 .. 1.0).")
-    num_cached_blocks = _read("num_cached_blocks", "Blocks in the cache now (held or free).")
-    num_nodes = _read("num_nodes", "Nodes in the tree (radix index with group layouts).")
-    num_evictions = _read("num_evictions", "Cached blocks evicted, cumulative.")
-    num_blocks_cached = _read("num_blocks_cached", "Blocks cached, cumulative (radix index).")
-    num_blocks_allocated = _read("num_blocks_allocated",
-                                 "Blocks allocated, cumulative (radix index).")
-    num_lookups = _read("num_lookups", "Lookups (get_computed_blocks calls), cumulative.")
-    num_lookup_tokens = _read("num_lookup_tokens", "Tokens looked up, cumulative.")
-    num_hit_tokens = _read("num_hit_tokens", "Prefix-hit tokens of lookups, cumulative.")
-    num_failed_allocations = _read("num_failed_allocations",
-                                   "allocate_slots calls answered None, cumulative.")
-    prefix_cache_stats = _read("prefix_cache_stats",
-                               "The current interval's PrefixCacheStats (None without log_stats).")
-    events = _read("events", "Queued KV cache events (radix index; use take_events).")
-    evicted_by = _read("evicted_by",
-                       "Miss accounting's eviction record (radix index; None when off).")
-    evicted_group = _read("evicted_group",
-                          "Miss accounting's per-group eviction record (radix group layouts).")
-    device_hit_tokens = _read("device_hit_tokens",
-                              "Prefix-hit tokens adopted from the device, cumulative.")
-    host_hit_tokens = _read("host_hit_tokens",
-                            "Prefix-hit tokens loaded from the host tier, cumulative.")
-    host_tier = _read("host_tier", "The host tier (None without one).")
-    num_host_blocks = _read("num_host_blocks", "Host tier slots (0: no tier).")
-    host_eviction = _read("host_eviction", "The host tier's eviction policy's name.")
-    num_host_cached_blocks = _read("num_host_cached_blocks",
-                                   "Hashes held in the host tier now (0 without one).")
-    host_blocks_loaded = _read("host_blocks_loaded",
-                               "Host entries promoted into device blocks, cumulative.")
-    host_blocks_stored = _read("host_blocks_stored",
-                               "Device blocks demoted into host slots, cumulative.")
+
+# The implementation's attributes, read-only on KVCacheManager (name -> what help()
+# says; the implementation's own docstrings say more). An attribute the implementation
+# lacks (the radix index has no ``block_pool``) raises AttributeError on read.
+_ATTRIBUTES = MappingProxyType({
+    "num_blocks": "Allocatable blocks (ids 0 .. num_blocks - 1).",
+    "block_size": "Tokens per block.",
+    "enable_caching": "Prefix caching on.",
+    "enable_events": "KV cache events are queued for take_events.",
+    "log_stats": "PrefixCacheStats are collected.",
+    "free_order": "Where freed never-cached blocks go in the free queue.",
+    "max_model_len": "Longest allowed sequence (None: no limit).",
+    "hasher": "The BlockHasher requests are bound to.",
+    "hash_algo": "The hash algorithm's name.",
+    "index": "The prefix index's name.",
+    "eviction": "The eviction policy's name.",
+    "policy": "The EvictionPolicy object (None: the LRU fast path).",
+    "kv_cache_groups": "The KV cache group layout.",
+    "num_groups": "Number of KV cache groups.",
+    "block_pool": "The BlockPool (hash index only).",
+    "blocks": "Every KVCacheBlock by id (radix index only).",
+    "null_block": "The padding block of null slots (group layouts only).",
+    "null_block_id": "The id of null slots in get_block_ids (group layouts only).",
+    "running_request_ids": "Ids of the requests holding blocks, in allocation order.",
+    "num_free_blocks": "Blocks in the free queue now.",
+    "num_available_blocks": ("Blocks an allocation may take now (radix index: free + "
+                             "unlocked nodes)."),
+    "usage": "Fraction of blocks held by requests (0.0 .. 1.0).",
+    "num_cached_blocks": "Blocks in the cache now (held or free).",
+    "num_nodes": "Nodes in the tree (radix index with group layouts).",
+    "num_evictions": "Cached blocks evicted, cumulative.",
+    "num_blocks_cached": "Blocks cached, cumulative (radix index).",
+    "num_blocks_allocated": "Blocks allocated, cumulative (radix index).",
+    "num_lookups": "Lookups (get_computed_blocks calls), cumulative.",
+    "num_lookup_tokens": "Tokens looked up, cumulative.",
+    "num_hit_tokens": "Prefix-hit tokens of lookups, cumulative.",
+    "num_failed_allocations": "allocate_slots calls answered None, cumulative.",
+    "prefix_cache_stats": ("The current interval's PrefixCacheStats (None without "
+                           "log_stats)."),
+    "events": "Queued KV cache events (radix index; use take_events).",
+    "evicted_by": "Miss accounting's eviction record (radix index; None when off).",
+    "evicted_group": "Miss accounting's per-group eviction record (radix group layouts).",
+    "device_hit_tokens": "Prefix-hit tokens adopted from the device, cumulative.",
+    "host_hit_tokens": "Prefix-hit tokens loaded from the host tier, cumulative.",
+    "host_tier": "The host tier (None without one).",
+    "num_host_blocks": "Host tier slots (0: no tier).",
+    "host_eviction": "The host tier's eviction policy's name.",
+    "num_host_cached_blocks": "Hashes held in the host tier now (0 without one).",
+    "host_blocks_loaded": "Host entries promoted into device blocks, cumulative.",
+    "host_blocks_stored": "Device blocks demoted into host slots, cumulative.",
+})
+for _name, _doc in _ATTRIBUTES.items():
+    setattr(KVCacheManager, _name, _read(_name, _doc))
+del _name, _doc
