@@ -1115,8 +1115,8 @@ def _public_methods(cls: type) -> list[str]:
 def _read(name: str, doc: str) -> property:
     """A read-only attribute of the implementation, as a property of ``KVCacheManager``.
 
-    NOTE: the getter is ``operator.attrgetter`` (C): a read costs no Python frame (the
-    old ``__getattr__`` forwarding cost one per read)."""
+    NOTE: the getter is ``operator.attrgetter`` (C): a read costs no Python frame
+    (forwarding through ``__getattr__`` would cost one per read)."""
     return property(attrgetter("_impl." + name), doc=doc)
 
 
