@@ -8,6 +8,8 @@ Every experiment reads its requests through ``experiments._common.requests_from_
 ``prefixcache.sim.workloads``, or ``mooncake_scale``).
 """
 
+import dataclasses
+
 import ml_collections
 
 # Default kwargs per generated workload (the generators' own defaults, spelled out so
@@ -77,6 +79,21 @@ def requests_config(workload: str = "shared_system_prompt", *, trace: str = "", 
     return c
 
 
+def cache_defaults(c: ml_collections.ConfigDict, *names: str) -> None:
+    """Set ``c.<name>`` to ``prefixcache.CacheConfig``'s default for each cache field in
+    ``names`` (the one table of defaults: nothing spelled twice), in a ConfigDict's
+    form: a ``None`` default as ``""`` (text fields) or ``0`` (``num_blocks``,
+    ``max_model_len``), which ``CacheConfig.from_config_dict`` reads back as ``None``."""
+    from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
+
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    for name in names:
+        value = fields[name].default
+        if value is None:
+            value = 0 if name in ("num_blocks", "max_model_len") else ""
+        setattr(c, name, value)
+
+
 def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", dataset: str = "",
                   num_blocks: int = 4096, block_size: int = 16, concurrency: int = 8,
                   **kwargs) -> ml_collections.ConfigDict:
@@ -84,16 +101,18 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", da
     c = requests_config(workload, trace=trace, dataset=dataset, **kwargs)
     c.num_blocks = num_blocks
     c.block_size = block_size
-    c.hash_algo = "sha256"
-    c.hash_seed = ""  # "" -> the algorithm's default root (see prefixcache.core.hashing)
-    c.free_order = "append"
-    c.eviction = "lru"  # prefixcache.core.eviction.POLICIES (belady: the offline bound)
-    c.index = "hash"  # prefixcache.core.indexes.INDEXES
+    # hash_algo, hash_seed ("" -> the algorithm's default root), free_order, eviction
+    # (prefixcache.core.eviction.POLICIES; belady: the offline bound), index
+    # (prefixcache.core.indexes.INDEXES), num_host_blocks (host-memory tier slots under
+    # the device cache; 0 -> none), host_eviction (not belady), max_model_len (0 -> no
+    # limit): CacheConfig's defaults.
+    cache_defaults(c, "hash_algo", "hash_seed", "free_order", "eviction", "index",
+                   "num_host_blocks", "host_eviction", "max_model_len")
     c.model = ""  # a cost_model preset: report cache memory in bytes ("" -> blocks only)
-    c.num_host_blocks = 0  # host-memory tier slots under the device cache (0 -> none)
-    c.host_eviction = "lru"  # the host tier's policy (prefixcache.core.eviction, not belady)
     c.concurrency = concurrency
-    c.max_model_len = 0  # 0 -> no limit
+    # Why each missed prompt block missed (prefixcache.core.misses): records get
+    # miss_reasons (reason -> blocks), the summary the totals.
+    c.miss_reasons = False
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given
     return c
 
@@ -113,12 +132,11 @@ def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset:
     c.max_num_seqs = 256
     c.time_scale = 1.0
     c.arrival_rate = 0.0  # 0 -> the trace's timestamps
-    c.hash_algo = "sha256"
-    c.eviction = "lru"  # every replica's eviction policy (prefixcache.core.eviction)
-    # Host-memory tier per replica (0: none); loads over host_link (cost_model.HOST_LINKS);
+    # hash_algo, eviction (every replica's policy, prefixcache.core.eviction), and the
+    # host-memory tier per replica (num_host_blocks, 0: none; host_eviction):
+    # CacheConfig's defaults. Host loads go over host_link (cost_model.HOST_LINKS);
     # kv_events scores host blocks at host_weight ("auto": 1 - load/prefill of a block).
-    c.num_host_blocks = 0
-    c.host_eviction = "lru"
+    cache_defaults(c, "hash_algo", "eviction", "num_host_blocks", "host_eviction")
     c.host_link = "h200_pcie5"
     c.host_weight = "auto"
     return c

@@ -56,7 +56,7 @@ Outputs in ``--workdir``:
 
 Miss reasons (``miss_reasons``, on by default): each row also carries ``missed_blocks``,
 ``miss_reasons`` (the replay's totals: ``cold``, ``evicted``, ``isolated``, ``partial``,
-``last_token``, ``evicted_device`` / ``evicted_host``; ``prefixcache.sim.misses``) and
+``last_token``, ``evicted_device`` / ``evicted_host``; ``prefixcache.core.misses``) and
 ``evicted_blocks`` (the evicted-block prefills that separate policies); with belady in the
 grid every cell row carries its distance to it at the same index and capacity:
 ``belady_gap_tokens``, ``belady_gap_rate`` and ``belady_gap_evicted_blocks``. The table on
@@ -210,7 +210,7 @@ def run_cell(cell: dict) -> dict:
                            record=record, eviction=eviction, eviction_options=options)
     if "queue_depth" in summary:
         row["queue_depth"] = summary["queue_depth"]
-    if config.miss_reasons:  # why the missed prompt blocks missed (prefixcache.sim.misses)
+    if config.miss_reasons:  # why the missed prompt blocks missed (prefixcache.core.misses)
         misses = summary["miss_reasons"]
         row["missed_blocks"] = misses["missed_blocks"]
         row["miss_reasons"] = misses["reasons"]

@@ -20,7 +20,9 @@ Outputs:
     ``experiments/peers/vllm_replay.py --out``).
   * the last stdout line: the summary JSON (``requests``, ``prompt_tokens``,
     ``hit_tokens``, ``hit_rate_tokens``, ``evictions``, ``failed``, ``timing``
-    with ``loop_s``/``hashing_s``/``manager_s``, rates, ``peak_rss_mib``).
+    with ``loop_s``/``hashing_s``/``manager_s``, rates, ``peak_rss_mib``; with
+    ``--config.miss_reasons=true`` also ``miss_reasons``: missed prompt blocks by
+    reason, as each record's ``miss_reasons``).
   * ``--workdir``: ``results.jsonl`` (the summary with provenance, cache state
     ``cold``) and ``replay.png`` (cumulative token hit rate over the trace).
 
@@ -45,8 +47,9 @@ def run(config, *, progress: bool = False) -> dict:
         ``num_blocks``, ``block_size``, ``hash_algo``, ``hash_seed``,
         ``free_order``, ``eviction``, ``index``, ``model`` ("": none),
         ``num_host_blocks`` (0: no host tier), ``host_eviction``,
-        ``concurrency``, ``max_model_len`` (0: none), ``out``, ``workdir``,
-        ``max_requests``, ``seed``.
+        ``concurrency``, ``max_model_len`` (0: none), ``miss_reasons`` (records
+        and the summary carry why each missed prompt block missed,
+        ``prefixcache.core.misses``), ``out``, ``workdir``, ``max_requests``, ``seed``.
       progress: tqdm progress bar.
 
     Returns:
@@ -82,7 +85,7 @@ def run(config, *, progress: bool = False) -> dict:
         return replay(
             requests, cache_config=_common.cache_config(config),
             concurrency=config.concurrency, on_record=on_record, progress=progress,
-            total=total, model=config.model or None)
+            total=total, model=config.model or None, miss_reasons=config.miss_reasons)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:

@@ -21,6 +21,8 @@ Modules:
   ``hash_writers``: its fast writers' tables and helpers.
 * ``request``: ``Request``, ``MultiModalFeature``, ``LoRARequest``.
 * ``events``: KV cache events (vLLM's fields); ``stats``: ``PrefixCacheStats``.
+* ``misses``: miss accounting, why each missed prompt block missed (``MissAccountant``,
+  ``REASONS``), read by the replay, the simulators, the engine and the server.
 """
 
 from prefixcache.core.block_pool import (

@@ -277,7 +277,7 @@ class BlockPool:
         self.num_blocks_cached = 0  # blocks that entered the hash map
         self.num_blocks_allocated = 0  # blocks popped from the free queue
         self.num_blocks_cleared = 0  # cached blocks dropped by reset_prefix_cache
-        # Miss accounting's hook (``prefixcache.sim.misses``): a dict that each eviction
+        # Miss accounting's hook (``prefixcache.core.misses``): a dict that each eviction
         # sets ``evicted_by[block_hash] = "device"`` in (a reset replaces it with a new
         # empty dict); ``None`` (the default) costs one test per eviction.
         self.evicted_by: dict | None = None

@@ -568,7 +568,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     del by_group[g][num_blocks:]
         return tuple(b if b is not None else [] for b in by_group), hit_length, longest
 
-    def get_computed_blocks(self, request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest prefix hit valid for every group.
 
         Changes no block state; only statistics.
@@ -698,12 +698,12 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
 
     def allocate_slots(
         self,
-        request,
+        request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks=None,
+        new_computed_blocks: KVCacheBlocks | Sequence[Sequence[KVCacheBlock]] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> tuple[list[KVCacheBlock], ...] | None:
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens in every group.
 
         As ``KVCacheManager.allocate_slots``, with per-group hit blocks (the tuple

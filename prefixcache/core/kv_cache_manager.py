@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from itertools import islice
+from operator import attrgetter
+from types import MappingProxyType
 from typing import Any, Sequence
 
 from prefixcache._validate import (ArgumentTypeError, check_arrival, check_bool, check_count,
@@ -34,6 +36,7 @@ from prefixcache.core.block_pool import (
 from prefixcache.core.eviction import DEFAULT_POLICY, EvictionPolicy, get_policy_class, make_policy
 from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.events import KVCacheEvent
+from prefixcache.core.groups.base import check_block_hash_list
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.host_tier import (
     HostHit,
@@ -543,7 +546,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         return self.hasher.algo
 
     # -------------------------------------------------------------- scheduling
-    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest run of cached full blocks that starts the request.
 
         Changes no block state (no ref counts, no queue order); only statistics.
@@ -626,12 +629,12 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
 
     def allocate_slots(
         self,
-        request,
+        request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens.
 
         For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
@@ -1109,6 +1112,14 @@ def _public_methods(cls: type) -> list[str]:
     return out
 
 
+def _read(name: str, doc: str) -> property:
+    """A read-only attribute of the implementation, as a property of ``KVCacheManager``.
+
+    NOTE: the getter is ``operator.attrgetter`` (C): a read costs no Python frame
+    (forwarding through ``__getattr__`` would cost one per read)."""
+    return property(attrgetter("_impl." + name), doc=doc)
+
+
 class KVCacheManager:
     """The one KV cache manager: allocates KV cache blocks to requests and reuses
     cached prefixes, for every index, group layout, eviction policy and tier.
@@ -1127,42 +1138,58 @@ class KVCacheManager:
     Construction resolves the implementation once (``indexes.resolve_manager_class``:
     the one rule that refuses a combination, with its reason): ``HashKVCacheManager``
     (hash index, one full-attention group; the keyword arguments are documented
-    there), ``RadixKVCacheManager`` (``index="radix"``) or ``HybridKVCacheManager``
-    (sliding-window layouts). Its public methods are bound onto this object once, so
-    a call costs no extra Python frame (the decode fast path is the implementation's
-    own ``allocate_slots``); other attributes (properties, counters, ``block_pool``,
-    ``policy``, ``host_tier``, ...) read through to it, and writes go to it.
+    there), ``radix.RadixKVCacheManager`` (``index="radix"``),
+    ``hybrid.HybridKVCacheManager`` (other group layouts) or
+    ``radix_hybrid.RadixHybridKVCacheManager`` (the radix index with other layouts).
+    Every public method and attribute of those is defined on this class (a test pins
+    it); ``implementation`` is the object below, for inspection.
+
+    NOTE (how a call reaches the implementation): the methods below are real,
+    documented methods that call the implementation's, and ``__init__`` also binds
+    the implementation's bound methods onto this object, where they shadow the class's
+    (functions are non-data descriptors). So ``manager.allocate_slots(...)`` is the
+    implementation's own method, no extra Python frame per call -- the engine and the
+    replay call ``allocate_slots`` / ``get_computed_blocks`` every step, and a frame
+    costs ~600-1000 instructions under 3.11 -- while ``help(KVCacheManager)`` and
+    ``KVCacheManager.allocate_slots(manager, ...)`` see the class's. Attributes
+    (``_ATTRIBUTES``, below the class) are read-only properties with a C getter
+    (``operator.attrgetter``); there is no ``__getattr__``. An index class of a
+    user's own may add public methods: they are bound too (``manager.my_method``);
+    its other attributes are read through ``implementation``.
 
     Args:
         num_blocks, block_size: the pool (positional or keyword).
+        index: a registered index name (``indexes.INDEXES``: ``"hash"``, ``"radix"``)
+            or an index class of the user's own (``indexes.check_index_class``).
+        kv_cache_groups: the model's KV cache groups (``kv_groups``); ``None``: one
+            full-attention group.
+        eviction: the eviction policy's name (``eviction.POLICIES``) or class.
+        num_host_blocks: host-memory tier slots (0: no tier).
         **kwargs: ``enable_caching``, ``hash_algo``, ``hash_seed``, ``free_order``,
             ``log_stats``, ``enable_events``, ``max_model_len``, ``int_event_hashes``,
-            ``eviction``, ``eviction_options``, ``index``, ``kv_cache_groups``,
-            ``num_host_blocks``, ``host_eviction``, ``host_eviction_options`` (see
-            ``HashKVCacheManager``). ``index`` is a registered name or an index class
-            of the user's own (``indexes.check_index_class``).
-
-    Attributes (besides the implementation's):
-        kv_cache_groups: the layout (``kv_groups.FULL_ATTENTION_LAYOUT`` without
-            groups); ``num_groups``.
+            ``eviction_options``, ``host_eviction``, ``host_eviction_options`` (see
+            ``HashKVCacheManager``).
     """
 
-    def __init__(self, num_blocks, block_size, *, index: str = DEFAULT_INDEX,
-                 kv_cache_groups=None, eviction: str = "lru", num_host_blocks=0,
-                 **kwargs):
+    def __init__(self, num_blocks: int, block_size: int, *, index: str | type = DEFAULT_INDEX,
+                 kv_cache_groups=None, eviction: str | type = DEFAULT_POLICY,
+                 num_host_blocks: int = 0, **kwargs):
         cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
         impl = cls(num_blocks, block_size, index=index, kv_cache_groups=kv_cache_groups,
                    eviction=eviction, num_host_blocks=num_host_blocks, **kwargs)
+        self._impl = impl
+        # The one fast path (the class NOTE): the implementation's bound methods as
+        # instance attributes (instance-level overrides of the implementation included).
         d = self.__dict__
-        d["_impl"] = impl
         for name in _public_methods(cls):
-            d[name] = getattr(impl, name)  # (instance-level overrides included)
+            d[name] = getattr(impl, name)
 
     @property
     def implementation(self):
         """The implementation object below (``HashKVCacheManager``,
-        ``RadixKVCacheManager`` or ``HybridKVCacheManager``): for inspection."""
-        return self.__dict__["_impl"]
+        ``RadixKVCacheManager``, ``HybridKVCacheManager`` or
+        ``RadixHybridKVCacheManager``, or a user's index class): for inspection."""
+        return self._impl
 
     @classmethod
     def from_config(cls, cfg) -> "KVCacheManager":
@@ -1170,27 +1197,243 @@ class KVCacheManager:
         constructor's keywords)."""
         return cls(**cfg.manager_kwargs())
 
-    def __getattr__(self, name):
-        try:
-            impl = self.__dict__["_impl"]
-        except KeyError:
-            raise AttributeError(name) from None
-        return getattr(impl, name)
-
-    def __setattr__(self, name, value) -> None:
-        setattr(self.__dict__["_impl"], name, value)
-        if name in self.__dict__:  # a bound method replaced: follow it
-            self.__dict__[name] = value
-
-    def __delattr__(self, name) -> None:
-        delattr(self.__dict__["_impl"], name)
-
-    def __dir__(self):
-        return sorted(set(dir(type(self))) | set(dir(self.__dict__["_impl"])))
-
     def __repr__(self) -> str:
-        impl = self.__dict__.get("_impl")
+        impl = self._impl
         return f"KVCacheManager({type(impl).__name__}: " + ", ".join(
             f"{k}={getattr(impl, k, None)!r}"
             for k in ("num_blocks", "block_size", "index", "eviction", "num_groups",
                       "num_host_blocks")) + ")"
+
+    # ------------------------------------------------------------- scheduling
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of ``request`` valid for every KV cache group.
+
+        Changes no block state (no ref counts, locks or queue order); only the lookup
+        counters. With a host tier, blocks found there appear as ``HostHit``
+        placeholders that ``allocate_slots`` loads.
+
+        Args:
+            request: a ``Request`` not yet holding blocks.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``: the hit blocks per group and the hit
+            tokens (a multiple of ``block_size``, at most ``request.num_tokens - 1``).
+        """
+        return self._impl.get_computed_blocks(request)
+
+    def peek_computed_tokens(self, request: Request) -> int:
+        """The prefix-hit tokens ``get_computed_blocks`` would return now; counts no
+        lookup and changes nothing (a scheduler ordering its waiting queue by cached
+        prefix calls it for every waiting request, every step)."""
+        return self._impl.peek_computed_tokens(request)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+
+        For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
+        the prefix hit ``get_computed_blocks`` returned: those blocks start its block
+        tables. New blocks come from the free blocks (evicting cached ones); every
+        block full after this step is cached at once, so later requests of the same
+        batch can hit it.
+
+        Args:
+            request: the request (``request.num_computed_tokens`` tokens already have
+                KV; the caller advances it after the step).
+            num_new_tokens: tokens to compute in this step (>= 0).
+            num_new_computed_tokens: prefix-hit tokens (new requests only).
+            new_computed_blocks: the prefix-hit blocks (new requests only): the
+                ``KVCacheBlocks`` from ``get_computed_blocks`` (its legacy plain list
+                of one group's blocks is accepted too).
+            num_lookahead_tokens: extra slots to reserve (speculative tokens).
+
+        Returns:
+            The newly allocated blocks per group (possibly empty), or ``None`` when
+            the free blocks do not suffice -- in which case nothing changed.
+
+        Raises:
+            ValueError / TypeError: bad counts, hit blocks that are not this
+                request's prefix hit, hit blocks for a running request, a sequence
+                beyond ``max_model_len``. Nothing changed.
+        """
+        return self._impl.allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+                                         new_computed_blocks, num_lookahead_tokens)
+
+    def prefill_chunks(self, request: Request, num_computed_tokens: int) -> list[int]:
+        """The chunk sizes a scheduler splits the rest of ``request``'s prompt into,
+        from ``num_computed_tokens`` (the hit ``get_computed_blocks`` just returned).
+
+        A layout with state-space groups stops chunks at checkpoint positions (vLLM's
+        block-aligned split, ``HybridKVCacheManager.prefill_chunks``); every other
+        configuration takes the rest at once: one chunk. Changes no block state.
+        """
+        split = getattr(self._impl, "prefill_chunks", None)
+        if split is not None:
+            return split(request, num_computed_tokens)
+        if type(request) is not Request:
+            _check_request(request)
+        n = request.num_tokens
+        if type(num_computed_tokens) is not int or not 0 <= num_computed_tokens < n:
+            raise ValueError(
+                f"num_computed_tokens must be an int in [0, {n}) for request "
+                f"{request.request_id!r}, got {num_computed_tokens!r}")
+        return [n - num_computed_tokens]
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks (its last block evicts first); cached blocks
+        stay in the cache until evicted. ``request``: the admitted ``Request`` or its
+        id; one that holds no blocks -> ``ValueError``."""
+        return self._impl.free(request)
+
+    # ----------------------------------------------------------- block tables
+    def get_block_ids(self, request_id: str) -> list[int] | tuple[list[int], ...]:
+        """The request's block table as block ids: one list (one full-attention
+        group) or one list per group (other layouts; null slots are
+        ``null_block_id``). Unknown id -> ``ValueError``."""
+        return self._impl.get_block_ids(request_id)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock] | tuple[list[KVCacheBlock], ...]:
+        """The request's block objects (copies of the lists), shaped as
+        ``get_block_ids``. Unknown id -> ``ValueError``."""
+        return self._impl.get_blocks(request_id)
+
+    def num_held_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Real (non-null) blocks the request holds, per group. Unknown id ->
+        ``ValueError``."""
+        held = getattr(self._impl, "num_held_blocks", None)
+        if held is not None:
+            return held(request_id)
+        return (len(self._impl.get_blocks(request_id)),)  # one group: no null slots
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue as block ids, head (reused next) first."""
+        return self._impl.free_block_ids()
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of all blocks currently cached (held or free), ascending."""
+        return self._impl.cached_block_ids()
+
+    def num_stranded_blocks(self) -> int:
+        """Cached blocks no lookup can reach (an earlier block of their chain is not
+        cached). O(cached blocks): for summaries, not per step."""
+        return self._impl.num_stranded_blocks()
+
+    # ------------------------------------------------- policies' trace hooks
+    def on_arrival(self, request: Request, index: int) -> None:
+        """Trace request number ``index`` arrives (before its first lookup): the
+        offline ``belady`` policy advances its next uses; a no-op otherwise."""
+        return self._impl.on_arrival(request, index)
+
+    def on_waiting(self, request_id: str, block_hashes: Sequence[bytes]) -> None:
+        """``request_id`` joined the waiting queue with the prompt block hashes it can
+        hit. A policy that reads the waiting queue (``queue_aware``) keeps the cached
+        blocks it will hit until it is admitted or leaves (``drop_waiting``); a no-op
+        for every other policy."""
+        return self._impl.on_waiting(request_id, block_hashes)
+
+    def drop_waiting(self, request_id: str) -> None:
+        """``request_id`` left the waiting queue without being admitted (aborted,
+        failed); a no-op unless the policy reads the queue."""
+        return self._impl.drop_waiting(request_id)
+
+    def waiting_keys(self, block_hashes: Sequence[bytes]) -> list:
+        """The cache keys a waiting request holding the prompt blocks
+        ``block_hashes`` would hit, as the cache is now: with one full-attention group
+        the block hashes themselves (every prompt block); with other layouts the
+        ``(block hash, group id)`` keys of each group's hit
+        (``HybridKVCacheManager.waiting_keys``)."""
+        keys = getattr(self._impl, "waiting_keys", None)
+        if keys is not None:
+            return keys(block_hashes)
+        return check_block_hash_list(block_hashes)
+
+    # ------------------------------------------------------- cache, events, stats
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight update). ``True`` on
+        success; ``False`` (nothing changed) while any block is held."""
+        return self._impl.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued KV cache events (``[]`` when disabled)."""
+        return self._impl.take_events()
+
+    def take_host_transfers(self) -> list:
+        """Return and clear the page copies between the tiers (``HostTransfer``)
+        recorded since the last call, in order (``[]`` without a host tier)."""
+        return self._impl.take_host_transfers()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats since the last call and start a new interval (``None``
+        when ``log_stats`` is off)."""
+        return self._impl.make_prefix_cache_stats()
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters since construction (never reset): lookups, hit
+        tokens, evictions, blocks cached and allocated, failed allocations."""
+        return self._impl.counters()
+
+    def check_invariants(self) -> None:
+        """Verify the index, pool and request bookkeeping; raise ``InvariantError``
+        if broken."""
+        return self._impl.check_invariants()
+
+
+# The implementation's attributes, read-only on KVCacheManager (name -> what help()
+# says; the implementation's own docstrings say more). An attribute the implementation
+# lacks (the radix index has no ``block_pool``) raises AttributeError on read.
+_ATTRIBUTES = MappingProxyType({
+    "num_blocks": "Allocatable blocks (ids 0 .. num_blocks - 1).",
+    "block_size": "Tokens per block.",
+    "enable_caching": "Prefix caching on.",
+    "enable_events": "KV cache events are queued for take_events.",
+    "log_stats": "PrefixCacheStats are collected.",
+    "free_order": "Where freed never-cached blocks go in the free queue.",
+    "max_model_len": "Longest allowed sequence (None: no limit).",
+    "hasher": "The BlockHasher requests are bound to.",
+    "hash_algo": "The hash algorithm's name.",
+    "index": "The prefix index's name.",
+    "eviction": "The eviction policy's name.",
+    "policy": "The EvictionPolicy object (None: the LRU fast path).",
+    "kv_cache_groups": "The KV cache group layout.",
+    "num_groups": "Number of KV cache groups.",
+    "block_pool": "The BlockPool (hash index only).",
+    "blocks": "Every KVCacheBlock by id (radix index only).",
+    "null_block": "The padding block of null slots (group layouts only).",
+    "null_block_id": "The id of null slots in get_block_ids (group layouts only).",
+    "running_request_ids": "Ids of the requests holding blocks, in allocation order.",
+    "num_free_blocks": "Blocks in the free queue now.",
+    "num_available_blocks": ("Blocks an allocation may take now (radix index: free + "
+                             "unlocked nodes)."),
+    "usage": "Fraction of blocks held by requests (0.0 .. 1.0).",
+    "num_cached_blocks": "Blocks in the cache now (held or free).",
+    "num_nodes": "Nodes in the tree (radix index with group layouts).",
+    "num_evictions": "Cached blocks evicted, cumulative.",
+    "num_blocks_cached": "Blocks cached, cumulative (radix index).",
+    "num_blocks_allocated": "Blocks allocated, cumulative (radix index).",
+    "num_lookups": "Lookups (get_computed_blocks calls), cumulative.",
+    "num_lookup_tokens": "Tokens looked up, cumulative.",
+    "num_hit_tokens": "Prefix-hit tokens of lookups, cumulative.",
+    "num_failed_allocations": "allocate_slots calls answered None, cumulative.",
+    "prefix_cache_stats": ("The current interval's PrefixCacheStats (None without "
+                           "log_stats)."),
+    "events": "Queued KV cache events (radix index; use take_events).",
+    "evicted_by": "Miss accounting's eviction record (radix index; None when off).",
+    "evicted_group": "Miss accounting's per-group eviction record (radix group layouts).",
+    "device_hit_tokens": "Prefix-hit tokens adopted from the device, cumulative.",
+    "host_hit_tokens": "Prefix-hit tokens loaded from the host tier, cumulative.",
+    "host_tier": "The host tier (None without one).",
+    "num_host_blocks": "Host tier slots (0: no tier).",
+    "host_eviction": "The host tier's eviction policy's name.",
+    "num_host_cached_blocks": "Hashes held in the host tier now (0 without one).",
+    "host_blocks_loaded": "Host entries promoted into device blocks, cumulative.",
+    "host_blocks_stored": "Device blocks demoted into host slots, cumulative.",
+})
+for _name, _doc in _ATTRIBUTES.items():
+    setattr(KVCacheManager, _name, _read(_name, _doc))
+del _name, _doc

@@ -528,7 +528,7 @@ class RadixKVCacheManager(HostTierAPI):
             return 0
         return len(self._lookup_nodes(request)) * self.block_size
 
-    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The blocks of the longest cached path that starts the request.
 
         Changes no block state (no locks, ref counts or queue order); only counters.
@@ -557,12 +557,12 @@ class RadixKVCacheManager(HostTierAPI):
 
     def allocate_slots(
         self,
-        request,
+        request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens.
 
         As ``KVCacheManager.allocate_slots`` (same arguments, ``None`` = does not fit

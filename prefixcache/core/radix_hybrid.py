@@ -121,6 +121,7 @@ from prefixcache.core.radix import (
     _tree_edges,
     block_keys,
 )
+from prefixcache.core.request import Request
 
 _new = object.__new__
 
@@ -364,7 +365,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             del by_group[g][hit:]
         return [b if b is not None else [] for b in by_group], hit
 
-    def get_computed_blocks(self, request):
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest prefix hit valid for every group (module docstring, "Hit rule").
 
         Changes no block state; only statistics.
@@ -537,12 +538,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
 
     def allocate_slots(
         self,
-        request,
+        request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks=None,
+        new_computed_blocks: KVCacheBlocks | Sequence[Sequence[KVCacheBlock]] | None = None,
         num_lookahead_tokens: int = 0,
-    ):
+    ) -> KVCacheBlocks | None:
         """Give ``request`` slots for ``num_new_tokens`` more tokens in every group.
 
         As the hash index's hybrid manager's ``allocate_slots`` (same arguments, counts

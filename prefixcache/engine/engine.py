@@ -136,7 +136,7 @@ class Engine:
         `kv_bytes_per_block` covers all layers in `kv_dtype`, scales included; so one
         budget holds about twice the blocks in fp8/int8 as in bf16. A budget below two
         blocks (one block and the padding page) is a ValueError.
-      miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``:
+      miss_reasons: classify every missed prompt block (``prefixcache.core.misses``:
         cold / evicted by tier / isolated / partial / last_token / preempted) into
         `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`, by
         probing the index, no KV events (`misses.probe_refusal`, the one rule): the hash
@@ -269,7 +269,7 @@ class Engine:
             if why is not None:
                 raise ValueError(why)
         if miss_reasons:
-            from prefixcache.sim.misses import probe_refusal  # noqa: PLC0415
+            from prefixcache.core.misses import probe_refusal  # noqa: PLC0415
 
             why = probe_refusal(index, kv_cache_groups)
             if why is not None:
@@ -363,7 +363,7 @@ class Engine:
                                    max_loras=max_loras if enable_lora else None)
         self.miss_reasons = bool(miss_reasons)
         if miss_reasons:  # (checked before anything was built: _check_miss_reasons)
-            from prefixcache.sim.misses import (  # noqa: PLC0415
+            from prefixcache.core.misses import (  # noqa: PLC0415
                 GroupProbeAccountant, MissAccountant)
 
             self.scheduler.miss_accountant = (
@@ -1173,7 +1173,7 @@ class Engine:
         """The finished requests' miss reasons summed, per tenant and per adapter."""
         if not self.miss_reasons:
             return None
-        from prefixcache.sim.misses import REASONS, full_reasons  # noqa: PLC0415
+        from prefixcache.core.misses import REASONS, full_reasons  # noqa: PLC0415
 
         total: collections.Counter = collections.Counter()
         tenants: dict[str, collections.Counter] = {}

@@ -17,7 +17,7 @@ class RequestMetrics:
       queue_s: arrival to first scheduled, seconds (None if never scheduled).
       num_preemptions: how often it was preempted (by recompute).
       num_output_tokens: tokens generated.
-      miss_reasons: why its prompt blocks missed (``prefixcache.sim.misses``: reason ->
+      miss_reasons: why its prompt blocks missed (``prefixcache.core.misses``: reason ->
         blocks, evicted sub-counts ``evicted_device`` / ``evicted_host`` beside), summed
         over its admissions (a re-admission after a preemption looks up its prompt and
         output so far again); None unless the engine was built with

@@ -260,7 +260,7 @@ class Scheduler:
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
-        # Miss accounting (``prefixcache.sim.misses.MissAccountant``; None: off, no cost)
+        # Miss accounting (``prefixcache.core.misses.MissAccountant``; None: off, no cost)
         self.miss_accountant = None
         # NOTE: engine-side int32 block tables, appended from allocate_slots' new blocks,
         # so a step never rebuilds whole tables from the manager (see block_table.py).

@@ -161,7 +161,7 @@ class _Handler:
         details = {"cached_tokens": cached}
         if any(c.miss_reasons is not None for c in firsts):  # serve --miss-reasons
             # NOTE: a vendor extension (OpenAI clients keep unknown fields): missed
-            # prompt blocks by reason, summed over the prompts (prefixcache.sim.misses).
+            # prompt blocks by reason, summed over the prompts (prefixcache.core.misses).
             misses: dict[str, int] = {}
             for c in firsts:
                 for r, v in (client_miss_reasons(c.miss_reasons) or {}).items():

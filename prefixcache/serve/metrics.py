@@ -17,7 +17,7 @@ engine thread updates them after each step; `GET /metrics` renders the registry.
 | `prefixcache:prompt_tokens_total`, `prefixcache:generation_tokens_total` | counter | tokens of finished requests |
 | `prefixcache:request_success_total` | counter | finished requests by `finished_reason` |
 | `prefixcache:num_preemptions_total` | counter | preemptions by recompute |
-| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.sim.misses.REASONS` but `isolated`, counted as `cold` so that no tenant learns of another's cache; only with `serve --miss-reasons`) |
+| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.core.misses.REASONS` but `isolated`, counted as `cold` so that no tenant learns of another's cache; only with `serve --miss-reasons`) |
 | `prefixcache:compiled_programs` | gauge | programs the engine's jitted step functions hold (compiled, or loaded from the persistent compilation cache; `Engine.num_programs_built`) |
 | `prefixcache:compiles_after_warmup` | gauge | of those, built after the warm-up (0: no request waited for a compile; absent with `--no-warmup`) |
 """
@@ -109,7 +109,7 @@ class ServerMetrics:
         the evicted sub-counts are not reasons of their own and are left out;
         ``isolated`` is counted as ``cold``: see `protocol.client_miss_reasons`)."""
         from prefixcache.serve.protocol import client_miss_reasons  # noqa: PLC0415
-        from prefixcache.sim.misses import REASONS  # noqa: PLC0415
+        from prefixcache.core.misses import REASONS  # noqa: PLC0415
 
         for r, v in client_miss_reasons(miss_reasons).items():
             if v and r in REASONS:

@@ -3,7 +3,8 @@
 * ``trace``: the JSONL trace format (ours and Mooncake's), ``output_token``;
   ``trace_formats``: the Qwen-Bailian and Claude Code readers.
 * ``replay``: the exact replay semantics of vLLM's manager under the peer harness
-  (``experiments/peers/vllm_replay.py``); ``misses``: why each prompt block missed.
+  (``experiments/peers/vllm_replay.py``); ``misses``: the old name of
+  ``prefixcache.core.misses`` (why each prompt block missed), the same module.
 * ``workloads``: deterministic synthetic workloads (shared system prompt,
   multi-turn chat, few-shot, RAG with Zipf popularity, multimodal + salts +
   adapters) and a Mooncake-scale ``hash_ids`` trace generator.

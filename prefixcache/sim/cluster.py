@@ -125,7 +125,7 @@ def simulate_cluster(
         ``des.simulate`` (0: none; needs ``cost_model.host_link``). The replicas'
         events then carry the tier (``medium`` GPU / CPU) and ``kv_events`` scores
         host blocks at its ``host_weight`` (``prefixcache/sim/routing/kv_events.py``).
-      miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``),
+      miss_reasons: classify every missed prompt block (``prefixcache.core.misses``),
         one accountant per replica: records get ``miss_reasons`` (as
         ``des.simulate``'s), ``per_replica`` rows their replica's summary and the
         summary ``miss_reasons`` the replicas' summed. Off: no cost.
@@ -196,7 +196,7 @@ def simulate_cluster(
     if miss_reasons:
         # NOTE: every layout the simulated server runs (one full-attention group, hash
         # or radix) is probed: no events taken from the router.
-        from prefixcache.sim.misses import MissAccountant  # noqa: PLC0415
+        from prefixcache.core.misses import MissAccountant  # noqa: PLC0415
     for i in range(num_replicas):
         # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
         # the router then keys its index on the request's own block hashes directly.
@@ -292,7 +292,7 @@ def simulate_cluster(
         for i, s in enumerate(servers)
     ]
     if miss_reasons:
-        from prefixcache.sim.misses import sum_summaries  # noqa: PLC0415
+        from prefixcache.core.misses import sum_summaries  # noqa: PLC0415
 
         for row, acct in zip(rows, accts):
             row["miss_reasons"] = acct.summary()

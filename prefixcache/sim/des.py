@@ -243,7 +243,7 @@ class Server:
         self.counts = collections.Counter()
         self.queued_blocks = 0  # blocks the queued requests still need (at enqueue time)
         self.host_block_bytes: int | None = None
-        # Miss accounting (``prefixcache.sim.misses``; None: off, no cost) and, when it
+        # Miss accounting (``prefixcache.core.misses``; None: off, no cost) and, when it
         # follows events, the manager's ``take_events``.
         self.miss_accountant = None
         self.miss_events = None
@@ -655,7 +655,7 @@ def simulate(
       ``host_blocks_loaded``, ``host_bytes_loaded``, ``host_load_steps``,
       ``host_load_s`` (time the steps took beyond their compute because of loads),
       ``host_load_overlap``, ``host_blocks_stored`` (demotions). With
-      ``miss_reasons=True`` (``prefixcache.sim.misses``: why each missed prompt block
+      ``miss_reasons=True`` (``prefixcache.core.misses``: why each missed prompt block
       missed, ``preempted`` included) records get ``miss_reasons`` (summed over the
       request's admissions) and the summary ``miss_reasons`` (as the replay's).
 
@@ -680,7 +680,7 @@ def simulate(
     manager_kw = cfg.manager_kwargs()
     acct = None
     if miss_reasons:
-        from prefixcache.sim.misses import MissAccountant, uses_probes  # noqa: PLC0415
+        from prefixcache.core.misses import MissAccountant, uses_probes  # noqa: PLC0415
 
         if not uses_probes(cfg.index, cfg.kv_cache_groups):
             manager_kw.update(enable_events=True, int_event_hashes=False)

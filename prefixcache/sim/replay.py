@@ -272,7 +272,7 @@ def replay(
             the next ``queue_depth`` requests of the trace are waiting (announced to
             the policy with their prompt block hashes; admission drops them). ``None``:
             ``concurrency``. Any other policy: must be ``None``.
-        miss_reasons: classify every missed prompt block (``prefixcache.sim.misses``):
+        miss_reasons: classify every missed prompt block (``prefixcache.core.misses``):
             records get ``miss_reasons`` (reason -> blocks), the summary
             ``miss_reasons`` (totals, per tenant, per adapter). Off: no cost.
         eviction: the eviction policy (``prefixcache.core.eviction.POLICIES``).
@@ -389,7 +389,7 @@ def replay(
     manager_kw.update(hash_seed=hash_seed, eviction_options=options or None)
     acct = acct_events = None
     if miss_reasons:
-        from prefixcache.sim.misses import MissAccountant, uses_probes  # noqa: PLC0415
+        from prefixcache.core.misses import MissAccountant, uses_probes  # noqa: PLC0415
 
         if not uses_probes(index, cfg.kv_cache_groups):  # (state groups, other indexes)
             manager_kw.update(enable_events=True, int_event_hashes=False)

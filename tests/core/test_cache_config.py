@@ -227,3 +227,44 @@ def test_engine_takes_the_config(monkeypatch):
     with pytest.raises(ValueError, match="not both"):
         engine_mod.Engine(ModelConfig.tiny(), cache_config=cfg,
                           manager_kwargs={"free_order": "append"})
+
+
+def _driver_signatures():
+    """Every driver and manager class that takes cache keywords, by name."""
+    from prefixcache.core.hybrid import HybridKVCacheManager
+    from prefixcache.core.kv_cache_manager import HashKVCacheManager, KVCacheManager
+    from prefixcache.core.radix import RadixKVCacheManager
+    from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager
+    from prefixcache.engine.engine import Engine
+    from prefixcache.sim.cluster import simulate_cluster
+    from prefixcache.sim.des import simulate
+    from prefixcache.sim.replay import replay
+
+    fns = {"replay": replay, "des.simulate": simulate, "simulate_cluster": simulate_cluster,
+           "Engine": Engine.__init__, "KVCacheManager": KVCacheManager.__init__}
+    for cls in (HashKVCacheManager, RadixKVCacheManager, HybridKVCacheManager,
+                RadixHybridKVCacheManager):
+        fns[cls.__name__] = cls.__init__
+    return {name: inspect.signature(fn).parameters for name, fn in fns.items()}
+
+
+def test_driver_keyword_defaults_are_the_config_defaults():
+    # One table of defaults: a driver keyword named as a CacheConfig field is either
+    # UNSET (the config's field applies) or spells exactly the field's default, so a
+    # default changed in CacheConfig cannot silently differ in one driver.
+    defaults = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+    from prefixcache.engine import engine as engine_mod
+
+    assert engine_mod._ENGINE_CACHE == {k: defaults[k] for k in engine_mod._ENGINE_CACHE}
+    checked = set()
+    for driver, params in _driver_signatures().items():
+        for name, p in params.items():
+            if name not in defaults or p.default is inspect.Parameter.empty:
+                continue
+            checked.add((driver, name))
+            if name == "index" and driver.startswith("Radix"):
+                assert p.default == "radix"  # (the radix index's own classes)
+                continue
+            assert p.default is cc.UNSET or p.default == defaults[name], (driver, name)
+    # (the check sees every driver: each takes the pool's block size or the policy)
+    assert {d for d, _ in checked} == set(_driver_signatures())

@@ -28,8 +28,8 @@ def snapshot(m: KVCacheManager):
          for h, e in pool.cached_block_hash_to_block.items()},
         {rid: ([b.block_id for b in st.blocks], st.num_cached_blocks, st.idle_until,
                st.request.num_computed_tokens, st.request.num_tokens)
-         for rid, st in m._states.items()},
-        len(m._states_by_request),
+         for rid, st in m.implementation._states.items()},
+        len(m.implementation._states_by_request),
         m.counters(),
         dataclasses.asdict(m.prefix_cache_stats),
         list(pool.events),

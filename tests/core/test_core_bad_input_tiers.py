@@ -59,7 +59,7 @@ def tiered(index):
 
 def snap(m):
     tier = m.host_tier
-    return (m.counters(), m.free_block_ids(), sorted(m._states),
+    return (m.counters(), m.free_block_ids(), sorted(m.implementation._states),
             sorted((h, s.block_id) for h, s in tier.hash_to_slot.items()) if tier else None,
             [(s.block_hash, s.ref_cnt if hasattr(s, "ref_cnt") else None) for s in tier.slots]
             if tier else None)
@@ -456,7 +456,7 @@ def test_random_sequences_with_stale_and_mangled_hit_lists(index, ops):
             # a reordered HostHit list cached one block under another's hash before.
             if got is not None:
                 running[r.request_id] = r
-                mine = {b.block_id: b for b in m._states[r.request_id].blocks}
+                mine = {b.block_id: b for b in m.implementation._states[r.request_id].blocks}
                 for t in m.take_host_transfers():
                     if t.kind == "load":
                         assert mine[t.block_id].block_hash == slot_hash[t.host_slot], op
@@ -490,10 +490,10 @@ def test_mangled_device_hit_lists_refused(index, how):
     r, blocks, n = _device_hits(m)
     assert len(blocks) == 4
     bad = MANGLE[how](blocks)
-    before = (m.counters(), m.free_block_ids(), sorted(m._states))
+    before = (m.counters(), m.free_block_ids(), sorted(m.implementation._states))
     with pytest.raises(ValueError, match="cached block|adopts"):
         m.allocate_slots(r, max(r.num_tokens - 4 * len(bad), 1), 4 * len(bad), bad)
-    assert (m.counters(), m.free_block_ids(), sorted(m._states)) == before
+    assert (m.counters(), m.free_block_ids(), sorted(m.implementation._states)) == before
     assert m.take_events() == []
     m.check_invariants()
     assert m.allocate_slots(r, r.num_tokens - n, n, blocks) is not None
@@ -507,11 +507,11 @@ def test_mangled_hybrid_hit_lists_refused(how):
                        enable_events=True)
     r, hits, n = _device_hits(m)
     bad = tuple(MANGLE[how](list(g)) for g in hits)
-    before = (m.counters(), sorted(m._states))
+    before = (m.counters(), sorted(m.implementation._states))
     nt = 4 * len(bad[0])
     with pytest.raises(ValueError, match="cached block"):
         m.allocate_slots(r, max(r.num_tokens - nt, 1), nt, bad)
-    assert (m.counters(), sorted(m._states)) == before
+    assert (m.counters(), sorted(m.implementation._states)) == before
     assert m.take_events() == []
     m.check_invariants()
     assert m.allocate_slots(r, r.num_tokens - n, n, hits) is not None

@@ -274,9 +274,9 @@ def test_index_registry_builds_the_registered_implementation(monkeypatch):
     }))
     m = KVCacheManager(8, BS, index="other", eviction="lfu")
     # One manager class for every index (no __new__ dispatch): the implementation
-    # below it gets the keywords, its public methods are bound, attributes read through.
+    # below it gets the keywords, its public methods are bound; its own attributes are read on it.
     assert type(m) is KVCacheManager
-    assert m.args == (8, BS, "other", {
+    assert m.implementation.args == (8, BS, "other", {
         "eviction": "lfu", "kv_cache_groups": None, "num_host_blocks": 0})
     assert m.free("x") == ("freed", "x")
     with pytest.raises(ValueError, match="unknown index 'nope'.*'other'"):

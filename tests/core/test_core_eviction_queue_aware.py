@@ -166,7 +166,7 @@ def test_default_replay_adds_no_queue_work(monkeypatch):
     s = replay(_trace(20), num_blocks=48, block_size=16, concurrency=2)
     assert s["requests"] == 20
     m = KVCacheManager(8, BS)
-    assert m._waiting_policy is None and m.policy is None
+    assert m.implementation._waiting_policy is None and m.policy is None
 
 
 def test_engine_scheduler_reports_its_waiting_queue():

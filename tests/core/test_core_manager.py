@@ -545,7 +545,7 @@ def test_check_invariants_catches_corruption():
     m.block_pool.blocks[0].block_hash = h
     # The decode fast path's bound: 9 tokens in 3 blocks, 2 cached -> 11 (the 12th token
     # fills block 2, which must then be cached). A stale bound would skip that.
-    st = m._states["r"]
+    st = m.implementation._states["r"]
     assert st.idle_until == 11
     st.idle_until = 12
     with pytest.raises(InvariantError, match="fast-path bound 12 != 11"):

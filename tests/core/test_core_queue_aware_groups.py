@@ -115,7 +115,7 @@ def test_leak_is_caught():
 
 def test_lru_hybrid_has_no_waiting_work():
     m = KVCacheManager(20, BS, kv_cache_groups=parse_kv_groups("full,sw3"))
-    assert m.policy is None and m._waiting_policy is None
+    assert m.policy is None and m.implementation._waiting_policy is None
     m.on_waiting("w", [b"x" * 32])  # no policy reads it: nothing is done
     m.drop_waiting("w")
 

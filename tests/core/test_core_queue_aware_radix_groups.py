@@ -48,7 +48,7 @@ def _prompt_hashes(m, req):
 
 def _cached(m, bid):
     """(group, hash) of cached block ``bid``."""
-    return m._owner_group[bid], m.blocks[bid].block_hash
+    return m.implementation._owner_group[bid], m.blocks[bid].block_hash
 
 
 @pytest.mark.parametrize("layout,full,sw", [("full,sw3", 0, 1), ("sw3,full", 1, 0)])
@@ -79,7 +79,7 @@ def test_waiting_request_keeps_its_full_blocks_and_only_its_window(layout, full,
     # (only the leaf's full block is a candidate: full KV is evicted leaf by leaf)
     assert sorted(_cached(m, b) for b in wanted) == sorted([(full, hashes[4]), (sw, hashes[4])])
     assert order[-len(wanted):] == wanted  # evicted last
-    sw_unwanted = [b for b in order if m._owner_group[b] == sw and b not in wanted]
+    sw_unwanted = [b for b in order if m.implementation._owner_group[b] == sw and b not in wanted]
     assert sorted(m.blocks[b].block_hash for b in sw_unwanted) == sorted(hashes[:4])
     # Pressure: an unrelated request needs 8 blocks, 4 are free unhashed -> 4 evictions,
     # all of them sliding-window blocks outside w's window: w's hit survives.
@@ -135,15 +135,15 @@ def test_leak_and_a_stale_hash_index_are_caught():
         m.check_invariants()
     m.policy.drop_waiting("a")
     m.check_invariants()
-    h, node = next(iter(m._node_by_hash.items()))
-    del m._node_by_hash[h]  # a node the index lost
+    h, node = next(iter(m.implementation._node_by_hash.items()))
+    del m.implementation._node_by_hash[h]  # a node the index lost
     with pytest.raises(InvariantError, match="hash index"):
         m.check_invariants()
 
 
 def test_no_waiting_policy_keeps_no_index():
     m = _manager("full,sw3", 20, eviction="lru")
-    assert m._waiting_policy is None and m._node_by_hash is None
+    assert m.implementation._waiting_policy is None and m.implementation._node_by_hash is None
     req, _ = _admit(m, "a", [1, 2, 3, 4, 5])
     m.on_waiting("w", [b"x" * 32])  # no policy reads it: nothing is done
     m.drop_waiting("w")
@@ -186,7 +186,7 @@ def test_index_free_walk_agrees_with_the_hash_index_under_evictions(layout):
     rng = random.Random(f"qarg-walk-{layout}")
     prompts = _random_prompts(rng, 40)
     ms = [_manager(layout, 20, eviction=e) for e in ("queue_aware", "lru")]
-    assert ms[0]._node_by_hash is not None and ms[1]._node_by_hash is None
+    assert ms[0].implementation._node_by_hash is not None and ms[1].implementation._node_by_hash is None
     running = []
     seen_tombstone = False
     for i, prompt in enumerate(prompts):
@@ -208,7 +208,7 @@ def test_index_free_walk_agrees_with_the_hash_index_under_evictions(layout):
             for m, req in zip(ms, running.pop(0)):
                 m.free(req)
                 m.check_invariants()
-        seen_tombstone |= any(None in n.blocks for _, n in _tree_edges(ms[1]._roots, "blocks"))
+        seen_tombstone |= any(None in n.blocks for _, n in _tree_edges(ms[1].implementation._roots, "blocks"))
     assert ms[1].num_evictions > 0 and seen_tombstone
 
 
@@ -221,7 +221,7 @@ def test_random_operations_keep_invariants(layout):
     waiting: dict[str, Request] = {}
     live = []
     seen_protected = 0
-    sw = [g for g, w in enumerate(m._windows) if w is not None]
+    sw = [g for g, w in enumerate(m.implementation._windows) if w is not None]
     for i in range(200):
         op = rng.random()
         if op < 0.35:  # a request joins the queue

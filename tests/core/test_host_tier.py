@@ -138,7 +138,7 @@ def test_demotion_lookup_promotion_exact_transfers_and_events(index):
     assert (m.host_blocks_loaded, m.host_blocks_stored) == (3, 4)
     assert m.host_tier.num_dropped == 2
     if index == "radix":  # the promoted blocks are ordinary nodes on c's path, locked by it
-        state_c = m._states["c"]
+        state_c = m.implementation._states["c"]
         assert [n.block.block_id for n in state_c.path] == [0, 1, 2, 3]
         assert all(n.lock == 1 for n in state_c.path)
     m.check_invariants()
@@ -400,7 +400,7 @@ class HostTierMachine(RuleBasedStateMachine):
                     self.loads_checked += 1
         # Compute: blocks the requests cached beyond what they adopted get their data.
         for r in self.running:
-            st_ = m._states[r.request_id]
+            st_ = m.implementation._states[r.request_id]
             for pos in range(self.written[r.request_id], st_.num_cached_blocks):
                 b = st_.blocks[pos]
                 self.dev[b.block_id] = _page(b.block_hash, WIDTH)
@@ -495,12 +495,12 @@ class RadixHostTierMachine(HostTierMachine):
                 assert t.kind == "load"
                 self.dev[t.block_id] = self.host[t.host_slot]
                 h = m.blocks[t.block_id].block_hash
-                if h is not None and m._nodes[t.block_id] is not None:
+                if h is not None and m.implementation._nodes[t.block_id] is not None:
                     # Promotion: byte-identical to the data the block was computed with.
                     assert self.dev[t.block_id].tobytes() == _page(h, WIDTH).tobytes()
                     self.loads_checked += 1
         for r in self.running:
-            st_ = m._states[r.request_id]
+            st_ = m.implementation._states[r.request_id]
             for pos in range(self.written[r.request_id], len(st_.path)):
                 b = st_.blocks[pos]
                 if st_.path[pos].block is b:  # a new node (a duplicate stays uncached)

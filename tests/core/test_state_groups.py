@@ -204,7 +204,7 @@ def test_bad_state_specs_and_combinations():
         m.allocate_slots(req, 9, hit, blocks, num_lookahead_tokens=2)
     with pytest.raises(ValueError, match="num_computed_tokens must be an int"):
         m.prefill_chunks(req, 9)
-    assert m.num_free_blocks == 16 and not m._states  # nothing changed
+    assert m.num_free_blocks == 16 and not m.implementation._states  # nothing changed
     with pytest.raises(ValueError, match="index=.radix. is not supported with a .mamba. KV cache group"):
         KVCacheManager(16, 4, kv_cache_groups=parse_kv_groups("full,mamba"), index="radix")
 

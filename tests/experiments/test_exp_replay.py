@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from experiments import replay as replay_exp
+from prefixcache.core.misses import REASONS
 from prefixcache.sim import workloads
 from prefixcache.sim.replay import replay
 from prefixcache.sim.trace import write_trace
@@ -72,6 +73,32 @@ def test_outputs_are_byte_identical_and_timing_free(trace, tmp_path):
     assert prov["hash_algo"] == "xxhash_cbor" and prov["cache_state"] == "cold"
     assert prov["config"]["hash_seed"] == "7" and prov["git"]["revision"]
     assert (tmp_path / "w0" / "replay.png").stat().st_size > 0
+
+
+def test_miss_reasons_reach_the_records_and_the_summary(trace, tmp_path):
+    # The config field asks the library replay for miss accounting: each record's
+    # reasons, the summary's totals, equal to the library's; off by default.
+    path, reqs = trace
+    out = tmp_path / "o.jsonl"
+    summary = replay_exp.run(_config(trace=str(path), num_blocks=40, block_size=4,
+                                     concurrency=2, out=str(out), miss_reasons=True))
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    expected = []
+    lib = replay(reqs, num_blocks=40, block_size=4, concurrency=2, miss_reasons=True,
+                 on_record=expected.append)
+    assert rows == expected
+    assert summary["miss_reasons"] == lib["miss_reasons"]
+    totals = summary["miss_reasons"]["reasons"]
+    assert totals["evicted"] > 0 and totals["isolated"] > 0  # (mm_salt at 40 blocks)
+    # (each block once: the tier sub-reasons evicted_device / evicted_host split "evicted")
+    assert sum(r["miss_reasons"].get(k, 0) for r in rows for k in REASONS) == summary[
+        "miss_reasons"]["missed_blocks"] == sum(
+        -(-r["prompt_tokens"] // 4) - r["num_computed_tokens"] // 4 for r in rows)
+    plain = replay_exp.run(_config(trace=str(path), num_blocks=40, block_size=4,
+                                   concurrency=2, out=str(tmp_path / "p.jsonl")))
+    assert "miss_reasons" not in plain
+    assert not any("miss_reasons" in json.loads(l)
+                   for l in (tmp_path / "p.jsonl").read_text().splitlines())
 
 
 def test_max_requests_replays_the_first_n(trace, tmp_path):
