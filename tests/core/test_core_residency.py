@@ -51,10 +51,8 @@ def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0):
         elif op < 0.75:
             req = rng.choice(running)
             req.append_output_token_ids(rng.randrange(1, 50))
-            if m.allocate_slots(req, 1) is not None:
+            if m.allocate_slots(req, 1) is not None:  # (no block: the token waits)
                 req.num_computed_tokens += 1
-            else:
-                req._output_token_ids.pop() if hasattr(req, "_output_token_ids") else None
             tracker.on_events(m.take_events(), now)
         else:
             req = running.pop(rng.randrange(len(running)))
