@@ -128,3 +128,19 @@ def test_a_culprit_that_fails_every_run_falls_back_to_the_full_recovery(engines)
     eng.runner.prepare = real
     want = [o.token_ids for o in off.generate(prompts, SamplingParams(max_tokens=4))]
     assert [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=4))] == want
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(top_k=2 ** 31), "top_k"), (dict(top_k=2 ** 80), "top_k"),
+    (dict(top_p=1e-46), "top_p"), (dict(temperature=1e39), "temperature")])
+def test_sampling_params_hold_only_what_the_step_represents(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_a_tiny_temperature_is_raised_as_in_vllm():
+    from prefixcache.engine.sampling_params import MIN_TEMPERATURE
+
+    assert SamplingParams(temperature=1e-45).temperature == MIN_TEMPERATURE == 1e-2
+    assert SamplingParams(temperature=0).temperature == 0
+    assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1
