@@ -910,10 +910,13 @@ class Engine:
                 prepared = self.runner.prepare(sched.scheduled, tables)
                 tokens, logits = self.runner.execute(prepared,
                                                      return_logits=self.record_logits)
-            except Exception:  # noqa: BLE001 - not contained: the full recovery
+            except BaseException as again:
+                if not isinstance(again, Exception):  # KeyboardInterrupt & co
+                    self._recover_failed_step(sched, again)
+                    raise
                 _log.warning("a failed model step failed again without its culprits' "
                              "sampling; every running request is recomputed")
-                return None
+                return None  # not contained: the full recovery
         error = f"model step failed: {type(exc).__name__}: {exc}"
         for s in culprits:
             state = s.state

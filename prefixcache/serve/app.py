@@ -424,8 +424,8 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
     metrics.set_programs(engine.num_programs_built, engine.num_compiles_after_warmup)
     # A request of more sequences than the running batch plus the waiting queue can
     # never be admitted (it would get a 503 on an idle server): a 400 instead.
-    most = None if serving.max_waiting is None else (
-        int(engine.scheduler.max_num_seqs) + serving.max_waiting)
+    waiting = getattr(serving, "max_waiting", None)
+    most = None if waiting is None else int(engine.scheduler.max_num_seqs) + waiting
     ctx = ServerContext(served_model_name=served_model_name, lora_modules=lora_modules,
                         tokenizer=tokenizer, max_model_len=int(engine.max_model_len),
                         vocab_size=int(engine.vocab_size),

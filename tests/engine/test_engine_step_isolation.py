@@ -100,3 +100,47 @@ def test_a_failure_no_request_causes_alone_still_keeps_the_cache(engines):
     assert again.metrics.num_cached_tokens == 48
     assert again.token_ids == off.generate([warm + [1, 2]],
                                            SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_a_culprit_that_fails_every_run_falls_back_to_the_full_recovery(engines):
+    """When the step fails again without the culprits' sampling (inputs that cannot be
+    built at all), every request of the step fails and the engine is consistent: all
+    blocks come back, and it serves the same prompts with a cache-off engine's tokens."""
+    ref, off = engines
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 512, n).tolist() for n in (30, 12)]
+    eng = Engine(ModelConfig.tiny(), share_programs_with=ref, **COMMON)
+    real = eng.runner.prepare
+
+    def prepare(scheduled, tables):
+        if any(s.request_id == "bad" for s in scheduled):
+            raise RuntimeError("inputs that cannot be built")
+        return real(scheduled, tables)
+
+    eng.runner.prepare = prepare
+    eng.add_request(prompts[0], SamplingParams(max_tokens=4), request_id="bad")
+    eng.add_request(prompts[1], SamplingParams(max_tokens=4), request_id="other")
+    done = _run(eng)
+    assert "cannot be built" in done["bad"].error
+    assert done["other"].finish_reason == "error"  # in the same step: not contained
+    assert eng.kv_cache_manager.num_free_blocks == NUM_BLOCKS
+    assert eng.kv_cache_manager.cached_block_ids() == []  # the full reset
+    eng.runner.prepare = real
+    want = [o.token_ids for o in off.generate(prompts, SamplingParams(max_tokens=4))]
+    assert [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=4))] == want
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(top_k=2 ** 31), "top_k"), (dict(top_k=2 ** 80), "top_k"),
+    (dict(top_p=1e-46), "top_p"), (dict(temperature=1e39), "temperature")])
+def test_sampling_params_hold_only_what_the_step_represents(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_a_tiny_temperature_is_raised_as_in_vllm():
+    from prefixcache.engine.sampling_params import MIN_TEMPERATURE
+
+    assert SamplingParams(temperature=1e-45).temperature == MIN_TEMPERATURE == 1e-2
+    assert SamplingParams(temperature=0).temperature == 0
+    assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1
