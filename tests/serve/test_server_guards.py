@@ -258,7 +258,10 @@ def test_extreme_sampling_values_never_hurt_other_clients_or_the_cache(server):
             err = _error(r, r.status_code)
             assert err["param"] == field, (field, value, err)
         else:
-            assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+            # ("stop": the tiny tokenizer's chat template ends a turn at <|im_end|>, which
+            # a random model may sample; never "error")
+            assert all(c["finish_reason"] in ("length", "stop")
+                       for c in r.json()["choices"]), (field, value, r.json())
     t.join(120)
     assert got["ids"] == alone
     assert server.serving.alive
