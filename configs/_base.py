@@ -113,6 +113,10 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", da
     # Why each missed prompt block missed (prefixcache.core.misses): records get
     # miss_reasons (reason -> blocks), the summary the totals.
     c.miss_reasons = False
+    # Block residency (prefixcache.core.residency): the share of block hashes tracked,
+    # in (0, 1] (1.0: every block); the summary gets per-tier histograms of lifetime,
+    # idle time before eviction, reuse gap and hits per stay. 0.0 -> off.
+    c.residency = 0.0
     c.out = ""  # "" -> <workdir>/requests.jsonl when a workdir is given
     return c
 

@@ -22,9 +22,12 @@ Outputs:
     ``hit_tokens``, ``hit_rate_tokens``, ``evictions``, ``failed``, ``timing``
     with ``loop_s``/``hashing_s``/``manager_s``, rates, ``peak_rss_mib``; with
     ``--config.miss_reasons=true`` also ``miss_reasons``: missed prompt blocks by
-    reason, as each record's ``miss_reasons``).
+    reason, as each record's ``miss_reasons``; with ``--config.residency=RATE`` also
+    ``residency``: per-tier histograms of block lifetime, idle time before eviction,
+    reuse gap and hits per stay, ``prefixcache.core.residency``).
   * ``--workdir``: ``results.jsonl`` (the summary with provenance, cache state
-    ``cold``) and ``replay.png`` (cumulative token hit rate over the trace).
+    ``cold``) and ``replay.png`` (cumulative token hit rate over the trace);
+    ``residency.png`` (the residency histograms) when ``residency`` is on.
 
 Bad input (malformed line, missing field, negative length, mm range outside
 the prompt, unknown hash algorithm, missing file, empty trace, unknown dataset)
@@ -85,7 +88,8 @@ def run(config, *, progress: bool = False) -> dict:
         return replay(
             requests, cache_config=_common.cache_config(config),
             concurrency=config.concurrency, on_record=on_record, progress=progress,
-            total=total, model=config.model or None, miss_reasons=config.miss_reasons)
+            total=total, model=config.model or None, miss_reasons=config.miss_reasons,
+            residency=config.residency or None)
 
     if out:
         with _common.AtomicJsonlWriter(out) as writer:
@@ -102,7 +106,42 @@ def run(config, *, progress: bool = False) -> dict:
         plot_cumulative_hit_rate(prompt, hits, workdir / "replay.png",
                                  title=f"{summary['trace']} ({config.hash_algo}, "
                                        f"{config.num_blocks} x {config.block_size})")
+        if "residency" in summary:
+            plot_residency(summary["residency"], workdir / "residency.png",
+                           title=f"{summary['trace']}: block residency "
+                                 f"({config.num_blocks} x {config.block_size}, sample rate "
+                                 f"{config.residency})")
     return summary
+
+
+def plot_residency(residency: dict, path, *, title: str = "") -> None:
+    """The residency histograms (``replay(residency=...)``): one panel per metric, one
+    line per tier, as a PNG."""
+    import numpy as np  # noqa: PLC0415
+
+    names = (("lifetime", "lifetime"), ("idle_before_evict", "idle before eviction"),
+             ("reuse_gap", "gap between reuses"), ("hits_per_residency", "hits per stay"))
+    fig, axes = _common.new_figure(1, 4, figsize=(15, 3.4), squeeze=False)
+    unit = {"seconds": "s", "requests": "requests", "mixed": "clock"}[residency["clock"]]
+    for ax, (key, label) in zip(axes[0], names):
+        for medium, metrics in residency["tiers"].items():
+            h = metrics[key]
+            if not h["count"]:
+                continue
+            bounds = [*h["bounds"], h["bounds"][-1] * 10 if h["bounds"][-1] else 1]
+            share = np.asarray(h["counts"], dtype=float) / h["count"]
+            ax.step(np.arange(len(share)), share, where="mid",
+                    label=f"{medium} (n={h['count']:,}, p50 {h['p50']:.3g})")
+            ax.set_xticks(np.arange(len(bounds))[::3],
+                          [f"{b:.3g}" for b in bounds][::3], fontsize=7, rotation=45)
+        ax.set_xlabel(f"{label} (<= bucket bound" + ("" if key == "hits_per_residency"
+                                                     else f", {unit}") + ")", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("share of blocks")
+    fig.suptitle(title, fontsize=9)
+    _common.save_plot(fig, path)
 
 
 def plot_cumulative_hit_rate(prompt_tokens, hit_tokens, path, *, title: str = "") -> None:

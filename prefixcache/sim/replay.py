@@ -182,6 +182,79 @@ def _clocked(requests: Iterable[TraceRequest], set_time: Callable):
         yield tr
 
 
+class _Residency:
+    """The replay's feed of a ``ResidencyTracker`` (``residency=``): the manager's KV
+    events, each admission's hit blocks, each finished request's blocks, on the replay's
+    clock (the request's ``timestamp`` in seconds, or its index in the trace when it has
+    none). Built only when asked for: the default loop never calls it."""
+
+    def __init__(self, m, sample_rate: float, block_size: int, *, int_keys: bool):
+        from prefixcache.core.block_pool import _bytes_block_hash, _int_block_hash  # noqa: PLC0415
+        from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+        self.tracker = ResidencyTracker(sample_rate)
+        self.m = m
+        self.take = m.take_events
+        self.key = _int_block_hash if int_keys else _bytes_block_hash  # the events' form
+        self.block_size = block_size
+        self.now = 0.0
+        self.seconds = self.steps = 0
+
+    def clocked(self, requests):
+        for i, tr in enumerate(requests):
+            self.drain()  # what the previous request's decode and frees did, at its time
+            if tr.timestamp is None:
+                self.now = float(i)
+                self.steps += 1
+            else:
+                self.now = float(tr.timestamp)
+                self.seconds += 1
+            yield tr
+
+    def drain(self) -> list:
+        events = self.take()
+        self.tracker.on_events(events, self.now)
+        return events
+
+    def admitted(self, allocate_slots):
+        m, bs = self.m, self.block_size
+        tiered = m.num_host_blocks > 0
+
+        def allocate(req, num_new_tokens, num_hit=0, computed=None):
+            before = m.host_hit_tokens if tiered else 0
+            out = allocate_slots(req, num_new_tokens, num_hit, computed)
+            if out is not None and num_hit:  # an admission's hits (not a retried lookup)
+                key = self.key
+                keys = [key(h) for h in req.block_hashes[:num_hit // bs]]
+                # NOTE: before this allocation's events are drained: a host hit is
+                # counted on its host residency, which the promotion then ends. The
+                # device hits come first in the run, the host hits after them.
+                n_host = (m.host_hit_tokens - before) // bs if tiered else 0
+                self.tracker.on_hits(keys[:len(keys) - n_host], self.now)
+                if n_host:
+                    self.tracker.on_hits(keys[len(keys) - n_host:], self.now, medium="CPU")
+            self.drain()
+            return out
+        return allocate
+
+    def released(self, free):
+        def release(req):
+            key = self.key
+            keys = [key(h) for h in req.block_hashes]
+            free(req)
+            self.drain()
+            self.tracker.on_release(keys, self.now)
+        return release
+
+    def summary(self) -> dict:
+        self.drain()
+        self.tracker.finish(self.now)
+        out = self.tracker.summary()
+        out["clock"] = ("seconds" if self.seconds and not self.steps else
+                        "requests" if not self.seconds else "mixed")
+        return out
+
+
 def _reuse(requests: int, prompt: int, hits: int) -> dict:
     return {"requests": requests, "prompt_tokens": prompt, "hit_tokens": hits,
             "hit_rate_tokens": hits / prompt if prompt else 0.0}
@@ -237,6 +310,7 @@ def replay(
     host_eviction_options: dict | None = UNSET,
     miss_reasons: bool = False,
     queue_depth: int | None = None,
+    residency: float | None = None,
 ) -> dict:
     """Replay ``requests`` through a fresh ``KVCacheManager``; see the module docstring.
 
@@ -275,6 +349,13 @@ def replay(
         miss_reasons: classify every missed prompt block (``prefixcache.core.misses``):
             records get ``miss_reasons`` (reason -> blocks), the summary
             ``miss_reasons`` (totals, per tenant, per adapter). Off: no cost.
+        residency: block residency statistics (``prefixcache.core.residency``): the
+            share of block hashes tracked, in (0, 1] (1.0: every block; vLLM samples
+            0.01). The summary gets ``residency``: per tier, histograms of
+            ``lifetime``, ``idle_before_evict``, ``reuse_gap`` and
+            ``hits_per_residency``, on the replay's clock (a request's ``timestamp``
+            in seconds, or its index in the trace without one: ``clock``). One
+            full-attention group only. ``None``: off, no cost.
         eviction: the eviction policy (``prefixcache.core.eviction.POLICIES``).
         eviction_options: the policy's options (``belady``'s ``future`` is built
             here; passing one is an error).
@@ -338,6 +419,13 @@ def replay(
     if queue_depth is not None:
         queue_depth = check_positive_int("queue_depth", queue_depth)
     check_hash_seed(cfg.hash_seed)  # an object's str carries its address: not reproducible
+    if residency is not None:  # checked before anything runs
+        from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+        ResidencyTracker(residency)  # (the sample rate's check)
+        if cfg.kv_cache_groups is not None and is_hybrid(cfg.kv_cache_groups):
+            raise ValueError("residency statistics need one full-attention group; "
+                             f"kv_cache_groups={cfg.kv_cache_groups!r}")
     bytes_per_block = None
     if model is not None:
         if not isinstance(model, str):
@@ -387,6 +475,8 @@ def replay(
     elif callable(requests):
         requests = requests()
     manager_kw.update(hash_seed=hash_seed, eviction_options=options or None)
+    if residency is not None:
+        manager_kw["enable_events"] = True
     acct = acct_events = None
     if miss_reasons:
         from prefixcache.core.misses import MissAccountant, uses_probes  # noqa: PLC0415
@@ -400,6 +490,11 @@ def replay(
         acct_lookup = acct.lookup
         if acct.uses_events:
             acct_events = m.take_events
+    res = (_Residency(m, residency, cfg.block_size,
+                      int_keys=manager_kw.get("int_event_hashes", True))
+           if residency is not None else None)
+    if res is not None and acct_events is not None:  # one drain feeds both
+        acct_events = res.drain
     drop_transfers = m.host_tier.drop_transfers if tiered else None
     peak_host = 0
     hasher = m.hasher
@@ -421,6 +516,9 @@ def replay(
     get_computed_blocks = m.get_computed_blocks
     allocate_slots = m.allocate_slots
     free = m.free
+    if res is not None:  # (off: the loop calls the manager directly)
+        allocate_slots = res.admitted(allocate_slots)
+        free = res.released(free)
     perf = time.perf_counter
     crc = zlib.crc32
     loras: dict[tuple[str, str], LoRARequest] = {}
@@ -442,6 +540,8 @@ def replay(
     set_time = policy_clock(m)
     if set_time is not None:  # a time-varying policy: the clock, per request (no cost else)
         it = _clocked(it, set_time)
+    if res is not None:
+        it = res.clocked(it)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -702,6 +802,8 @@ def replay(
         memory["miss_reasons"] = acct.summary()
     if drop_waiting is not None:  # (only then: the default summary is unchanged)
         memory["queue_depth"] = queue_depth
+    if res is not None:
+        memory["residency"] = res.summary()
     timing = {"loop_s": t_loop, "hashing_s": t_hash, "manager_s": t_mgr}
     if t_future is not None:
         timing["future_s"] = t_future

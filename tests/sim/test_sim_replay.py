@@ -145,3 +145,36 @@ def test_progress_bar_does_not_change_results():
     a, _ = run(reqs, num_blocks=8, block_size=4, concurrency=2)
     b, _ = run(reqs, num_blocks=8, block_size=4, concurrency=2, progress=True)
     assert a == b and [r["num_computed_tokens"] for r in a] == [0, 4, 4, 4, 4]
+
+
+def test_residency_statistics_in_the_replay():
+    """residency=: histograms whose counts the replay's own totals fix; off: nothing
+    else in the summary changes."""
+    from prefixcache.sim import workloads
+
+    reqs = workloads.generate("multi_turn", num_conversations=12, seed=3)
+
+    def run(**kw):
+        s = replay(reqs, num_blocks=150, block_size=16, concurrency=4, **kw)
+        for k in ("timing", "requests_per_s", "prompt_tokens_per_s"):
+            s.pop(k)
+        return s
+
+    off, on = run(), run(residency=1.0)
+    res = on.pop("residency")
+    assert on == off
+    gpu = res["tiers"]["GPU"]
+    assert gpu["lifetime"]["count"] == on["evictions"] > 0  # every eviction ends a stay
+    assert gpu["hits_per_residency"]["count"] == on["evictions"]
+    assert gpu["reuse_gap"]["count"] == on["hit_tokens"] // 16  # one gap per hit block
+    assert res["resident_at_end"]["GPU"] == on["blocks_cached"] - on["evictions"]
+    tier = run(residency=1.0, num_host_blocks=150)["residency"]["tiers"]
+    t = run(num_host_blocks=150)
+    assert tier["CPU"]["reuse_gap"]["count"] == t["host_hit_tokens"] // 16 > 0
+    assert tier["GPU"]["reuse_gap"]["count"] == t["device_hit_tokens"] // 16
+    half = run(residency=0.5)["residency"]["tiers"]["GPU"]
+    assert 0 < half["lifetime"]["count"] < gpu["lifetime"]["count"]
+    assert half == run(residency=0.5)["residency"]["tiers"]["GPU"]  # the same blocks
+    for bad in (0, 1.5, "0.1"):
+        with pytest.raises(ValueError, match="sample_rate"):
+            replay(iter(()), num_blocks=10, block_size=16, residency=bad)
