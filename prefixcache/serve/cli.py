@@ -3,6 +3,9 @@
 MODEL: an HF checkpoint directory or a GGUF file (`Engine.from_pretrained`), or `tiny`
 (the built-in random-weight tiny model: no tokenizer, token-id prompts only). Flags
 carry vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+The engine runs in its own process (the engine core; `--engine-in-process`: on a
+thread of the HTTP process, for debugging). If the engine core dies, requests get a
+500 / 503 OpenAI error and `/health` answers 503.
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 `--shutdown-grace` seconds, abort the rest, exit 0.
 """
@@ -130,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--max-waiting", type=_non_negative_int, default=1024,
                    help="most queued requests; beyond it 503 with Retry-After")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the HTTP process (debugging) "
+                   "instead of its own engine-core process")
     p.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
@@ -205,23 +211,41 @@ def serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine = build_engine(args)
-    except (ValueError, OSError) as e:
-        print(f"prefixcache serve: error: {e}", file=sys.stderr)
-        return 1
-    publisher = None
-    if args.kv_events_endpoint:
-        from prefixcache.serve.kv_events import KVEventPublisher
-
-        publisher = KVEventPublisher.from_endpoint(
-            args.kv_events_endpoint, topic=args.kv_events_topic,
-            replay_endpoint=args.kv_events_replay_endpoint)
     loras = {name: LoRARequest(name, path, int_id=i + 1)
              for i, (name, path) in enumerate(args.lora_modules)}
-    app = build_app(engine, served_model_name=args.served_model_name or args.model,
-                    lora_modules=loras, max_waiting=args.max_waiting,
-                    kv_event_publisher=publisher)
+    name = args.served_model_name or args.model
+    publisher = None
+    if args.engine_in_process:
+        from prefixcache.serve.engine_core import prepare
+
+        try:
+            engine = build_engine(args)
+        except (ValueError, OSError) as e:
+            print(f"prefixcache serve: error: {e}", file=sys.stderr)
+            return 1
+        if args.kv_events_endpoint:
+            from prefixcache.serve.kv_events import KVEventPublisher
+
+            publisher = KVEventPublisher.from_endpoint(
+                args.kv_events_endpoint, topic=args.kv_events_topic,
+                replay_endpoint=args.kv_events_replay_endpoint)
+        prepare(engine, args)
+        app = build_app(engine, served_model_name=name, lora_modules=loras,
+                        max_waiting=args.max_waiting, kv_event_publisher=publisher)
+    else:
+        from prefixcache.serve.engine_loop import EngineCoreClient, EngineCoreError
+
+        try:
+            client = EngineCoreClient(args, max_waiting=args.max_waiting,
+                                      log_level=args.log_level)
+        except EngineCoreError as e:
+            print(f"prefixcache serve: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            app = build_app(client, served_model_name=name, lora_modules=loras)
+        except BaseException:
+            client.shutdown()
+            raise
     serving = app.state.serving
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level,
