@@ -115,6 +115,7 @@ def _inprocess(engine, prompts, concurrency: int, params, tag: str):
     """Closed loop in-process: `concurrency` requests in flight, the next one added as
     one finishes (the server clients' loop without HTTP). Rows per request, wall s."""
     engine.kv_cache_manager.reset_prefix_cache()
+    m0 = engine.metrics()
     pending = list(enumerate(prompts))
     inflight, rows = {}, {}
     t0 = time.perf_counter()
@@ -129,7 +130,9 @@ def _inprocess(engine, prompts, concurrency: int, params, tag: str):
             rows[i] = {"ttft_s": o.metrics.ttft_s, "e2e_s": time.perf_counter() - t_add,
                        "tokens": len(o.token_ids), "cached": o.metrics.num_cached_tokens}
     wall = time.perf_counter() - t0
-    return [rows[i] for i in range(len(prompts))], wall
+    m1 = engine.metrics()
+    steps = {"num_steps": m1.num_steps - m0.num_steps, "device_s": m1.device_s - m0.device_s}
+    return [rows[i] for i in range(len(prompts))], wall, steps
 
 
 def run(config, *, progress: bool = False) -> dict:
@@ -184,14 +187,23 @@ def run(config, *, progress: bool = False) -> dict:
     def client_pass(ps, concurrency):
         serving.utility("reset_prefix_cache").result()
         serving.utility("record_timings", True).result()
+        m0 = serving.utility("metrics").result()
+        h0 = _ttft_histogram(port)
         arg = json.dumps({"url": f"http://127.0.0.1:{port}/v1/completions", "prompts": ps,
                           "concurrency": concurrency, "max_tokens": config.max_tokens})
         proc = subprocess.run([sys.executable, "-c",
                                "from experiments.bench_server import _client_main; "
                                "_client_main()"], input=arg, capture_output=True,
-                              text=True, check=True)
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the client process failed:\n{proc.stderr[-3000:]}")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res["engine"] = serving.utility("take_timings").result()
+        m1 = serving.utility("metrics").result()
+        h1 = _ttft_histogram(port)
+        res["server_ttft_mean_s"] = _ratio(h1[0] - h0[0], h1[1] - h0[1])
+        res["steps"] = {"num_steps": m1["num_steps"] - m0["num_steps"],
+                        "device_s": m1["device_s"] - m0["device_s"]}
         serving.utility("record_timings", False).result()
         return res
 
@@ -201,11 +213,11 @@ def run(config, *, progress: bool = False) -> dict:
         bar.update(1)
         for c, n in zip(concurrencies, counts):
             prompts = _prompts(config, config.seed, n)
-            rows_in, wall_in = _inprocess(engine, prompts, c, params, f"c{c}")
+            rows_in, wall_in, steps_in = _inprocess(engine, prompts, c, params, f"c{c}")
             bar.update(1)
             res = client_pass(prompts, c)
             bar.update(1)
-            passes.append(_pass_record(config, c, prompts, rows_in, wall_in, res))
+            passes.append(_pass_record(config, c, prompts, rows_in, wall_in, steps_in, res))
     finally:
         server.should_exit = True
         th.join(60)
@@ -221,7 +233,23 @@ def run(config, *, progress: bool = False) -> dict:
     return result
 
 
-def _pass_record(config, c, prompts, rows_in, wall_in, res) -> dict:
+def _ttft_histogram(port: int) -> tuple[float, float]:
+    """(sum, count) of the server's own TTFT histogram (HTTP arrival at the handler to
+    the first token handed to it)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("prefixcache:time_to_first_token_seconds_sum") or \
+                line.startswith("prefixcache:time_to_first_token_seconds_count"):
+            name = line.split("{")[0]
+            vals[name] = float(line.rsplit(" ", 1)[1])
+    return (vals.get("prefixcache:time_to_first_token_seconds_sum", 0.0),
+            vals.get("prefixcache:time_to_first_token_seconds_count", 0.0))
+
+
+def _pass_record(config, c, prompts, rows_in, wall_in, steps_in, res) -> dict:
     reqs = sorted(res["requests"], key=lambda r: r["index"])
     engine = res["engine"]
     rows_srv = []
@@ -250,6 +278,19 @@ def _pass_record(config, c, prompts, rows_in, wall_in, res) -> dict:
         "ttft_overhead_p90_ms": (statistics.quantiles(overhead, n=10)[-1]
                                  if len(overhead) > 10 else None),
         "num_ttft_pairs": len(overhead),
+        # Means, to split the overhead: client -> handler (HTTP, the client's own
+        # loop) and handler -> engine -> handler (the engine-core hop).
+        "client_ttft_mean_ms": statistics.mean(
+            r["ttft_s"] for r in rows_srv if r["ttft_s"] is not None) * 1e3,
+        "server_handler_ttft_mean_ms": (None if res["server_ttft_mean_s"] is None
+                                        else res["server_ttft_mean_s"] * 1e3),
+        "server_engine_ttft_mean_ms": statistics.mean(
+            r["engine_ttft_s"] for r in rows_srv if r["engine_ttft_s"] is not None) * 1e3,
+        # Engine steps and their device time in each pass: fewer tokens per step in the
+        # server pass means the clients kept fewer requests in the batch.
+        "inprocess_steps": steps_in["num_steps"], "server_steps": res["steps"]["num_steps"],
+        "inprocess_device_s": steps_in["device_s"],
+        "server_device_s": res["steps"]["device_s"],
         "inprocess_e2e_median_ms": e2e_in * 1e3, "server_e2e_median_ms": e2e_srv * 1e3,
         "e2e_ratio": e2e_srv / e2e_in,
         "warm_cold_ttft_ratio_client": wc_client,
