@@ -27,8 +27,8 @@ passes differ by more than the server's cost). Concurrency 16: 0.51x output toke
 64: 0.27x, the engine taking full batches (234 steps vs 128 in-process) but each step
 twice as slow: the engine, the HTTP process (64 SSE chunks per step) and the client
 process (64 JSON parses per step) share 2 cores that the in-process pass has alone.
-Thread mode (`--config.server_mode=thread`, same load): overhead 19 ms at 1; 0.71x at
-16; 0.39x at 64. TARGETS MISSED on this machine; see the `*_mean_ms` fields for where
+Thread mode (`--config.server_mode=thread`, the next run, beside a test job): overhead
+17 ms at 1; 0.27x at 16; 0.20x at 64. TARGETS MISSED on this machine; see the `*_mean_ms` fields for where
 TTFT goes and `inprocess_steps` / `server_steps` for batching.
 """
 
