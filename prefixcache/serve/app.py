@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixcache.serve.engine_loop import EngineCall, EngineCoreError, ServingEngine, EngineFrontEnd
+from prefixcache.serve.engine_loop import (EngineCall, EngineCoreError, EngineFrontEnd,
+                                           ServingEngine)
 from prefixcache.serve.metrics import ServerMetrics
 from prefixcache.serve.protocol import APIError, GenerationRequest, ServerContext, parse_request
 

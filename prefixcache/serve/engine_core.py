@@ -27,9 +27,7 @@ core, publishing each step's events after the step.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import sys
 import time
 from typing import Any
 
@@ -447,7 +445,3 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("run through prefixcache.serve.engine_loop.EngineCoreClient")
