@@ -1,8 +1,12 @@
-"""The OpenAI-compatible HTTP API (FastAPI) over a `ServingEngine`.
+"""The OpenAI-compatible HTTP API (FastAPI) over the engine core.
 
     from prefixcache.serve.app import build_app
     app = build_app(engine, served_model_name="tiny")   # app.state.serving: the loop
     app.state.serving.start(); uvicorn.run(app, host="127.0.0.1", port=8000)
+
+    # or the engine in its own process (what `prefixcache serve` does by default):
+    client = EngineCoreClient(parse_args(["serve", "tiny"]))   # returns once ready
+    app = build_app(client, served_model_name="tiny")
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`. Errors
@@ -29,7 +33,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixcache.serve.engine_loop import EngineCall, ServingEngine
+from prefixcache.serve.engine_loop import (EngineCall, EngineCoreError, EngineFrontEnd,
+                                           ServingEngine)
 from prefixcache.serve.metrics import ServerMetrics
 from prefixcache.serve.protocol import (APIError, GenerationRequest, ServerContext,
                                         check_json_body, client_miss_reasons, parse_request)
@@ -46,7 +51,7 @@ class _Choice:
 
     __slots__ = ("index", "prompt_index", "request_id", "detok", "token_ids", "text",
                  "finish_reason", "cached_tokens", "done", "stopped_by_string", "error",
-                 "miss_reasons")
+                 "miss_reasons", "error_status")
 
     def __init__(self, index, prompt_index, request_id, detok):
         self.index, self.prompt_index, self.request_id = index, prompt_index, request_id
@@ -59,6 +64,7 @@ class _Choice:
         self.done = False
         self.stopped_by_string = False
         self.error: str | None = None
+        self.error_status = 400  # 500: the engine failed (not the request's fault)
 
     def push(self, ids) -> str:
         """New text of `ids` ("" without a tokenizer); ends the choice on a stop string."""
@@ -85,8 +91,8 @@ class _Choice:
     def finish(self, out) -> str:
         """The rest of the text once the engine finished the request."""
         self.done = True
-        self.cached_tokens = out.metrics.num_cached_tokens
-        self.miss_reasons = out.metrics.miss_reasons
+        self.cached_tokens = out.num_cached_tokens
+        self.miss_reasons = out.miss_reasons
         if out.finish_reason == "error":
             self.error = out.error or "the engine rejected the request"
             return ""
@@ -146,8 +152,10 @@ class _Handler:
         if kind == "final":
             text = c.push(event[2])
             text += c.finish(event[3])
-        else:  # "error": add_request refused it
+        else:  # "error": add_request refused it; "failed": the engine failed
             c.done, c.error, text = True, event[2], ""
+            if kind == "failed":
+                c.error_status = 500
         self.num_open -= 1
         return c, text, True
 
@@ -184,7 +192,7 @@ class _Handler:
             while self.num_open:
                 c, _, _ = self.handle(await self.queue.get())
                 if c.error is not None:
-                    raise APIError(400, c.error, param=_param(self.gen), code="engine_error")
+                    raise _choice_error(c, self.gen)
         finally:
             if self.num_open:
                 self.abort_open()
@@ -224,10 +232,13 @@ class _Handler:
             except asyncio.QueueEmpty:
                 break
         for ev in buffered:
-            if ev[1] == "error" or (ev[1] == "final" and ev[3].finish_reason == "error"):
-                msg = ev[2] if ev[1] == "error" else (ev[3].error or "rejected")
-                self.choices[ev[0]].done = True
-                raise APIError(400, msg, param=_param(self.gen), code="engine_error")
+            if ev[1] in ("error", "failed") or (ev[1] == "final"
+                                                and ev[3].finish_reason == "error"):
+                c = self.choices[ev[0]]
+                self.handle(ev)
+                if c.error is None:
+                    c.error = "the engine rejected the request"
+                raise _choice_error(c, self.gen)
         return buffered
 
     async def start_stream(self) -> list:
@@ -369,8 +380,14 @@ def _param(gen: GenerationRequest) -> str:
     return "messages" if gen.kind == "chat" else "prompt"
 
 
+def _choice_error(c: _Choice, gen: GenerationRequest) -> APIError:
+    if c.error_status >= 500:
+        return APIError(c.error_status, c.error, code="engine_failed")
+    return APIError(c.error_status, c.error, param=_param(gen), code="engine_error")
+
+
 class _State:
-    def __init__(self, serving: ServingEngine, ctx: ServerContext, metrics: ServerMetrics):
+    def __init__(self, serving: EngineFrontEnd, ctx: ServerContext, metrics: ServerMetrics):
         self.serving, self.ctx, self.metrics = serving, ctx, metrics
         self.created = int(time.time())
 
@@ -381,16 +398,19 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
               api_keys=None,
               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_request_output_tokens: int | None = None):
-    """The FastAPI app serving `engine` (its loop in `app.state.serving`, not started).
+    """The FastAPI app serving `engine` (its front end in `app.state.serving`).
 
     Args:
-      engine: a `prefixcache.engine.Engine`.
+      engine: a `prefixcache.engine.Engine` (served from a thread of this process:
+        `ServingEngine`, not started), or a running
+        `prefixcache.serve.engine_loop.EngineCoreClient` (the engine in its own process).
       served_model_name: the base model's name in requests and `/v1/models`.
       tokenizer: a tokenizer (see `prefixcache.text.Tokenizer`), None (token-id prompts
-        only), or "engine" (default): `engine.tokenizer` when it has one.
+        only), or "engine" (default): the engine's tokenizer when it has one.
       lora_modules: LoRA module name -> `prefixcache.LoRARequest` (needs an engine
         built with `enable_lora=True`).
-      max_waiting, kv_event_publisher: see `ServingEngine`.
+      max_waiting, kv_event_publisher: see `ServingEngine` (an `EngineCoreClient` has
+        its own).
       serving: an existing ServingEngine over `engine` (then max_waiting and
         kv_event_publisher must not be given).
       api_keys: None or a list of non-empty strings: `/v1` routes and
@@ -406,29 +426,34 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
                     ("max_request_output_tokens", max_request_output_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+    if isinstance(engine, EngineFrontEnd):
+        if serving is not None or kv_event_publisher is not None or max_waiting is not None:
+            raise ValueError("with an engine-core client, give max_waiting and the KV "
+                             "events publisher to the client, not to build_app")
+        serving, engine = engine, None
+    elif serving is not None and serving.engine is not engine:
+        raise ValueError("serving must wrap the same engine")
+    if serving is None:
+        serving = ServingEngine(engine, max_waiting=max_waiting,
+                                kv_event_publisher=kv_event_publisher)
+    info = serving.info
     if tokenizer == "engine":
-        tokenizer = getattr(engine, "tokenizer", None)
+        tokenizer = serving.tokenizer
     lora_modules = dict(lora_modules or {})
-    if lora_modules and not getattr(engine, "enable_lora", False):
+    if lora_modules and not info["enable_lora"]:
         raise ValueError("lora_modules need an engine built with enable_lora=True")
     if served_model_name in lora_modules:
         raise ValueError(f"LoRA module name {served_model_name!r} is the base model's name")
     metrics = ServerMetrics(served_model_name)
-    if serving is None:
-        serving = ServingEngine(engine, max_waiting=max_waiting, metrics=metrics,
-                                kv_event_publisher=kv_event_publisher)
-    elif serving.engine is not engine:
-        raise ValueError("serving must wrap the same engine")
-    else:
-        serving.metrics = metrics
-    metrics.set_programs(engine.num_programs_built, engine.num_compiles_after_warmup)
+    serving.metrics = metrics
+    metrics.set_programs(info["num_programs_built"], info["num_compiles_after_warmup"])
     # A request of more sequences than the running batch plus the waiting queue can
     # never be admitted (it would get a 503 on an idle server): a 400 instead.
     waiting = getattr(serving, "max_waiting", None)
-    most = None if waiting is None else int(engine.scheduler.max_num_seqs) + waiting
+    most = None if waiting is None else int(info["max_num_seqs"]) + waiting
     ctx = ServerContext(served_model_name=served_model_name, lora_modules=lora_modules,
-                        tokenizer=tokenizer, max_model_len=int(engine.max_model_len),
-                        vocab_size=int(engine.vocab_size),
+                        tokenizer=tokenizer, max_model_len=int(info["max_model_len"]),
+                        vocab_size=int(info["vocab_size"]),
                         max_request_output_tokens=max_request_output_tokens,
                         max_request_choices=most)
     state = _State(serving, ctx, metrics)
@@ -522,8 +547,8 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
     @app.get("/health")
     async def health():
         if not serving.alive:
-            raise APIError(503, "the engine thread is not running"
-                           + ("" if serving.failure is None else f": {serving.failure!r}"),
+            raise APIError(503, "the engine is not running"
+                           + ("" if serving.failure is None else f": {serving.failure}"),
                            code="unavailable")
         return Response(status_code=200)
 
@@ -532,10 +557,17 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
+    async def _utility(method: str, *args):
+        try:
+            return await asyncio.wrap_future(serving.utility(method, *args))
+        except EngineCoreError as e:
+            raise APIError(503 if not serving.alive else 500, str(e),
+                           code="unavailable" if not serving.alive else "engine_error"
+                           ) from None
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        fut = serving.call(lambda e: e.kv_cache_manager.reset_prefix_cache())
-        ok = await asyncio.wrap_future(fut)
+        ok = await _utility("reset_prefix_cache")
         if not ok:
             raise APIError(409, "the prefix cache was not reset: KV blocks are held by "
                                 "unfinished requests (retry when the server is idle)",

@@ -8,6 +8,9 @@ Before `/health` answers, every step program is compiled (`Engine.warmup`, a pro
 bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persistent
 compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
 `--no-compilation-cache`), so a restart of the same configuration loads them.
+The engine runs in its own process (the engine core; `--engine-in-process`: on a
+thread of the HTTP process, for debugging). If the engine core dies, requests get a
+500 / 503 OpenAI error and `/health` answers 503.
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 `--shutdown-grace` seconds, abort the rest, exit 0. As vLLM, the server refuses to
 start (exit 1) when one request of `--max-model-len` tokens would not fit the KV pool.
@@ -151,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-output-tokens", type=_positive_int, default=2 ** 18,
                    help="most output tokens one request may ask for: prompts x n x "
                    "max_tokens; beyond it 400")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the HTTP process (debugging) "
+                   "instead of its own engine-core process")
     p.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
@@ -268,16 +274,16 @@ def prepare_compilation(args) -> None:
     """JAX's persistent compilation cache as the flags say (before anything compiles)."""
     from prefixcache.engine.warmup import disable_compilation_cache, enable_compilation_cache
 
-    if args.no_compilation_cache:
+    if getattr(args, "no_compilation_cache", False):
         disable_compilation_cache()
     else:
-        path = enable_compilation_cache(args.compilation_cache_dir)
+        path = enable_compilation_cache(getattr(args, "compilation_cache_dir", None))
         _log.info("JAX persistent compilation cache: %s", path)
 
 
 def warmup(engine, args) -> None:
     """Compiles every step program before the server answers (unless --no-warmup)."""
-    if args.no_warmup:
+    if getattr(args, "no_warmup", False):
         _log.warning("--no-warmup: step programs compile inside the first requests "
                      "that need them")
         return
@@ -294,32 +300,45 @@ def serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        prepare_compilation(args)
-        engine = build_engine(args)
-    except (ValueError, OSError) as e:
-        print(f"prefixcache serve: error: {e}", file=sys.stderr)
-        return 1
-    err = pool_fit_error(engine)
-    if err is not None:
-        print(f"prefixcache serve: error: {err}", file=sys.stderr)
-        return 1
-    warmup(engine, args)
-    publisher = None
-    if args.kv_events_endpoint:
-        from prefixcache.serve.kv_events import KVEventPublisher
-
-        publisher = KVEventPublisher.from_endpoint(
-            args.kv_events_endpoint, topic=args.kv_events_topic,
-            replay_endpoint=args.kv_events_replay_endpoint,
-            bind_host=args.kv_events_bind_host)
     loras = {name: LoRARequest(name, path, int_id=i + 1)
              for i, (name, path) in enumerate(args.lora_modules)}
-    app = build_app(engine, served_model_name=args.served_model_name or args.model,
-                    lora_modules=loras, max_waiting=args.max_waiting,
-                    kv_event_publisher=publisher, api_keys=args.api_key,
-                    max_request_body_bytes=args.max_request_body_bytes,
-                    max_request_output_tokens=args.max_request_output_tokens)
+    name = args.served_model_name or args.model
+    limits = dict(api_keys=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                  max_request_output_tokens=args.max_request_output_tokens)
+    publisher = None
+    if args.engine_in_process:
+        from prefixcache.serve.engine_core import prepare
+
+        try:
+            prepare_compilation(args)
+            engine = build_engine(args)
+            prepare(engine, args)  # (the pool-fit refusal, then the warm-up)
+        except (ValueError, OSError) as e:
+            print(f"prefixcache serve: error: {e}", file=sys.stderr)
+            return 1
+        if args.kv_events_endpoint:
+            from prefixcache.serve.kv_events import KVEventPublisher
+
+            publisher = KVEventPublisher.from_endpoint(
+                args.kv_events_endpoint, topic=args.kv_events_topic,
+                replay_endpoint=args.kv_events_replay_endpoint,
+                bind_host=args.kv_events_bind_host)
+        app = build_app(engine, served_model_name=name, lora_modules=loras,
+                        max_waiting=args.max_waiting, kv_event_publisher=publisher, **limits)
+    else:
+        from prefixcache.serve.engine_loop import EngineCoreClient, EngineCoreError
+
+        try:
+            client = EngineCoreClient(args, max_waiting=args.max_waiting,
+                                      log_level=args.log_level)
+        except EngineCoreError as e:
+            print(f"prefixcache serve: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            app = build_app(client, served_model_name=name, lora_modules=loras, **limits)
+        except BaseException:
+            client.shutdown()
+            raise
     serving = app.state.serving
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level,

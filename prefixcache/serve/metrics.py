@@ -1,7 +1,7 @@
 """Prometheus metrics of the server: vLLM's `vllm:` metric names with prefix `prefixcache:`.
 
 One `ServerMetrics` per app, on its own `CollectorRegistry` (nothing global). The
-engine thread updates them after each step; `GET /metrics` renders the registry.
+front end updates them from each step's outputs; `GET /metrics` renders the registry.
 
 | name | kind | what |
 |---|---|---|

@@ -167,3 +167,24 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         self.serving.shutdown()
+
+
+def build_small_engine(args):
+    """`cli.build_engine` for the tiny model with one bucket per step dimension (one
+    program to compile): the engine-core process's `build` in tests (picklable)."""
+    from prefixcache.engine import Engine
+    from prefixcache.model import ModelConfig
+
+    kw = {"manager_kwargs": {"enable_events": True}} if args.kv_events_endpoint else {}
+    return Engine(ModelConfig.tiny(), num_blocks=args.num_blocks,
+                  block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, seed=args.seed,
+                  token_buckets=(args.max_num_batched_tokens,),
+                  seq_buckets=(args.max_num_seqs,),
+                  page_buckets=(args.max_model_len // args.block_size,), **kw)
+
+
+def build_refused(args):
+    """A `build` that refuses its arguments, as `cli.build_engine` does a bad model."""
+    raise ValueError(f"no model {args.model!r} here")
