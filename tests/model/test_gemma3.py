@@ -36,8 +36,8 @@ RTOL = 1e-3
 V = 262144
 # Two token buckets (decode, prefill chunk), one seq and page bucket: 2 compiled programs.
 ENGINE = dict(block_size=16, max_num_seqs=len(PROMPTS), max_num_batched_tokens=512,
-              max_model_len=1536, token_buckets=[16, 512], seq_buckets=[len(PROMPTS)],
-              page_buckets=[96])
+              max_model_len=2048, token_buckets=[16, 512], seq_buckets=[len(PROMPTS)],
+              page_buckets=[128])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def gemma3():
 @pytest.fixture(scope="module")
 def base(gemma3):
     """Caching on, roomy pool, logits recorded; the first run's outputs."""
-    engine = Engine(gemma3.config, model=gemma3.model, num_blocks=1024, **ENGINE)
+    engine = Engine(gemma3.config, model=gemma3.model, num_blocks=2048, **ENGINE)
     engine.record_logits = True
     outs = engine.generate(PROMPTS, PARAMS)
     engine.record_logits = False
@@ -115,7 +115,7 @@ def test_warm_cache_same_tokens(base):
 
 
 def test_caching_off_same_tokens(gemma3, base):
-    engine = Engine(gemma3.config, model=gemma3.model, num_blocks=1024, **ENGINE,
+    engine = Engine(gemma3.config, model=gemma3.model, num_blocks=2048, **ENGINE,
                     enable_caching=False, share_programs_with=base[0])
     outs = engine.generate(PROMPTS, PARAMS)
     assert [list(o.token_ids) for o in outs] == WANT
