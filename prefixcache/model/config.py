@@ -376,7 +376,8 @@ class ModelConfig:
     # -------------------------------------------------------------- HF config
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict (Llama or Qwen2).
+        """Builds a config from a Hugging Face `config.json` dict (Llama, Qwen2, Mistral,
+        Gemma 3 text: `Gemma3ForCausalLM` / model_type "gemma3_text").
 
         Args:
           hf: the parsed config.json.
@@ -385,8 +386,9 @@ class ModelConfig:
 
         Raises:
           ValueError: unknown architecture, unsupported features (activation other than
-            SiLU, MLP bias, sliding window, a RoPE scaling other than "llama3"), or missing
-            or invalid fields (named).
+            SiLU, MLP bias, sliding window, a RoPE scaling other than "llama3"; for Gemma
+            3: logit soft-capping, bidirectional attention, RoPE scaling), or missing or
+            invalid fields (named).
         """
         if not isinstance(hf, Mapping):
             raise ValueError(f"HF config must be a mapping, got {type(hf).__name__}")
