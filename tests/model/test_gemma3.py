@@ -86,6 +86,7 @@ def test_tokenizer_and_chat_template_equal_transformers(gemma3):
 
 def test_greedy_tokens_and_logits_equal_transformers(base):
     engine, outs = base
+    worst = 0.0
     for i, out in enumerate(outs):
         assert list(out.token_ids) == WANT[i], (
             f"prompt {i} ({GOLDEN['prompts'][i]['text_out']!r}): tokens differ")
@@ -96,19 +97,24 @@ def test_greedy_tokens_and_logits_equal_transformers(base):
         got = np.take_along_axis(rows, ids, 1)
         err = np.abs(got - vals) / np.abs(vals).max(axis=1, keepdims=True)
         assert err.max() <= RTOL, f"prompt {i}: top-k logits relative error {err.max():.2e}"
+        worst = max(worst, float(err.max()))
         for key in ARRAYS:
             if key.startswith(f"{i}/full_row_"):
                 r = int(key.rsplit("_", 1)[1])
                 full = ARRAYS[key]
                 e = np.abs(rows[r] - full).max() / np.abs(full).max()
                 assert e <= RTOL, f"prompt {i} row {r}: full-row relative error {e:.2e}"
+    print(f"largest top-k logits error: {worst:.2e} of the row's largest")
 
 
 def test_warm_cache_same_tokens(base):
     engine, _ = base
     outs = engine.generate(PROMPTS, PARAMS)
     assert [list(o.token_ids) for o in outs] == WANT
-    assert min(o.metrics.num_cached_tokens for o in outs) >= 16  # every prompt hit
+    # Every prompt of three blocks or more hit (a 16-token prompt cannot: its last token
+    # is always computed, so its one full block is never a hit).
+    assert all(o.metrics.num_cached_tokens >= 16 for o, p in zip(outs, PROMPTS)
+               if len(p) > 32), [o.metrics.num_cached_tokens for o in outs]
     # The long prompts hit past the window: the full group's whole prefix, the sliding
     # groups' last window.
     assert max(o.metrics.num_cached_tokens for o in outs) > 512
