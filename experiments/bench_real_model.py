@@ -1,6 +1,7 @@
 r"""Real-model benchmark: load time, prefill and decode tokens/s of a real checkpoint.
 
   python -m experiments.bench_real_model --workdir=/tmp/bench_real_model
+  python -m experiments.bench_real_model --workdir=/tmp/bench_gemma3 --config.checkpoint=gemma3
 
 See configs/bench_real_model.py. Writes bench_real_model.jsonl (one line per dtype, with
 provenance) into the workdir; the last stdout line is the JSON result.
@@ -44,7 +45,9 @@ def run(config, *, progress: bool = False) -> dict:
     from prefixcache.model import load_pretrained  # noqa: PLC0415
 
     workdir = _common.prepare_workdir(config.workdir)
-    path = config.checkpoint or default_checkpoint()
+    from experiments.chat import checkpoint_path  # noqa: PLC0415
+
+    path = checkpoint_path(config.checkpoint) if config.checkpoint else default_checkpoint()
     dtypes = [d.strip() for d in config.dtypes.split(",") if d.strip()]
     batches = [int(b) for b in config.decode_batches.split(",") if b.strip()]
     rng = np.random.default_rng(config.seed)

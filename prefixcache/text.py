@@ -62,6 +62,56 @@ _GGUF_PRE_SPLITS = {
 }
 
 
+# GGUF architectures whose SentencePiece ("llama") vocabulary `from_gguf` builds.
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json), for gemma3 GGUF
+# files that carry none (the base models' files): a system message becomes the first user
+# turn's prefix, the assistant's role is "model", turns end with <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate "
+    "user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n")
+
+
 def _require(module: str):
     import importlib
 
@@ -291,9 +341,11 @@ class Tokenizer:
         model = get("tokenizer.ggml.model")
         if model is None:
             raise ValueError(f"{p}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
+        if model == "llama":
+            return cls._from_gguf_sentencepiece(p, get)
         if model != "gpt2":
             raise ValueError(f"{p}: tokenizer.ggml.model={model!r} is not supported (only "
-                             "'gpt2', byte-level BPE)")
+                             "'gpt2', byte-level BPE, and Gemma's 'llama', SentencePiece)")
         pre = get("tokenizer.ggml.pre", "default")
         if pre not in _GGUF_PRE_SPLITS:
             raise ValueError(f"{p}: tokenizer.ggml.pre={pre!r} is not supported; known: "
@@ -348,6 +400,67 @@ class Tokenizer:
             backend.add_special_tokens(control)
         if user:
             backend.add_tokens(user)
+        return cls._from_gguf_backend(p, get, backend, tokens, types)
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, p: str, get) -> "Tokenizer":
+        """A SentencePiece ("llama") GGUF vocabulary of a Gemma model, as transformers'
+        GGUF converter builds it (`gemma_tokenizer` + `GemmaTokenizer`): space-only tokens
+        respelled with U+2581, BPE merges recovered from the vocabulary ranked by file
+        order (Gemma's scores do not follow its merge order), byte fallback, spaces
+        normalised to U+2581, CONTROL tokens special, USER_DEFINED ones plain added
+        tokens. A gemma3 file without `tokenizer.chat_template` gets Gemma 3's own
+        (`GEMMA3_CHAT_TEMPLATE`)."""
+        tokenizers = _require("tokenizers")
+        arch = get("general.architecture")
+        if arch not in _GEMMA_ARCHITECTURES:
+            raise ValueError(f"{p}: tokenizer.ggml.model='llama' (SentencePiece) is supported "
+                             f"for {sorted(_GEMMA_ARCHITECTURES)} files only, not "
+                             f"general.architecture={arch!r}")
+        tokens = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError(f"{p}: tokenizer.ggml.tokens missing")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise ValueError(f"{p}: {len(types)} token types for {len(tokens)} tokens")
+        spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        unk_id = get("tokenizer.ggml.unknown_token_id")
+        unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(
+            tokens) else "<unk>"
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(
+            vocab=vocab, merges=_merges_from_vocab(vocab, {t: -i for i, t in
+                                                          enumerate(spelled)}),
+            fuse_unk=True, unk_token=unk, dropout=None, byte_fallback=True))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.Split(
+            pattern=" ", behavior="merged_with_previous", invert=False)
+        backend.decoder = tokenizers.decoders.Sequence([
+            tokenizers.decoders.Replace("\u2581", " "), tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse()])
+        backend.normalizer = tokenizers.normalizers.Replace(" ", "\u2581")
+        control = [tokenizers.AddedToken(t, normalized=False, special=True)
+                   for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
+        if control:
+            backend.add_special_tokens(control)
+        known = backend.get_vocab(with_added_tokens=True)
+        user = [tokenizers.AddedToken(t, normalized=False, special=False)
+                for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED and t in known]
+        if user:
+            backend.add_tokens(user)
+        template = get("tokenizer.chat_template")
+        if template is None and arch == "gemma3":
+            template = GEMMA3_CHAT_TEMPLATE
+        return cls._from_gguf_backend(p, get, backend, tokens, types, chat_template=template)
+
+    @classmethod
+    def _from_gguf_backend(cls, p: str, get, backend, tokens, types, *,
+                           chat_template: str | None = None) -> "Tokenizer":
+        """The GGUF file's special token ids, BOS/EOS post-processor and end-of-turn ids
+        around a built backend."""
+        tokenizers = _require("tokenizers")
+        processors = tokenizers.processors
+        if chat_template is None:
+            chat_template = get("tokenizer.chat_template")
 
         def token_id(key):
             v = get(key)
@@ -386,7 +499,7 @@ class Tokenizer:
             ("bos_token", bos_id), ("eos_token", eos_id), ("unk_token", unk_id),
             ("pad_token", pad_id)) if i is not None}
         return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id,
-                   stop_token_ids=stops, chat_template=get("tokenizer.chat_template"),
+                   stop_token_ids=stops, chat_template=chat_template,
                    special_tokens=special_text, name_or_path=p)
 
     # -- text <-> ids -----------------------------------------------------------------
@@ -523,6 +636,21 @@ def _byte_alphabet() -> dict[str, int]:
 def _byte_spell(text: str) -> list[str]:
     inv = {b: c for c, b in _byte_alphabet().items()}
     return [inv[b] for b in text.encode("utf-8")]
+
+
+def _merges_from_vocab(vocab: Mapping[str, int], scores: Mapping[str, float]
+                       ) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary, best first, as transformers'
+    `generate_merges(vocab, vocab_scores)` orders them: every split of a token into two
+    tokens, ranked by the token's score (higher first), then the shorter left piece."""
+    merges = []
+    for merge, score in scores.items():
+        local = [(merge[:i], merge[i:], score) for i in range(1, len(merge))
+                 if merge[:i] in vocab and merge[i:] in vocab]
+        local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 def _template_eog_ids(backend, template: str | None) -> list[int]:

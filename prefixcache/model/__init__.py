@@ -1,4 +1,5 @@
 """Llama-style decoder (Flax NNX) over the paged KV cache: config, model, step, loading.
+Llama, Qwen2, Mistral and Gemma 3 (text) checkpoints.
 
 Modules: `config` (`ModelConfig`), `llama` (`Transformer`, `make_kv_caches`), `step`
 (`make_step_fn`: the jitted device step over `prefixcache_kernels`), `loading` /
@@ -12,11 +13,16 @@ Public API (the contract the engine codes against)::
 
 - `ModelConfig`: frozen, validated dataclass. Presets `ModelConfig.tiny()` (2 layers,
   d_model 128, 4 q heads / 2 kv heads, head_dim 64, vocab 512, f32: the test model),
-  `ModelConfig.llama_3_2_1b()`, `ModelConfig.qwen2_5_0_5b()`; `ModelConfig.from_hf_config(
+  `ModelConfig.llama_3_2_1b()`, `ModelConfig.qwen2_5_0_5b()`, `ModelConfig.gemma3_270m()`,
+  `ModelConfig.tiny_gemma3()`; `ModelConfig.from_hf_config(
   dict)` / `.to_hf_config()`; `.replace(**changes)`. Fields: vocab_size, d_model,
   num_layers, num_heads, num_kv_heads, head_dim, mlp_dim, rms_norm_eps, rope_theta,
   rope_scaling (`RopeScaling`, Llama-3), max_position_embeddings, tie_embeddings,
-  qkv_bias, dtype ("float32" | "bfloat16"), architecture, sliding_window, layer_types.
+  qkv_bias, dtype ("float32" | "bfloat16"), architecture, sliding_window, layer_types,
+  hidden_act ("silu" | "gelu_pytorch_tanh"), query_pre_attn_scalar, rope_local_theta.
+  Gemma 3 (`architecture="Gemma3ForCausalLM"`, `config.gemma`): (1 + w) RMSNorms, q/k
+  norms, norms on the attention and MLP outputs, embeddings times sqrt(d_model), GeGLU,
+  RoPE base `rope_local_theta` on its sliding-window layers (5 of every 6).
   Sliding-window / hybrid models (HF `sliding_window`, `layer_types`, Qwen2's
   `use_sliding_window` + `max_window_layers`, Mistral's window on every layer): a
   sliding layer's query at position p attends to keys (p - W, p], as HF. Derived:
@@ -58,7 +64,7 @@ Public API (the contract the engine codes against)::
   path, *, max_shard_bytes=None)` writes one (f32).
 - `load_pretrained(path, *, dtype=None, progress=True) -> Pretrained(config, model, source,
   format "hf" | "gguf", tokenizer_path)`: an HF directory (`load_hf_checkpoint`) or a
-  GGUF file (`prefixcache.model.gguf.load_gguf`: llama / qwen2, weights dequantized with
+  GGUF file (`prefixcache.model.gguf.load_gguf`: llama / qwen2 / gemma3, weights dequantized with
   the `gguf` package, the optional extra `[gguf]`; llama.cpp's Q/K RoPE row permutation
   undone).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
@@ -75,7 +81,8 @@ Public API (the contract the engine codes against)::
 
 Numerics follow Hugging Face exactly: RMSNorm in f32, rotate-half RoPE (`rope_theta`,
 optional Llama-3 scaling), query head i on kv head `i // (num_heads // num_kv_heads)`,
-SwiGLU, scale `head_dim ** -0.5`, logits in f32.
+SwiGLU (GeGLU for Gemma), scale `head_dim ** -0.5` (`query_pre_attn_scalar ** -0.5`),
+logits in f32.
 """
 from prefixcache.model.config import ModelConfig, RopeScaling
 from prefixcache.model.llama import Transformer

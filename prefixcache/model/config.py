@@ -1,4 +1,5 @@
-"""`ModelConfig`: the shape of a Llama-style decoder (Llama 2/3, Qwen2), with presets."""
+"""`ModelConfig`: the shape of a Llama-style decoder (Llama 2/3, Qwen2, Mistral, Gemma 3),
+with presets."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,19 +9,23 @@ from typing import Any
 
 from prefixcache._validate import check_positive_int
 
-__all__ = ["ATTENTION_TYPES", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES",
-           "SUPPORTED_DTYPES"]
+__all__ = ["ATTENTION_TYPES", "HIDDEN_ACTS", "ModelConfig", "RopeScaling",
+           "SUPPORTED_ARCHITECTURES", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-# HF `architectures[0]` -> our flavour (they differ only in defaults: Qwen2 has q/k/v bias,
-# Mistral a sliding window on every layer).
+# HF `architectures[0]` -> our flavour (Llama, Qwen2 and Mistral differ only in defaults:
+# Qwen2 has q/k/v bias, Mistral a sliding window on every layer; Gemma 3 is the Gemma
+# block: see `ModelConfig.gemma`).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mistral": "MistralForCausalLM"}
+                "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# MLP activations by their HF names: SwiGLU's SiLU, GeGLU's tanh-approximated GELU.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 # Per-layer attention kinds, with Hugging Face's names (`config.layer_types`).
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -65,7 +70,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, RoPE (HF rotate-half), GQA, SwiGLU MLP.
+    """A Llama-style decoder: RMSNorm, RoPE (HF rotate-half), GQA, gated MLP.
 
     Invariants (checked in `__post_init__`): all sizes positive; `num_heads` a multiple of
     `num_kv_heads`; `head_dim` even (RoPE rotates pairs of halves); `dtype` one of
@@ -91,6 +96,18 @@ class ModelConfig:
         None for a uniform model: every layer sliding when `sliding_window` is set
         (Mistral), else every layer full. A uniform tuple is stored as None, so equal
         models compare equal; `attention_types` is always the resolved tuple.
+      hidden_act: the gated MLP's activation, "silu" (SwiGLU) or "gelu_pytorch_tanh"
+        (GeGLU with tanh-approximated GELU, Gemma).
+      query_pre_attn_scalar: attention scores are scaled by its -1/2 power; None:
+        head_dim (Gemma 3 sets it; 256 for 270M..12B).
+      rope_local_theta: the RoPE base of the sliding-window layers (Gemma 3's
+        `rope_local_base_freq`, 10000); None: `rope_theta` on every layer.
+
+    Gemma 3 (`architecture="Gemma3ForCausalLM"`, `gemma` true) also has, fixed by the
+    architecture as in transformers' `Gemma3TextModel`: RMSNorm as `x_normed * (1 + w)`
+    in float32 (weights stored as HF stores them, 0 = identity), RMSNorms on q and k per
+    head before RoPE, a norm on the attention output and on the MLP output before each
+    residual add (four norms per layer), and the embedding scaled by `sqrt(d_model)`.
     """
 
     vocab_size: int
@@ -111,6 +128,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     o_bias: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -136,6 +156,16 @@ class ModelConfig:
         for name in ("tie_embeddings", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got "
+                             f"{self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                _positive_float(name, getattr(self, name))
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if self.gemma and (self.qkv_bias or self.o_bias):
+            raise ValueError("Gemma3ForCausalLM has no attention bias; set qkv_bias=False "
+                             "and o_bias=False")
         self._check_layer_types()
 
     def _check_layer_types(self) -> None:
@@ -168,6 +198,30 @@ class ModelConfig:
                            None if num_sliding in (0, len(types)) else types)
 
     # ----------------------------------------------------------------- derived
+    @property
+    def gemma(self) -> bool:
+        """The Gemma 3 block (see the class docstring): (1 + w) norms, q/k norms, norms
+        on the attention and MLP outputs, embedding scaled by sqrt(d_model)."""
+        return self.architecture == "Gemma3ForCausalLM"
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: `query_pre_attn_scalar ** -0.5` (default head_dim)."""
+        s = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(s) ** -0.5
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """The factor on the token embeddings (Gemma: sqrt(d_model)), or None."""
+        return math.sqrt(self.d_model) if self.gemma else None
+
+    @property
+    def layer_rope_thetas(self) -> tuple[float, ...]:
+        """Each layer's RoPE base: `rope_local_theta` on sliding-window layers when set,
+        else `rope_theta`."""
+        local = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+        return tuple(self.rope_theta if w is None else local for w in self.layer_windows)
+
     @property
     def attention_types(self) -> tuple[str, ...]:
         """Each layer's attention kind, "full_attention" or "sliding_attention"."""
@@ -240,7 +294,7 @@ class ModelConfig:
                             self.mlp_dim, self.vocab_size)
         attn = (D * N * H + 2 * D * K * H + N * H * D + (N * H + 2 * K * H) * self.qkv_bias
                 + D * self.o_bias)
-        layer = attn + 3 * D * F + 2 * D
+        layer = attn + 3 * D * F + 2 * D + (2 * D + 2 * H) * self.gemma
         return self.num_layers * layer + V * D * (1 if self.tie_embeddings else 2) + D
 
     def replace(self, **changes) -> ModelConfig:
@@ -270,6 +324,32 @@ class ModelConfig:
         return cls.tiny(**cfg)
 
     @classmethod
+    def tiny_gemma3(cls, **overrides) -> ModelConfig:
+        """`tiny()` as a Gemma 3: 6 layers, five with a sliding window of 16 and a full one
+        (Gemma's 5:1 pattern), one kv head, GeGLU, local/global RoPE bases, a query
+        scale of 1/sqrt(32)."""
+        cfg = dict(num_layers=6, num_kv_heads=1, sliding_window=16,
+                   layer_types=gemma3_layer_types(6), architecture="Gemma3ForCausalLM",
+                   hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32.0,
+                   rope_theta=1000000.0, rope_local_theta=10000.0, rms_norm_eps=1e-6)
+        cfg.update(overrides)
+        return cls.tiny(**cfg)
+
+    @classmethod
+    def gemma3_270m(cls, **overrides) -> ModelConfig:
+        """google/gemma-3-270m (18 layers: 15 sliding-window of 512 and 3 full, tied
+        embeddings, head_dim 256, one kv head; f32 as the GGUF loader gives it)."""
+        cfg = dict(vocab_size=262144, d_model=640, num_layers=18, num_heads=4,
+                   num_kv_heads=1, head_dim=256, mlp_dim=2048, rms_norm_eps=1e-6,
+                   rope_theta=1000000.0, rope_local_theta=10000.0,
+                   max_position_embeddings=32768, tie_embeddings=True, dtype="float32",
+                   architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256.0, sliding_window=512,
+                   layer_types=gemma3_layer_types(18))
+        cfg.update(overrides)
+        return cls(**cfg)
+
+    @classmethod
     def llama_3_2_1b(cls, **overrides) -> ModelConfig:
         """meta-llama/Llama-3.2-1B (bf16, tied embeddings, Llama-3 RoPE scaling)."""
         cfg = dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
@@ -296,7 +376,8 @@ class ModelConfig:
     # -------------------------------------------------------------- HF config
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict (Llama or Qwen2).
+        """Builds a config from a Hugging Face `config.json` dict (Llama, Qwen2, Mistral,
+        Gemma 3 text: `Gemma3ForCausalLM` / model_type "gemma3_text").
 
         Args:
           hf: the parsed config.json.
@@ -305,8 +386,9 @@ class ModelConfig:
 
         Raises:
           ValueError: unknown architecture, unsupported features (activation other than
-            SiLU, MLP bias, sliding window, a RoPE scaling other than "llama3"), or missing
-            or invalid fields (named).
+            SiLU, MLP bias, sliding window, a RoPE scaling other than "llama3"; for Gemma
+            3: logit soft-capping, bidirectional attention, RoPE scaling), or missing or
+            invalid fields (named).
         """
         if not isinstance(hf, Mapping):
             raise ValueError(f"HF config must be a mapping, got {type(hf).__name__}")
@@ -324,6 +406,8 @@ class ModelConfig:
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
         flavour = SUPPORTED_ARCHITECTURES[arch]
+        if flavour == "gemma3":
+            return _gemma3_from_hf(cls, hf, dtype)
 
         def need(key):
             if key not in hf:
@@ -412,6 +496,14 @@ class ModelConfig:
     def to_hf_config(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict of this config (inverse of `from_hf_config`)."""
         flavour = SUPPORTED_ARCHITECTURES[self.architecture]
+        if flavour == "gemma3":
+            return self._gemma3_hf_config()
+        if self.hidden_act != "silu" or self.query_pre_attn_scalar is not None or (
+                self.rope_local_theta is not None):
+            raise ValueError(f"{self.architecture} has SiLU, scale 1/sqrt(head_dim) and one "
+                             "RoPE base: hidden_act, query_pre_attn_scalar and "
+                             "rope_local_theta are Gemma 3's (architecture="
+                             "'Gemma3ForCausalLM')")
         out: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": flavour,
@@ -466,6 +558,123 @@ class ModelConfig:
             out["rope_scaling"] = {"rope_type": "llama3",
                                    **dataclasses.asdict(self.rope_scaling)}
         return out
+
+    def _gemma3_hf_config(self) -> dict[str, Any]:
+        """transformers' `Gemma3TextConfig` (5.x keys: `rope_parameters` per layer type)."""
+        if self.rope_scaling is not None:
+            raise ValueError("Gemma3ForCausalLM: Llama-3 rope_scaling is not Gemma's")
+        local = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+        return {
+            "architectures": [self.architecture],
+            "model_type": "gemma3_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.mlp_dim,
+            "hidden_activation": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_embeddings,
+            "query_pre_attn_scalar": (self.head_dim if self.query_pre_attn_scalar is None
+                                      else self.query_pre_attn_scalar),
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.attention_types),
+            "rope_parameters": {
+                FULL_ATTENTION: {"rope_type": "default", "rope_theta": self.rope_theta},
+                SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": local}},
+            "attention_bias": False,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "torch_dtype": self.dtype,
+        }
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's layer kinds: every `pattern`-th layer full attention, the others
+    sliding (transformers' `Gemma3TextConfig`, llama.cpp's `set_swa_pattern(6)`)."""
+    return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                 for i in range(num_layers))
+
+
+def _gemma3_from_hf(cls, hf: Mapping[str, Any], dtype: str | None) -> ModelConfig:
+    """`ModelConfig.from_hf_config` for Gemma3ForCausalLM (`Gemma3TextConfig`, its
+    defaults; RoPE bases from `rope_parameters` per layer type (transformers 5) or
+    `rope_theta` + `rope_local_base_freq` (4.x))."""
+    arch = "Gemma3ForCausalLM"
+
+    def need(key):
+        if key not in hf:
+            raise ValueError(f"HF config for {arch} lacks {key!r}")
+        return hf[key]
+
+    def number(key, default):
+        v = hf.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"HF config for {arch}: {key} must be a number, got {v!r}")
+        return v
+
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh",):
+        raise ValueError(f"{arch}: hidden_activation {act!r} not supported (only "
+                         "'gelu_pytorch_tanh')")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"{arch}: {key}={hf[key]!r} not supported (Gemma 3 has none)")
+    if hf.get("attention_bias", False):
+        raise ValueError(f"{arch}: attention_bias=True not supported")
+    if hf.get("use_bidirectional_attention", False):
+        raise ValueError(f"{arch}: use_bidirectional_attention=True not supported")
+    num_layers = need("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"{arch}: sliding_window_pattern must be a positive int, got "
+                             f"{pattern!r}")
+        if isinstance(num_layers, int) and not isinstance(num_layers, bool):
+            types = gemma3_layer_types(num_layers, pattern)
+    elif isinstance(types, str) or not isinstance(types, (list, tuple)):
+        raise ValueError(f"{arch}: layer_types must be a list of {ATTENTION_TYPES}, got "
+                         f"{types!r}")
+    window = hf.get("sliding_window", 4096)
+    if types is not None and SLIDING_ATTENTION not in types:
+        window = None
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, Mapping) and FULL_ATTENTION in rope:
+        params = {t: dict(rope.get(t) or {}) for t in ATTENTION_TYPES}
+    else:
+        scaling = hf.get("rope_scaling") or {}
+        if not isinstance(scaling, Mapping):
+            raise ValueError(f"{arch}: rope_scaling must be a mapping or null, got "
+                             f"{scaling!r}")
+        params = {FULL_ATTENTION: {**scaling, "rope_theta": number("rope_theta", 1000000.0)},
+                  SLIDING_ATTENTION: {"rope_theta": number("rope_local_base_freq", 10000.0)}}
+    for t, p in params.items():
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{arch}: {t} RoPE type {kind!r} not supported (only "
+                             "'default')")
+        if "rope_theta" not in p:
+            raise ValueError(f"{arch}: rope_parameters[{t!r}] lacks 'rope_theta'")
+    if dtype is None:
+        torch_dtype = str(hf.get("torch_dtype", hf.get("dtype", "float32")))
+        dtype = "bfloat16" if torch_dtype in ("bfloat16", "float16") else "float32"
+    return cls(
+        vocab_size=need("vocab_size"), d_model=need("hidden_size"), num_layers=num_layers,
+        num_heads=need("num_attention_heads"),
+        num_kv_heads=hf.get("num_key_value_heads") or need("num_attention_heads"),
+        head_dim=hf.get("head_dim", 256), mlp_dim=need("intermediate_size"),
+        rms_norm_eps=float(number("rms_norm_eps", 1e-6)),
+        rope_theta=float(params[FULL_ATTENTION]["rope_theta"]),
+        rope_local_theta=float(params[SLIDING_ATTENTION]["rope_theta"]),
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dtype=dtype,
+        architecture=arch, hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(number("query_pre_attn_scalar", 256)),
+        sliding_window=window, layer_types=None if types is None else tuple(types))
 
 
 def _hf_layer_types(hf: Mapping[str, Any], arch: str, flavour: str

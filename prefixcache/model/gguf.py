@@ -10,8 +10,8 @@ K-quants (Q2_K..Q6_K) and i-quants the installed package covers. The params are 
 (or `dtype="bfloat16"`): the quantized values are expanded once, so the model computes
 on exactly the dequantized weights (as transformers' GGUF loading does).
 
-Architectures: `llama` (also Mistral/SmolLM2 files, which llama.cpp writes as llama) and
-`qwen2` (q/k/v bias). Tensor names (numpy shapes, i.e. ggml's `ne` reversed = torch's
+Architectures: `llama` (also Mistral/SmolLM2 files, which llama.cpp writes as llama),
+`qwen2` (q/k/v bias) and `gemma3` (text; see below). Tensor names (numpy shapes, i.e. ggml's `ne` reversed = torch's
 [out_features, in_features]) and their HF counterparts (`prefixcache.model.loading`):
 
   token_embd.weight [V, D]        model.embed_tokens.weight
@@ -27,8 +27,26 @@ Architectures: `llama` (also Mistral/SmolLM2 files, which llama.cpp writes as ll
 RoPE layout: llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`)
 reorders the rows of a llama model's Q and K weights from HF's rotate-half layout to
 GPT-J's interleaved pairs, per head: `w.reshape(n_head, 2, H // 2, D).swapaxes(1, 2)`.
-We undo it (`_unpermute`, transformers' `reverse_permute_weights`); qwen2 files are not
-permuted (llama.cpp runs qwen2 with NEOX rope).
+We undo it (`_unpermute`, transformers' `reverse_permute_weights`); qwen2 and gemma3
+files are not permuted (llama.cpp runs them with NEOX rope).
+
+Gemma 3 (`Gemma3ForCausalLM`, as llama.cpp's `gemma3` graph and transformers' GGUF loading
+read it): four norms per layer and per-head q/k norms,
+
+  blk.i.attn_norm.weight          model.layers.i.input_layernorm.weight
+  blk.i.post_attention_norm.weight model.layers.i.post_attention_layernorm.weight
+  blk.i.ffn_norm.weight           model.layers.i.pre_feedforward_layernorm.weight
+  blk.i.post_ffw_norm.weight      model.layers.i.post_feedforward_layernorm.weight
+  blk.i.attn_{q,k}_norm.weight    model.layers.i.self_attn.{q,k}_norm.weight
+
+every norm weight stored as 1 + w (llama.cpp's converter adds the 1; we subtract it, as
+transformers' `Gemma2TensorProcessor`); the sliding window from
+`gemma3.attention.sliding_window` on five layers of six (every 6th full: llama.cpp's
+`set_swa_pattern(6)`, transformers' `sliding_window_pattern`); RoPE base
+`gemma3.rope.freq_base` on the full layers and `gemma3.rope.freq_base_swa` (default
+10000) on the sliding ones; attention scale 1/sqrt(head_dim), as llama.cpp (whose
+exception, the 62-layer 27B, takes d_model / head_count: both are Gemma 3's
+`query_pre_attn_scalar`); GeGLU with the tanh GELU; embeddings times sqrt(d_model).
 """
 from __future__ import annotations
 
@@ -37,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.model.config import ModelConfig
+from prefixcache.model.config import ModelConfig, gemma3_layer_types
 from prefixcache.model.llama import Transformer
 from prefixcache.model.loading import build_transformer, hf_param_map
 
@@ -47,6 +65,7 @@ __all__ = ["GGUF_ARCHITECTURES", "gguf_config", "load_gguf", "load_gguf_reader",
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 
 _GLOBAL = {
@@ -68,6 +87,16 @@ _PER_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GEMMA3_PER_LAYER = {
+    **{k: v for k, v in _PER_LAYER.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# llama.cpp's Gemma 3 27B (its only model type whose attention scale is not head_dim).
+_GEMMA3_27B_LAYERS = 62
 
 
 def _import_gguf():
@@ -175,6 +204,10 @@ def gguf_config(reader, *, dtype: str | None = None) -> ModelConfig:
     if scaling != "none":
         raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling!r} not supported "
                          "(only unscaled RoPE)")
+    factor = _field(reader, f"{arch}.rope.scaling.factor", 1.0)
+    if factor not in (0, 1):  # (Gemma 3 1B files write a factor of 1 and no type)
+        raise ValueError(f"GGUF {arch}.rope.scaling.factor {factor!r} not supported "
+                         "(only unscaled RoPE)")
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF tensor 'rope_freqs.weight' (llama3 RoPE frequency factors) "
                          "not supported")
@@ -190,7 +223,18 @@ def gguf_config(reader, *, dtype: str | None = None) -> ModelConfig:
             vocab = int(emb.shape[-1])
     eps = _field(reader, f"{arch}.attention.layer_norm_rms_epsilon")
     theta = _field(reader, f"{arch}.rope.freq_base", 10000.0)
-    for key, v in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", theta)):
+    gemma = {}
+    if arch == "gemma3":
+        num_layers = _int(reader, f"{arch}.block_count")
+        gemma = dict(
+            sliding_window=_int(reader, f"{arch}.attention.sliding_window"),
+            layer_types=gemma3_layer_types(num_layers) if num_layers > 0 else None,
+            rope_local_theta=_field(reader, f"{arch}.rope.freq_base_swa", 10000.0),
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(d_model // num_heads if num_layers ==
+                                        _GEMMA3_27B_LAYERS else head_dim))
+    for key, v in (("attention.layer_norm_rms_epsilon", eps), ("rope.freq_base", theta),
+                   ("rope.freq_base_swa", gemma.get("rope_local_theta", 1.0))):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"GGUF metadata {arch}.{key} must be a number, got {v!r}")
     try:
@@ -204,7 +248,7 @@ def gguf_config(reader, *, dtype: str | None = None) -> ModelConfig:
             max_position_embeddings=_int(reader, f"{arch}.context_length"),
             tie_embeddings="output.weight" not in tensors,
             qkv_bias=arch == "qwen2",
-            dtype=dtype or "float32", architecture=hf_arch)
+            dtype=dtype or "float32", architecture=hf_arch, **gemma)
     except ValueError as e:
         raise ValueError(f"GGUF metadata: {e}") from None
 
@@ -217,7 +261,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
               progress: bool = True) -> tuple[ModelConfig, Transformer]:
-    """Loads a llama / qwen2 GGUF file (weights dequantized; see the module docstring).
+    """Loads a llama / qwen2 / gemma3 GGUF file (weights dequantized; see the module
+    docstring).
 
     Every check runs before any weight is converted: the header, the config, the set of
     tensors (none missing or unexpected), each tensor's shape and quantization type.
@@ -247,8 +292,9 @@ def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
     _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
 
     to_hf = dict(_GLOBAL)
+    per_layer = _GEMMA3_PER_LAYER if config.gemma else _PER_LAYER
     for i in range(config.num_layers):
-        to_hf.update({f"blk.{i}.{k}": f"model.layers.{i}.{v}" for k, v in _PER_LAYER.items()})
+        to_hf.update({f"blk.{i}.{k}": f"model.layers.{i}.{v}" for k, v in per_layer.items()})
     shapes = {hf: shape for hf, shape, *_ in hf_param_map(config).values()}
     tensors = {t.name: t for t in reader.tensors}
     wanted = {g: hf for g, hf in to_hf.items() if hf in shapes}
@@ -295,6 +341,8 @@ def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
             w = _unpermute(w, config.num_heads)
         elif permuted and hf_name in k_names:
             w = _unpermute(w, config.num_kv_heads)
+        elif config.gemma and hf_name.endswith("norm.weight"):
+            w = w - np.float32(1)  # the file holds 1 + w (see the module docstring)
         return w
 
     model = build_transformer(config, get, progress=progress,

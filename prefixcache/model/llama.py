@@ -8,6 +8,12 @@ RMSNorm in float32 (`x * rsqrt(mean(x^2) + eps) * scale`), RoPE in the rotate-ha
 (the two halves of each head are the (real, imaginary) parts; no interleaving), query head
 i reads kv head `i // (num_heads // num_kv_heads)`, SwiGLU `down(silu(gate(x)) * up(x))`,
 attention scale `head_dim ** -0.5`.
+
+`Gemma3ForCausalLM` (`config.gemma`) as transformers' `Gemma3TextModel`: embeddings times
+`sqrt(d_model)`, RMSNorm `x_normed * (1 + w)` in float32 then cast, q/k RMSNorm per head
+before RoPE, `x += norm(attn(norm(x))); x += norm(mlp(norm(x)))`, GeGLU
+`down(gelu_tanh(gate(x)) * up(x))`, scale `query_pre_attn_scalar ** -0.5`, RoPE base
+`rope_local_theta` on the sliding-window layers and `rope_theta` on the full ones.
 """
 from __future__ import annotations
 
@@ -67,15 +73,19 @@ def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype,
     return jnp.asarray((flat.reshape(shape) * std).astype(jnp.dtype(dtype)))
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> np.ndarray:
     """RoPE inverse frequencies f32[head_dim // 2], HF conventions (Llama-3 scaling too).
+
+    `theta`: the base (default `config.rope_theta`; Gemma's sliding layers pass
+    `config.rope_local_theta`, unscaled).
 
     NOTE: computed in float32 like HF (`1 / theta ** (arange(0, H, 2) / H)`), so positions
     rotate by the same angles as the reference implementation.
     """
     H = config.head_dim
     exponent = np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / np.float32(H)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    base = config.rope_theta if theta is None else theta
+    inv_freq = (np.float32(1.0) / (np.float32(base) ** exponent)).astype(np.float32)
     rs = config.rope_scaling
     if rs is None:
         return inv_freq
@@ -109,26 +119,35 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale (HF: computed in float32, scaled in float32, cast back)."""
+    """RMSNorm with a learned scale (HF: computed in float32, scaled in float32, cast back).
 
-    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs):
+    `plus_one` (Gemma): the output is `x_normed * (1 + scale)`, all in float32, then cast
+    (transformers' `Gemma3RMSNorm`); the scale starts at 0 (identity), as HF stores it.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs, plus_one: bool = False):
         del rngs
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.plus_one = plus_one
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in x's dtype."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         # HF casts the normalized activations to the input dtype before the weight multiply.
         return self.scale[...] * xf.astype(x.dtype)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """Gated MLP: SwiGLU `down(silu(gate(x)) * up(x))`, or GeGLU with the tanh GELU
+    (`config.hidden_act="gelu_pytorch_tanh"`, Gemma)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         D, F, dt = config.d_model, config.mlp_dim, jnp.dtype(config.dtype)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_proj = nnx.Param(_init(rngs, (D, F), D, dt))  # [d, f]
         self.up_proj = nnx.Param(_init(rngs, (D, F), D, dt))  # [d, f]
         self.down_proj = nnx.Param(_init(rngs, (F, D), F, dt))  # [f, d]
@@ -140,7 +159,7 @@ class MLP(nnx.Module):
         if lora is not None:
             gate = gate + lora_delta(x, lora, "gate_proj")
             up = up + lora_delta(x, lora, "up_proj")
-        h = jax.nn.silu(gate) * up
+        h = (jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)) * up
         out = jnp.einsum("tf,fd->td", h, self.down_proj[...])
         return out if lora is None else out + lora_delta(h, lora, "down_proj")
 
@@ -169,6 +188,12 @@ class Attention(nnx.Module):
         self.o_bias_on = config.o_bias
         if config.o_bias:  # Llama attention_bias=True: o_proj has a bias too
             self.o_bias = nnx.Param(_init(rngs, (D,), 1, dt, scale=0.1))  # [d]
+        self.qk_norm = config.gemma
+        if config.gemma:  # per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(H, eps=config.rms_norm_eps, dtype=dt, rngs=rngs,
+                                  plus_one=True)
+            self.k_norm = RMSNorm(H, eps=config.rms_norm_eps, dtype=dt, rngs=rngs,
+                                  plus_one=True)
 
     def __call__(self, x, kv_cache, metadata: AttentionMetadata, cos, sin, attend,
                  lora: LoRABatch | None = None):
@@ -198,6 +223,9 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...]
             k = k + self.k_bias[...]
             v = v + self.v_bias[...]
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         if self.sliding_window is None:
@@ -215,21 +243,31 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`."""
+    """Pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`; Gemma also norms
+    each branch's output (`attn_out_norm`, `mlp_out_norm`) before the add.
+
+    `post_attn_norm` is the norm before the MLP (HF `post_attention_layernorm` in Llama,
+    `pre_feedforward_layernorm` in Gemma 3)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, sliding_window: int | None = None):
         dt = jnp.dtype(config.dtype)
-        self.input_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+        norm = functools.partial(RMSNorm, config.d_model, eps=config.rms_norm_eps, dtype=dt,
+                                 rngs=rngs, plus_one=config.gemma)
+        self.input_norm = norm()
         self.attn = Attention(config, rngs=rngs, sliding_window=sliding_window)
-        self.post_attn_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt,
-                                      rngs=rngs)
+        self.post_attn_norm = norm()
         self.mlp = MLP(config, rngs=rngs)
+        self.sandwich = config.gemma
+        if config.gemma:
+            self.attn_out_norm = norm()
+            self.mlp_out_norm = norm()
 
     def __call__(self, x, kv_cache, metadata, cos, sin, attend, lora=None):
         h, kv_cache = self.attn(self.input_norm(x), kv_cache, metadata, cos, sin, attend,
                                 lora)
-        x = x + h
-        x = x + self.mlp(self.post_attn_norm(x), lora)
+        x = x + (self.attn_out_norm(h) if self.sandwich else h)
+        h = self.mlp(self.post_attn_norm(x), lora)
+        x = x + (self.mlp_out_norm(h) if self.sandwich else h)
         return x, kv_cache
 
 
@@ -263,6 +301,7 @@ class Transformer(nnx.Module):
       layers[i].input_norm.scale [D], .post_attn_norm.scale [D]
       layers[i].attn.{q,k,v}_proj [D, N|K, H], .o_proj [N, H, D], .{q,k,v}_bias [N|K, H],
         .o_bias [D] (with config.o_bias)
+      layers[i].attn.{q,k}_norm.scale [H], layers[i].{attn,mlp}_out_norm.scale [D] (Gemma)
       layers[i].mlp.gate_proj [D, F], .up_proj [D, F], .down_proj [F, D]
       final_norm.scale [D] (model.norm.weight)
       lm_head [V, D] (lm_head.weight; absent when `tie_embeddings`)
@@ -279,7 +318,8 @@ class Transformer(nnx.Module):
             _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
         self.layers = nnx.List([Block(config, rngs=rngs, sliding_window=w)
                                 for w in config.layer_windows])
-        self.final_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs)
+        self.final_norm = RMSNorm(config.d_model, eps=config.rms_norm_eps, dtype=dt, rngs=rngs,
+                                  plus_one=config.gemma)
         if not config.tie_embeddings:
             self.lm_head = nnx.Param(
                 _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
@@ -317,20 +357,25 @@ class Transformer(nnx.Module):
         """
         cfg = self.config
         if attend is None:
-            attend = functools.partial(_local_attend, sm_scale=cfg.head_dim ** -0.5,
+            attend = functools.partial(_local_attend, sm_scale=cfg.attention_scale,
                                        backend="auto", interpret=False)
         emb = self.embedding[...]
         x = jnp.take(emb, input_ids, axis=0)  # [T, D]
+        if cfg.embedding_scale is not None:
+            # (HF: the scale cast to the weights' dtype first, Gemma3TextScaledWordEmbedding)
+            x = x * jnp.asarray(cfg.embedding_scale, x.dtype)
         if mm_embeds is not None:
             # NOTE: multimodal rows replace the placeholder tokens' embeddings, so two
             # different images behind identical placeholder ids give different K/V.
             x = jnp.where(mm_mask[:, None], mm_embeds.astype(x.dtype), x)
         per_group = not isinstance(metadata, AttentionMetadata)
         group_of = cfg.layer_kv_groups
-        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # f32[H // 2], a host-computed constant
         positions = (metadata[0] if per_group else metadata).positions
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)  # f32[T, H // 2]
+        tables = {}  # RoPE base -> (cos, sin) f32[T, H // 2]
+        for theta in sorted(set(cfg.layer_rope_thetas)):
+            inv_freq = jnp.asarray(rope_inv_freq(cfg, theta))  # f32[H // 2], host constant
+            freqs = positions.astype(jnp.float32)[:, None] * inv_freq
+            tables[theta] = (jnp.cos(freqs), jnp.sin(freqs))
         # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by the
         # i-th layer of every KV group, each with its own block ids); per-layer caches
         # (one array per layer) keep array i.
@@ -339,6 +384,7 @@ class Transformer(nnx.Module):
         new_caches = list(kv_caches)
         for i, layer in enumerate(self.layers):
             md = metadata[group_of[i]] if per_group else metadata
+            cos, sin = tables[cfg.layer_rope_thetas[i]]
             x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin, attend,
                                               None if lora is None else lora.layer(i))
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]

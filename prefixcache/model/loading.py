@@ -16,6 +16,15 @@ Weight names and layouts are those of `LlamaForCausalLM` / `Qwen2ForCausalLM` /
   model.norm.weight                               [D]         -> final_norm.scale
   lm_head.weight                                  [V, D]      -> lm_head (untied only)
 
+Gemma3ForCausalLM (`config.gemma`) names its norms otherwise and has two more per layer
+(HF stores Gemma's norm weights w of `x_normed * (1 + w)`, and so do we):
+
+  model.layers.i.input_layernorm.weight           [D]         -> input_norm.scale
+  model.layers.i.post_attention_layernorm.weight  [D]         -> attn_out_norm.scale
+  model.layers.i.pre_feedforward_layernorm.weight [D]         -> post_attn_norm.scale
+  model.layers.i.post_feedforward_layernorm.weight [D]        -> mlp_out_norm.scale
+  model.layers.i.self_attn.{q,k}_norm.weight      [H]         -> attn.{q,k}_norm.scale
+
 HF's q/k weights are already in the rotate-half RoPE layout our `apply_rope` uses, so no
 permutation is applied.
 """
@@ -61,8 +70,17 @@ def hf_param_map(config: ModelConfig) -> dict[tuple, tuple[str, tuple, Callable,
         pre = f"model.layers.{i}."
         out[("layers", i, "input_norm", "scale")] = (pre + "input_layernorm.weight", (D,),
                                                      ident, ident)
-        out[("layers", i, "post_attn_norm", "scale")] = (
-            pre + "post_attention_layernorm.weight", (D,), ident, ident)
+        if config.gemma:
+            for ours, hf in (("post_attn_norm", "pre_feedforward_layernorm"),
+                             ("attn_out_norm", "post_attention_layernorm"),
+                             ("mlp_out_norm", "post_feedforward_layernorm")):
+                out[("layers", i, ours, "scale")] = (pre + hf + ".weight", (D,), ident, ident)
+            for proj in ("q", "k"):
+                out[("layers", i, "attn", f"{proj}_norm", "scale")] = (
+                    pre + f"self_attn.{proj}_norm.weight", (H,), ident, ident)
+        else:
+            out[("layers", i, "post_attn_norm", "scale")] = (
+                pre + "post_attention_layernorm.weight", (D,), ident, ident)
         for proj, heads in (("q", N), ("k", K), ("v", K)):
             out[("layers", i, "attn", f"{proj}_proj")] = (
                 pre + f"self_attn.{proj}_proj.weight", (heads * H, D), *proj_in(heads))
@@ -111,7 +129,7 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
-    """Loads a Llama / Qwen2 / Mistral checkpoint directory.
+    """Loads a Llama / Qwen2 / Mistral / Gemma 3 (text) checkpoint directory.
 
     Args:
       path: a directory with config.json and *.safetensors (one file, or shards listed in

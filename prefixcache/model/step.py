@@ -297,7 +297,7 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         raise ValueError(f"unknown attention_backend {attention_backend!r}; expected one of "
                          f"{kernels.BACKENDS} or a kernels.KernelBackend record")
     config = model.config
-    local = functools.partial(_local_attend, sm_scale=config.head_dim ** -0.5,
+    local = functools.partial(_local_attend, sm_scale=config.attention_scale,
                               backend=attention_backend, interpret=interpret)
     if mesh is None:
         attend = local

@@ -123,7 +123,9 @@ def test_gguf_tiny_written_file(tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(model="llama"), "tokenizer.ggml.model='llama' is not supported"),
+    (dict(model="llama"), r"tokenizer.ggml.model='llama' \(SentencePiece\) is supported for "
+                          r"\['gemma', 'gemma2', 'gemma3'\] files only"),
+    (dict(model="bert"), "tokenizer.ggml.model='bert' is not supported"),
     (dict(pre="no-such-pre"), "tokenizer.ggml.pre='no-such-pre' is not supported"),
     (dict(merges=("ab",)), "malformed merge 'ab'"),
     (dict(eos=99), "eos_token_id=99 is outside the vocabulary"),
