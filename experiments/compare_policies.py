@@ -29,8 +29,16 @@ cached bytes are of that dtype:
 ``belady`` (the offline bound) joins
 the policies whenever it is registered, unless ``--config.belady_bound=false``.
 
+Policy variants: a ``policies`` entry may be a label of ``policy_variants`` (label ->
+``{"eviction": name, "options": {...}}``: the policy with those ``eviction_options``,
+e.g. ``"ttl60": {"eviction": "ttl_lru", "options": {"ttl": 60, "unit": "s"}}``), checked
+by building each variant's policy before any cell runs
+(``prefixcache.sim.compare.resolve_policy_variants``). Rows carry the label as ``policy``
+and the ``eviction`` / ``eviction_options`` they ran; the table and the plot show labels.
+
 Outputs in ``--workdir``:
-  * ``compare_policies.jsonl``: one row per cell (``policy``, ``index``,
+  * ``compare_policies.jsonl``: one row per cell (``policy``, ``eviction``,
+    ``eviction_options``, ``index``,
     ``num_blocks``, ``block_size``, ``concurrency``, ``requests``, ``prompt_tokens``,
     ``hit_tokens``, ``hit_rate_tokens``, ``requests_with_hit``, ``evictions``,
     ``stranded_blocks``, ``peak_cached_blocks``, ``peak_cached_bytes``, ``loop_s``,
@@ -55,6 +63,14 @@ grid every cell row carries its distance to it at the same index and capacity:
 stdout is followed by the evicted blocks per cell. ``queue_depth`` sets ``queue_aware``'s
 waiting queue in the replay (0: ``concurrency``).
 
+Non-prefix reuse (``nonprefix_bound``, on by default): the ideal row also carries what a
+position-independent chunk cache (CacheBlend / EPIC style) could reuse beyond prefix
+caching at infinite capacity (``prefixcache.sim.nonprefix``): ``nonprefix_hit_tokens``,
+``nonprefix_hit_rate_tokens``, ``nonprefix_blocks`` (full blocks found by content only),
+with ``nonprefix_recompute_fraction`` (the share of a reused chunk recomputed) and
+``nonprefix_alignment`` (``block`` or ``token``: where earlier chunks may start); the plot
+draws it as a dotted line above the infinite-cache ideal.
+
 Bad input (unknown policy, index, hash algorithm, free order, model preset or
 executor; Ray missing for ``--executor=ray``; a policy or index the replay cannot run;
 a missing trace; a registered dataset at another block size than its own) ->
@@ -74,7 +90,8 @@ PNG_FILE = "compare_policies.png"
 
 
 def resolve_grid(config) -> dict:
-    """Validates the config; returns ``{"policies", "indexes", "capacities"}`` (tuples).
+    """Validates the config; returns ``{"policies", "indexes", "capacities"}`` (tuples)
+    and ``"variants"`` (label -> ``{"eviction", "options"}`` for every policy label).
 
     Raises:
         ValueError: any bad field (see the module docstring), before anything runs.
@@ -93,14 +110,24 @@ def resolve_grid(config) -> dict:
         raise ValueError(f"unknown hash_algo {config.hash_algo!r}; expected one of {HASH_ALGOS}")
     if config.free_order not in FREE_ORDERS:
         raise ValueError(f"unknown free_order {config.free_order!r}; expected one of {FREE_ORDERS}")
+    if config.nonprefix_bound:  # its options, checked before any cell (an empty trace)
+        from prefixcache.sim.nonprefix import nonprefix_bound  # noqa: PLC0415
+
+        nonprefix_bound([], config.block_size,
+                        recompute_fraction=config.nonprefix_recompute_fraction,
+                        alignment=config.nonprefix_alignment)
     known = compare.policy_names()
-    policies = compare.parse_names(config.policies, known=known, what="eviction policy")
+    variants = _common.to_jsonable(config.get("policy_variants") or {})
+    policies = compare.parse_names(config.policies, known=known + tuple(variants),
+                                   what="eviction policy")
     # NOTE: the offline bound is drawn whenever it exists: belady joins the grid unless
     # belady_bound is off (before the policy seam is merged it is not registered yet).
     if config.belady_bound and BELADY in known and BELADY not in policies:
         policies += (BELADY,)
     grid = {
         "policies": policies,
+        "variants": compare.resolve_policy_variants(policies, variants,
+                                                    block_size=config.block_size),
         "indexes": compare.parse_names(config.indexes, known=compare.index_names(),
                                        what="index"),
     }
@@ -117,22 +144,27 @@ def resolve_grid(config) -> dict:
         grid["kv"] = {nb: (dt, bpb, budget) for dt, nb, bpb, budget in plan}
     else:
         grid["capacities"] = compare.parse_capacities(config.capacities)
-    for policy in grid["policies"]:
+    for label in grid["policies"]:
         for index in grid["indexes"]:
-            compare.check_replay_supports(policy, index, model=config.model or None)
+            compare.check_replay_supports(grid["variants"][label]["eviction"], index,
+                                          model=config.model or None)
     return grid
 
 
 def make_cells(config, grid: dict) -> list[dict]:
-    """The cells: every (index, policy, capacity), then the ideal (``num_blocks`` 0)."""
+    """The cells: every (index, policy label, capacity), then the ideal (``num_blocks``
+    0); each cell names its label's ``eviction`` and ``eviction_options``."""
     cfg = config.to_dict()
-    cells = [{"config": cfg, "policy": p, "index": i, "num_blocks": n}
+    variants = grid["variants"]
+    cells = [{"config": cfg, "policy": p, "eviction": variants[p]["eviction"],
+              "eviction_options": variants[p]["options"], "index": i, "num_blocks": n}
              for i in grid["indexes"] for p in grid["policies"] for n in grid["capacities"]]
     for cell in cells:
         if "kv" in grid:
             cell["kv"] = grid["kv"][cell["num_blocks"]]
     # The ideal: lru on the hash chain with nothing ever evicted (the policy cannot matter).
-    cells.append({"config": cfg, "policy": "lru", "index": "hash", "num_blocks": 0})
+    cells.append({"config": cfg, "policy": "lru", "eviction": "lru", "eviction_options": {},
+                  "index": "hash", "num_blocks": 0})
     if "kv" in grid:  # the ideal's bytes in the same dtype (it has no budget)
         dt, bpb, _ = next(iter(grid["kv"].values()))
         cells[-1]["kv"] = (dt, bpb, None)
@@ -143,8 +175,9 @@ def run_cell(cell: dict) -> dict:
     """One cell, in a worker: reads the trace from the config, replays, returns the row.
 
     Args:
-        cell: ``{"config": dict, "policy", "index", "num_blocks"}``; ``num_blocks == 0``
-            is the infinite-cache ideal (``compare.ideal_num_blocks`` of the trace).
+        cell: ``{"config": dict, "policy" (the label), "eviction", "eviction_options",
+            "index", "num_blocks"}``; ``num_blocks == 0`` is the infinite-cache ideal
+            (``compare.ideal_num_blocks`` of the trace).
     """
     import ml_collections  # noqa: PLC0415
 
@@ -163,17 +196,18 @@ def run_cell(cell: dict) -> dict:
     extra = {}
     if config.miss_reasons:
         extra["miss_reasons"] = True
-    if config.queue_depth and get_policy_class(cell["policy"]).needs_waiting:
+    eviction, options = cell["eviction"], cell["eviction_options"]
+    if config.queue_depth and get_policy_class(eviction).needs_waiting:
         extra["queue_depth"] = config.queue_depth  # (0: the replay's default, concurrency)
     summary = compare.replay_cell(
-        make_requests, policy=cell["policy"], index=cell["index"], num_blocks=num_blocks,
+        make_requests, policy=eviction, index=cell["index"], num_blocks=num_blocks,
         block_size=config.block_size, model=config.model or None, hash_algo=config.hash_algo,
         hash_seed=config.hash_seed or None, free_order=config.free_order,
-        concurrency=config.concurrency, **extra)
+        concurrency=config.concurrency, eviction_options=options, **extra)
     row = compare.cell_row(summary, policy=cell["policy"], index=cell["index"],
                            num_blocks=num_blocks, block_size=config.block_size,
                            concurrency=config.concurrency, model=config.model or None,
-                           record=record)
+                           record=record, eviction=eviction, eviction_options=options)
     if "queue_depth" in summary:
         row["queue_depth"] = summary["queue_depth"]
     if config.miss_reasons:  # why the missed prompt blocks missed (prefixcache.sim.misses)
@@ -181,6 +215,8 @@ def run_cell(cell: dict) -> dict:
         row["missed_blocks"] = misses["missed_blocks"]
         row["miss_reasons"] = misses["reasons"]
         row["evicted_blocks"] = misses["reasons"]["evicted"]  # eviction-induced prefills
+    if record == compare.IDEAL and config.nonprefix_bound:
+        row.update(nonprefix_fields(make_requests(), config))
     if record == compare.IDEAL and row["evictions"]:  # pragma: no cover - a bug
         raise AssertionError(f"the ideal cell evicted {row['evictions']} blocks "
                              f"at {num_blocks} blocks")
@@ -194,13 +230,30 @@ def run_cell(cell: dict) -> dict:
     return row
 
 
+def nonprefix_fields(requests, config) -> dict:
+    """The ideal row's non-prefix reuse bound (``prefixcache.sim.nonprefix``): what a
+    position-independent chunk cache (CacheBlend-style) could reuse beyond prefix
+    caching on this trace, at infinite capacity, one request at a time."""
+    from prefixcache.sim.nonprefix import nonprefix_bound  # noqa: PLC0415
+
+    b = nonprefix_bound(requests, config.block_size,
+                        recompute_fraction=config.nonprefix_recompute_fraction,
+                        alignment=config.nonprefix_alignment)
+    return {"nonprefix_hit_tokens": b["nonprefix_hit_tokens"],
+            "nonprefix_hit_rate_tokens": b["nonprefix_hit_rate_tokens"],
+            "nonprefix_blocks": b["nonprefix_blocks"],
+            "nonprefix_prefix_hit_tokens": b["prefix_hit_tokens"],
+            "nonprefix_recompute_fraction": b["recompute_fraction"],
+            "nonprefix_alignment": b["alignment"]}
+
+
 def add_belady_distance(rows: Sequence[dict]) -> None:
     """Adds ``belady_gap_tokens`` / ``belady_gap_rate`` (belady's hit tokens / token hit
     rate minus the row's, at the same index and capacity; negative: the row beat it)
     and, with miss reasons, ``belady_gap_evicted_blocks`` (the row's evicted-block
     prefills minus belady's) to every cell row, when belady is in the grid."""
     bound = {(r["index"], r["num_blocks"]): r for r in rows
-             if r["record"] == "cell" and r["policy"] == BELADY}
+             if r["record"] == "cell" and r.get("eviction", r["policy"]) == BELADY}
     for r in rows:
         b = bound.get((r["index"], r["num_blocks"])) if r["record"] == "cell" else None
         if b is None:
@@ -244,7 +297,10 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
     cells = [r for r in rows if r["record"] == "cell"]
     from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
 
-    def offline(policy):  # a bound that needs the future (belady), drawn as a bound
+    evictions = {r["policy"]: r.get("eviction", r["policy"]) for r in cells}
+
+    def offline(label):  # a bound that needs the future (belady), drawn as a bound
+        policy = evictions.get(label, label)
         return policy in POLICIES and get_policy_class(policy).needs_future
 
     indexes = list(dict.fromkeys(r["index"] for r in cells))
@@ -270,6 +326,10 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
         for r in ideal:
             ax.axhline(r["hit_rate_tokens"], color="gray", linestyle="-.",
                        label=f"infinite cache ({r['hit_rate_tokens']:.3f})")
+            if r.get("nonprefix_hit_rate_tokens") is not None:
+                ax.axhline(r["nonprefix_hit_rate_tokens"], color="tab:purple", linestyle=":",
+                           linewidth=1.6, label=f"non-prefix bound "
+                           f"({r['nonprefix_hit_rate_tokens']:.3f})")
         ax.set_xscale("log")
         # Ticks at the capacities run, as plain numbers (no minor labels to collide).
         caps = sorted({r["num_blocks"] for r in cells})
@@ -314,6 +374,11 @@ def run(config, *, progress: bool = False) -> dict:
     if config.miss_reasons:
         print(format_table(rows, field="evicted_blocks"), flush=True)
     ideal = next(r for r in rows if r["record"] == "ideal")
+    if ideal.get("nonprefix_hit_rate_tokens") is not None:
+        print(f"non-prefix bound (chunk reuse, recompute fraction "
+              f"{ideal['nonprefix_recompute_fraction']}, {ideal['nonprefix_alignment']} "
+              f"alignment): token hit rate {ideal['nonprefix_hit_rate_tokens']:.4f} vs the "
+              f"prefix ideal {ideal['hit_rate_tokens']:.4f}", flush=True)
     return {"rows": str(rows_path), "png": str(png_path), "cells": len(rows) - 1,
             "ideal_hit_rate_tokens": ideal["hit_rate_tokens"],
             "cells_s": sum(r["cell_s"] for r in rows)}

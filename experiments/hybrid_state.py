@@ -50,8 +50,11 @@ def _split(text: str, sep: str = ",") -> list[str]:
 
 def cells(config) -> list[dict]:
     """The grid, validated (``ValueError`` naming the bad field)."""
-    from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
     from prefixcache.core.kv_groups import parse_kv_groups  # noqa: PLC0415
+    from prefixcache.sim.compare import (  # noqa: PLC0415
+        check_policy_options,
+        resolve_policy_variants,
+    )
     from prefixcache.sim.workloads import WORKLOADS  # noqa: PLC0415
 
     workloads = _split(config.workloads)
@@ -61,35 +64,17 @@ def cells(config) -> list[dict]:
     layouts = [layout.replace(";", ",") for layout in _split(config.layouts, "|")]
     for layout in layouts:
         parse_kv_groups(layout)  # bad entry -> ValueError
-    from prefixcache.core.eviction import make_policy  # noqa: PLC0415
-
     policies = _split(config.policies)
-    variants = _common.to_jsonable(config.get("policy_variants") or {})
+    variants = resolve_policy_variants(
+        policies, _common.to_jsonable(config.get("policy_variants") or {}),
+        block_size=config.block_size, extra_keys=("tune",), offline=False)
     runs = {}  # label -> (policy name, options, tune entry or None)
-    for p in policies:
-        if p in variants:
-            v = variants[p]
-            if not isinstance(v, dict) or set(v) - {"eviction", "options", "tune"} \
-                    or "eviction" not in v:
-                raise ValueError(f"policy_variants[{p!r}] must be {{'eviction': name, "
-                                 f"'options': {{...}}[, 'tune': {{'option': name, "
-                                 f"'grid': [values]}}]}}, got {v!r}")
-            name, options = v["eviction"], dict(v.get("options") or {})
-            tune = _check_tune(p, v.get("tune"))
-        else:
-            name, options, tune = p, {}, None
-        cls = get_policy_class(name)  # unknown -> ValueError
-        if cls.needs_future:
-            raise ValueError(f"policy {p!r} needs the trace's future: not in this study")
-        # (the policy's own checks, before any cell runs: every tuned value too)
-        kw = {"block_size": config.block_size} if cls.needs_block_size else {}
-        for opts in ([{**options, tune["option"]: x} for x in tune["grid"]] if tune
-                     else [options] if options else []):
-            try:
-                make_policy(name, num_blocks=2, **kw, **opts)
-            except TypeError as e:
-                raise ValueError(f"policy_variants[{p!r}]: {e}") from None
-        runs[p] = (name, options, tune)
+    for p, v in variants.items():
+        tune = _check_tune(p, v.get("tune"))
+        for x in tune["grid"] if tune else ():  # (every tuned value, before any cell runs)
+            check_policy_options(p, v["eviction"], {**v["options"], tune["option"]: x},
+                                 block_size=config.block_size)
+        runs[p] = (v["eviction"], v["options"], tune)
     fraction = config.get("tune_fraction", 0.25)
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
             or not 0 < fraction < 1:

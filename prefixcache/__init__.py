@@ -23,7 +23,7 @@ has the contracts between them)::
 
 Rules: ``core``, ``sim``, ``metadata``, ``cost_model`` and ``text`` never import jax;
 no module-level mutable state (registries are read-only ``MappingProxyType``s, seeds are
-passed in); a plug-in is one file plus one registration (README "Extending").
+passed in); a plug-in is one file plus one registration (docs/extending.md).
 """
 
 from prefixcache.core import (

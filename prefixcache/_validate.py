@@ -18,6 +18,8 @@ the same message and BEFORE it changes any state:
 * ``check_positive_int(name, value, optional=False)``: a size (``num_blocks``,
   ``block_size``, a model dimension, ``max_tokens``): the same int rule, >= 1.
 * ``check_int(name, value)``: an int of any sign (a priority).
+* ``check_bool(name, value)``: an on/off option: ``True``/``False`` (numpy bools
+  accepted); ``"no"``, ``0``, ``None`` refused (``"no"`` would be truthy).
 * ``check_path(name, value)``: a file or directory: ``str`` or ``os.PathLike``
   (``pathlib.Path``), returned as ``str``.
 * ``check_request`` / ``check_arrival`` / ``held_state`` / ``check_release_inputs``:
@@ -47,6 +49,7 @@ __all__ = [
     "ArgumentTypeError",
     "available_host_memory",
     "check_arrival",
+    "check_bool",
     "check_count",
     "check_hash_seed",
     "check_host_memory",
@@ -209,6 +212,17 @@ def check_int(name: str, value: Any) -> int:
     if t is bool or isinstance(value, np.bool_) or not isinstance(value, (int, _NP_INT)):
         raise ArgumentTypeError(f"{name} must be an int, got {value!r} of type {t.__name__}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a ``bool`` (Python or numpy bool), or an ``ArgumentTypeError``
+    naming ``name``: an on/off option never takes ``"no"`` (truthy), ``0`` or None."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise ArgumentTypeError(
+        f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
 
 
 def check_path(name: str, value: Any) -> str:

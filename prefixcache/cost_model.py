@@ -31,7 +31,7 @@ the cached KV must be read: TTFT never drops to zero, and for long prefixes
 the attention term dominates what remains. This is what the seeds warn about:
 saved compute does not translate one-to-one into lower TTFT.
 
-Host memory tier (issue 16): a block found in host memory must be copied to the
+Host memory tier: a block found in host memory must be copied to the
 device before the step that uses it. ``HostLink`` is that copy path (host DRAM ->
 device memory over PCIe / the host DMA engine): an *effective* bandwidth (a
 published peak times a stated efficiency) and a fixed latency per transfer;

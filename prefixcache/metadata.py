@@ -2,7 +2,7 @@
 
 The scheduler hands over, per scheduled sequence, its block table, how many tokens of KV it
 already holds and the token ids scheduled now (`ScheduledSeq`). `MetadataBuilder.build` turns
-a list of them into the int32 arrays of the index-array contract (the project's design brief):
+a list of them into the int32 arrays of the index-array contract (docs/DESIGN.md):
 
     page_indices  i32[S, P]   block table, row per sequence (rows in *sorted* order, below)
     kv_lens       i32[S]      tokens of KV each sequence attends to after this step
@@ -236,6 +236,22 @@ class ScheduledSeq(NamedTuple):
     token_ids: Sequence[int]
 
 
+_SEQ_ONLY = {ScheduledSeq}
+
+
+def _check_seq_items(seqs) -> None:
+    """ArgumentTypeError naming ``seqs[i]`` when it is not a ScheduledSeq (or a plain
+    3-tuple ``(block_ids, num_computed_tokens, token_ids)``): a dict, an int, ..."""
+    for i, seq in enumerate(seqs):
+        if isinstance(seq, tuple) and len(seq) == 3:
+            continue
+        hint = (" (build it with ScheduledSeq(**that_dict))"
+                if isinstance(seq, collections.abc.Mapping) else "")
+        raise ArgumentTypeError(
+            f"seqs[{i}] must be a ScheduledSeq(block_ids, num_computed_tokens, token_ids), "
+            f"got {type(seq).__name__}{hint}")
+
+
 class AttentionMetadata(NamedTuple):
     """The int32 index arrays of one step (a NamedTuple, hence a jax pytree).
 
@@ -413,6 +429,115 @@ class MetadataBuilder:
         self._seq_arr = np.asarray(self.seq_buckets)
         self._page_arr = np.asarray(self.page_buckets)
 
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_manager(cls, manager, *, max_num_seqs: int, max_num_tokens: int,
+                     max_pages_per_seq: int | None = None,
+                     token_buckets: Sequence[int] | None = None,
+                     seq_buckets: Sequence[int] | None = None,
+                     page_buckets: Sequence[int] | None = None) -> MetadataBuilder:
+        """A builder for a KV cache manager's pool: ``block_size`` and ``num_blocks`` are
+        the manager's (so the KV arrays, the block tables and the index arrays agree).
+
+        Args:
+          manager: a ``prefixcache.core.KVCacheManager`` (any object with int
+            ``num_blocks`` and ``block_size``; ``max_model_len`` read when present).
+          max_num_seqs, max_num_tokens: the step's maxima (the largest S and T).
+          max_pages_per_seq: the largest P; default ``ceil(max_model_len / block_size)``
+            when the manager has a ``max_model_len``, else ``num_blocks`` (a sequence
+            cannot hold more blocks than the pool).
+          token_buckets, seq_buckets, page_buckets: as the constructor.
+
+        Raises:
+          TypeError: ``manager`` has no int ``num_blocks`` / ``block_size`` (an
+            ``ArgumentTypeError``, also a ValueError).
+        """
+        for name in ("num_blocks", "block_size"):
+            if not hasattr(manager, name):
+                raise ArgumentTypeError(
+                    f"manager must be a KV cache manager (with num_blocks and block_size), "
+                    f"got {type(manager).__name__}")
+        return cls._for_pool(manager.num_blocks, manager.block_size,
+                             getattr(manager, "max_model_len", None), max_num_seqs=max_num_seqs,
+                             max_num_tokens=max_num_tokens, max_pages_per_seq=max_pages_per_seq,
+                             token_buckets=token_buckets, seq_buckets=seq_buckets,
+                             page_buckets=page_buckets)
+
+    @classmethod
+    def from_cache_config(cls, cache_config, *, max_num_seqs: int, max_num_tokens: int,
+                          max_pages_per_seq: int | None = None,
+                          token_buckets: Sequence[int] | None = None,
+                          seq_buckets: Sequence[int] | None = None,
+                          page_buckets: Sequence[int] | None = None) -> MetadataBuilder:
+        """A builder for a ``prefixcache.CacheConfig``'s pool (``num_blocks``,
+        ``block_size``, ``max_model_len``), as `from_manager` for the manager
+        ``KVCacheManager(**cache_config.manager_kwargs())`` builds.
+
+        Raises:
+          TypeError: ``cache_config`` is not a CacheConfig (an ``ArgumentTypeError``).
+          ValueError: its pool is given in bytes only (resolve it with
+            ``cache_config.with_pool_blocks(bytes_per_block)`` first).
+        """
+        from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
+
+        if not isinstance(cache_config, CacheConfig):
+            raise ArgumentTypeError(
+                f"cache_config must be a prefixcache.CacheConfig, got "
+                f"{type(cache_config).__name__}")
+        if cache_config.num_blocks is None:
+            raise ValueError(
+                "cache_config.num_blocks is not set (the pool is given as kv_cache_bytes="
+                f"{cache_config.kv_cache_bytes!r}); resolve it with "
+                "cache_config.with_pool_blocks(bytes_per_block) first")
+        return cls._for_pool(cache_config.num_blocks, cache_config.block_size,
+                             cache_config.max_model_len, max_num_seqs=max_num_seqs,
+                             max_num_tokens=max_num_tokens, max_pages_per_seq=max_pages_per_seq,
+                             token_buckets=token_buckets, seq_buckets=seq_buckets,
+                             page_buckets=page_buckets)
+
+    @classmethod
+    def _for_pool(cls, num_blocks, block_size, max_model_len, *, max_pages_per_seq,
+                  **kwargs) -> MetadataBuilder:
+        num_blocks = check_count("num_blocks", num_blocks, min=1)
+        block_size = check_count("block_size", block_size, min=1)
+        if max_pages_per_seq is None:
+            max_pages_per_seq = (num_blocks if max_model_len is None
+                                 else -(-check_count("max_model_len", max_model_len, min=1)
+                                        // block_size))
+        return cls(block_size=block_size, num_blocks=num_blocks,
+                   max_pages_per_seq=max_pages_per_seq, **kwargs)
+
+    def kv_pages_shape(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+        """The shape of one layer's KV array for this pool: ``(num_pages, block_size,
+        2 * num_kv_heads, head_dim)`` with ``num_pages = num_blocks + 1`` (the padding
+        page included), K of kv head h at slot 2h and V at 2h+1."""
+        num_kv_heads = check_count("num_kv_heads", num_kv_heads, min=1)
+        head_dim = check_count("head_dim", head_dim, min=1)
+        return (self.num_pages, self.block_size, 2 * num_kv_heads, head_dim)
+
+    def check_kv_pages(self, kv_pages, name: str = "kv_pages") -> None:
+        """Raises ValueError unless ``kv_pages`` (any array with a ``.shape``) is a KV
+        array of this pool: ``num_blocks + 1`` pages of ``block_size`` slots.
+
+        Raises:
+          TypeError: not an array (an ``ArgumentTypeError``).
+          ValueError: a rank other than 4, no padding page, another page size.
+        """
+        shape = getattr(kv_pages, "shape", None)
+        if shape is None:
+            raise ArgumentTypeError(f"{name} must be an array, got {type(kv_pages).__name__}")
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be [num_pages, block_size, 2*num_kv_heads, "
+                             f"head_dim], got shape {tuple(shape)}")
+        if shape[0] != self.num_pages:
+            raise ValueError(
+                f"{name} has {shape[0]} pages but needs num_blocks + 1 = {self.num_pages}: "
+                f"blocks 0..{self.num_blocks - 1} and the padding page {self.num_blocks} "
+                "that padding page indices and slots point at")
+        if shape[1] != self.block_size:
+            raise ValueError(f"{name} has pages of {shape[1]} slots, the pool's block_size "
+                             f"is {self.block_size}")
+
     # ------------------------------------------------------------------ shapes
     @property
     def padding_page(self) -> int:
@@ -495,6 +620,8 @@ class MetadataBuilder:
             raise ValueError("build() needs at least one scheduled sequence")
         if n > self.max_num_seqs:
             raise ValueError(f"{n} sequences scheduled, more than max_num_seqs={self.max_num_seqs}")
+        if set(map(type, seqs)) != _SEQ_ONLY:
+            _check_seq_items(seqs)
         bs = self.block_size
 
         # Per-sequence scalars: C-level iteration (map/itemgetter over the NamedTuples);

@@ -486,6 +486,24 @@ class Tokenizer:
                                       skip_special_tokens=skip_special_tokens, stop=stop,
                                       include_stop_str_in_output=include_stop_str_in_output)
 
+    @classmethod
+    def tiny(cls) -> "Tokenizer":
+        """The tokenizer of the `tiny` model preset (`ModelConfig.tiny()`), built in code.
+
+        A byte-level BPE over exactly the tiny model's 512 ids (256 bytes, 253 merges
+        learned deterministically from a built-in text, `<|endoftext|>`, `<|im_start|>`,
+        `<|im_end|>`) with a ChatML chat template; see `prefixcache._tiny_tokenizer`.
+        It declares no eos: the tiny model's weights are random and end no turn, so
+        generation ends at `max_tokens` or a stop string, and token-id requests run as
+        they do without a tokenizer.
+        """
+        from prefixcache._tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_backend
+
+        return cls(build_backend(), chat_template=CHAT_TEMPLATE,
+                   special_tokens={"unk_token": SPECIAL_TOKENS[0],
+                                   "pad_token": SPECIAL_TOKENS[0]},
+                   name_or_path="tiny")
+
 
 @functools.lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[str, int]:

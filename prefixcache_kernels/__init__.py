@@ -9,7 +9,7 @@ KV page writer), `quant` (fp8 / int8 pages and their scales).
 Public API:
 - `paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
   sliding_window=None, soft_cap=None, backend="auto", interpret=False, block_sizes=None,
-  kv_scales=None, backends=KERNEL_BACKENDS)`: kv_pages float32 / bfloat16, or
+  kv_scales=None, num_blocks=None, backends=KERNEL_BACKENDS)`: kv_pages float32 / bfloat16, or
   float8_e4m3fn / int8 with `kv_scales f32[num_pages, 2*num_kv_heads]` (per-(page, kv
   head) K and V scales, `kernels.quant`), dequantized in-kernel by every backend.
   `backend`: "auto", a registered name or a `KernelBackend` record.
@@ -19,9 +19,18 @@ Public API:
   registry=KERNEL_BACKENDS) -> new registry`, `get_backend` / `resolve_backend(backend,
   interpret, platform, backends)`.
 - `ragged_paged_attention_reference(...)`: the same minus backend/interpret.
-- `write_kv(kv_pages, k, v, slot_mapping, kv_scales=None) -> kv_pages` (slots outside
-  `[0, num_pages * page_size)`, negative ones included, are dropped); quantized pages:
-  `-> (kv_pages, kv_scales)`, quantizing (and requantizing a page whose scale rises).
+- `write_kv(kv_pages, k, v, slot_mapping, kv_scales=None, *, num_blocks=None) ->
+  kv_pages` (slots outside `[0, num_pages * page_size)`, negative ones included, are
+  dropped); quantized pages: `-> (kv_pages, kv_scales)`, quantizing (and requantizing a
+  page whose scale rises).
+- `write_kv_and_attend(q, k, v, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens,
+  num_seqs, *, sm_scale, num_blocks=None, ...) -> (out, kv_pages)`: one layer's paged
+  step, the shape of jax's ragged paged attention v3 (writes this step's K/V, then
+  attends); `num_blocks` checks the padding page (`num_pages == num_blocks + 1`).
+- Limits: the reference takes any head_dim and page size >= 1; the Pallas kernels need
+  head_dim 64/128/256 and page sizes 8..128 (powers of two on GPU): the table in
+  `check_backend_config`'s docstring. An argument that is not an array (`num_seqs=1`)
+  raises `common.ArgumentTypeError` (a TypeError and a ValueError).
 - `check_backend_config(backend, *, interpret, page_size, head_dim, num_q_heads,
   num_kv_heads, q_dtype, kv_dtype, platform=None, compute_capability=None,
   backends=KERNEL_BACKENDS)`: the static checks of a call, before any array (the shared
@@ -39,6 +48,7 @@ from prefixcache_kernels.api import (
     paged_attention,
     register_backend,
     resolve_backend,
+    write_kv_and_attend,
 )
 from prefixcache_kernels.pallas_gpu import GPUBlockSizes, ragged_paged_attention_gpu
 from prefixcache_kernels.pallas_tpu import TPUBlockSizes, ragged_paged_attention_tpu
@@ -51,4 +61,5 @@ __all__ = [
     "check_backend_config", "TPUBlockSizes", "get_backend", "paged_attention",
     "ragged_paged_attention_gpu", "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu", "register_backend", "resolve_backend", "write_kv",
+    "write_kv_and_attend",
 ]

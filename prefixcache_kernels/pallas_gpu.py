@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from prefixcache_kernels.common import MASK_VALUE, validate_inputs
+from prefixcache_kernels.common import MASK_VALUE, pallas_limits, validate_inputs
 from prefixcache_kernels.quant import dequantize
 
 _INFO_COLS = 4  # per item: kv_len, position of row 0, valid rows, unused
@@ -181,7 +181,8 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
 
   Args:
     q: [num_tokens, num_q_heads, head_dim], f32 or bf16.
-    kv_pages: [num_pages, page_size, 2*num_kv_heads, head_dim]; page_size a power of 2.
+    kv_pages: [num_pages, page_size, 2*num_kv_heads, head_dim]; head_dim in (64, 128,
+      256), page_size a power of two in [8, 128] (`common.pallas_limits`).
     kv_lens: i32[max_num_seqs].
     page_indices: i32[max_num_seqs, pages_per_seq].
     cu_q_lens: i32[max_num_seqs + 1].
@@ -203,8 +204,9 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     raise ValueError(f"block_sizes must be a GPUBlockSizes, got {block_sizes!r}")
   num_tokens, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_combined, _ = kv_pages.shape
-  if page_size & (page_size - 1):
-    raise ValueError(f"pallas_gpu needs a power-of-two page_size, got {page_size}")
+  reason = pallas_limits("gpu", page_size=page_size, head_dim=head_dim)
+  if reason is not None:
+    raise ValueError(reason)
   num_kv_heads = num_combined // 2
   group = num_q_heads // num_kv_heads
   max_num_seqs, pages_per_seq = page_indices.shape

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from prefixcache_kernels.common import MASK_VALUE, validate_inputs
+from prefixcache_kernels.common import MASK_VALUE, pallas_limits, validate_inputs
 from prefixcache_kernels.quant import dequantize
 
 _LANES = 128  # m/l scratch is lane-replicated: Mosaic has no unaligned lane slicing
@@ -252,7 +252,8 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
 
   Args:
     q: [num_tokens, num_q_heads, head_dim], f32 or bf16.
-    kv_pages: [num_pages, page_size, 2*num_kv_heads, head_dim].
+    kv_pages: [num_pages, page_size, 2*num_kv_heads, head_dim]; head_dim in (64, 128,
+      256), page_size in [8, 128] (`common.pallas_limits`).
     kv_lens: i32[max_num_seqs].
     page_indices: i32[max_num_seqs, pages_per_seq].
     cu_q_lens: i32[max_num_seqs + 1].
@@ -275,6 +276,9 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     raise ValueError(f"block_sizes must be a TPUBlockSizes, got {block_sizes!r}")
   num_tokens, num_q_heads, head_dim = q.shape
   _, page_size, num_combined, _ = kv_pages.shape
+  reason = pallas_limits("tpu", page_size=page_size, head_dim=head_dim)
+  if reason is not None:
+    raise ValueError(reason)
   num_kv_heads = num_combined // 2
   group = num_q_heads // num_kv_heads
   _, pages_per_seq = page_indices.shape

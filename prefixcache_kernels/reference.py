@@ -1,7 +1,7 @@
 """Plain-jnp ragged paged attention: the oracle the Pallas kernels are checked against,
 and the CPU path of `kernels.paged_attention`.
 
-Semantics (DESIGN.md, "The index-array contract"): query row i of sequence s sits at
+Semantics (docs/DESIGN.md, "The index-array contract"): query row i of sequence s sits at
 absolute position `kv_lens[s] - q_len[s] + i` and attends causally to the first
 `kv_lens[s]` tokens of its block table (within `sliding_window` tokens, itself
 included, when set). Logits are `sm_scale * q.k`, soft-capped as

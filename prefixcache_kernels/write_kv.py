@@ -4,10 +4,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from prefixcache_kernels.common import check_arrays, check_padding_page
 from prefixcache_kernels.quant import check_kv_scales, page_scale, quantize
 
 
-def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
+def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None, *, num_blocks=None):
   """Writes each token's K/V into its slot `page * page_size + offset`.
 
   Pure functional update (`.at[].set`): jit the caller with `donate_argnums` on
@@ -39,13 +40,18 @@ def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
       whose first slot (offset 0) is written starts over: its old scale is dropped,
       since the allocator only writes offset 0 of a page that holds a new block.
 
+    num_blocks: static int or None; when given, `kv_pages` must have `num_blocks + 1`
+      pages (the allocatable blocks and the padding page; `MetadataBuilder.num_pages`).
+
   Returns:
     The updated kv_pages, same shape and dtype; with kv_scales, the pair
     (kv_pages, kv_scales).
 
   Raises:
-    ValueError: on shape or dtype mismatch.
+    ArgumentTypeError: (a TypeError and a ValueError) an argument that is not an array.
+    ValueError: on shape or dtype mismatch, or a missing padding page.
   """
+  check_arrays(kv_pages=kv_pages, k=k, v=v, slot_mapping=slot_mapping)
   if kv_pages.ndim != 4:
     raise ValueError(
         "kv_pages must be [num_pages, page_size, 2*num_kv_heads, head_dim], got shape "
@@ -53,6 +59,7 @@ def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None):
   num_pages, page_size, num_combined, head_dim = kv_pages.shape
   if num_combined % 2:
     raise ValueError(f"kv_pages.shape[2] = {num_combined} must be 2*num_kv_heads")
+  check_padding_page(kv_pages, num_blocks)
   num_kv_heads = num_combined // 2
   if k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
     raise ValueError(

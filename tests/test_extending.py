@@ -1,4 +1,5 @@
-"""The README's "Extending" recipes, each followed with a toy plug-in defined here.
+"""The "Extending" recipes (docs/extending.md, summed up in the README), each followed
+with a toy plug-in defined here.
 
 Every registry is read-only (a ``MappingProxyType``) and no test edits one: a toy is
 registered the way a user's own package registers it without editing ours -- its class
@@ -408,3 +409,79 @@ def test_cache_config_field_recipe():
 
     names = {f.name for f in dataclasses.fields(CacheConfig)}
     assert {"eviction", "index", "num_host_blocks", "kv_cache_groups"} <= names
+
+
+# ------------------------------------------------------------ time-varying policy
+def _stale_first():
+    import math
+
+    from prefixcache.core.eviction.base import TimedPolicy
+
+    class StaleFirst(TimedPolicy):
+        """Blocks cached more than ``max_age`` ago go first (an insertion TTL: hits do
+        not refresh it), LRU among each class: one method, ``priority(block, now)``."""
+
+        name = "stale_first"
+
+        def __init__(self, num_blocks, *, max_age=2, unit="steps"):
+            super().__init__(num_blocks, unit=unit)
+            self.max_age = max_age
+            self.born = [0.0] * num_blocks
+
+        def on_cached(self, block, block_hash, request, position):
+            super().on_cached(block, block_hash, request, position)
+            self.born[block.block_id] = self.now
+
+        def priority(self, block, now):
+            bid = block.block_id
+            stale_at = self.born[bid] + self.max_age
+            if now > stale_at:  # stale: stays so (until it is cached again)
+                return (0, self.released_at[bid]), math.inf
+            return (1, self.released_at[bid]), stale_at
+
+    return StaleFirst
+
+
+def test_time_varying_policy_recipe():
+    from prefixcache import cost_model as cm
+    from prefixcache.core import KVCacheManager, Request
+    from prefixcache.engine.sampling_params import SamplingParams
+    from prefixcache.engine.scheduler import EngineRequest, Scheduler
+    from prefixcache.sim.des import simulate
+    from prefixcache.sim.replay import replay
+
+    StaleFirst = _stale_first()
+    # A hot prefix A (2 blocks) alternating with unique prompts: LRU keeps A; the toy
+    # evicts it once it was cached more than 2 requests ago (the replay's clock: the
+    # request index), so the later A requests lose their hits.
+    trace = []
+    for i in range(4):
+        trace.append(TraceRequest(id=f"a{i}", prompt=[7] * 8 + [i + 1], output_len=1))
+        trace.append(TraceRequest(id=f"u{i}", prompt=[10 + i] * 8 + [1], output_len=1))
+    hits = {}
+    for ev in ("lru", StaleFirst):
+        got = hits[ev if isinstance(ev, str) else ev.name] = {}
+        replay(trace, cache_config=CacheConfig(num_blocks=6, block_size=4, eviction=ev,
+                                               free_order="unhashed_first"),
+               on_record=lambda r, got=got: got.__setitem__(r["id"], r["num_computed_tokens"]))
+    assert [hits["lru"][f"a{i}"] for i in range(4)] == [0, 8, 8, 8]
+    assert [hits["stale_first"][f"a{i}"] for i in range(4)] == [0, 8, 4, 0]
+    # The DES and the engine's scheduler tell it their clocks (steps here).
+    toy = cm.ModelShape(num_layers=1, d_model=4, num_q_heads=2, num_kv_heads=1, head_dim=2,
+                        ffn_dim=8, vocab_size=10, dtype_bytes=2)
+    s = simulate([TraceRequest(r.id, r.prompt, r.output_len, timestamp=float(i))
+                  for i, r in enumerate(trace)],
+                 cost_model=cm.CostModel(toy, cm.Accelerator("toy", peak_flops=1000.0,
+                                                             hbm_bandwidth=1e30,
+                                                             hbm_bytes=1e6)),
+                 cache_config=CacheConfig(num_blocks=6, block_size=4, eviction=StaleFirst))
+    assert s["finished"] == len(trace)
+    m = KVCacheManager(6, 4, eviction=StaleFirst)
+    sched = Scheduler(m, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)
+    sched.add_request(EngineRequest(Request("e", [1, 2, 3, 4, 5]),
+                                    SamplingParams(max_tokens=3), seed=0))
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, {r.request_id: 9 for r in out.scheduled
+                                       if r.completes_sequence})
+    assert m.policy.now == 2  # told before each step: steps 0, 1, 2

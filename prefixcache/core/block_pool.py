@@ -1,14 +1,14 @@
 """Block pool: preallocated KV cache blocks, the LRU free queue and the hash map.
 
-The seed design (``DESIGN.md``, vLLM's ``vllm/v1/core/block_pool.py`` and
-``kv_cache_utils.py``): every ``KVCacheBlock`` is created once, up front; free blocks
+The design of vLLM's ``vllm/v1/core/block_pool.py`` and
+``kv_cache_utils.py``: every ``KVCacheBlock`` is created once, up front; free blocks
 sit in an intrusive doubly linked list threaded through the blocks themselves (O(1)
 removal from the middle when a cached block is hit); full blocks are findable by their
 chained hash; a block table is append-only, so two blocks may hold the same content
 under the same hash.
 
 Unlike vLLM there is no reserved null block: ids ``0 .. num_blocks - 1`` are all
-allocatable (the device keeps a separate padding page, see DESIGN.md).
+allocatable (the device keeps a separate padding page, see docs/DESIGN.md).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def event_extra_keys(request, start: int, end: int) -> tuple[Any, ...] | None:
     if lora is not None:
         keys.append(lora.name)
     for feat in request.mm_features:
-        # NOTE: overlap rule of the hash (DESIGN.md): offset < end and
+        # NOTE: overlap rule of the block hash (core/hashing.py): offset < end and
         # offset + length > start; features are kept sorted by offset.
         if feat.offset < end and feat.offset + feat.length > start:
             keys.append((feat.identifier, feat.offset - start))

@@ -41,16 +41,16 @@ _MAX_FAST_PICKLE_FRAME = 64 * 1024 - 64
 # its per-block savings: serialize those blocks one by one. NOTE: measured inside the
 # replay, not in isolation: in isolation CBOR's crossover is ~16 blocks, but inside the
 # replay loop the numpy path (its tables and machinery) also evicts the manager's data
-# from the caches; interleaved A/B in one process (session 2) put shared_system_prompt
+# from the caches; interleaved A/B in one process put shared_system_prompt
 # 6-20% and multi_turn 0-10% faster with 64 than with 16, few_shot within noise.
 _MIN_VECTOR_BLOCKS_CBOR = 64
 _MIN_VECTOR_BLOCKS_PICKLE = 64
 # Up to this many blocks whose ids are all < 65536, CBOR's per-block writer (token
-# arrays cut from one byte stream, session 3) beats the vectorised one: measured in
+# arrays cut from one byte stream) beats the vectorised one: measured in
 # isolation 1.3-1.9 vs 1.5-3.1 us per block at 64-256 blocks (vocab 32000); with ids
 # >= 65536 (a 128K vocab) the per-block writer falls back to cbor2 per block and the
 # vectorised one wins from 64 blocks (3.2-4.5 vs 6.4-8.5 us).
-# NOTE (session 6): with the stream built by numpy from _NUMPY_STREAM_MIN_IDS ids on,
+# NOTE: with the stream built by numpy from _NUMPY_STREAM_MIN_IDS ids on,
 # the per-block writer also wins past 256 blocks (960 cold 16-token blocks of a
 # Mooncake prompt: ~0.45 vs ~0.8 relative time): no upper bound any more.
 _MAX_STREAM_BLOCKS_CBOR = 1 << 62
@@ -63,7 +63,7 @@ _UNSPLICEABLE = object()  # plan-cache marker: extra keys only pickle.dumps can 
 _MEMO_SIZE = 1 << 15
 # Blocks per group entry of the memo (one lookup per run of this many known blocks):
 # _MEMO_GROUP, but runs of at most _MEMO_GROUP_TOKENS tokens (8 blocks up to block size
-# 16, 2 at 64). NOTE: none from 128 tokens per block on (session 6): a block lookup is
+# 16, 2 at 64). NOTE: none from 128 tokens per block on: a block lookup is
 # then amortised over as many tokens as a group's, and a group key only hashed the
 # same token bytes again (siphash of 32 KiB per lookup and per insert at block size
 # 512: ~4 ns per token).
@@ -130,11 +130,11 @@ _CBOR_SMALL_ITEM = tuple(bytes([v]) if v < 24 else bytes([0x18, v]) for v in ran
 _PICKLE_SMALL_ITEM = tuple(b"K" + bytes([v]) for v in range(256))
 # From this many tokens per block on, pickle keys are written by `_pickle_chain` (token
 # items cut from one byte stream, as CBOR's) instead of unpacking the ids to ints for
-# pickle.dumps per block or the vectorised writer (session 6, block size 512: 14 vs 21
+# pickle.dumps per block or the vectorised writer (measured at block size 512: 14 vs 21
 # (per block) and 33 (vectorised) ns per token, sha256 included).
 _MIN_STREAM_BS_PICKLE = 64
 # ... and at any block size >= 4 from this many new blocks on, instead of the vectorised
-# writer (session 6: 960 cold 16-token blocks, ids < 65536: ~0.65x its time).
+# writer (measured: 960 cold 16-token blocks, ids < 65536: ~0.65x its time).
 _MIN_STREAM_BLOCKS_PICKLE = 64
 _ONE_TO.flags.writeable = False
 _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
@@ -142,7 +142,7 @@ _PICKLE_TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}  # TUPLE1..TUPLE3
 
 # From this many ids on, the per-block writers build their byte streams with numpy (a
 # dozen calls of fixed cost, then ~1-2 instructions per id) instead of strided bytes
-# slicing (~9 instructions per byte written, five strided passes). NOTE (session 6):
+# slicing (~9 instructions per byte written, five strided passes). NOTE:
 # strided slicing was 27 instructions per token of a 512-token-block replay.
 _NUMPY_STREAM_MIN_IDS = 1024
 

@@ -1,6 +1,6 @@
 """The host-memory tier: cached blocks the device evicted, kept in host slots.
 
-``KVCacheManager(..., num_host_blocks=N)`` (issue 16 item 1; the contract is in the
+``KVCacheManager(..., num_host_blocks=N)`` (the contract is in the
 manager's docstring) adds a second, exclusive tier under the device's prefix cache:
 
 * **Demotion** -- when the device pool evicts a cached block to reuse it (vLLM's

@@ -729,7 +729,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         # Fast path: a decode step that needs nothing (most of them). Anything
         # else -- odd types, hits, lookahead -- takes the checked path below.
         # NOTE: ``is_idle_step`` inlined: its frame per decode step was 2.4% of the
-        # hybrid replay's instructions (cachegrind, session 10).
+        # hybrid replay's instructions (cachegrind).
         if st is not None:
             nc = request.num_computed_tokens
             if (type(nc) is int and type(num_new_tokens) is int and 0 <= nc <= st.idle_nc
@@ -840,7 +840,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
 
         NOTE: a method, not a generator in ``allocate_slots``: a generator's free
         variables are cells made on every call of the enclosing function (the decode
-        fast path's too; 2.1% of the hybrid replay's instructions, session 10)."""
+        fast path's too; 2.1% of the hybrid replay's instructions)."""
         n = 0
         for k in self._kinds:
             n += k.blocks_to_allocate(st, hits[k.group_id] if hits is not None else None,

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from itertools import islice
 from typing import Any, Sequence
 
-from prefixcache._validate import (ArgumentTypeError, check_arrival, check_count,
+from prefixcache._validate import (ArgumentTypeError, check_arrival, check_bool, check_count,
                                    check_positive_int, check_release_inputs, held_state)
 from prefixcache.core.block_pool import (
     FREE_ORDERS,
@@ -245,10 +245,10 @@ def _store_settings(manager, num_blocks, block_size, enable_caching, free_order,
     """The constructor arguments every manager keeps as attributes (checked ones)."""
     manager.num_blocks = num_blocks
     manager.block_size = block_size
-    manager.enable_caching = bool(enable_caching)
+    manager.enable_caching = check_bool("enable_caching", enable_caching)
     manager.free_order = free_order
-    manager.log_stats = bool(log_stats)
-    manager.enable_events = bool(enable_events)
+    manager.log_stats = check_bool("log_stats", log_stats)
+    manager.enable_events = check_bool("enable_events", enable_events)
     manager.max_model_len = max_model_len
 
 

@@ -55,7 +55,7 @@ Invariants (``check_invariants`` verifies all of them):
       unlocked nodes (evictable leaf by leaf); free but locked node blocks are not.
     * A call that raises or returns ``None`` changes no state.
 
-Host tier (``num_host_blocks > 0``; issue 16, SGLang's HiCache: device L1, host L2).
+Host tier (``num_host_blocks > 0``; SGLang's HiCache: device L1, host L2).
 The shared ``HostTier`` (``prefixcache/core/host_tier.py``: slots, host policy,
 transfers, CPU events, its invariants) sits under the tree exactly as under the hash
 chain:

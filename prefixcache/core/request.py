@@ -368,7 +368,7 @@ class Request:
 
     @priority.setter
     def priority(self, value) -> None:
-        # NOTE: validated where the value enters (issue 25): a None or NaN priority set
+        # NOTE: validated where the value enters: a None or NaN priority set
         # after construction made free() raise halfway under the priority policy.
         if type(value) is not int:
             value = _checked_priority(self._request_id, value)

@@ -8,7 +8,9 @@ Modules: `engine` (`Engine(model_config, *, cache_config=..., ...)`: `generate`,
 `block_table` (one int32 row per running request), `model_runner` (`ModelRunner`: one
 jitted device step from `prefixcache.metadata`'s arrays), `host_pages` (the host tier's
 pages and their transfers), `sampler` / `sampling_params`, `outputs` (`RequestOutput`,
-metrics), `distributed` (one process per host), `faults` (fault injection points).
+metrics), `distributed` (one process per host), `faults` (fault injection points),
+`warmup` (`Engine.warmup`: every step program compiled before any request; JAX's
+persistent compilation cache, `enable_compilation_cache`).
 """
 from prefixcache.engine.engine import Engine
 from prefixcache.engine.model_runner import ModelRunner

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import operator
 import time
 import zlib
@@ -32,6 +33,7 @@ from prefixcache.engine.scheduler import (FINISH_ERROR, FINISH_LENGTH, FINISH_ST
 
 
 _REQUEST_ID = operator.attrgetter("state.request.request_id")
+_log = logging.getLogger(__name__)
 
 
 def _positive_int(name: str, value) -> int:
@@ -104,7 +106,7 @@ class Engine:
       scheduling_policy: the waiting queue's admission order (``fcfs``, vLLM's and the
         default; ``lpm``: longest cached prefix first; ``dfs_weight``; see
         `prefixcache.scheduling`).
-      num_host_blocks: blocks of the host-memory tier (issue 16; 0, the default: off).
+      num_host_blocks: blocks of the host-memory tier (0, the default: off).
         Cached blocks the device pool evicts are demoted to host pages (numpy, owned
         by the runner: `runner.host_pages`) and promoted back on a hit; each step's
         copies run batched before the step computes (`prefixcache.engine.host_pages`).
@@ -179,11 +181,14 @@ class Engine:
 
     A configuration the kernels cannot run (page size, head size, dtypes, backend) or
     KV arrays / a block pool larger than the free memory raise ValueError here, before
-    anything is allocated. A model step that raises does not break the engine: its
-    requests finish with finish_reason "error" (the exception in `.error`), the other
-    running requests are recomputed, the prefix cache is reset and lost KV arrays are
-    re-created (`_recover_failed_step`); a KeyboardInterrupt during a step requeues
-    every request and is re-raised.
+    anything is allocated. A model step that raises does not break the engine: the
+    requests that caused it finish with finish_reason "error" (the exception in
+    `.error`; every request of the step when no single one did) and, while the KV
+    arrays are intact, the others and the prefix cache go on as if nothing happened
+    (`_isolate_failed_step`); when the KV arrays were lost (or the host tier had copies
+    in flight) the other running requests are recomputed, the prefix cache is reset
+    and the KV arrays re-created (`_recover_failed_step`); a KeyboardInterrupt during a
+    step requeues every request and is re-raised.
     """
 
     def __init__(self, model_config, *, num_blocks: int | None = None, block_size: int = 16,
@@ -218,7 +223,7 @@ class Engine:
 
         # None: the model's dtype (today's behaviour); unknown names fail here, first.
         kv_dtype = check_kv_dtype(model_config.dtype if kv_dtype is None else kv_dtype)
-        # The pool's size: num_blocks, or the blocks a byte budget holds (issue 17).
+        # The pool's size: num_blocks, or the blocks a byte budget holds (kv_cache_bytes).
         num_blocks, kv_cache_bytes, kv_block_bytes = _pool_size(
             model_config, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             block_size=block_size, kv_dtype=kv_dtype)
@@ -405,6 +410,8 @@ class Engine:
         self.step_logits: list[dict[str, np.ndarray]] = []
         self.last_scheduler_output: SchedulerOutput | None = None
         self.last_step_times: tuple[float, float, float, float] | None = None
+        # `num_programs_built` when `warmup()` last finished (None: never warmed up).
+        self._programs_at_warmup: int | None = None
         self.reset_metrics()
 
     @classmethod
@@ -801,25 +808,37 @@ class Engine:
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         self._num_usage_samples += 1
         if sched.scheduled:
+            phase = "before_device"
+            tokens = logits = None
             try:
                 if self.fault_injector is not None:
                     self.fault_injector("before_device", sched)
                 if transfers:
                     self.runner.apply_host_transfers(transfers)
+                phase = "prepare"
                 prepared = self.runner.prepare(
                     sched.scheduled, self.scheduler.kv_group_tables or self.scheduler.block_tables)
                 t2 = time.perf_counter()
+                phase = "device"
                 tokens, logits = self.runner.execute(prepared,
                                                      return_logits=self.record_logits)
+                phase = "after_device"
                 if self.fault_injector is not None:
                     self.fault_injector("after_device", sched)
             except BaseException as e:
-                self._recover_failed_step(sched, e)
-                if not isinstance(e, Exception):
-                    raise  # KeyboardInterrupt & co: the engine is consistent again
-                self.last_scheduler_output = sched
-                outs, self._pending_outputs = self._pending_outputs, []
-                return outs
+                if isinstance(e, Exception) and not transfers and not self.num_host_blocks:
+                    rerun = self._isolate_failed_step(sched, e, phase, tokens, logits)
+                else:
+                    rerun = None
+                if rerun is None:
+                    self._recover_failed_step(sched, e)
+                    if not isinstance(e, Exception):
+                        raise  # KeyboardInterrupt & co: the engine is consistent again
+                    self.last_scheduler_output = sched
+                    outs, self._pending_outputs = self._pending_outputs, []
+                    return outs
+                tokens, logits = rerun
+                t2 = time.perf_counter()
             t3 = time.perf_counter()
             sampled = dict(zip(map(_REQUEST_ID, sched.scheduled), np.asarray(tokens).tolist()))
             if logits is not None:
@@ -847,6 +866,61 @@ class Engine:
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
+
+    def _isolate_failed_step(self, sched: SchedulerOutput, exc: Exception, phase: str,
+                             tokens, logits):
+        """Contains a failed model step to the requests that caused it, keeping the
+        prefix cache, when the KV arrays are intact: (tokens, logits) of the step to
+        go on with, or None (then `_recover_failed_step`, which resets everything).
+
+        NOTE: the choices made:
+          * culprits: a step that failed while its inputs were built on the host
+            (`runner.prepare`: e.g. a value its int32 / float32 arrays cannot hold) is
+            built again for each of its requests alone; those whose own inputs fail are
+            the culprits. Otherwise (a fault before or after the device call, or one
+            no request fails alone) every request of the step is, as before;
+          * the cache: every block this step was to write was already cached when it
+            was scheduled. If the device call never completed, the step runs again
+            with the culprits' sampling rows made greedy (their KV is computed, their
+            tokens thrown away), so every cached block holds its KV and nothing is
+            dropped; running requests outside the step are not touched. If that run
+            fails too, or the KV arrays were lost (a donated step that failed), or the
+            host tier has copies in flight, None: the full recovery;
+          * the culprits then finish with finish_reason "error"; the other requests of
+            the step take their tokens from the second run (the same tokens: sampling
+            is a pure function of seed and position).
+        """
+        if self.runner.ensure_valid_kv_caches():
+            return None  # every page is gone: nothing cached is intact
+        tables = self.scheduler.kv_group_tables or self.scheduler.block_tables
+        culprits = list(sched.scheduled)
+        if phase == "prepare" and len(culprits) > 1:
+            alone = []
+            for s in culprits:
+                try:
+                    self.runner.prepare([s], tables)
+                except Exception:  # noqa: BLE001 - this request's own inputs fail
+                    alone.append(s)
+            culprits = alone or culprits
+        if phase != "after_device":
+            for s in culprits:
+                st = s.state
+                st.params = SamplingParams(max_tokens=st.params.max_tokens)
+            try:
+                prepared = self.runner.prepare(sched.scheduled, tables)
+                tokens, logits = self.runner.execute(prepared,
+                                                     return_logits=self.record_logits)
+            except Exception:  # noqa: BLE001 - not contained: the full recovery
+                _log.warning("a failed model step failed again without its culprits' "
+                             "sampling; every running request is recomputed")
+                return None
+        error = f"model step failed: {type(exc).__name__}: {exc}"
+        for s in culprits:
+            state = s.state
+            if state.status is RequestStatus.RUNNING:
+                self.scheduler.finish_request(state, FINISH_ERROR, error)
+                self._finish(state)
+        return tokens, logits
 
     def _recover_failed_step(self, sched: SchedulerOutput, exc: BaseException) -> None:
         """Leaves the engine usable after the model step of `sched` raised.
@@ -983,6 +1057,47 @@ class Engine:
                 done[out.request_id] = out
         return [done[i] for i in ids]
 
+    # -- warm-up --------------------------------------------------------------------
+
+    def warmup(self, *, progress: bool = True, multimodal: bool = False):
+        """Compiles every step program the scheduler can produce, before any request.
+
+        Runs one step of each program key (`runner.warmup_keys()`: the bucketed (T, S, P)
+        shapes a step can fill, greedy and sampling, with the engine's LoRA and KV-group
+        layout) on inputs that point only at the padding page: the prefix cache, the
+        block pool, every allocatable block's KV, the metrics window and the KV events
+        are unchanged. Afterwards `num_compiles_after_warmup` counts programs built
+        since (0 for any request mix of text requests; host-tier copy programs and,
+        without `multimodal`, multimodal steps are not warmed and would show there).
+        With the persistent compilation cache on (`prefixcache.engine.warmup.
+        enable_compilation_cache`) a second process loads the programs instead.
+
+        Args:
+          progress: show a tqdm bar (programs done / total, seconds).
+          multimodal: also the steps that inject multimodal embedding rows.
+
+        Returns:
+          `prefixcache.engine.warmup.WarmupResult` (num_programs, num_built, seconds).
+        """
+        from prefixcache.engine.warmup import warmup_engine  # noqa: PLC0415
+
+        result = warmup_engine(self, progress=progress, multimodal=multimodal)
+        self._programs_at_warmup = self.runner.num_programs_built
+        return result
+
+    @property
+    def num_programs_built(self) -> int:
+        """Programs the engine's jitted step (and host-copy) functions hold, from jax's
+        caches (`ModelRunner.num_programs_built`)."""
+        return self.runner.num_programs_built
+
+    @property
+    def num_compiles_after_warmup(self) -> int | None:
+        """Programs built since `warmup()` finished; None before any warm-up."""
+        if self._programs_at_warmup is None:
+            return None
+        return self.runner.num_programs_built - self._programs_at_warmup
+
     # -- metrics --------------------------------------------------------------------
 
     def reset_metrics(self) -> None:
@@ -1042,6 +1157,8 @@ class Engine:
                         if self._num_usage_samples else 0.0),
             num_steps=self._num_steps,
             num_compiled_programs=self.runner.num_compiled_programs,
+            num_programs_built=self.num_programs_built,
+            num_compiles_after_warmup=self.num_compiles_after_warmup,
             host_schedule_s=self._host_schedule_s, host_prepare_s=self._host_prepare_s,
             device_s=self._device_s, host_update_s=self._host_update_s,
             num_blocks=self.num_blocks, kv_dtype=self.kv_dtype,
@@ -1158,11 +1275,20 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
     from prefixcache.kv_dtypes import kv_bytes_per_block
     from prefixcache.model import check_kv_cache_memory
 
-    kernels.check_backend_config(
-        attention_backend, interpret=bool(interpret), page_size=block_size,
-        head_dim=config.head_dim, num_q_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
-        kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    try:
+        kernels.check_backend_config(
+            attention_backend, interpret=bool(interpret), page_size=block_size,
+            head_dim=config.head_dim, num_q_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, q_dtype=config.dtype,
+            kv_dtype=config.dtype if kv_dtype is None else kv_dtype)
+    except ValueError as e:
+        # NOTE: the kernels' page is the engine's block: a page-size limit is refused
+        # under the name the user gave it.
+        if "page_size" not in str(e):
+            raise
+        raise ValueError(f"block_size={block_size} is not supported by attention_backend="
+                         f"{attention_backend!r} (the block is the kernel's KV page, "
+                         f"page_size): {e}") from None
     extra = ()
     if lora is not None:
         from prefixcache.model.lora import TARGET_MODULES, lora_weights_nbytes
@@ -1173,8 +1299,12 @@ def _check_runnable(config, *, num_blocks: int, block_size: int, max_num_seqs: i
                   f"modules x {config.num_layers} layers, {config.dtype})",
                   lora_weights_nbytes(config, max_loras=max_loras,
                                       max_lora_rank=max_lora_rank)),)
-    check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh,
-                          extra=extra)
+    try:
+        check_kv_cache_memory(config, num_blocks + 1, block_size, kv_dtype, mesh=mesh,
+                              extra=extra)
+    except ValueError as e:
+        raise ValueError(f"num_blocks={num_blocks} (block_size={block_size}, plus the padding "
+                         f"page) does not fit: {e}") from None
     check_host_memory(f"the block tables of max_num_seqs={max_num_seqs}",
                       max_num_seqs * 32 * 4)
     if num_host_blocks:

@@ -298,6 +298,12 @@ class HostPages:
                              donate_argnums=0, out_shardings=out)
 
     @property
+    def num_programs_built(self) -> int:
+        """Executables of the copy program (one per padded (Gp, Hp, Sp)), from jax's
+        cache."""
+        return self._copy._cache_size()
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one block's pages over all layers, scales included (quantized KV:
         `prefixcache.kv_dtypes.kv_bytes_per_block`)."""

@@ -261,6 +261,12 @@ class StepProgram:
                                       static_argnames=("layout", "all_greedy"),
                                       out_shardings=out_shardings)
 
+    @property
+    def num_programs_built(self) -> int:
+        """Executables its jitted step functions hold (compiled or loaded from the
+        persistent compilation cache), read from jax's caches."""
+        return self._jitted._cache_size() + self._jitted_packed._cache_size()
+
     def __call__(self, kv_caches, inputs: DeviceInputs | PackedInputs, *,
                  all_greedy: bool, lora_weights=None):
         """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated.
@@ -524,6 +530,88 @@ class ModelRunner:
     def num_compiled_programs(self) -> int:
         """Distinct step programs run so far (bounded by the bucket count x 4)."""
         return len(self.compiled_shapes)
+
+    @property
+    def num_programs_built(self) -> int:
+        """Executables the runner's jitted functions hold: the step program (shared with
+        engines that share it) and the host tier's copy program.
+
+        Counted from jax's own executable caches (`_cache_size()`), so a program
+        compiled -- or loaded from the persistent compilation cache -- shows here
+        whatever key made it; `compiled_shapes` only counts the keys the runner knows.
+        """
+        n = self.program.num_programs_built
+        if self.host_pages is not None:
+            n += self.host_pages.num_programs_built
+        return n
+
+    def warmup_keys(self, *, multimodal: bool = False) -> list[tuple[int, int, int, bool, bool]]:
+        """Every step program key the scheduler can produce, as `(T, S, P, all_greedy,
+        multimodal)`.
+
+        (T, S, P) runs over `builder.shape_buckets` less the shapes no step can fill:
+        T tokens over S rows of at most P pages each hold at most S * P * block_size
+        tokens, so T's bucket is unreachable when that is not above the bucket below T.
+        Each comes greedy and sampling; with `multimodal`, also with embedding rows.
+        """
+        b = self.builder
+        t_prev = dict(zip(b.token_buckets, (0,) + b.token_buckets[:-1]))
+        keys = []
+        for t, s, p in b.shape_buckets:
+            if min(t, s * p * b.block_size) <= t_prev[t]:
+                continue  # (more tokens than S rows of P pages hold)
+            for mm in ((False, True) if multimodal else (False,)):
+                for greedy in (True, False):
+                    keys.append((t, s, p, greedy, mm))
+        return keys
+
+    def dummy_step(self, key: tuple[int, int, int, bool, bool], *,
+                   max_model_len: int) -> PreparedStep:
+        """A step of program `key` (from `warmup_keys`) that touches only the padding page.
+
+        Built by the same builder and packing as `prepare` (so its arrays, layout and
+        static arguments are those of a real step of that shape): min(S, T) rows over
+        T tokens (or as many as the rows' pages hold), the first row attending to P
+        pages; every page-table cell and slot is the padding page, so running it
+        writes K/V there only (no allocatable block, cached or not, changes) and the
+        sampled ids are thrown away. No LoRA adapter, multimodal rows all masked.
+        """
+        T, S, P, all_greedy, mm = key
+        b = self.builder
+        bs, pad = b.block_size, b.padding_page
+        n = min(S, T)
+        num_tokens = min(T, n * P * bs)
+        q = np.full(n, num_tokens // n, np.int64)
+        q[:num_tokens % n] += 1
+        kv = q.copy()
+        kv[0] = max(int(q[0]), min(P * bs, max_model_len))
+        computed = kv - q
+        pages = -(-kv // bs)
+        table = np.full((n, P), pad, np.int32)
+        step = b.build_rows(table, np.arange(n), pages, computed, q,
+                            np.zeros(num_tokens, np.int64), null_slots_ok=True)
+        if self._num_kv_groups > 1:  # (as `prepare`: one metadata per KV group)
+            step = step._replace(metadata=(step.metadata,) * self._num_kv_groups)
+        num_rows = step.logits_indices.shape[0]
+        if all_greedy:
+            sampling = self._greedy_sampling.get(num_rows)
+            if sampling is None:
+                sampling = self._greedy_sampling[num_rows] = SamplingArrays.build([], num_rows)
+        else:
+            sampling = SamplingArrays.build([(1.0, 0, 1.0, 0, 0)] * n, num_rows)
+        mm_embeds = mm_mask = None
+        if mm:
+            mm_embeds = np.zeros((step.input_ids.shape[0], self.d_model), self._embed_dtype)
+            mm_mask = np.zeros(step.input_ids.shape[0], np.bool_)
+        lora_slots = (None if self.lora_slots is None
+                      else np.zeros(step.input_ids.shape[0], np.int32))
+        prepared = PreparedStep(DeviceInputs(step, sampling, mm_embeds, mm_mask, lora_slots),
+                                n, all_greedy)
+        if self.pack_transfers:
+            prepared.packed, prepared.layout = pack_inputs(
+                step, None if all_greedy else sampling, lora_slots)
+        assert prepared.shape_key[:5] == key, (prepared.shape_key, key)
+        return prepared
 
     def ensure_valid_kv_caches(self) -> bool:
         """Re-creates the KV arrays (zeroed) when they are no longer usable: deleted by a

@@ -82,6 +82,12 @@ class EngineMetrics:
         each step's scheduling.
       num_steps: engine steps that ran the model.
       num_compiled_programs: distinct bucketed step shapes run (over the engine's life).
+      num_programs_built: programs the engine's jitted step and host-copy functions
+        hold, read from jax's executable caches (compiled or loaded from the persistent
+        compilation cache; over the engine's life; a shared step program counts the
+        programs of every engine sharing it).
+      num_compiles_after_warmup: of those, built after `Engine.warmup()` finished (0
+        when no request waited for a compile); None when the engine never warmed up.
       host_schedule_s, host_prepare_s, device_s, host_update_s: summed wall time of
         scheduling, metadata/input building, device step (transfer + run + fetch of
         the sampled ids), and output processing.
@@ -141,6 +147,8 @@ class EngineMetrics:
     per_tenant: dict | None = None
     per_adapter: dict | None = None
     miss_reasons: dict | None = None
+    num_programs_built: int | None = None
+    num_compiles_after_warmup: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

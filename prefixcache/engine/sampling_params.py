@@ -6,16 +6,26 @@ import math
 
 import numpy as np
 
+# NOTE: vLLM's rule (`_MAX_TEMP`): a positive temperature below this divides the logits
+# into inf / NaN in float32, so it is raised to it (with a warning there; a documented
+# rule here).
+MIN_TEMPERATURE = 1e-2
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = 2 ** 31 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
 
-    Invariants (checked in `__post_init__`, ValueError otherwise):
-        max_tokens >= 1; temperature >= 0 and finite; top_k >= 0 (0 = whole vocab; -1 is
-        accepted as in vLLM and stored as 0);
-        0 < top_p <= 1; seed is None or a non-negative int below 2**32; stop token ids are
-        non-negative ints.
+    Invariants (checked in `__post_init__`, ValueError otherwise), so that every value
+    fits the step's per-row arrays (top_k int32, temperature / top_p float32, seed
+    uint32):
+        max_tokens >= 1; temperature >= 0 and at most float32's largest (a positive
+        temperature below `MIN_TEMPERATURE` is stored as `MIN_TEMPERATURE`, as vLLM);
+        top_k in [0, 2**31 - 1] (0 = whole vocab; -1 is accepted as in vLLM and stored
+        as 0); 0 < top_p <= 1 and above 0 as a float32; seed is None or a non-negative
+        int below 2**32; stop token ids are non-negative ints.
 
     Attributes:
         max_tokens: the most output tokens to generate (finish reason "length").
@@ -60,20 +70,25 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or isinstance(
                 self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(
-                    f"temperature must be finite and >= 0, got {self.temperature}")
+        if (not math.isfinite(self.temperature) or self.temperature < 0
+                or self.temperature > _F32_MAX):
+            raise ValueError(f"temperature must be finite, >= 0 and at most {_F32_MAX:g} "
+                             f"(float32), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an int, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}")
+        if not -1 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or in [1, {_INT32_MAX}] "
+                             f"(int32), got {self.top_k}")
         if self.top_k == -1:
             # NOTE: vLLM accepts -1 as "disabled" too; stored as 0.
             object.__setattr__(self, "top_k", 0)
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
             raise ValueError(f"top_p must be a number, got {self.top_p!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 < self.top_p <= 1.0) or not np.float32(self.top_p) > 0:
+            raise ValueError(f"top_p must be in (0, 1] and above 0 as a float32, got "
+                             f"{self.top_p}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise ValueError(f"seed must be an int or None, got {self.seed!r}")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefixcache.core.eviction import reads_waiting_queue
+from prefixcache.core.eviction import policy_clock, reads_waiting_queue
 from prefixcache.core.kv_groups import is_hybrid
 from prefixcache.engine.block_table import BlockTables
 from prefixcache.engine.sampling_params import SamplingParams
@@ -252,6 +252,11 @@ class Scheduler:
         # (the device's policy or the host tier's: eviction.reads_waiting_queue)
         if reads_waiting_queue(kv_cache_manager):
             self._queue_watch = kv_cache_manager
+        # A time-varying eviction policy (ttl_lru): told the wall clock (seconds since
+        # this scheduler started, time.monotonic) and the steps so far before each step
+        # schedules. None: no clock.
+        self._set_time = policy_clock(kv_cache_manager)
+        self._t0 = time.monotonic()
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
@@ -418,6 +423,8 @@ class Scheduler:
           already advanced when it returns.
         """
         mgr = self.kv_cache_manager
+        if self._set_time is not None:
+            self._set_time(time.monotonic() - self._t0, self.num_steps)
         tables = self.block_tables
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []

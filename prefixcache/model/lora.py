@@ -393,6 +393,16 @@ class LoRASlots:
             out[m] = (a.astype(np_dtype), b.astype(np_dtype))
         return out
 
+    def warmup(self) -> None:
+        """Compiles the slot-write program by rewriting slot 0 with its own zeros (no
+        adapter changes; `Engine.warmup`)."""
+        L, R = self.config.num_layers, self.max_lora_rank
+        zeros = {m: (np.zeros((L, fi, R), self.dtype), np.zeros((L, R, fo), self.dtype))
+                 for m, (fi, fo) in module_dims(self.config).items()}
+        slot_arr, new = (jax.device_put((np.int32(0), zeros)) if self.sharding is None
+                         else jax.device_put((np.int32(0), zeros), self.sharding))
+        self.weights = _write_slot(self.weights, slot_arr, new)
+
     def activate(self, adapters: Sequence[LoRAAdapter | None]) -> list[int]:
         """Slots for one step's adapters, loading those not resident.
 

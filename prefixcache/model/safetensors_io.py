@@ -2,7 +2,7 @@
 (`prefixcache.model.loading`) and the LoRA adapter reader (`prefixcache.model.lora`).
 
 NOTE: its own module, importing neither the model nor the loader, so that
-`llama -> lora -> loading -> llama` is no longer an import cycle (issue 24).
+`llama -> lora -> loading -> llama` is not an import cycle.
 """
 from __future__ import annotations
 

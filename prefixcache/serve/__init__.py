@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the engine (issue 23).
+"""An OpenAI-compatible HTTP server over the engine.
 
     prefixcache serve tiny --port 8000            # or: python -m prefixcache.serve tiny
 

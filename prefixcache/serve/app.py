@@ -7,12 +7,19 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `POST /reset_prefix_cache`. Errors
 are OpenAI's `{"error": {"message", "type", "param", "code"}}` (see `protocol`).
+
+With `api_keys`, every `/v1` route and `/reset_prefix_cache` need `Authorization:
+Bearer <key>` (401 otherwise); `/health` and `/metrics` stay open, as vLLM's. Request
+bodies must be `application/json` (415: a form or `text/plain` post, which a browser
+page may send cross-site without a CORS preflight, is refused) of at most
+`max_request_body_bytes` (413).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -24,7 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.serve.engine_loop import EngineCall, ServingEngine
 from prefixcache.serve.metrics import ServerMetrics
-from prefixcache.serve.protocol import APIError, GenerationRequest, ServerContext, parse_request
+from prefixcache.serve.protocol import (APIError, GenerationRequest, ServerContext,
+                                        check_json_body, client_miss_reasons, parse_request)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2 ** 20  # 32 MiB: a long prompt as JSON ids fits
 
 
 def _dumps(obj) -> str:
@@ -154,7 +164,7 @@ class _Handler:
             # prompt blocks by reason, summed over the prompts (prefixcache.sim.misses).
             misses: dict[str, int] = {}
             for c in firsts:
-                for r, v in (c.miss_reasons or {}).items():
+                for r, v in (client_miss_reasons(c.miss_reasons) or {}).items():
                     misses[r] = misses.get(r, 0) + v
             details["prefixcache_block_miss_reasons"] = misses
         return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -196,22 +206,38 @@ class _Handler:
     # -- streaming ------------------------------------------------------------------
 
     async def first_events(self) -> list:
-        """Waits for every choice's first event, so that an engine rejection is still a
-        400 (the stream's headers are not sent before)."""
-        seen, buffered = set(), []
+        """Waits for the engine's first delivery to this request and what came with it,
+        so that an engine rejection is still a 400 (the stream's headers are not sent
+        before); the rest streams as it comes.
+
+        NOTE: the engine loop refuses a request (add_request's ValueError, or an
+        admission error finishing it at once) in the first delivery after the add,
+        before or with the first tokens of any choice: its calls are added in one
+        command and the step after it returns the refusals. So the first delivery
+        holds every refusal, and waiting for each choice's first event (with n above
+        max_num_seqs: until most choices have finished) is not needed.
+        """
+        buffered = [await self.queue.get()]
+        while True:  # the rest of that delivery (put in the queue at once)
+            try:
+                buffered.append(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        for ev in buffered:
+            if ev[1] == "error" or (ev[1] == "final" and ev[3].finish_reason == "error"):
+                msg = ev[2] if ev[1] == "error" else (ev[3].error or "rejected")
+                self.choices[ev[0]].done = True
+                raise APIError(400, msg, param=_param(self.gen), code="engine_error")
+        return buffered
+
+    async def start_stream(self) -> list:
+        """`first_events`, aborting every open choice if it raises or is cancelled (the
+        client left before the first chunk)."""
         try:
-            while len(seen) < len(self.choices):
-                ev = await self.queue.get()
-                buffered.append(ev)
-                seen.add(ev[0])
-                if ev[1] == "error" or (ev[1] == "final" and ev[3].finish_reason == "error"):
-                    msg = ev[2] if ev[1] == "error" else (ev[3].error or "rejected")
-                    self.choices[ev[0]].done = True
-                    raise APIError(400, msg, param=_param(self.gen), code="engine_error")
+            return await self.first_events()
         except BaseException:
             self.abort_open()
             raise
-        return buffered
 
     def _chunk(self, c: _Choice, text: str, finish: str | None, ids, first: bool) -> str:
         gen = self.gen
@@ -300,6 +326,45 @@ async def _unless_disconnected(request: Request, coro):
     return Response(status_code=499)
 
 
+_PROTECTED_PREFIXES = ("/v1/", "/reset_prefix_cache")
+
+
+class _APIKeyMiddleware:
+    """vLLM's `--api-key` check as plain ASGI middleware (no body buffering: streams and
+    the disconnect watch are untouched): `/v1` routes and `/reset_prefix_cache` need
+    `Authorization: Bearer <one of keys>`; a 401 OpenAI error object otherwise."""
+
+    def __init__(self, app, keys):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _authorized(self, scope) -> bool:
+        got = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                got = value
+                break
+        if got is None or not got[:7].lower() == b"bearer ":
+            return False
+        token = got[7:].strip()
+        ok = False
+        for k in self.keys:  # every key compared (constant time each)
+            ok |= secrets.compare_digest(token, k)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or not (scope["path"] + "/").startswith(_PROTECTED_PREFIXES)
+                or self._authorized(scope)):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                            "<key>' (the key the server was started with, --api-key)",
+                       code="invalid_api_key")
+        resp = JSONResponse(err.body(), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
 def _param(gen: GenerationRequest) -> str:
     return "messages" if gen.kind == "chat" else "prompt"
 
@@ -312,7 +377,10 @@ class _State:
 
 def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "engine",
               lora_modules: Mapping[str, Any] | None = None, max_waiting: int | None = None,
-              kv_event_publisher=None, serving: ServingEngine | None = None):
+              kv_event_publisher=None, serving: ServingEngine | None = None,
+              api_keys=None,
+              max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_request_output_tokens: int | None = None):
     """The FastAPI app serving `engine` (its loop in `app.state.serving`, not started).
 
     Args:
@@ -325,7 +393,19 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
       max_waiting, kv_event_publisher: see `ServingEngine`.
       serving: an existing ServingEngine over `engine` (then max_waiting and
         kv_event_publisher must not be given).
+      api_keys: None or a list of non-empty strings: `/v1` routes and
+        `/reset_prefix_cache` then need `Authorization: Bearer <one of them>` (401).
+      max_request_body_bytes: the largest request body (413 beyond); None: no bound.
+      max_request_output_tokens: the most output tokens one request may ask for,
+        prompts x n x max_tokens (400 naming the fields beyond); None: no bound.
     """
+    keys = list(api_keys or ())
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError("api_keys must be non-empty strings")
+    for name, v in (("max_request_body_bytes", max_request_body_bytes),
+                    ("max_request_output_tokens", max_request_output_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
     if tokenizer == "engine":
         tokenizer = getattr(engine, "tokenizer", None)
     lora_modules = dict(lora_modules or {})
@@ -341,11 +421,20 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         raise ValueError("serving must wrap the same engine")
     else:
         serving.metrics = metrics
+    metrics.set_programs(engine.num_programs_built, engine.num_compiles_after_warmup)
+    # A request of more sequences than the running batch plus the waiting queue can
+    # never be admitted (it would get a 503 on an idle server): a 400 instead.
+    most = None if serving.max_waiting is None else (
+        int(engine.scheduler.max_num_seqs) + serving.max_waiting)
     ctx = ServerContext(served_model_name=served_model_name, lora_modules=lora_modules,
                         tokenizer=tokenizer, max_model_len=int(engine.max_model_len),
-                        vocab_size=int(engine.vocab_size))
+                        vocab_size=int(engine.vocab_size),
+                        max_request_output_tokens=max_request_output_tokens,
+                        max_request_choices=most)
     state = _State(serving, ctx, metrics)
     app = FastAPI(title="prefixcache", docs_url=None, redoc_url=None)
+    if keys:
+        app.add_middleware(_APIKeyMiddleware, keys=keys)
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.ctx = ctx
@@ -359,13 +448,42 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        # A bug, not the request's fault: still an OpenAI error object (logged by
+        # Starlette's server-error middleware, which calls this handler).
+        return JSONResponse(APIError(500, f"internal server error: {type(exc).__name__}",
+                                     code="internal_error").body(), status_code=500)
+
     async def _body(request: Request):
-        raw = await request.body()
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise APIError(415, "the request body must be JSON sent as 'Content-Type: "
+                                f"application/json', got {ctype[:100]!r}",
+                           code="unsupported_media_type")
+        limit = max_request_body_bytes
+        too_large = APIError(413, f"the request body is larger than {limit} bytes (the "
+                                  "server's bound, --max-request-body-bytes)",
+                             code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if limit is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it comes, never buffered past
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise too_large
+            chunks.append(chunk)
         try:
-            return json.loads(raw)
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", param=None,
                            code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: nested too deeply",
+                           param=None, code="too_deep") from None
+        check_json_body(body)
+        return body
 
     async def _generate(kind: str, request: Request):
         gen = parse_request(kind, await _body(request), ctx)
@@ -375,7 +493,10 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
             # requests finish): its requests are aborted and their blocks freed.
             body = await _unless_disconnected(request, h.collect())
             return body if isinstance(body, Response) else JSONResponse(body)
-        buffered = await h.first_events()
+        # The client may leave before the first chunk: then every choice is aborted.
+        buffered = await _unless_disconnected(request, h.start_stream())
+        if isinstance(buffered, Response):
+            return buffered
         return StreamingResponse(h.stream(buffered), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 

@@ -1,10 +1,18 @@
 """`prefixcache serve MODEL_OR_PATH [flags]` (also `python -m prefixcache.serve MODEL ...`).
 
 MODEL: an HF checkpoint directory or a GGUF file (`Engine.from_pretrained`), or `tiny`
-(the built-in random-weight tiny model: no tokenizer, token-id prompts only). Flags
-carry vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+(the built-in random-weight tiny model with its built-in byte-level tokenizer and ChatML
+template, `prefixcache.text.Tokenizer.tiny()`: text and token-id prompts). Flags carry
+vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
+Before `/health` answers, every step program is compiled (`Engine.warmup`, a progress
+bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persistent
+compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
+`--no-compilation-cache`), so a restart of the same configuration loads them.
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
-`--shutdown-grace` seconds, abort the rest, exit 0.
+`--shutdown-grace` seconds, abort the rest, exit 0. As vLLM, the server refuses to
+start (exit 1) when one request of `--max-model-len` tokens would not fit the KV pool.
+`--api-key` (or the `VLLM_API_KEY` environment variable, as vLLM) guards the `/v1`
+routes and `/reset_prefix_cache`; `/health` and `/metrics` stay open.
 """
 
 from __future__ import annotations
@@ -125,15 +133,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=_positive_int, default=16)
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV events over ZMQ (vLLM's convention: tcp://*:PORT binds)")
+                   help="publish KV events over ZMQ (vLLM's convention: tcp://*:PORT binds, "
+                   "on --kv-events-bind-host)")
+    p.add_argument("--kv-events-bind-host", default="127.0.0.1",
+                   help="the interface a wildcard KV events endpoint (tcp://*:PORT) binds: "
+                   "loopback unless told otherwise ('*': every interface, as vLLM)")
     p.add_argument("--kv-events-topic", default="")
     p.add_argument("--kv-events-replay-endpoint", default=None)
     p.add_argument("--max-waiting", type=_non_negative_int, default=1024,
                    help="most queued requests; beyond it 503 with Retry-After")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (one of these keys) on the /v1 "
+                   "routes and /reset_prefix_cache (default: $VLLM_API_KEY, else none)")
+    p.add_argument("--max-request-body-bytes", type=_bytes,
+                   default=32 * 2 ** 20,
+                   help="largest request body ('32MiB' ok); beyond it 413")
+    p.add_argument("--max-request-output-tokens", type=_positive_int, default=2 ** 18,
+                   help="most output tokens one request may ask for: prompts x n x "
+                   "max_tokens; beyond it 400")
     p.add_argument("--shutdown-grace", type=_seconds, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="serve at once, compiling each step program when a request first "
+                   "needs it (debugging; requests then wait for compiles)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                       help="JAX's persistent compilation cache (default: "
+                       "$XDG_CACHE_HOME/prefixcache/jax_cache or ~/.cache/prefixcache/"
+                       "jax_cache)")
+    cache.add_argument("--no-compilation-cache", action="store_true",
+                       help="compile every program in every process")
     return parser
 
 
@@ -154,6 +185,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("kv_events_topic", "kv_events_replay_endpoint"):
         if getattr(args, flag) and not args.kv_events_endpoint:
             sp.error(f"--{flag.replace('_', '-')} needs --kv-events-endpoint")
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        args.api_key = [os.environ["VLLM_API_KEY"]]
+    if args.api_key is not None and not all(args.api_key):
+        sp.error("--api-key: an empty key")
+    if args.max_request_body_bytes < 1:
+        sp.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if not args.kv_events_bind_host or any(c.isspace() or c == "/"
+                                           for c in args.kv_events_bind_host):
+        sp.error(f"--kv-events-bind-host: '*' or an interface address, got "
+                 f"{args.kv_events_bind_host!r}")
     for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         ep = getattr(args, flag)
         if ep is not None and "://" not in ep:
@@ -190,11 +231,59 @@ def build_engine(args):
         from prefixcache.model import ModelConfig
 
         cfg = ModelConfig.tiny(**({} if dtype is None else {"dtype": dtype}))
-        return Engine(cfg, **kw)
+        return Engine(cfg, tokenizer=_tiny_tokenizer(), **kw)
     if not hasattr(Engine, "from_pretrained"):
         raise ValueError("loading a checkpoint needs Engine.from_pretrained, which this "
                          "installation lacks; serve 'tiny' instead")
     return Engine.from_pretrained(args.model, dtype=dtype, **kw)
+
+
+def pool_fit_error(engine) -> str | None:
+    """Why the server must not start, or None: as vLLM, one request of max_model_len
+    tokens must fit the KV pool (otherwise `/v1/models` would advertise a context that
+    is never served)."""
+    need = -(-int(engine.max_model_len) // int(engine.block_size))
+    if need <= int(engine.num_blocks):
+        return None
+    fits = int(engine.num_blocks) * int(engine.block_size)
+    return (f"max_model_len={engine.max_model_len} needs {need} KV blocks of "
+            f"{engine.block_size} tokens per request, but the KV pool has "
+            f"{engine.num_blocks} blocks ({fits} tokens): lower --max-model-len to at "
+            f"most {fits}, or raise --num-blocks / --kv-cache-memory")
+
+
+def _tiny_tokenizer():
+    """`Tokenizer.tiny()`, or None (token-id prompts only, with a warning) when the
+    tokenizers / jinja2 packages are missing."""
+    try:
+        from prefixcache.text import Tokenizer
+
+        return Tokenizer.tiny()
+    except ImportError as e:
+        _log.warning("the tiny model serves token-id prompts only: %s", e)
+        return None
+
+
+def prepare_compilation(args) -> None:
+    """JAX's persistent compilation cache as the flags say (before anything compiles)."""
+    from prefixcache.engine.warmup import disable_compilation_cache, enable_compilation_cache
+
+    if args.no_compilation_cache:
+        disable_compilation_cache()
+    else:
+        path = enable_compilation_cache(args.compilation_cache_dir)
+        _log.info("JAX persistent compilation cache: %s", path)
+
+
+def warmup(engine, args) -> None:
+    """Compiles every step program before the server answers (unless --no-warmup)."""
+    if args.no_warmup:
+        _log.warning("--no-warmup: step programs compile inside the first requests "
+                     "that need them")
+        return
+    r = engine.warmup(progress=True)
+    _log.info("warm-up: %d step programs ready (%d built) in %.1f s", r.num_programs,
+              r.num_built, r.seconds)
 
 
 def serve(args) -> int:
@@ -206,22 +295,31 @@ def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        prepare_compilation(args)
         engine = build_engine(args)
     except (ValueError, OSError) as e:
         print(f"prefixcache serve: error: {e}", file=sys.stderr)
         return 1
+    err = pool_fit_error(engine)
+    if err is not None:
+        print(f"prefixcache serve: error: {err}", file=sys.stderr)
+        return 1
+    warmup(engine, args)
     publisher = None
     if args.kv_events_endpoint:
         from prefixcache.serve.kv_events import KVEventPublisher
 
         publisher = KVEventPublisher.from_endpoint(
             args.kv_events_endpoint, topic=args.kv_events_topic,
-            replay_endpoint=args.kv_events_replay_endpoint)
+            replay_endpoint=args.kv_events_replay_endpoint,
+            bind_host=args.kv_events_bind_host)
     loras = {name: LoRARequest(name, path, int_id=i + 1)
              for i, (name, path) in enumerate(args.lora_modules)}
     app = build_app(engine, served_model_name=args.served_model_name or args.model,
                     lora_modules=loras, max_waiting=args.max_waiting,
-                    kv_event_publisher=publisher)
+                    kv_event_publisher=publisher, api_keys=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    max_request_output_tokens=args.max_request_output_tokens)
     serving = app.state.serving
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.log_level,

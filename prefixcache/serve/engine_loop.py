@@ -264,6 +264,8 @@ class ServingEngine:
             m.running.set(st["num_running"])
             m.waiting.set(st["num_waiting"] + self._pending_adds)
             m.usage.set(self.engine.kv_cache_manager.usage)
+            m.set_programs(self.engine.num_programs_built,
+                           self.engine.num_compiles_after_warmup)
 
     def _publish_events(self) -> None:
         if self.kv_event_publisher is not None:

@@ -43,8 +43,10 @@ built from an endpoint string (``from_endpoint``) rather than a ``KVEventsConfig
 scheduler skips empty steps) and stamps ``ts`` itself; the port is not offset by the
 data-parallel rank (one engine per process here; pass another endpoint per rank);
 ``close`` lets the sockets linger 1 s for frames still in flight (vLLM closes with
-linger 0); ``tcp://*:0`` binds all interfaces on an OS-chosen port (vLLM binds the
-node's IP), reported by ``endpoint``.
+linger 0); ``tcp://*:0`` binds an OS-chosen port (vLLM binds the node's IP), reported
+by ``endpoint``; and a wildcard host binds loopback (``bind_host``, 127.0.0.1) unless
+told otherwise (``bind_host="*"``: every interface, vLLM's behaviour), so that the
+cache's contents are not published to the network by default.
 """
 
 from __future__ import annotations
@@ -187,6 +189,16 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def with_bind_host(endpoint: str, bind_host: str) -> str:
+    """``endpoint`` with a wildcard TCP host (``tcp://*:PORT``) replaced by
+    ``bind_host`` (``"*"`` keeps it: every interface); any other endpoint unchanged."""
+    if endpoint.startswith("tcp://*:") and bind_host != "*":
+        host = f"[{bind_host}]" if ":" in bind_host and not bind_host.startswith("[") \
+            else bind_host
+        return f"tcp://{host}:{endpoint[len('tcp://*:'):]}"
+    return endpoint
+
+
 def _check_count(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -240,12 +252,13 @@ class KVEventPublisher:
     @classmethod
     def from_endpoint(cls, endpoint: str, *, topic: str = "",
                       replay_endpoint: str | None = None, buffer_steps: int = 10_000,
-                      hwm: int = 100_000, max_queue_size: int = 100_000
-                      ) -> KVEventPublisher:
+                      hwm: int = 100_000, max_queue_size: int = 100_000,
+                      bind_host: str = "127.0.0.1") -> KVEventPublisher:
         """Open the sockets and start the publisher thread.
 
         Args:
-            endpoint: PUB address; ``tcp://*:PORT`` binds, ``tcp://HOST:PORT`` connects.
+            endpoint: PUB address; ``tcp://*:PORT`` binds (on ``bind_host``),
+                ``tcp://HOST:PORT`` connects.
             topic: the first frame of every message (UTF-8).
             replay_endpoint: ROUTER address (always bound) answering replay requests;
                 ``None``: no replay socket.
@@ -253,6 +266,9 @@ class KVEventPublisher:
             hwm: the PUB socket's send high-water mark, in messages (> 0).
             max_queue_size: batches ``publish`` may queue ahead of the thread (> 0;
                 ``publish`` blocks beyond it, as vLLM's queue).
+            bind_host: the interface a wildcard TCP endpoint (``tcp://*:PORT``, PUB
+                or replay) binds: loopback by default; ``"*"`` for every interface
+                (vLLM's behaviour), or an address.
 
         Raises:
             ValueError: a malformed endpoint (named), a bad count, or an address
@@ -266,13 +282,21 @@ class KVEventPublisher:
         buffer_steps = _check_count("buffer_steps", buffer_steps)
         hwm = _check_count("hwm", hwm)
         max_queue_size = _check_count("max_queue_size", max_queue_size)
+        if (not isinstance(bind_host, str) or not bind_host
+                or any(c.isspace() or c == "/" for c in bind_host)):
+            raise ValueError(f"bind_host must be '*' or an interface address, got "
+                             f"{bind_host!r}")
+        bind_pub = is_bind_endpoint(endpoint)  # (decided on the endpoint as given)
+        endpoint = with_bind_host(endpoint, bind_host)
+        if replay_endpoint is not None:
+            replay_endpoint = with_bind_host(replay_endpoint, bind_host)
         ctx = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
         replay = None
         pub_bound = replay_bound = None
         try:
             pub.set_hwm(hwm)
-            if is_bind_endpoint(endpoint):
+            if bind_pub:
                 endpoint = pub_bound = _bind(pub, endpoint, "KV events endpoint")
             else:
                 try:

@@ -17,7 +17,9 @@ engine thread updates them after each step; `GET /metrics` renders the registry.
 | `prefixcache:prompt_tokens_total`, `prefixcache:generation_tokens_total` | counter | tokens of finished requests |
 | `prefixcache:request_success_total` | counter | finished requests by `finished_reason` |
 | `prefixcache:num_preemptions_total` | counter | preemptions by recompute |
-| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.sim.misses.REASONS`; only with `serve --miss-reasons`) |
+| `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.sim.misses.REASONS` but `isolated`, counted as `cold` so that no tenant learns of another's cache; only with `serve --miss-reasons`) |
+| `prefixcache:compiled_programs` | gauge | programs the engine's jitted step functions hold (compiled, or loaded from the persistent compilation cache; `Engine.num_programs_built`) |
+| `prefixcache:compiles_after_warmup` | gauge | of those, built after the warm-up (0: no request waited for a compile; absent with `--no-warmup`) |
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ class ServerMetrics:
         self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
                               "Time between consecutive tokens of a request.", lab,
                               buckets=_ITL_BUCKETS, registry=r)
+        self._programs = Gauge(PREFIX + "compiled_programs",
+                               "Programs the engine's jitted step functions hold.", lab,
+                               registry=r)
+        self._after_warmup = Gauge(PREFIX + "compiles_after_warmup",
+                                   "Programs built after the warm-up finished.", lab,
+                                   registry=r)
         self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                               "End-to-end request latency (HTTP arrival to finish).", lab,
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -86,15 +94,24 @@ class ServerMetrics:
             h.labels(m) for h in (self._ttft, self._itl, self._e2e))
         self._model_name = m
 
+    def set_programs(self, num_built: int, after_warmup: int | None) -> None:
+        """The compile gauges (`Engine.num_programs_built`, `num_compiles_after_warmup`;
+        the latter left out while None: the engine never warmed up)."""
+        self._programs.labels(self._model_name).set(num_built)
+        if after_warmup is not None:
+            self._after_warmup.labels(self._model_name).set(after_warmup)
+
     def success(self, reason: str):
         return self._success.labels(self._model_name, reason)
 
     def add_misses(self, miss_reasons) -> None:
         """Count a finished request's miss reasons (``RequestMetrics.miss_reasons``;
-        the evicted sub-counts are not reasons of their own and are left out)."""
+        the evicted sub-counts are not reasons of their own and are left out;
+        ``isolated`` is counted as ``cold``: see `protocol.client_miss_reasons`)."""
+        from prefixcache.serve.protocol import client_miss_reasons  # noqa: PLC0415
         from prefixcache.sim.misses import REASONS  # noqa: PLC0415
 
-        for r, v in miss_reasons.items():
+        for r, v in client_miss_reasons(miss_reasons).items():
             if v and r in REASONS:
                 self._misses.labels(self._model_name, r).inc(v)
 

@@ -4,9 +4,11 @@ Every check here runs before anything reaches the engine: a bad request raises
 `APIError` (an OpenAI-style error object naming the field) and changes nothing.
 
 Status codes: 400 for a value the API does not accept (out of range, too long for the
-context, an option the engine does not implement), 422 for a field of the wrong JSON
-type, 404 for an unknown model (base name or LoRA module), 503 when the waiting queue
-is full or the server is shutting down.
+context, an option the engine does not implement, a batch the server can never admit),
+422 for a field of the wrong JSON type, 404 for an unknown model (base name or LoRA
+module), 503 when the waiting queue is full or the server is shutting down. Every
+number is range-checked against what the model step can represent (int32 / float32
+arrays), so no request can fail a step that other requests share.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from prefixcache.engine.sampling_params import SamplingParams
 
 MAX_N = 128  # most choices per prompt (n)
+_INT32_MAX = 2 ** 31 - 1  # the step's top_k row is int32
+_INT64 = 2 ** 63  # priority and stop token ids: what a host-side int64 array holds
+MAX_TEMPERATURE = 2.0 ** 16
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -61,6 +68,12 @@ class ServerContext:
         prompts only).
       max_model_len: the engine's longest request (prompt + output).
       vocab_size: the model's vocabulary (token ids must be below it).
+      max_request_output_tokens: the most output tokens one request may ask for in
+        all (prompts x n x max_tokens; `serve --max-request-output-tokens`); None: no
+        bound.
+      max_request_choices: the most engine requests (prompts x n) one request may
+        make: more could never be admitted at once (the running batch plus the waiting
+        queue's bound); None: no bound.
     """
 
     served_model_name: str
@@ -68,6 +81,8 @@ class ServerContext:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    max_request_output_tokens: int | None = None
+    max_request_choices: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +116,28 @@ class GenerationRequest:
     lora: Any
 
 
+def client_miss_reasons(reasons: Mapping[str, int] | None) -> dict[str, int] | None:
+    """Miss reasons as a client (and `/metrics`) may see them: ``isolated`` folded into
+    ``cold``.
+
+    NOTE: ``isolated`` means "these tokens are cached under another cache salt or
+    adapter": shown to a client it tells whether another tenant's prompt is cached (a
+    membership oracle without timing, which defeats ``cache_salt``). ``cold`` is what
+    the client's own cache namespace says of those blocks (its own key was never
+    cached: ``evicted`` takes precedence over ``isolated``, so no other reason changes).
+    `/metrics` is open (as vLLM's), so its counter folds them too; per-tenant series
+    would not help, since a tenant's own series would still carry the bit. The
+    engine's own figures (`Engine.metrics`, in-process replays) keep ``isolated``.
+    """
+    if reasons is None:
+        return None
+    out = dict(reasons)
+    iso = out.pop("isolated", 0)
+    if iso:
+        out["cold"] = out.get("cold", 0) + iso
+    return out
+
+
 _MISSING = object()
 
 
@@ -125,6 +162,42 @@ def _typed(body: Mapping, name: str, check, what: str, default=None):
 
 def _bad(name: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=name, code=code)
+
+
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays / objects a request body may have
+
+
+def check_json_body(body: Any) -> None:
+    """Refuses a parsed request body nested deeper than `MAX_JSON_DEPTH` or holding a
+    string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON
+    escapes allow but neither UTF-8 nor a tokenizer can carry).
+
+    Raises:
+      APIError: 400 naming the top-level field it was found under.
+    """
+    stack = [(body, 1, None)]
+    while stack:
+        v, depth, field = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _bad(field, "the request body holds a string with a lone surrogate "
+                                  f"(not valid Unicode){'' if field is None else f' in {field!r}'}",
+                           code="invalid_unicode") from None
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise _bad(field, f"the request body is nested deeper than {MAX_JSON_DEPTH} "
+                                  "levels", code="too_deep")
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    f = k if depth == 1 and isinstance(k, str) and k.isascii() else field
+                    stack.append((k, depth, f))
+                    if not isinstance(x, (int, float, bool)) and x is not None:
+                        stack.append((x, depth + 1, f))
+            else:
+                stack.extend((x, depth + 1, field) for x in v
+                             if not isinstance(x, (int, float, bool)) and x is not None)
 
 
 def _resolve_model(body: Mapping, ctx: ServerContext) -> tuple[str, Any]:
@@ -296,12 +369,6 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
     model, lora = _resolve_model(body, ctx)
     _refuse_unsupported(body, kind)
     prompts = _completion_prompts(body, ctx) if kind == "completion" else [_chat_prompt(body, ctx)]
-    for p in prompts:
-        if len(p) > ctx.max_model_len:
-            raise _bad("messages" if kind == "chat" else "prompt",
-                       f"This model's maximum context length is {ctx.max_model_len} tokens. "
-                       f"However, your prompt has {len(p)} tokens.",
-                       code="context_length_exceeded")
     n = _typed(body, "n", _is_int, "an integer", default=1)
     if not 1 <= n <= MAX_N:
         raise _bad("n", f"'n' must be in [1, {MAX_N}], got {n}")
@@ -317,32 +384,59 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
     if max_tokens is not None and max_tokens < 1:
         raise _bad(name, f"'{name}' must be at least 1, got {max_tokens}")
     longest = max(len(p) for p in prompts)
+    pname = "messages" if kind == "chat" else "prompt"
+    if longest > ctx.max_model_len or (max_tokens is None and longest == ctx.max_model_len):
+        # NOTE: as vLLM: without max_tokens a prompt must leave room for one output
+        # token (so it is refused exactly when an explicit max_tokens of 1 is).
+        raise _bad(pname, f"This model's maximum context length is {ctx.max_model_len} "
+                          f"tokens. However, your prompt has {longest} tokens"
+                          + ("" if longest > ctx.max_model_len else
+                             ", which leaves no room for the completion")
+                          + ". Please reduce the length of the prompt.",
+                   code="context_length_exceeded")
     if max_tokens is None:
         # OpenAI's completions default (16); chat: the rest of the context (vLLM's).
         max_tokens = (min(16, ctx.max_model_len - longest) if kind == "completion"
                       else ctx.max_model_len - longest)
-        max_tokens = max(max_tokens, 1)
     elif longest + max_tokens > ctx.max_model_len:
         raise _bad(name, f"This model's maximum context length is {ctx.max_model_len} "
                          f"tokens. However, you requested {longest + max_tokens} tokens "
                          f"({longest} in the prompt, {max_tokens} in the completion).",
                    code="context_length_exceeded")
+    n_out = len(prompts) * n
+    if ctx.max_request_choices is not None and n_out > ctx.max_request_choices:
+        raise _bad("n", f"this request makes {n_out} sequences ({len(prompts)} prompt(s) x "
+                        f"'n'={n}) but the server can hold at most {ctx.max_request_choices} "
+                        "at once (running batch plus waiting queue), so it could never be "
+                        "admitted; send fewer prompts or a smaller 'n'",
+                   code="too_many_sequences")
+    if (ctx.max_request_output_tokens is not None
+            and n_out * max_tokens > ctx.max_request_output_tokens):
+        raise _bad(name, f"this request asks for up to {n_out * max_tokens} output tokens "
+                         f"({len(prompts)} prompt(s) x 'n'={n} x '{name}'={max_tokens}) but "
+                         f"the server's bound is {ctx.max_request_output_tokens} per request "
+                         "(--max-request-output-tokens); lower 'n' or "
+                         f"'{name}'", code="too_many_output_tokens")
     temperature = _typed(body, "temperature", _is_number, "a number", default=1.0)
-    if not 0 <= temperature <= 2 ** 16:
-        raise _bad("temperature", f"'temperature' must be >= 0, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise _bad("temperature", f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], "
+                                  f"got {temperature}")
     top_p = _typed(body, "top_p", _is_number, "a number", default=1.0)
-    if not 0 < top_p <= 1:
-        raise _bad("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    if not (0 < top_p <= 1 and np.float32(top_p) > 0):
+        raise _bad("top_p", f"'top_p' must be in (0, 1] (and above 0 as a float32), got "
+                            f"{top_p}")
     top_k = _typed(body, "top_k", _is_int, "an integer", default=0)
-    if top_k < -1:
-        raise _bad("top_k", f"'top_k' must be -1 or 0 (off) or >= 1, got {top_k}")
+    if not -1 <= top_k <= _INT32_MAX:
+        raise _bad("top_k", f"'top_k' must be -1 or 0 (off) or in [1, {_INT32_MAX}], got "
+                            f"{top_k}")
     seed = _typed(body, "seed", _is_int, "an integer")
     if seed is not None and not 0 <= seed < 2 ** 32:
         raise _bad("seed", f"'seed' must be in [0, 2**32), got {seed}")
     stop_ids = _typed(body, "stop_token_ids", lambda v: isinstance(v, list)
                       and all(_is_int(t) for t in v), "a list of integers", default=[])
-    if any(t < 0 for t in stop_ids):
-        raise _bad("stop_token_ids", f"'stop_token_ids' must be >= 0, got {stop_ids}")
+    if any(not 0 <= t < _INT64 for t in stop_ids):
+        raise _bad("stop_token_ids", f"'stop_token_ids' must be in [0, 2**63), got "
+                                     f"{stop_ids}")
     ignore_eos = _typed(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean",
                         default=False)
     stop = _stop_strings(body, ctx)
@@ -362,6 +456,8 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
     if cache_salt is not None and not cache_salt:
         raise _bad("cache_salt", "'cache_salt' must be a non-empty string")
     priority = _typed(body, "priority", _is_int, "an integer", default=0)
+    if not -_INT64 <= priority < _INT64:
+        raise _bad("priority", f"'priority' must be in [-2**63, 2**63), got {priority}")
     params = []
     for _ in prompts:
         for j in range(n):
@@ -372,7 +468,7 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
                     top_k=int(top_k), top_p=float(top_p), seed=s,
                     stop_token_ids=tuple(stop_ids)))
             except ValueError as e:  # pragma: no cover - the checks above come first
-                raise _bad(None, str(e)) from None
+                raise _bad(None, f"invalid sampling parameters: {e}") from None
     return GenerationRequest(
         kind=kind, model=model, prompts=tuple(prompts), n=n, params=tuple(params),
         stream=stream, include_usage=include_usage, stop=stop,

@@ -9,6 +9,9 @@ same way.
 * ``parse_names`` / ``parse_capacities``: comma-separated flag values, validated.
 * ``check_replay_supports``: whether ``prefixcache.sim.replay.replay`` can run a
   (policy, index); a clear ``ValueError`` otherwise, before anything runs.
+* ``resolve_policy_variants``: a grid's policies as labels -> (policy, options): a
+  registered name, or a label of ``policy_variants`` (``{"eviction": name, "options":
+  {...}}``), each variant's options checked by building its policy before any cell.
 * ``replay_cell``: the replay of one cell; ``ideal_num_blocks``: a capacity at which
   nothing is ever evicted (the infinite-cache ideal).
 * ``cell_row``: the row a cell publishes.
@@ -105,9 +108,76 @@ def check_replay_supports(policy: str, index: str, *, model: str | None = None) 
         ModelShape.preset(model)  # ValueError naming the presets
 
 
+def check_policy_options(label: str, policy: str, options: dict, *, block_size: int) -> None:
+    """Builds ``policy`` with ``options`` once (a tiny pool): an option it does not take
+    or a bad value is a ``ValueError`` naming ``policy_variants[label]``."""
+    from prefixcache.core.eviction import get_policy_class, make_policy  # noqa: PLC0415
+
+    kw = {"block_size": block_size} if get_policy_class(policy).needs_block_size else {}
+    try:
+        make_policy(policy, num_blocks=2, **kw, **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"policy_variants[{label!r}]: {e}") from None
+
+
+def resolve_policy_variants(policies: Sequence[str], variants: dict | None, *,
+                            block_size: int, extra_keys: Sequence[str] = (),
+                            offline: bool = True) -> dict[str, dict]:
+    """The grid's policies as ``{label: {"eviction": name, "options": dict, ...}}``.
+
+    Args:
+        policies: the labels, in order: a registered policy name (no options) or a key
+            of ``variants``.
+        variants: ``{label: {"eviction": name, "options": {...}}}`` (plain dicts; a
+            label must not be a registered name); entries no label uses are not read.
+        block_size: tokens per block (for policies that take it).
+        extra_keys: further keys a variant may carry, returned as given (a study's own,
+            e.g. ``hybrid_state``'s ``"tune"``).
+        offline: a policy that needs the trace's future (``belady``) may be in the grid
+            (without options: the replay builds its future); ``False``: refused.
+
+    Raises:
+        ValueError: an unknown label, a malformed variant, options its policy refuses
+            (``policy_variants[label]: ...``), before anything runs.
+    """
+    from prefixcache.core.eviction import POLICIES, get_policy_class  # noqa: PLC0415
+
+    variants = dict(variants or {})
+    allowed = {"eviction", "options", *extra_keys}
+    for label in variants:
+        if label in POLICIES:
+            raise ValueError(f"policy_variants[{label!r}]: {label!r} is a registered "
+                             "policy's name; give the variant a label of its own")
+    out: dict[str, dict] = {}
+    for label in policies:
+        v = variants.get(label)
+        if v is None:
+            entry = {"eviction": label, "options": {}}
+        else:
+            if (not isinstance(v, dict) or set(v) - allowed or "eviction" not in v
+                    or not isinstance(v.get("options") or {}, dict)):
+                extra = "".join(f", '{k}': ..." for k in extra_keys)
+                raise ValueError(f"policy_variants[{label!r}] must be {{'eviction': name, "
+                                 f"'options': {{...}}{extra}}}, got {v!r}")
+            entry = {**v, "options": dict(v.get("options") or {})}
+        cls = get_policy_class(entry["eviction"])  # unknown -> ValueError naming the choices
+        if cls.needs_future:
+            if not offline:
+                raise ValueError(f"policy {label!r} needs the trace's future: not in this "
+                                 "study")
+            if entry["options"]:
+                raise ValueError(f"policy_variants[{label!r}]: {entry['eviction']} takes no "
+                                 "options here (the replay builds its future)")
+        elif entry["options"]:
+            check_policy_options(label, entry["eviction"], entry["options"],
+                                 block_size=block_size)
+        out[label] = entry
+    return out
+
+
 def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: str,
                 num_blocks: int, block_size: int, model: str | None = None,
-                **replay_kwargs) -> dict:
+                eviction_options: dict | None = None, **replay_kwargs) -> dict:
     """Replays the trace once under (``policy``, ``index``, ``num_blocks``).
 
     Args:
@@ -117,6 +187,7 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
         policy, index: registered names (``check_replay_supports`` is applied).
         num_blocks, block_size: the cache.
         model: a ``ModelShape`` preset name, for cached bytes (``None``: no bytes).
+        eviction_options: the policy's options (``None``: its defaults).
         **replay_kwargs: ``hash_algo``, ``hash_seed``, ``free_order``, ``concurrency``,
             ``max_model_len``.
 
@@ -129,6 +200,8 @@ def replay_cell(make_requests: Callable[[], Iterable], *, policy: str, index: st
     check_replay_supports(policy, index, model=model)
     kwargs = dict(replay_kwargs, num_blocks=num_blocks, block_size=block_size,
                   eviction=policy, index=index)
+    if eviction_options:
+        kwargs["eviction_options"] = dict(eviction_options)
     if model:
         kwargs["model"] = model
     # NOTE: an offline bound needs the future: the replay reads the trace twice.
@@ -151,13 +224,18 @@ def ideal_num_blocks(requests: Iterable, block_size: int) -> int:
 
 
 def cell_row(summary: dict, *, policy: str, index: str, num_blocks: int, block_size: int,
-             concurrency: int, model: str | None = None, record: str = "cell") -> dict:
+             concurrency: int, model: str | None = None, record: str = "cell",
+             eviction: str | None = None, eviction_options: dict | None = None) -> dict:
     """The published row of one cell: ``summary``'s fields (the replay's, a
     ``KeyError`` for a missing one), ``peak_cached_bytes`` / ``mean_cached_bytes`` None
-    when the replay ran without a model."""
+    when the replay ran without a model. ``policy`` is the cell's label; ``eviction`` /
+    ``eviction_options`` the policy and options it ran (default: ``policy``, none)."""
     from prefixcache.core.indexes import index_name  # noqa: PLC0415
 
-    row: dict[str, Any] = {"record": record, "policy": policy, "index": index_name(index),
+    row: dict[str, Any] = {"record": record, "policy": policy,
+                           "eviction": policy if eviction is None else eviction,
+                           "eviction_options": dict(eviction_options or {}),
+                           "index": index_name(index),
                            "num_blocks": num_blocks, "block_size": block_size,
                            "capacity_tokens": num_blocks * block_size,
                            "concurrency": concurrency}

@@ -81,6 +81,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Mapping
 
+from prefixcache._validate import ArgumentTypeError
+
 ENV_VAR = "PREFIXCACHE_DATA"
 
 # The Mooncake commit the URLs are pinned to (the files' bytes cannot change under it).
@@ -92,7 +94,7 @@ _MOONCAKE_RAW = (f"https://raw.githubusercontent.com/kvcache-ai/Mooncake/{_MOONC
 # at this commit are LFS pointers whose oid is the sha256 registered below.
 _BAILIAN_REPO = "https://github.com/alibaba-edu/qwen-bailian-usagetraces-anon/raw"
 _BAILIAN_COMMIT = "0b4273a1d8a83935b9d9356e78f95c31f2ac64cf"
-# The to-C / to-B files as other projects pin them (README commit 5f7439c).
+# The to-C / to-B files at the upstream revision other projects pin them to.
 _BAILIAN_AB_COMMIT = "5f7439c51ec248a0c585f7d90a41a6f57773b912"
 _HF = "https://huggingface.co/datasets/semianalysisai"
 # Tokens per hash id of each format (a replay of a dataset uses its format's).
@@ -224,9 +226,15 @@ def get(name: str, registry: Mapping[str, Dataset] | None = None) -> Dataset:
       The ``Dataset``.
 
     Raises:
+      TypeError: ``name`` is not a str (a list, a path object, ...): an
+        ``ArgumentTypeError``, also a ValueError.
       DatasetError: unknown name (the message lists the known ones).
     """
     registry = DATASETS if registry is None else registry
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"dataset name must be a str (one of {', '.join(sorted(registry))}), got "
+            f"{type(name).__name__} {name!r}")
     if name not in registry:
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(sorted(registry))}")
     return registry[name]

@@ -29,7 +29,7 @@ scheduler use; FCFS, chunked prefill, a per-step token budget):
 The decode tokens are ``output_token(id, k)``, as in the replay, so multi-turn
 workloads hit their earlier turns' outputs here too.
 
-Host memory tier (``num_host_blocks > 0``; the contract of issue 16): the
+Host memory tier (``num_host_blocks > 0``; the manager's host-tier contract): the
 manager demotes the cached blocks the device pool evicts into a host pool and
 promotes host hits back when ``allocate_slots`` admits a request. The blocks a
 step promotes are copied host -> device before it computes: the step takes
@@ -52,6 +52,9 @@ and at a preemption, as the engine's scheduler reports it) and of one that leave
 unadmitted (``drop_waiting``, a failure); admission drops it in the manager. Every other
 policy: no queue work.
 
+A time-varying eviction policy (``needs_time``: ``ttl_lru``) is told the simulated time
+(seconds) and the steps run so far before each step schedules; other policies: no clock.
+
 Not modelled: network/tokenizer time, speculative decoding, KV transfer
 between prefill and decode instances, communication between chips.
 
@@ -71,7 +74,7 @@ import numpy as np
 
 from prefixcache._validate import ArgumentTypeError, check_count
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
-from prefixcache.core.eviction import policy_name, reads_waiting_queue
+from prefixcache.core.eviction import policy_clock, policy_name, reads_waiting_queue
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
 from prefixcache.cost_model import CostModel
@@ -249,6 +252,9 @@ class Server:
         # preemption: ``on_waiting``) and of one leaving it unadmitted (a failure:
         # ``drop_waiting``); admission drops it in the manager. None: no queue work.
         self._queue_watch = manager if reads_waiting_queue(manager) else None
+        # A time-varying eviction policy (ttl_lru): told the simulated time and the
+        # steps so far before each step schedules. None: no clock.
+        self._set_time = policy_clock(manager)
         if host_tier_on(manager):
             cost_model.load_time(0)  # no host_link -> ValueError before anything runs
             self.host_block_bytes = cost_model.block_bytes(manager.block_size)
@@ -353,6 +359,8 @@ class Server:
         host = self.host_block_bytes is not None
         if host:
             loaded0 = manager.host_blocks_loaded
+        if self._set_time is not None and (self.running or self.waiting):
+            self._set_time(self.now, counts["steps"])
         while True:
             running = self.running
             waiting = self.waiting

@@ -42,6 +42,11 @@ announced to the manager (``on_waiting`` with the prompt blocks a lookup can ado
 and each admission drops its own request; a failed request is dropped too. Other
 policies never build the look-ahead (the default path is unchanged).
 
+A time-varying policy (``needs_time``: ``ttl_lru``) is told the clock before each
+request's lookup: the request's ``timestamp`` (seconds; a policy counting seconds
+refuses a request without one) and its index in the trace (steps). Other policies: no
+clock.
+
 Cache memory: the summary reports the blocks in the cache (held or free, cached under
 a hash) sampled after every admission (``peak_cached_blocks``, ``mean_cached_blocks``;
 in bytes with ``model=``), and ``stranded_blocks``: cached blocks no lookup can reach
@@ -73,11 +78,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from prefixcache._validate import check_count, check_hash_seed, check_positive_int
+from prefixcache._validate import check_bool, check_count, check_hash_seed, check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.eviction import (
     TraceFuture,
     get_policy_class,
+    policy_clock,
     policy_name,
     reads_waiting_queue,
 )
@@ -165,6 +171,15 @@ def _announce_waiting(requests: Iterable[TraceRequest], depth: int, on_waiting: 
             yield buf.popleft()
     while buf:
         yield buf.popleft()
+
+
+def _clocked(requests: Iterable[TraceRequest], set_time: Callable):
+    """The trace, in order, telling a time-varying policy (``needs_time``) the clock
+    before each request reaches the loop: its arrival ``timestamp`` (seconds; ``None``
+    without one) and its index in the trace (the step)."""
+    for i, tr in enumerate(requests):
+        set_time(tr.timestamp, i)
+        yield tr
 
 
 def _reuse(requests: int, prompt: int, hits: int) -> dict:
@@ -316,6 +331,9 @@ def replay(
                   host_eviction_options=host_eviction_options)
     # (the one int rule: numpy ints are ints, bools are not -- _validate)
     concurrency = check_positive_int("concurrency", concurrency)
+    for flag, value in (("record_evictions", record_evictions), ("progress", progress),
+                        ("miss_reasons", miss_reasons)):
+        check_bool(flag, value)  # ("no" would be truthy)
     total = check_count("total", total) if total is not None else None
     if queue_depth is not None:
         queue_depth = check_positive_int("queue_depth", queue_depth)
@@ -421,6 +439,9 @@ def replay(
         queue_depth = concurrency if queue_depth is None else queue_depth
         it = _announce_waiting(it, queue_depth, m.on_waiting, hasher, block_size, keyed_index)
         drop_waiting = m.drop_waiting
+    set_time = policy_clock(m)
+    if set_time is not None:  # a time-varying policy: the clock, per request (no cost else)
+        it = _clocked(it, set_time)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from prefixcache.core import KVCacheManager, Request
-from prefixcache.core.eviction import POLICIES, TraceFuture, reads_waiting_queue
+from prefixcache.core.eviction import POLICIES, TraceFuture, policy_clock, reads_waiting_queue
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.indexes import INDEXES, refusal
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks
@@ -36,6 +36,8 @@ def _trace(seed: int = 0, n: int = 14) -> list[list[int]]:
 
 
 def _options(eviction: str, prompts) -> dict:
+    if eviction == "ttl_lru":  # (a TTL of 2 requests: blocks expire within the trace)
+        return {"ttl": 2, "unit": "steps"}
     if not POLICIES[eviction].needs_future:
         return {}
     h = BlockHasher("sha256", None)
@@ -65,9 +67,12 @@ def _run(index, eviction, tier, layout, num_blocks):
 
     if waits:
         announce(reqs[0])
+    set_time = policy_clock(m)  # a time-varying policy: the request index is the clock
     for i, r in enumerate(reqs):
         if waits and i + 1 < len(reqs):
             announce(reqs[i + 1])
+        if set_time is not None:
+            set_time(None, i)
         m.on_arrival(r, i)
         while True:
             blocks, n = m.get_computed_blocks(r)

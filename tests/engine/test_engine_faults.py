@@ -163,18 +163,23 @@ def test_abort_during_chunked_prefill(base):
 # ------------------------------------------------------------------- bad configuration
 
 def test_unsupported_kernel_config_is_rejected_at_construction():
-    for kw, match in ((dict(block_size=4), "page_size 4"),
-                      (dict(block_size=200), "page_size 200"),
+    tpu = dict(attention_backend="pallas_tpu", interpret=True)
+    for kw, match in ((dict(block_size=4, **tpu), r"block_size=4 is not supported .*"
+                       r"the Pallas tpu backend needs page_size in \[8, 128\], got 4"),
+                      (dict(block_size=200, **tpu), "block_size=200 is not supported"),
+                      (dict(block_size=24, attention_backend="pallas_gpu", interpret=True),
+                       "block_size=24 .*the Pallas gpu backend needs a power-of-two"),
                       (dict(attention_backend="pallas_tpu"), "needs a tpu device"),
                       (dict(attention_backend="nope"), "unknown backend")):
         with pytest.raises(ValueError, match=match):
             Engine(ModelConfig.tiny(), num_blocks=8, **kw)
-    with pytest.raises(ValueError, match="head_dim 32"):
-        Engine(ModelConfig.tiny(head_dim=32), num_blocks=8)
+    with pytest.raises(ValueError, match="the Pallas tpu backend needs head_dim in"):
+        Engine(ModelConfig.tiny(head_dim=32), num_blocks=8, **tpu)
 
 
 def test_kv_cache_beyond_memory_is_rejected_before_allocating():
-    with pytest.raises(ValueError, match=r"KV cache .* needs about .* GiB"):
+    with pytest.raises(ValueError, match=r"num_blocks=1073741824 .*KV cache .* needs about "
+                       r".* GiB"):
         Engine(ModelConfig.tiny(), num_blocks=2**30, block_size=16,
                max_model_len=1024)
     # The model's own entry point: used to be XLA's RESOURCE_EXHAUSTED (or, on a host

@@ -232,3 +232,38 @@ def test_dataset_configs_run_at_the_dataset_block_size(name, tmp_path, monkeypat
     cfg.block_size = 32
     with pytest.raises(ValueError, match=f"must use block_size={d.block_size}, not 32"):
         cp.run(cfg)
+
+
+def test_policy_variants_run_with_their_options_and_rows_carry_them(config):
+    # A variant is a label -> (policy, options): checked before any cell, replayed with
+    # those options, published under its label.
+    # (the grid's cells run in this process: the executors are tested above)
+    config.policies, config.belady_bound = "lru,ttl2,lfu", False
+    config.capacities, config.miss_reasons = "40", False
+    config.policy_variants = {"ttl2": {"eviction": "ttl_lru", "options": {"ttl": 2}}}
+    cells = cp.make_cells(config, cp.resolve_grid(config))
+    rows = [cp.run_cell(c) for c in cells if c["num_blocks"]]  # (not the ideal)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"lru", "ttl2", "lfu"}
+    assert (by["ttl2"]["eviction"], by["ttl2"]["eviction_options"]) == ("ttl_lru", {"ttl": 2})
+    assert (by["lfu"]["eviction"], by["lfu"]["eviction_options"]) == ("lfu", {})
+    s = replay(_requests(), num_blocks=40, block_size=8, concurrency=2,
+               free_order="unhashed_first", eviction="ttl_lru", eviction_options={"ttl": 2})
+    assert by["ttl2"]["hit_tokens"] == s["hit_tokens"]
+
+
+@pytest.mark.parametrize("variants,match", [
+    ({"v": {"eviction": "ttl_lru", "options": {"ttl": 0}}}, r"policy_variants\['v'\].*ttl"),
+    ({"v": {"eviction": "ttl_lru", "options": {"tll": 5}}}, r"policy_variants\['v'\].*tll"),
+    ({"v": {"options": {}}}, r"policy_variants\['v'\] must be"),
+    ({"v": {"eviction": "nope"}}, "unknown eviction policy 'nope'"),
+    ({"v": {"eviction": "belady", "options": {"x": 1}}}, "future"),
+    ({"v": {"eviction": "lru"}, "lru": {"eviction": "lfu"}}, "registered policy's name"),
+])
+def test_bad_policy_variants_are_refused_before_any_cell(config, variants, match):
+    config.policies = "lru,v"
+    config.policy_variants = variants
+    with pytest.raises(ValueError, match=match):
+        cp.run(config)
+    assert not (pathlib.Path(config.workdir) / cp.ROWS_FILE).exists()
+    assert not (pathlib.Path(config.workdir) / "compare_policies.cells.jsonl").exists()

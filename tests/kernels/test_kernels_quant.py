@@ -251,7 +251,8 @@ def test_quantized_bad_inputs():
 def test_check_backend_config_quantized():
   kw = dict(page_size=16, head_dim=64, num_q_heads=4, num_kv_heads=2, q_dtype=jnp.float32)
   # fp8 pages: compiled pallas_gpu needs sm_89+ (Triton's e4m3).
-  with pytest.raises(ValueError, match=r"cannot read float8_e4m3fn KV pages.*8\.0"):
+  with pytest.raises(ValueError, match=(r"the Pallas gpu backend needs compute capability "
+                                        r"8\.9.*float8_e4m3fn.*8\.0")):
     kernels.check_backend_config("pallas_gpu", platform="gpu", compute_capability="8.0",
                                  kv_dtype=jnp.float8_e4m3fn, **kw)
   assert kernels.check_backend_config("pallas_gpu", platform="gpu", compute_capability="9.0",

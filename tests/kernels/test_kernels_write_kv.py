@@ -1,6 +1,8 @@
 """write_kv and input validation of paged_attention."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,28 @@ def test_write_then_attend_equals_attention_over_concatenated_sequence(dtype):
   changed = ~((before == after) | (np.isnan(before) & np.isnan(after)))
   changed_slots = set(np.flatnonzero(changed.reshape(-1, *changed.shape[2:]).any(axis=(1, 2))))
   assert changed_slots <= set(slots)
+  # The fused call (jitted, pages donated) is the two calls above, bit for bit.
+  fused = jax.jit(functools.partial(kernels.write_kv_and_attend, sm_scale=0.125,
+                                    num_blocks=pad_page, backend="reference"),
+                  donate_argnums=3)
+  args = list(case.args())
+  out_f, kv_f = fused(args[0], jnp.asarray(np.stack(k_new), dtype),
+                      jnp.asarray(np.stack(v_new), dtype), jnp.asarray(case.kv_pages),
+                      jnp.asarray(slots, jnp.int32), *args[2:])
+  np.testing.assert_array_equal(np.asarray(kv_f.astype(jnp.float32)), after)
+  np.testing.assert_array_equal(np.asarray(out_f.astype(jnp.float32), np.float64), out)
+
+
+@pytest.mark.parametrize("head_dim, page_size", [(16, 4), (24, 1), (8, 3)])
+def test_reference_takes_any_head_dim_and_page_size(head_dim, page_size):
+  """Only the Pallas kernels have tiling limits; the reference runs any shape."""
+  case = make_case(1, [(3, 7), (1, 5)], num_kv_heads=2, group=2, head_dim=head_dim,
+                   page_size=page_size)
+  out = kernels.paged_attention(*case.args(), sm_scale=0.125, backend="reference")
+  n = case.num_live_tokens
+  rtol, atol = tolerance(np.float32)
+  np.testing.assert_allclose(np.asarray(out, np.float64)[:n],
+                             oracle(case, sm_scale=0.125)[:n], rtol=rtol, atol=atol)
 
 
 def test_write_kv_layout_k_even_v_odd():
@@ -96,7 +120,7 @@ def _good_args():
     (lambda a: a.__setitem__(4, a[4][:-1]), "cu_q_lens shape"),
     (lambda a: a.__setitem__(2, a[2][:-1]), "kv_lens shape"),
     (lambda a: a.__setitem__(5, jnp.array([1, 1], jnp.int32)), "num_seqs shape"),
-    (lambda a: a.__setitem__(1, jnp.zeros((4, 4, 4, 64), jnp.float32)), "page_size 4"),
+    (lambda a: a.__setitem__(5, 1), "num_seqs must be an array"),
 ])
 def test_paged_attention_bad_inputs(mutate, match):
   args = _good_args()
@@ -131,13 +155,16 @@ def test_negative_and_out_of_range_slots_write_nothing():
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(page_size=4), "page_size 4 out of the supported range"),
-    (dict(head_dim=32), "head_dim 32 not supported"),
+    (dict(backend="pallas_tpu", interpret=True, page_size=4),
+     r"the Pallas tpu backend needs page_size in \[8, 128\], got 4"),
+    (dict(backend="pallas_gpu", interpret=True, head_dim=32),
+     r"the Pallas gpu backend needs head_dim in \(64, 128, 256\), got 32"),
     (dict(num_q_heads=3), "not a multiple of num_kv_heads"),
     (dict(q_dtype=jnp.bfloat16), "bfloat16 with kv_pages dtype float32"),
     (dict(kv_dtype=jnp.float16), "kv_pages dtype float16 not supported"),
     (dict(page_size=8.0), "page_size must be a positive int"),
-    (dict(backend="pallas_gpu", interpret=True, page_size=24), "power-of-two page_size"),
+    (dict(backend="pallas_gpu", interpret=True, page_size=24),
+     "the Pallas gpu backend needs a power-of-two page_size, got 24"),
     (dict(backend="pallas_tpu"), "needs a tpu device"),
 ])
 def test_check_backend_config(kw, match):
@@ -150,3 +177,33 @@ def test_check_backend_config(kw, match):
   ok = dict(args, page_size=16, head_dim=64, num_q_heads=4, q_dtype=jnp.float32,
             kv_dtype=jnp.float32, interpret=True)
   assert kernels.check_backend_config("reference", **ok) == "reference"
+
+
+def test_write_kv_and_attend_quantized_returns_scales():
+  """int8 pages: the fused call returns (out, kv_pages, kv_scales), equal to write_kv
+  then paged_attention over the written pages and scales."""
+  rng = np.random.default_rng(0)
+  # Two sequences (5 tokens in pages 2, 3; 1 token in page 0) of a 6-block pool, 4-token
+  # pages; page 6 is the padding page. T = 8 (2 padding tokens).
+  slots = jnp.array([8, 9, 10, 11, 12, 0, 24, 24], jnp.int32)
+  kv_lens = jnp.array([5, 1, 0, 0], jnp.int32)
+  pages = jnp.array([[2, 3], [0, 6], [6, 6], [6, 6]], jnp.int32)
+  cu = jnp.array([0, 5, 6, 6, 6], jnp.int32)
+  num_seqs = jnp.array([2], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(8, 2, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(8, 1, 16)), jnp.float32) for _ in range(2))
+  kv = jnp.zeros((7, 4, 2, 16), jnp.int8)
+  scales = jnp.zeros((7, 2), jnp.float32)
+  # (eager: the jitted reference inside is the same program as `want`'s; jit is
+  # covered by the float test above)
+  fused = functools.partial(kernels.write_kv_and_attend, sm_scale=0.25, num_blocks=6,
+                            backend="reference")
+  out, kv_f, scales_f = fused(q, k, v, kv, slots, kv_lens, pages, cu, num_seqs,
+                              kv_scales=scales)
+  kv_w, scales_w = kernels.write_kv(kv, k, v, slots, scales)
+  want = kernels.paged_attention(q, kv_w, kv_lens, pages, cu, num_seqs, sm_scale=0.25,
+                                 kv_scales=scales_w, backend="reference")
+  np.testing.assert_array_equal(np.asarray(kv_f), np.asarray(kv_w))
+  np.testing.assert_array_equal(np.asarray(scales_f), np.asarray(scales_w))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  assert np.abs(np.asarray(out[:6])).max() > 0.1  # live rows attend to written keys

@@ -18,7 +18,9 @@ from prefixcache.core.eviction.base import (
     EvictionPolicy,
     KeyedPolicy,
     PolicyError,
+    TimedPolicy,
     WaitingFanout,
+    policy_clock,
     reads_waiting_queue,
 )
 from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
@@ -33,6 +35,7 @@ from prefixcache.core.eviction.priority import PriorityPolicy
 from prefixcache.core.eviction.queue_aware import QueueAwarePolicy
 from prefixcache.core.eviction.s3fifo import S3FIFOPolicy
 from prefixcache.core.eviction.slru import SLRUPolicy
+from prefixcache.core.eviction.ttl_lru import TTLLRUPolicy
 
 # NOTE: the registry is read-only (no module-level mutable state): add a policy here.
 POLICIES = MappingProxyType({
@@ -49,6 +52,7 @@ POLICIES = MappingProxyType({
     "pgdsf": PGDSFPolicy,
     "queue_aware": QueueAwarePolicy,
     "marconi": MarconiPolicy,
+    "ttl_lru": TTLLRUPolicy,
 })
 
 DEFAULT_POLICY = "lru"
@@ -125,7 +129,9 @@ __all__ = [
     "make_policy",
     "policy_name",
     "online_policy_names",
+    "policy_clock",
     "policy_names",
     "reads_waiting_queue",
+    "TimedPolicy",
     "WaitingFanout",
 ]

@@ -44,12 +44,22 @@ Every policy here is a *keyed* policy: ``key(block)`` is computed when the block
 a candidate, and ``pop`` returns the candidate with the smallest key (a lazy-deletion
 binary heap, O(log n) per operation). Keys end with the block's release stamp, so equal
 keys fall back to LRU order -- the order of vLLM's free queue.
+
+A *time-varying* policy (``needs_time``; ``TimedPolicy``: ``ttl_lru``) ranks a block by
+``priority(block, now)`` -- SGLang's ``get_priority(node)`` with the driver's clock --
+asked when the block becomes a candidate and again, when the pool pops, for every
+candidate whose rank may have changed since (``priority`` says until when its answer
+holds). The driver tells such a policy the time with ``set_time(now_s, step)``
+(``policy_clock(manager)`` finds the device's and the host tier's); other policies are
+never told (no cost).
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Any, Sequence
+import math
+import numbers
+from typing import Any, Callable, Sequence
 
 from prefixcache._validate import check_positive_int
 
@@ -76,6 +86,9 @@ class EvictionPolicy:
         needs_groups: the policy reads each cached block's KV cache group
             (``set_groups`` / ``on_cached_group``, from a multi-group pool; ``marconi``,
             ``queue_aware``); other policies are never told (no cost).
+        needs_time: the policy reads the driver's clock (``set_time``, called by the
+            drivers through ``policy_clock``; ``TimedPolicy``); other policies are
+            never told (no cost).
     """
 
     name = "base"
@@ -83,6 +96,7 @@ class EvictionPolicy:
     needs_block_size = False
     needs_waiting = False
     needs_groups = False
+    needs_time = False
 
     def __init__(self, num_blocks: int):
         self.num_blocks = check_positive_int("num_blocks", num_blocks)  # (the one int rule)
@@ -125,6 +139,11 @@ class EvictionPolicy:
     def waiting_ids(self) -> list:
         """Requests the policy holds as waiting (none unless ``needs_waiting``)."""
         return []
+
+    def set_time(self, now_s: float | None, step: int) -> None:
+        """The driver's clock: ``now_s`` seconds (``None`` where the driver has no
+        clock in seconds) and ``step`` (see ``policy_clock``); ``needs_time`` policies
+        only."""
 
     # -- candidate set -----------------------------------------------------------
     def add(self, block) -> None:
@@ -273,6 +292,166 @@ class KeyedPolicy(EvictionPolicy):
                         f"{self.name}: candidate block {block.block_id} is keyed {k!r} "
                         f"but its key is now {now!r} (metadata changed without a rekey)"
                     )
+
+
+TIME_UNITS = ("s", "steps")  # what a time-varying policy's clock counts
+
+
+def check_time(policy: str, unit: str, now_s, step) -> float:
+    """The driver's clock reading in ``unit`` (``TIME_UNITS``) for ``policy``: ``now_s``
+    for ``"s"``, ``step`` for ``"steps"``; ``ValueError`` when it is missing, not a
+    finite number >= 0 (bools refused)."""
+    now = now_s if unit == "s" else step
+    if now is None:
+        raise ValueError(
+            f"{policy}: unit={unit!r} reads the driver's clock in seconds, which this "
+            "driver does not have (a replayed trace request without a timestamp); give "
+            "the trace timestamps or use unit='steps'")
+    if (isinstance(now, bool) or not isinstance(now, numbers.Real)
+            or not math.isfinite(now) or now < 0):
+        raise ValueError(f"{policy}: the clock ({unit}) must be a finite number >= 0, "
+                         f"got {now!r}")
+    return float(now)
+
+
+class TimedPolicy(KeyedPolicy):
+    """A keyed policy whose ranks depend on the driver's clock (``needs_time``).
+
+    Subclasses implement one method, ``priority(block, now) -> (key, until)``: the
+    block's key at time ``now`` (smaller = evicted first; end it with the release
+    stamp for LRU ties) and the last time at which that key still holds if nothing
+    happens to the block (``math.inf``: until a notification rekeys it; ``now``: it may
+    change at any later time). It is asked when the block becomes a candidate and
+    again, before ``pop`` chooses, for every candidate whose ``until`` is past:
+    piecewise-constant priorities (a TTL: one change per block) cost O(log n) per
+    change; a priority that changes continuously is recomputed at every later pop.
+
+    Args:
+        num_blocks: blocks in the pool.
+        unit: what ``now`` counts (``TIME_UNITS``): ``"s"``, the driver's seconds, or
+            ``"steps"``, its step counter (see ``policy_clock``).
+
+    NOTE: time. The policy's ``now`` is the driver's clock, told by ``set_time(now_s,
+    step)`` and never read from a global: the replay calls it once per request before
+    the request's lookup (``now_s``: the request's arrival ``timestamp``, ``None`` in a
+    trace without one; ``step``: its index in the trace); the DES once per scheduler
+    step (simulated seconds; steps so far); the engine's scheduler once per step
+    (seconds of ``time.monotonic()`` since the scheduler started; steps so far). It
+    reaches the pool through the policy: the pool pops as for any keyed policy, and
+    ``pop`` re-ranks the candidates whose key expired at ``now`` first. Until a driver
+    tells it, ``now`` is 0. The clock never goes back (``ValueError``).
+    """
+
+    name = "timed"
+    needs_time = True
+
+    def __init__(self, num_blocks: int, *, unit: str = "s"):
+        super().__init__(num_blocks)
+        if unit not in TIME_UNITS:
+            raise ValueError(f"{self.name}: unit must be one of {TIME_UNITS}, got {unit!r}")
+        self.unit = unit
+        self.now = 0.0
+        self._until = [math.inf] * num_blocks  # until when each candidate's key holds
+        self._timers: list[tuple[float, int, Any]] = []  # heap of (until, token, block)
+
+    def priority(self, block, now: float) -> tuple[Any, float]:
+        """``(key, until)``: ``block``'s key at ``now`` and the last time it holds."""
+        raise NotImplementedError
+
+    def key(self, block) -> Any:
+        return self.priority(block, self.now)[0]
+
+    def time_of(self, now_s, step) -> float:
+        """The clock reading ``set_time`` would take, checked (no change)."""
+        now = check_time(self.name, self.unit, now_s, step)
+        if now < self.now:
+            raise ValueError(f"{self.name}: the clock went back from {self.now} to {now} "
+                             f"({self.unit}); a driver's clock never decreases")
+        return now
+
+    def set_time(self, now_s, step) -> None:
+        self.now = self.time_of(now_s, step)
+
+    def add(self, block) -> None:
+        bid = block.block_id
+        if self._token[bid]:
+            raise PolicyError(f"{self.name}: block {bid} is already a candidate")
+        self._next_token += 1
+        tok = self._next_token
+        self._token[bid] = tok
+        key, until = self.priority(block, self.now)
+        heapq.heappush(self._heap, (key, tok, block))
+        self._n += 1
+        self._until[bid] = until
+        if until != math.inf:
+            heapq.heappush(self._timers, (until, tok, block))
+
+    def _refresh(self) -> None:
+        """Re-rank every candidate whose key expired before ``now`` (lazy: stale timer
+        entries of discarded candidates are skipped)."""
+        token = self._token
+        now = self.now
+        while self._timers and self._timers[0][0] < now:
+            # (self._timers is read again each time: a discard may compact it)
+            _, tok, block = heapq.heappop(self._timers)
+            if token[block.block_id] == tok:
+                self.discard(block)
+                self.add(block)  # (until >= now: it does not come back in this loop)
+
+    def pop(self):
+        self._refresh()
+        return super().pop()
+
+    def _compact(self) -> None:
+        super()._compact()
+        token = self._token
+        self._timers = [e for e in self._timers if token[e[2].block_id] == e[1]]
+        heapq.heapify(self._timers)
+
+    def clear(self) -> None:
+        super().clear()
+        self._timers = []
+
+    def candidate_ids(self) -> list[int]:
+        # NOTE: re-ranks the expired keys first (as pop does): the order at ``now``.
+        # Nothing observable changes: the same candidates, the ranks pop would use.
+        self._refresh()
+        return super().candidate_ids()
+
+    def check_invariants(self, candidate_ids: Sequence[int]) -> None:
+        self._refresh()
+        super().check_invariants(candidate_ids)
+        token = self._token
+        timed = {tok for _, tok, block in self._timers if token[block.block_id] == tok}
+        for bid, tok in enumerate(token):
+            if tok and (self._until[bid] != math.inf) != (tok in timed):
+                raise PolicyError(f"{self.name}: candidate block {bid} keyed until "
+                                  f"{self._until[bid]} has {'no' if tok not in timed else 'a'}"
+                                  " timer")
+
+
+def policy_clock(manager) -> Callable[[float | None, int], None] | None:
+    """The clock of ``manager``'s policies that read it (``needs_time``: the device's
+    and the host tier's), as one ``set_time(now_s, step)`` callable; ``None`` when no
+    policy reads it (a driver then keeps no clock: no cost). Every policy checks the
+    reading before any takes it (a bad one changes nothing)."""
+    policies = [p for p in (getattr(manager, "policy", None),
+                            getattr(getattr(manager, "host_tier", None), "policy", None))
+                if p is not None and p.needs_time]
+    if not policies:
+        return None
+    if len(policies) == 1:
+        return policies[0].set_time
+
+    checks = [p.time_of for p in policies if callable(getattr(p, "time_of", None))]
+
+    def set_time(now_s, step) -> None:
+        for check in checks:  # (TimedPolicy's: the reading, checked without a change)
+            check(now_s, step)
+        for p in policies:
+            p.set_time(now_s, step)
+
+    return set_time
 
 
 class WaitingFanout:

@@ -1,0 +1,247 @@
+"""Block residency: how long a cached block lives, how long it sits idle before eviction,
+the gap between its reuses, and how many hits one stay in the cache earns.
+
+A *residency* is one stay of a block hash in one tier (``medium``: ``"GPU"`` for the
+device pool, ``"CPU"`` for the host tier, as the KV events name them): it starts when
+the hash is stored there and ends when it is removed (evicted, promoted, cleared). The
+tracker is fed by what a driver already sees -- the KV cache events the manager
+publishes (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), the hits of each
+admission and the blocks each finished request releases -- with the driver's clock
+(``now``: trace seconds, simulated seconds or wall seconds; the unit is the driver's).
+Per residency it records:
+
+* ``lifetime``: removed - stored;
+* ``idle_before_evict``: removed - the last time a request released the block there
+  (or, never released, the time it was stored);
+* ``reuse_gap``: each hit's time since the previous hit of the same residency (or since
+  it was stored, for the first hit);
+* ``hits_per_residency``: the hits one residency earned (counted when it ends).
+
+Sampling (``sample_rate``, as vLLM samples 1% of blocks for its residency metrics): a
+hash is tracked when its 64-bit fingerprint falls under ``sample_rate * 2**64``, so the
+same blocks are sampled on every run and every tier; ``sample_rate=1.0`` tracks every
+block (the exact mode tests use). Nothing is built when the driver does not ask for it:
+zero cost when off.
+
+Histograms use fixed log-spaced bucket bounds (``BUCKETS``, in the driver's time unit;
+``HIT_BUCKETS`` for hit counts), the shape Prometheus histograms take, so the same
+buckets serve the replay summary, ``EngineMetrics`` and the server's ``/metrics``.
+
+Host only: never imports jax.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prefixcache.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+__all__ = ["BUCKETS", "HIT_BUCKETS", "METRICS", "Histogram", "ResidencyTracker"]
+
+# Upper bounds (inclusive) of the time buckets: 1 ms .. ~10^5 (x ~3.16 per bucket), +inf.
+BUCKETS: tuple[float, ...] = tuple(10.0 ** (e / 2) for e in range(-6, 11))
+HIT_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+METRICS = ("lifetime", "idle_before_evict", "reuse_gap", "hits_per_residency")
+
+
+class Histogram:
+    """Counts per bucket (``bounds`` inclusive upper bounds, then +inf), sum and count."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: Iterable[float]):
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the ``q`` quantile (None: empty;
+        ``inf``: past the last bound)."""
+        if not self.count:
+            return None
+        rank, seen = q * self.count, 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return self.bounds[i] if i < len(self.bounds) else float("inf")
+        return float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum,
+                "count": self.count, "mean": self.sum / self.count if self.count else None,
+                "p50": self.quantile(0.5), "p90": self.quantile(0.9)}
+
+
+class _Stay:
+    __slots__ = ("stored", "last_hit", "last_release", "hits", "copies")
+
+    def __init__(self, now: float):
+        self.stored = now
+        self.last_hit = None
+        self.last_release = None
+        self.hits = 0
+        self.copies = 1
+
+
+def _fingerprint(key) -> int:
+    if isinstance(key, int):
+        return (key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return int.from_bytes(hashlib.blake2b(bytes(key), digest_size=8).digest(), "little")
+
+
+class ResidencyTracker:
+    """Residency histograms per tier, fed with events, hits and releases.
+
+    Args:
+        sample_rate: the share of block hashes tracked, in (0, 1]; 1.0: every block.
+        log: keep every finished residency as a dict (tests compare histograms to it).
+
+    The driver calls, with its clock ``now`` (non-decreasing):
+      * ``on_events(events, now)``: the manager's KV events of the step;
+      * ``on_hits(keys, now, medium="GPU")``: the block hashes (event form) an admission
+        hit, per tier;
+      * ``on_release(keys, now)``: the hashes of the blocks a finished request released;
+      * ``finish(now)``: ends the run (still-resident blocks are not counted as evicted;
+        ``resident_at_end`` counts them).
+    """
+
+    def __init__(self, sample_rate: float = 1.0, *, log: bool = False):
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not (
+                0.0 < float(sample_rate) <= 1.0):
+            raise ValueError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}")
+        self.sample_rate = float(sample_rate)
+        self._cut = min(1 << 64, int(self.sample_rate * (1 << 64)))
+        self._live: dict[str, dict[Any, _Stay]] = {}
+        self._sampled: dict[Any, bool] = {}
+        self.hist: dict[str, dict[str, Histogram]] = {}
+        self.log: list[dict[str, Any]] | None = [] if log else None
+        self.resident_at_end: dict[str, int] = {}
+
+    def _tracked(self, key) -> bool:
+        s = self._sampled.get(key)
+        if s is None:
+            s = self._sampled[key] = _fingerprint(key) < self._cut
+        return s
+
+    def _hists(self, medium: str) -> dict[str, Histogram]:
+        h = self.hist.get(medium)
+        if h is None:
+            h = self.hist[medium] = {m: Histogram(HIT_BUCKETS if m == "hits_per_residency"
+                                                  else BUCKETS) for m in METRICS}
+        return h
+
+    def _store(self, key, medium: str, now: float) -> None:
+        if not self._tracked(key):
+            return
+        live = self._live.setdefault(medium, {})
+        stay = live.get(key)
+        if stay is None:
+            live[key] = _Stay(now)
+        else:  # a duplicate block of the same hash (append-only block tables)
+            stay.copies += 1
+
+    def _remove(self, key, medium: str, now: float) -> None:
+        live = self._live.get(medium)
+        stay = live.get(key) if live else None
+        if stay is None:
+            return
+        stay.copies -= 1
+        if stay.copies > 0:
+            return
+        del live[key]
+        self._end(key, medium, stay, now)
+
+    def _end(self, key, medium: str, stay: _Stay, now: float) -> None:
+        h = self._hists(medium)
+        idle_from = stay.last_release if stay.last_release is not None else stay.stored
+        rec = {"key": key, "medium": medium, "lifetime": now - stay.stored,
+               "idle_before_evict": now - idle_from, "hits_per_residency": stay.hits}
+        h["lifetime"].observe(rec["lifetime"])
+        h["idle_before_evict"].observe(rec["idle_before_evict"])
+        h["hits_per_residency"].observe(stay.hits)
+        if self.log is not None:
+            self.log.append(rec)
+
+    def on_events(self, events: Iterable, now: float) -> None:
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                medium = ev.medium or "GPU"
+                for key in ev.block_hashes:
+                    self._store(key, medium, now)
+            elif isinstance(ev, BlockRemoved):
+                medium = ev.medium or "GPU"
+                for key in ev.block_hashes:
+                    self._remove(key, medium, now)
+            elif isinstance(ev, AllBlocksCleared):
+                for medium, live in self._live.items():
+                    for key, stay in list(live.items()):
+                        self._end(key, medium, stay, now)
+                    live.clear()
+
+    def on_hits(self, keys: Iterable, now: float, medium: str = "GPU") -> None:
+        live = self._live.get(medium)
+        if not live:
+            return
+        gaps = None
+        for key in keys:
+            stay = live.get(key)
+            if stay is None:
+                continue
+            if gaps is None:
+                gaps = self._hists(medium)["reuse_gap"]
+            prev = stay.last_hit if stay.last_hit is not None else stay.stored
+            gaps.observe(now - prev)
+            if self.log is not None:
+                self.log.append({"key": key, "medium": medium, "reuse_gap": now - prev})
+            stay.last_hit = now
+            stay.hits += 1
+
+    def on_release(self, keys: Iterable, now: float) -> None:
+        for live in self._live.values():
+            for key in keys:
+                stay = live.get(key)
+                if stay is not None:
+                    stay.last_release = now
+
+    def finish(self, now: float) -> None:
+        self.resident_at_end = {m: len(live) for m, live in self._live.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """Per tier, per metric: the histogram (bounds, counts, sum, count, mean, p50,
+        p90); plus ``sample_rate`` and ``resident_at_end``."""
+        return {"sample_rate": self.sample_rate, "resident_at_end": dict(self.resident_at_end),
+                "tiers": {m: {k: h.to_dict() for k, h in hs.items()}
+                          for m, hs in sorted(self.hist.items())}}
+
+
+def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sum of several trackers' summaries (replicas of a cluster)."""
+    out: dict[str, Any] = {"sample_rate": None, "resident_at_end": {}, "tiers": {}}
+    for s in summaries:
+        out["sample_rate"] = s["sample_rate"]
+        for m, n in s["resident_at_end"].items():
+            out["resident_at_end"][m] = out["resident_at_end"].get(m, 0) + n
+        for medium, metrics in s["tiers"].items():
+            dst = out["tiers"].setdefault(medium, {})
+            for name, h in metrics.items():
+                d = dst.get(name)
+                if d is None:
+                    dst[name] = {**h, "counts": list(h["counts"])}
+                    continue
+                d["counts"] = [a + b for a, b in zip(d["counts"], h["counts"])]
+                d["sum"] += h["sum"]
+                d["count"] += h["count"]
+                d["mean"] = d["sum"] / d["count"] if d["count"] else None
+                hist = Histogram(d["bounds"])
+                hist.counts, hist.sum, hist.count = d["counts"], d["sum"], d["count"]
+                d["p50"], d["p90"] = hist.quantile(0.5), hist.quantile(0.9)
+    return out

@@ -1,0 +1,125 @@
+"""Ready means compiled: the engine's warm-up and JAX's persistent compilation cache.
+
+    from prefixcache.engine import Engine
+    from prefixcache.engine.warmup import enable_compilation_cache
+
+    enable_compilation_cache()            # ~/.cache/prefixcache/jax_cache, before compiling
+    engine = Engine(ModelConfig.tiny(), num_blocks=256)
+    engine.warmup()                       # every step program, a progress bar
+    ...                                   # no request waits for a compile now
+    assert engine.metrics().num_compiles_after_warmup == 0
+
+`Engine.warmup` runs one step of every program key the scheduler can produce (the
+runner's `warmup_keys`: bucketed (T, S, P) x greedy/sampling, LoRA and KV-group layout
+as configured) with inputs that point only at the padding page (`dummy_step`), so the
+prefix cache, the block pool, the KV of every allocatable block, the metrics window and
+the KV events are as before. vLLM captures its CUDA graphs and tpu-inference precompiles
+its buckets the same way before the server accepts traffic.
+
+Programs are counted from jax's executable caches (`ModelRunner.num_programs_built`), not
+from the keys the runner knows, so a compile that a key does not predict still counts.
+Not warmed: the host tier's copy programs (one per padded transfer size; they show in
+the count) and multimodal steps unless `warmup(multimodal=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+__all__ = ["WarmupResult", "default_compilation_cache_dir", "disable_compilation_cache",
+           "enable_compilation_cache", "warmup_engine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupResult:
+    """What `Engine.warmup` did.
+
+    Attributes:
+      num_programs: step program keys run (every key the scheduler can produce).
+      num_built: programs built during the warm-up (compiled, or loaded from the
+        persistent compilation cache); 0 when every one was already built.
+      seconds: wall time of the warm-up.
+    """
+
+    num_programs: int
+    num_built: int
+    seconds: float
+
+
+def warmup_engine(engine, *, progress: bool = True,
+                  multimodal: bool = False) -> WarmupResult:
+    """`Engine.warmup` (see there)."""
+    from tqdm.auto import tqdm
+
+    runner = engine.runner
+    keys = runner.warmup_keys(multimodal=multimodal)
+    t0 = time.perf_counter()
+    built0 = runner.num_programs_built
+    bar = tqdm(keys, desc="compiling step programs", unit="program", disable=not progress,
+               dynamic_ncols=True)
+    for key in bar:
+        bar.set_postfix_str(f"T={key[0]} S={key[1]} P={key[2]}"
+                            + ("" if key[3] else " sampling"), refresh=False)
+        runner.execute(runner.dummy_step(key, max_model_len=engine.max_model_len))
+    bar.close()
+    if runner.lora_slots is not None:
+        runner.lora_slots.warmup()
+    built = runner.num_programs_built
+    return WarmupResult(num_programs=len(keys), num_built=built - built0,
+                        seconds=time.perf_counter() - t0)
+
+
+def default_compilation_cache_dir() -> str:
+    """`$XDG_CACHE_HOME/prefixcache/jax_cache` (`~/.cache/...` without XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                            ".cache")
+    return os.path.join(base, "prefixcache", "jax_cache")
+
+
+def enable_compilation_cache(cache_dir: str | os.PathLike | None = None) -> str:
+    """Turns on JAX's persistent compilation cache in `cache_dir` (created if needed).
+
+    A later process with the same model, configuration and jax version loads its
+    programs from there instead of compiling them (`prefixcache serve` does this by
+    default). Every program is written, however fast it compiled (jax's default keeps
+    only those over one second). This sets jax's process-wide configuration: call it
+    before the first compile (it also resets jax's memo of whether the cache is in
+    use, so a call after earlier compiles takes effect from then on).
+
+    Args:
+      cache_dir: the directory; None: `default_compilation_cache_dir()`.
+
+    Returns:
+      The directory used (absolute).
+
+    Raises:
+      ValueError: `cache_dir` exists and is not a directory, or cannot be created.
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = os.path.abspath(os.fspath(default_compilation_cache_dir() if cache_dir is None
+                                     else cache_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation cache dir {path!r}: {e}") from None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # NOTE: jax writes only programs that took >= 1 s to compile by default; a step of
+    # a small model compiles faster than that and would be compiled again every start.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cc.reset_cache()
+    return path
+
+
+def disable_compilation_cache() -> None:
+    """Turns JAX's persistent compilation cache off for this process (also one set up
+    through `JAX_COMPILATION_CACHE_DIR`)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
