@@ -41,11 +41,20 @@ def get_config(arg=None):
     c.arrival_rate = 4.0  # req/s, Poisson
     c.num_blocks = 256  # per replica
     c.block_size = 16
-    c.max_model_len = 0  # 0: the server's default
+    c.max_model_len = 1024
+    # Further `prefixcache serve` flags of every replica (small shapes: few programs to
+    # compile before a replica is ready).
+    c.serve_flags = "--max-num-seqs 8 --max-num-batched-tokens 256"
     c.startup_timeout_s = 300.0
     c.request_timeout_s = 300.0
     if quick:
         c.num_requests = 24
         c.num_tenants = 4
+        c.prefix_words = 20
+        c.question_words = 6
+        c.max_tokens = 4
+        c.max_model_len = 256
+        c.num_blocks = 64
+        c.serve_flags = "--max-num-seqs 4 --max-num-batched-tokens 64"
         c.policies = "cache_aware,round_robin"
     return c

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -96,6 +97,7 @@ class Fleet(contextlib.AbstractContextManager):
 
     def __init__(self, log_dir: str | os.PathLike, *, grace_s: float = 20.0):
         self.log_dir = os.fspath(log_dir)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per request else)
         self.grace_s = grace_s
         self._procs: list[tuple[str, subprocess.Popen]] = []
 
@@ -143,10 +145,17 @@ def serve_argv(model: str, port: int, options: Mapping[str, Any]) -> list[str]:
 
 
 def router_argv(port: int, worker_urls: Sequence[str], policy: str) -> list[str]:
-    """sglang-router (PyPI ``sglang-router``) with its OpenAI backend in front of
-    ``worker_urls``, routing by ``policy`` (cache_aware, round_robin, power_of_two, ...)."""
+    """sglang-router (PyPI ``sglang-router``) in front of ``worker_urls``, routing each
+    OpenAI request by ``policy`` (cache_aware, round_robin, power_of_two, random).
+
+    NOTE: its default (SGLang) backend, not ``--backend openai``: the OpenAI backend
+    discovers the one endpoint that serves a model name and applies no policy (every
+    request for the model goes there; its /v1/completions answers 501). The default
+    backend routes /v1/chat/completions and /v1/completions among the workers by the
+    policy; it also probes SGLang's info endpoints (/get_server_info, /get_model_info),
+    which answer 404 here, and carries on."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", LOCALHOST,
-            "--port", str(port), "--backend", "openai", "--policy", policy,
+            "--port", str(port), "--policy", policy,
             "--worker-urls", *worker_urls, "--log-level", "warn"]
 
 

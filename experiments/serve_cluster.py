@@ -9,8 +9,10 @@ simulation of the same policies on the same requests.
 
 Per routing policy (``policies``: sglang-router's ``cache_aware``, ``round_robin``,
 ``power_of_two``, ``random``): every replica's prefix cache is reset, sglang-router
-(PyPI ``sglang-router``, ``--backend openai``) starts in front of the replicas, and a
-streaming client replays the requests at their arrival times (open loop). Then each
+(PyPI ``sglang-router``; its default backend: the ``openai`` one routes every request of
+a model to one endpoint whatever the policy) starts in front of the replicas, and a
+streaming client replays the requests (chat completions, one user message each) at
+their arrival times (open loop). Then each
 replica's ``/metrics`` gives its prefix-cache queries and hits and its finished
 requests; the client gives TTFT and end-to-end latency per request. The same requests
 (tokenized by the served model's own tokenizer) go through
@@ -42,6 +44,7 @@ publishes.
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import sys
 import time
@@ -165,17 +168,19 @@ def _urls(config) -> list[str]:
 
 
 def tokenize(config, texts: list[str]) -> list[list[int]]:
-    """The prompt token ids the server computes for each completion prompt (the served
-    model's own tokenizer, as ``prefixcache serve`` loads it)."""
+    """The prompt token ids the server computes for each chat request (one user message;
+    the served model's own tokenizer and chat template, as ``prefixcache serve`` loads
+    them)."""
     from prefixcache.text import Tokenizer  # noqa: PLC0415
 
     tok = (Tokenizer.tiny() if config.serve_model == "tiny"
            else Tokenizer.from_pretrained(config.serve_model))
-    return [tok.encode(t) for t in texts]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
+            for t in texts]
 
 
-def plot(rows, path) -> None:
-    fig, axes = _common.new_figure(1, 2, figsize=(9, 3.6))
+def plot(rows, path, *, title: str = "") -> None:
+    fig, axes = _common.new_figure(1, 2, figsize=(9, 3.8))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     for ax, field, label in ((axes[0], "hit_rate_tokens", "token hit rate"),
                              (axes[1], "load_imbalance", "load imbalance (max / mean)")):
@@ -188,6 +193,7 @@ def plot(rows, path) -> None:
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     _common.save_plot(fig, path)
 
 
@@ -208,12 +214,16 @@ def run(config, *, progress: bool = False) -> dict:
             procs = []
             for i in range(config.replicas):
                 port = _servers.free_port()
-                procs.append(fleet.start(f"replica{i}", _servers.serve_argv(
-                    config.serve_model, port, opts)))
+                argv = _servers.serve_argv(config.serve_model, port, opts)
+                procs.append(fleet.start(f"replica{i}", argv + shlex.split(config.serve_flags)))
                 urls.append(f"http://{_servers.LOCALHOST}:{port}")
-            for u, p in zip(urls, procs):
-                _servers.wait_healthy(u, timeout=config.startup_timeout_s, proc=p)
-        bodies = [{"model": config.served_model_name, "prompt": r["text"],
+                # NOTE: one at a time: the first warm-up fills the persistent compilation
+                # cache, the others load from it.
+                _servers.wait_healthy(urls[-1], timeout=config.startup_timeout_s,
+                                      proc=procs[-1])
+        # NOTE: chat completions, text: cache_aware keys its tree on the request's text.
+        bodies = [{"model": config.served_model_name,
+                   "messages": [{"role": "user", "content": r["text"]}],
                    "max_tokens": config.max_tokens, "temperature": 0.0, "stream": True,
                    "stream_options": {"include_usage": True}} for r in reqs]
         for policy in policies:
@@ -226,7 +236,7 @@ def run(config, *, progress: bool = False) -> dict:
             try:
                 _servers.wait_healthy(rurl, timeout=config.startup_timeout_s, proc=router)
                 results = _servers.replay_requests(
-                    rurl + "/v1/completions", bodies, [r["arrival_s"] for r in reqs],
+                    rurl + "/v1/chat/completions", bodies, [r["arrival_s"] for r in reqs],
                     timeout_s=config.request_timeout_s)
             finally:
                 fleet.stop(router)
@@ -241,7 +251,9 @@ def run(config, *, progress: bool = False) -> dict:
     with _common.AtomicJsonlWriter(rows_path, provenance=prov) as w:
         for row in rows:
             w.write(row)
-    plot(rows, png_path)
+    plot(rows, png_path, title=f"{len(urls)} replicas of {config.serve_model} behind "
+                               f"sglang-router: {len(reqs)} requests, {config.num_tenants} "
+                               f"tenants, {config.num_blocks} blocks each")
     for r in rows:
         print(f"{r['policy']:>13} {r['source']:>9}: hit rate "
               f"{(r['hit_rate_tokens'] or 0):.3f}, load imbalance "
