@@ -34,7 +34,8 @@ Why the two differ (the rows carry what tells them apart):
 Outputs in ``--workdir``: ``serve_trace.jsonl`` (one row: AIPerf's TTFT / ITL /
 throughput statistics, AIPerf's own theoretical prefix-cache hit rate when it reports
 one, the served and predicted hit rates and token counts; provenance), ``trace.jsonl``
-(the rewritten trace), ``tokenizer/`` (what AIPerf read), ``aiperf/`` (AIPerf's
+(the rewritten trace), ``hf_cache/`` (the served tokenizer as AIPerf reads it: a
+Hugging Face hub cache of its own), ``aiperf/`` (AIPerf's
 artifacts), ``logs/``. The last stdout line is a JSON object with the paths and the two
 hit rates.
 """
@@ -105,19 +106,33 @@ def rewrite_trace(config, path_in: str, path_out: str) -> list[dict]:
     return lines
 
 
-def write_tokenizer_dir(config, out_dir: str) -> str:
-    """The served model's tokenizer as a Hugging Face directory (tokenizer.json +
-    tokenizer_config.json), for AIPerf's ``--tokenizer``."""
+TOKENIZER_REPO = "prefixcache/served-model"  # the repo id AIPerf is given
+
+
+def write_tokenizer_cache(config, hub_cache: str) -> str:
+    """The served model's tokenizer (tokenizer.json + tokenizer_config.json) as the
+    snapshot of a Hugging Face repo in a hub cache of its own; returns the repo id.
+
+    NOTE: a hub-cache snapshot, not a plain directory: AIPerf's prompt-synthesis workers
+    run with HF_HUB_OFFLINE=1 and then resolve a tokenizer name through the hub cache
+    only (a directory path fails there), so AIPerf runs with ``HF_HUB_CACHE`` pointing
+    here and offline, and never reaches a network."""
     from prefixcache.text import Tokenizer  # noqa: PLC0415
 
     tok = (Tokenizer.tiny() if config.serve_model == "tiny"
            else Tokenizer.from_pretrained(config.serve_model))
-    os.makedirs(out_dir, exist_ok=True)
-    tok.backend.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    repo = os.path.join(hub_cache, "models--" + TOKENIZER_REPO.replace("/", "--"))
+    rev = "0" * 40
+    snap = os.path.join(repo, "snapshots", rev)
+    os.makedirs(snap, exist_ok=True)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(rev)
+    tok.backend.save(os.path.join(snap, "tokenizer.json"))
+    with open(os.path.join(snap, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
                    config.max_model_len, "clean_up_tokenization_spaces": False}, f)
-    return out_dir
+    return TOKENIZER_REPO
 
 
 def predict(config, lines: list[dict]) -> dict:
@@ -158,7 +173,9 @@ def run(config, *, progress: bool = False) -> dict:
     workdir = _common.prepare_workdir(config.workdir)
     src = _common.trace_path(config, progress=progress)
     lines = rewrite_trace(config, src, str(workdir / "trace.jsonl"))
-    tokdir = write_tokenizer_dir(config, str(workdir / "tokenizer"))
+    hub_cache = str(workdir / "hf_cache")
+    shutil.rmtree(hub_cache, ignore_errors=True)
+    tokenizer = write_tokenizer_cache(config, hub_cache)
     art = workdir / "aiperf"
     shutil.rmtree(art, ignore_errors=True)
     with _servers.Fleet(workdir / "logs") as fleet:
@@ -173,7 +190,7 @@ def run(config, *, progress: bool = False) -> dict:
         _servers.post(url + "/reset_prefix_cache")
         before = _servers.parse_metrics(_servers.get(url + "/metrics")[1])
         argv = [aiperf, "profile", "--model", config.served_model_name, "--url", url,
-                "--endpoint-type", "completions", "--streaming", "--tokenizer", tokdir,
+                "--endpoint-type", "completions", "--streaming", "--tokenizer", tokenizer,
                 "--input-file", str(workdir / "trace.jsonl"),
                 "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
                 "--prompt-input-tokens-block-size", str(config.tokens_per_hash_id),
@@ -183,8 +200,8 @@ def run(config, *, progress: bool = False) -> dict:
         with open(workdir / "logs" / "aiperf.log", "wb") as log:
             res = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, timeout=config.aiperf_timeout_s,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1",
-                                      "TRANSFORMERS_OFFLINE": "1"})
+                                 env={**os.environ, "HF_HUB_CACHE": hub_cache,
+                                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         if res.returncode != 0:
             raise RuntimeError(f"aiperf exited with {res.returncode}: see "
                                f"{workdir / 'logs' / 'aiperf.log'}")
