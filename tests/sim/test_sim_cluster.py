@@ -141,6 +141,22 @@ def test_simple_routers():
     assert seq == [r2.route(req, [], 0.0) for _ in range(50)] and set(seq) == {0, 1, 2, 3}
 
 
+def test_power_of_two_picks_the_less_loaded_of_two_draws():
+    req = Request("a", list(range(1, 40)))
+    loads = [_load(0, 5), _load(1, 0), _load(2, 3), _load(3, 3)]
+    p2 = make_router("power_of_two", num_replicas=4, block_size=16, seed=1)
+    rng = __import__("random").Random(1)  # the same draws, by hand
+    for _ in range(200):
+        a, b = rng.sample(range(4), 2)
+        want = b if loads[b].outstanding < loads[a].outstanding else a
+        assert p2.route(req, loads, 0.0) == want
+    # Never the most loaded replica while another draw is possible; with one replica, 0.
+    picks = {make_router("power_of_two", num_replicas=4, block_size=16, seed=s)
+             .route(req, loads, 0.0) for s in range(40)}
+    assert 0 not in picks and picks == {1, 2, 3}
+    assert make_router("power_of_two", num_replicas=1, block_size=16).route(req, loads[:1], 0) == 0
+
+
 def test_session_routing_is_sticky_and_consistent():
     reqs = [Request(f"s{i}", [i % 97 + 1] * 40 + [5, 6]) for i in range(400)]
     four = make_router("session", num_replicas=4, block_size=16)
@@ -212,8 +228,8 @@ def test_bad_input_is_rejected_before_anything_runs():
         make_router("session", num_replicas=2, block_size=16, bogus=1)
     with pytest.raises(ValueError, match="key_blocks"):
         make_router("session", num_replicas=2, block_size=16, key_blocks=0)
-    assert set(ROUTERS) == {"random", "round_robin", "least_loaded", "session", "cache_aware",
-                            "kv_events"}
+    assert set(ROUTERS) == {"random", "round_robin", "least_loaded", "power_of_two", "session",
+                            "cache_aware", "kv_events"}
 
 
 def test_route_experiment_end_to_end(tmp_path, capsys):

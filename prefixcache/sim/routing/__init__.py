@@ -16,6 +16,7 @@ from prefixcache.sim.routing.base import ReplicaLoad, Router
 from prefixcache.sim.routing.cache_aware import CacheAwareRouter
 from prefixcache.sim.routing.kv_events import KVEventsRouter
 from prefixcache.sim.routing.least_loaded import LeastLoadedRouter
+from prefixcache.sim.routing.power_of_two import PowerOfTwoRouter
 from prefixcache.sim.routing.rand import RandomRouter
 from prefixcache.sim.routing.round_robin import RoundRobinRouter
 from prefixcache.sim.routing.session import SessionRouter
@@ -25,6 +26,7 @@ ROUTERS = MappingProxyType({
     "random": RandomRouter,
     "round_robin": RoundRobinRouter,
     "least_loaded": LeastLoadedRouter,
+    "power_of_two": PowerOfTwoRouter,
     "session": SessionRouter,
     "cache_aware": CacheAwareRouter,
     "kv_events": KVEventsRouter,
