@@ -58,9 +58,11 @@ PEER_AIPERF = os.path.join("~", ".cache", "prefixcache-peers", "aiperf-venv", "b
 
 
 def find_aiperf(config) -> str:
-    """The ``aiperf`` executable: ``config.aiperf``, else on PATH, else the peer venv of
-    ``experiments/peers/setup_aiperf_env.sh``; ValueError naming the fix otherwise."""
-    for cand in (config.aiperf, shutil.which("aiperf"), os.path.expanduser(PEER_AIPERF)):
+    """The ``aiperf`` executable: ``config.aiperf``, else ``$PREFIXCACHE_AIPERF``, else on
+    PATH, else the peer venv of ``experiments/peers/setup_aiperf_env.sh``; ValueError
+    naming the fix otherwise."""
+    for cand in (config.aiperf, os.environ.get("PREFIXCACHE_AIPERF"), shutil.which("aiperf"),
+                 os.path.expanduser(PEER_AIPERF)):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     raise ValueError("aiperf not found: set --config.aiperf=PATH or run "
