@@ -27,8 +27,14 @@ Steps (Learning-Relaxed-Belady style):
 
 Outputs in ``--workdir``: ``learned_policy.npz`` / ``.json`` (the parameters and their
 provenance), ``results.jsonl`` (one row per (part, policy): ``hit_rate_tokens``,
-``hit_tokens``, ``evictions``, ``pop_us_per_eviction`` where timed), stdout a table and
-the summary as JSON.
+``hit_tokens``, ``evictions``; held-out lru and learned: ``pop_us_per_eviction``, the
+learned one also ``rankings_per_eviction`` and ``candidates_per_ranking``), stdout a
+table and the summary as JSON.
+
+NOTE: the policy's inference is a numpy matrix product: on a machine whose cores are
+oversubscribed, OpenBLAS' threads spin against each other and a ranking costs ~10x
+more; the figures in ``configs/learned_policy.py`` were measured with
+``OPENBLAS_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ class BeladyRecorder(BeladyPolicy):
 
 class _Timed:
     """A policy class whose ``pop`` calls are timed into ``timer`` (a list the caller
-    owns: ``[seconds, pops]``)."""
+    owns: ``[seconds, pops, rankings, rows scored]``)."""
 
     @staticmethod
     def wrap(cls):
@@ -120,6 +126,9 @@ class _Timed:
                 block = super().pop()
                 self._timer[0] += time.perf_counter() - t0
                 self._timer[1] += 1
+                # (the learned policy's batched inferences and rows scored so far)
+                self._timer[2] = getattr(self, "num_rankings", 0)
+                self._timer[3] = getattr(self, "num_scored", 0)
                 return block
 
         Timed.__name__ = f"Timed{cls.__name__}"
@@ -154,18 +163,26 @@ def forward(params, x):
 
 
 def train(x: np.ndarray, y: np.ndarray, *, hidden: Sequence[int], steps: int,
-          batch_size: int, learning_rate: float, seed: int) -> tuple[dict, list[float]]:
+          batch_size: int, learning_rate: float, seed: int,
+          features: Sequence[str] = FEATURES) -> tuple[dict, list[float]]:
     """Fit the MLP to ``(x, y)`` (raw features, log next-use distances) by mean squared
-    error with adam. Deterministic for ``seed``. Returns the numpy parameters
-    (``mean``, ``std``, ``w0``, ``b0``, ...: what ``LearnedPolicy`` loads) and the
-    full-batch loss before and after."""
+    error with adam. Deterministic for ``seed``. Only ``features`` (a subset of
+    ``FEATURES``) are read: the others' input weights are zero. Returns the numpy
+    parameters (``mean``, ``std``, ``w0``, ``b0``, ...: what ``LearnedPolicy`` loads)
+    and the full-batch loss before and after."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
+    unknown = sorted(set(features) - set(FEATURES))
+    if unknown or not features:
+        raise ValueError(f"features must be a non-empty subset of {FEATURES}, got "
+                         f"{tuple(features)}")
     if len(x) == 0:
         raise ValueError("no training decisions were recorded: the training part never "
                          "evicted (raise the trace's length or lower capacity_fraction)")
+    mask = np.array([f in features for f in FEATURES])
+    x = np.where(mask, x, 0.0)  # (an unread feature: a constant, weight zeroed below)
     mean = x.mean(axis=0)
     std = np.where(x.std(axis=0) > 1e-6, x.std(axis=0), 1.0)
     xs = jnp.asarray((x - mean) / std, jnp.float32)
@@ -195,6 +212,7 @@ def train(x: np.ndarray, y: np.ndarray, *, hidden: Sequence[int], steps: int,
     after = float(loss_fn(params, xs, ys))
     out = {"mean": mean.astype(np.float64), "std": std.astype(np.float64)}
     out.update({k: np.asarray(v) for k, v in params.items()})
+    out["w0"] = np.where(mask[:, None], out["w0"], 0.0).astype(out["w0"].dtype)
     return out, [before, after]
 
 
@@ -213,6 +231,10 @@ def run(config, *, progress: bool = False) -> dict:
     if config.record_under not in RECORD_UNDER:
         raise ValueError(f"record_under must be one of {RECORD_UNDER}, "
                          f"got {config.record_under!r}")
+    unknown = sorted(set(config.features) - set(FEATURES))
+    if unknown or not config.features:
+        raise ValueError(f"features must be a non-empty subset of {FEATURES}, got "
+                         f"{tuple(config.features)}")
     for name in config.tuned_policies:
         from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
         get_policy_class(name)  # an unknown name -> ValueError before any replay
@@ -242,7 +264,7 @@ def run(config, *, progress: bool = False) -> dict:
     t0 = time.perf_counter()
     params, losses = train(x, y, hidden=tuple(config.hidden), steps=config.steps,
                            batch_size=config.batch_size, learning_rate=config.learning_rate,
-                           seed=config.seed)
+                           seed=config.seed, features=tuple(config.features))
     train_s = time.perf_counter() - t0
     npz = workdir / "learned_policy.npz"
     np.savez(npz, **params)
@@ -262,7 +284,7 @@ def run(config, *, progress: bool = False) -> dict:
     tuned = max(tuned_scores, key=lambda n: (tuned_scores[n], n == "lru"))
 
     rows = []
-    lru_timer, learned_timer = [0.0, 0], [0.0, 0]
+    lru_timer, learned_timer = [0.0, 0, 0, 0], [0.0, 0, 0, 0]
     runs = {
         "lru": (_Timed.wrap(LRUPolicy), {"timer": lru_timer}),
         "belady": ("belady", None),
@@ -284,6 +306,9 @@ def run(config, *, progress: bool = False) -> dict:
             timer = {"lru": lru_timer, "learned": learned_timer}.get(label)
             if part == "held_out" and timer is not None and timer[1]:
                 row["pop_us_per_eviction"] = 1e6 * timer[0] / timer[1]
+                if timer[2]:  # (the learned policy: how its inference is batched)
+                    row["rankings_per_eviction"] = timer[2] / timer[1]
+                    row["candidates_per_ranking"] = timer[3] / timer[2]
             rows.append(row)
     with _common.AtomicJsonlWriter(workdir / "results.jsonl") as w:
         for row in rows:
@@ -292,7 +317,10 @@ def run(config, *, progress: bool = False) -> dict:
         cost = row.get("pop_us_per_eviction")
         print(f"{row['part']:>8}  {row['policy']:<16} hit rate {row['hit_rate_tokens']:.4f}"
               f"  evictions {row['evictions']:>7}"
-              + (f"  pop {cost:.1f} us/eviction" if cost is not None else ""))
+              + (f"  pop {cost:.1f} us/eviction" if cost is not None else "")
+              + (f" ({row['rankings_per_eviction']:.2f} rankings of "
+                 f"{row['candidates_per_ranking']:.0f} candidates per eviction)"
+                 if "rankings_per_eviction" in row else ""))
     return {"rows": rows, "tuned": tuned, "tuned_train_hit_rates": tuned_scores,
             "params": str(npz), "samples": int(len(y)), "decisions": len(sink),
             "loss": losses, "num_blocks": config.num_blocks_resolved,

@@ -44,8 +44,8 @@ def test_tiny_run_end_to_end(tmp_path):
     c = get_config("quick")
     with c.unlocked():
         c.workdir = str(tmp_path)
-        c.workload.kwargs.num_conversations = 12
-        c.workload.kwargs.num_turns = 3
+        c.workload.kwargs.num_requests = 40
+        c.workload.kwargs.num_documents = 10
         c.capacity_fraction = 0.2
         c.max_decisions = 40
         c.max_candidates = 8
@@ -63,6 +63,8 @@ def test_tiny_run_end_to_end(tmp_path):
     assert meta["provenance"]["seed"] == c.seed and meta["features"] == list(FEATURES)
     p = LearnedPolicy(8, block_size=16, params=str(tmp_path / "learned_policy.npz"))
     assert p.params["w0"].shape == (len(FEATURES), 4)
+    unread = [FEATURES.index(f) for f in FEATURES if f not in c.features]
+    assert unread and not p.params["w0"][unread].any()  # features left out: zero weights
     rows = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(rows) == len(out["rows"])
 
@@ -81,6 +83,11 @@ def test_bad_config_is_refused_before_any_replay(tmp_path):
         lp.run(c)
     with c.unlocked():
         c.tuned_policies = ("lru",)
+        c.features = ("recency", "colour")
+    with pytest.raises(ValueError, match="colour"):
+        lp.run(c)
+    with c.unlocked():
+        c.features = ("recency",)
         c.record_under = "mru"
     with pytest.raises(ValueError, match="record_under"):
         lp.run(c)
