@@ -6,13 +6,15 @@ Command:
   OPENBLAS_NUM_THREADS=1 python -m experiments.learned_policy \
       --config=configs/learned_policy_multi_turn.py --workdir=/tmp/lp_mt
 
-Expected: EXPECTED below (held-out token hit rates, CPU).
+Expected (held-out half, token hit rate; measured on a shared 2-core CPU): lru 0.661,
+belady 0.738, tuned (tlru at its defaults, which order as lru) 0.661, learned 0.638
+(training half: lru 0.768, learned 0.743): the model does not find what belady knows,
+and loses to recency. Inference: 1519 us per eviction against lru's 15.8 us (0.31
+rankings of ~3,310 candidates per eviction).
 """
 
 from configs import _base
 from configs import learned_policy
-
-EXPECTED = "measured below"
 
 
 def get_config(arg=None):

@@ -20,7 +20,7 @@ cached, so a trimmed tail does not make the remaining prefix look over budget.
 Options (both counts of blocks, as the paper states them; SGLang's are tokens: divide
 by the page size): ``threshold`` (xi; an int >= 0, default 0) and ``next_prompt``
 (Q-hat; an int >= 0, default 0). With ``threshold <= next_prompt`` no block is
-TEL-safe and ``tlru`` evicts exactly as ``lru`` does.
+TEL-safe and ``tlru`` orders the candidates exactly as ``lru``'s key does.
 """
 
 from __future__ import annotations
