@@ -20,7 +20,8 @@ Steps (Learning-Relaxed-Belady style):
      ``seed`` (``train``). Its parameters are saved to ``learned_policy.npz`` with
      ``learned_policy.json`` (the run's provenance and the training loss).
   4. The held-out part is replayed under ``lru``, ``belady`` (its own future only),
-     ``LearnedPolicy`` with the saved parameters, and the tuned policy: the one of
+     ``LearnedPolicy`` with the saved parameters (``sample``: 0 ranks every candidate,
+     k scores k random ones per eviction, LRB's scheme), and the tuned policy: the one of
      ``tuned_policies`` with the best hit rate on the training part.
   5. Inference cost: every ``pop`` of the learned and of the keyed ``lru`` policy timed
      in the same held-out replay (microseconds per eviction, side by side).
@@ -235,6 +236,8 @@ def run(config, *, progress: bool = False) -> dict:
     if unknown or not config.features:
         raise ValueError(f"features must be a non-empty subset of {FEATURES}, got "
                          f"{tuple(config.features)}")
+    if isinstance(config.sample, bool) or not isinstance(config.sample, int) or config.sample < 0:
+        raise ValueError(f"sample must be an int >= 0, got {config.sample!r}")
     for name in config.tuned_policies:
         from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
         get_policy_class(name)  # an unknown name -> ValueError before any replay
@@ -284,20 +287,21 @@ def run(config, *, progress: bool = False) -> dict:
     tuned = max(tuned_scores, key=lambda n: (tuned_scores[n], n == "lru"))
 
     rows = []
+    sampling = {"sample": config.sample, "seed": config.seed}
     lru_timer, learned_timer = [0.0, 0, 0, 0], [0.0, 0, 0, 0]
     runs = {
         "lru": (_Timed.wrap(LRUPolicy), {"timer": lru_timer}),
         "belady": ("belady", None),
         f"tuned ({tuned})": (tuned, None),
         "learned": (_Timed.wrap(LearnedPolicy), {"timer": learned_timer,
-                                                  "params": str(npz)}),
+                                                  "params": str(npz), **sampling}),
     }
     for part, reqs in (("held_out", held_out), ("train", train_part)):
         for label, (eviction, options) in runs.items():
             if part == "train" and label not in ("learned", "lru"):
                 continue
             if part == "train":  # (the timers measure the held-out replay only)
-                options = None if label == "lru" else {"params": str(npz)}
+                options = None if label == "lru" else {"params": str(npz), **sampling}
                 eviction = "lru" if label == "lru" else LearnedPolicy
             s = _run_part(reqs, config, eviction, options)
             row = {"part": part, "policy": label, "hit_rate_tokens": s["hit_rate_tokens"],

@@ -238,3 +238,38 @@ def test_every_index_tier_and_layout_of_the_compose_matrix(monkeypatch):
                 matrix._run(index, LearnedPolicy, tier, layout, num_blocks=12)
                 ran += 1
     assert ran >= 6
+
+
+def test_sampled_pops_take_the_best_of_a_seeded_draw():
+    # score = recency; sample=3 of 12 candidates: each victim is the least recently
+    # released of some 3 candidates, the same ones for the same seed.
+    def victims(seed):
+        p = LearnedPolicy(12, block_size=4, params=_linear({"recency": 1.0}), sample=3,
+                          seed=seed)
+        blocks = [KVCacheBlock(i) for i in range(12)]
+        for b in blocks:
+            p.on_cached(b, b"h", None, 0)
+            p.on_release(b, None, 0)
+            p.add(b)
+        out = []
+        for _ in range(9):
+            before = p.candidate_ids()  # (by score: the least recent first)
+            got = p.pop().block_id
+            assert got in before and before.index(got) <= len(before) - 3
+            out.append(got)
+        assert (p.num_rankings, p.num_scored) == (9, 27)  # one draw of 3 per pop
+        return out
+
+    assert victims(0) == victims(0)
+    assert victims(0) != victims(1)
+    assert victims(0) != list(range(9))  # not simply lru
+
+
+@pytest.mark.parametrize("options,err", [
+    ({"sample": -1}, ValueError), ({"sample": 2.5}, TypeError), ({"seed": "1"}, TypeError),
+    ({"samples": 4}, TypeError),
+])
+def test_bad_sampling_options_are_refused(options, err):
+    with pytest.raises(err, match="learned"):
+        KVCacheManager(8, 2, eviction=LearnedPolicy,
+                       eviction_options={"params": GOOD, **options})

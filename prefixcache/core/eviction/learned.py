@@ -23,19 +23,26 @@ scores every candidate in one matrix product and ranks them; the following pops 
 request allocating several blocks) take the next ones from that ranking until a
 notification or a new candidate invalidates it. Ties fall to LRU order.
 
+With ``sample=k`` (LRB's own scheme: it scores 64 random candidates per eviction) each
+``pop`` instead draws ``k`` distinct candidates uniformly from a generator seeded by
+``seed`` and evicts the highest-scored of them: a cost per eviction independent of the
+pool's size, a victim that is the best of the sample only.
+
 Options: ``params`` (a path to the ``.npz`` the training wrote, or a mapping of its
 arrays: ``mean``, ``std`` (one per feature), ``w0``, ``b0``, ``w1``, ``b1``, ...: dense
-layers, ReLU between them, one output).
+layers, ReLU between them, one output), ``sample`` (an int >= 0; 0, the default: rank
+every candidate) and ``seed`` (an int, default 0; read with ``sample`` only).
 """
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Mapping
 
 import numpy as np
 
-from prefixcache._validate import check_positive_int
+from prefixcache._validate import check_count, check_int, check_positive_int
 from prefixcache.core.eviction.base import EvictionPolicy, PolicyError
 
 FEATURES = ("recency", "frequency", "depth", "saved_tokens", "since_hit", "age")
@@ -163,7 +170,10 @@ class LearnedPolicy(EvictionPolicy):
     name = "learned"
     needs_block_size = True
 
-    def __init__(self, num_blocks: int, *, block_size: int, params=None):
+    def __init__(self, num_blocks: int, *, block_size: int, params=None, sample: int = 0,
+                 seed: int = 0):
+        self.sample = check_count("learned: sample", sample)
+        self.seed = check_int("learned: seed", seed)
         if params is None:
             raise ValueError("learned needs params: eviction_options={'params': PATH} "
                              "(the .npz experiments/learned_policy.py writes)")
@@ -177,6 +187,7 @@ class LearnedPolicy(EvictionPolicy):
         self._stale = True  # a notification or a new candidate since the ranking
         self.num_scored = 0  # candidates scored (inference rows), for cost reports
         self.num_rankings = 0  # batched inferences
+        self._rng = random.Random(self.seed)
 
     # -- notifications -----------------------------------------------------------
     def on_cached(self, block, block_hash, request, position) -> None:
@@ -211,15 +222,24 @@ class LearnedPolicy(EvictionPolicy):
         bids = np.fromiter(self._cands, np.int64, len(self._cands))
         scores = mlp_scores(self.params, self.features.matrix(bids))
         order = np.lexsort((self.features.released_at[bids], -scores))
-        self.num_scored += len(bids)
-        self.num_rankings += 1
         return bids[order].tolist()
 
     def pop(self):
         if not self._cands:
             raise PolicyError("learned: pop() with no candidates")
+        if self.sample and len(self._cands) > self.sample:
+            # (list() keeps insertion order: the draw is a function of the seed and the
+            # operations; a ranking from before stays a superset of the candidates)
+            bids = np.array(self._rng.sample(list(self._cands), self.sample), np.int64)
+            scores = mlp_scores(self.params, self.features.matrix(bids))
+            best = np.lexsort((self.features.released_at[bids], -scores))[0]
+            self.num_scored += len(bids)
+            self.num_rankings += 1
+            return self._cands.pop(int(bids[best]))
         if self._stale:
             self._ranked, self._next, self._stale = self.rank(), 0, False
+            self.num_scored += len(self._ranked)
+            self.num_rankings += 1
         ranked, cands = self._ranked, self._cands
         while True:  # (a candidate discarded since the ranking is skipped)
             bid = ranked[self._next]
@@ -236,4 +256,5 @@ class LearnedPolicy(EvictionPolicy):
         self._ranked, self._next, self._stale = [], 0, True
 
     def candidate_ids(self) -> list[int]:
+        """The candidates by score (with ``sample``, ``pop`` takes the best of a draw)."""
         return self.rank()
