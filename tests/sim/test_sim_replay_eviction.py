@@ -199,8 +199,9 @@ def test_documented_case_where_online_policies_beat_belady():
              TraceRequest("r4", [2, 2, 8], 1)]
     hits = _hits_c1(trace, 3, 2, policy_names())
     assert hits["belady"] == 0
-    assert {p: hits[p] for p in ONLINE if p != "lru"} == {
-        p: 2 for p in ONLINE if p != "lru"}
+    # (random's victim is a seeded draw: either block)
+    assert {p: hits[p] for p in ONLINE if p not in ("lru", "random")} == {
+        p: 2 for p in ONLINE if p not in ("lru", "random")}
 
 
 def _hits_c1(reqs, nb, bs, policies):

@@ -33,8 +33,10 @@ from prefixcache.core.eviction.marconi import MarconiPolicy
 from prefixcache.core.eviction.pgdsf import PGDSFPolicy
 from prefixcache.core.eviction.priority import PriorityPolicy
 from prefixcache.core.eviction.queue_aware import QueueAwarePolicy
+from prefixcache.core.eviction.random_choice import RandomPolicy
 from prefixcache.core.eviction.s3fifo import S3FIFOPolicy
 from prefixcache.core.eviction.slru import SLRUPolicy
+from prefixcache.core.eviction.tlru import TLRUPolicy
 from prefixcache.core.eviction.ttl_lru import TTLLRUPolicy
 
 # NOTE: the registry is read-only (no module-level mutable state): add a policy here.
@@ -53,6 +55,8 @@ POLICIES = MappingProxyType({
     "queue_aware": QueueAwarePolicy,
     "marconi": MarconiPolicy,
     "ttl_lru": TTLLRUPolicy,
+    "tlru": TLRUPolicy,
+    "random": RandomPolicy,
 })
 
 DEFAULT_POLICY = "lru"
