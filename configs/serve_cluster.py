@@ -1,8 +1,8 @@
 """Replicas of `prefixcache serve` behind sglang-router, beside the simulated cluster.
 
 Runs experiments.serve_cluster: 2 local replicas of the tiny model (256 blocks of 16
-tokens each), sglang-router with its OpenAI backend in front, policies cache_aware,
-round_robin and power_of_two; 64 text requests from 8 tenants (a private 120-word
+tokens each), sglang-router in front (its default backend: the openai one applies no
+policy), policies cache_aware, round_robin and power_of_two; 64 text requests from 8 tenants (a private 120-word
 prefix each, a 12-word question), Poisson arrivals at 4 req/s, 8 tokens out. The same
 requests through prefixcache.sim.cluster with the same router names.
 
