@@ -210,6 +210,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_engine(args):
+    """The Engine the flags describe; refuses (ValueError), as vLLM, a KV pool that cannot
+    hold one `--max-model-len` request."""
+    engine = _build_engine(args)
+    err = pool_fit_error(engine)
+    if err is not None:
+        raise ValueError(err)
+    return engine
+
+
+def _build_engine(args):
     """The Engine the flags describe (loads the model)."""
     from prefixcache.engine import Engine
 
@@ -312,7 +322,7 @@ def serve(args) -> int:
         try:
             prepare_compilation(args)
             engine = build_engine(args)
-            prepare(engine, args)  # (the pool-fit refusal, then the warm-up)
+            prepare(engine, args)  # (the warm-up)
         except (ValueError, OSError) as e:
             print(f"prefixcache serve: error: {e}", file=sys.stderr)
             return 1

@@ -334,15 +334,11 @@ class EngineCore:
 
 
 def prepare(engine, args) -> None:
-    """What runs on the built engine before the core reports ready (both modes): as
-    vLLM, refuse a KV pool that cannot hold one `--max-model-len` request; then compile
+    """What runs on the built engine before the core reports ready (both modes): compile
     every step program (`Engine.warmup`, unless `--no-warmup`), so `/health` answers 200
     only when no request will wait for a compile."""
-    from prefixcache.serve.cli import pool_fit_error, warmup
+    from prefixcache.serve.cli import warmup
 
-    err = pool_fit_error(engine)
-    if err is not None:
-        raise ValueError(err)
     warmup(engine, args)
 
 
