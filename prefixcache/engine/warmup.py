@@ -16,6 +16,14 @@ prefix cache, the block pool, the KV of every allocatable block, the metrics win
 the KV events are as before. vLLM captures its CUDA graphs and tpu-inference precompiles
 its buckets the same way before the server accepts traffic.
 
+Programs compile on a thread pool (`threads`, default the usable cores): this thread
+traces and lowers each key (`ModelRunner.lower`, Python under the GIL, ~1/10 of a
+compile on CPU), XLA compiles them in parallel outside the GIL, and each key's dummy
+step then runs here, which finds the compiled executable in jax's memo of that lowering
+(nothing compiles twice) and installs it in the jitted step's cache. The count of
+programs is what costs: about 4 CPU-seconds each for `tiny` on a CPU, so
+`prefixcache serve` spaces its buckets x4 (see `prefixcache.serve.cli`).
+
 Programs are counted from jax's executable caches (`ModelRunner.num_programs_built`), not
 from the keys the runner knows, so a compile that a key does not predict still counts.
 Not warmed: the host tier's copy programs (one per padded transfer size; they show in

@@ -7,7 +7,9 @@ vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
 Before `/health` answers, every step program is compiled (`Engine.warmup`, a progress
 bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persistent
 compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
-`--no-compilation-cache`), so a restart of the same configuration loads them.
+`--no-compilation-cache`), so a restart of the same configuration loads them. Step
+shapes are padded to `--token-buckets` / `--seq-buckets` / `--page-buckets` (one
+program per reachable bucket triple, greedy and sampling; default x4 spacing).
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 `--shutdown-grace` seconds, abort the rest, exit 0. As vLLM, the server refuses to
 start (exit 1) when one request of `--max-model-len` tokens would not fit the KV pool.
@@ -206,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         "strictly increasing; the maximum (--max-num-batched-tokens, --max-num-seqs, "
         "pages of --max-model-len) is appended when absent. Default: x4 steps from 16 "
         "tokens, 4 sequences and 4 pages (fewer programs to compile than the library's "
-        "powers of two, at up to 4x padding)")
+        "powers of two, at up to 4x padding; pages of a checkpoint served without "
+        "--max-model-len: powers of two)")
     buckets.add_argument("--token-buckets", type=_bucket_list, default=None,
                          metavar="N,N,...", help="tokens per step (e.g. 16,64,256,1024)")
     buckets.add_argument("--seq-buckets", type=_bucket_list, default=None,
@@ -257,6 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   getattr(args, flag), maximum, bound))
             except ValueError as e:
                 sp.error(str(e))
+    if args.page_buckets is not None and args.max_model_len is None and args.model != "tiny":
+        sp.error("--page-buckets needs --max-model-len with a checkpoint (its pages end "
+                 "the list)")
     if args.page_buckets is not None and args.max_model_len is not None:
         try:
             _with_maximum("--page-buckets", args.page_buckets,
@@ -316,10 +322,8 @@ def build_engine(args):
                          "installation lacks; serve 'tiny' instead")
     if args.max_model_len is not None:
         kw["page_buckets"] = _page_buckets(args, args.max_model_len)
-    elif args.page_buckets is not None:
-        # (the checkpoint's context is known once it loads: its maximum is appended
-        # by the engine's check, which names the list when a size exceeds it)
-        kw["page_buckets"] = args.page_buckets
+    # (else the checkpoint's context is known only once it loads: the library's powers
+    # of two; parse_args refuses --page-buckets there)
     return Engine.from_pretrained(args.model, dtype=dtype, **kw)
 
 

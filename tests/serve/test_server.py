@@ -401,6 +401,14 @@ def test_bad_bucket_flags_exit_2_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+def test_page_buckets_of_a_checkpoint_need_max_model_len(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["serve", str(tmp_path), "--page-buckets", "4,16"])
+    assert "--page-buckets needs --max-model-len" in capsys.readouterr().err
+    a = parse_args(["serve", str(tmp_path), "--page-buckets", "4,16", "--max-model-len", "512"])
+    assert a.page_buckets == (4, 16)  # (32 pages appended when the engine is built)
+
+
 def test_bucket_flags_and_the_servers_default_spacing():
     from prefixcache.serve.cli import server_buckets
 
