@@ -93,7 +93,7 @@ def _bucket_list(s: str) -> tuple[int, ...]:
 # sequences; 4, 16, 64, ... pages per sequence; each list ends at its maximum) where the
 # library's MetadataBuilder default is x2: warm-up compiles every (T, S, P) program
 # before the server answers, and x4 on all three axes is 132 programs for `tiny` at the
-# default flags instead of 572 (~4 CPU-seconds each here). A step pads up to 4x (2x on
+# default flags instead of 572 (4-5 CPU-seconds each on a CPU). A step pads up to 4x (2x on
 # average) instead of 2x: cheap for the token axis of a prefill (an MLP over padding
 # rows) and for pages (reads of the padding page), and it only ever costs compute, never
 # a cache hit. The flags set any other spacing (2 for the library's).
