@@ -1062,7 +1062,8 @@ class Engine:
 
     # -- warm-up --------------------------------------------------------------------
 
-    def warmup(self, *, progress: bool = True, multimodal: bool = False):
+    def warmup(self, *, progress: bool = True, multimodal: bool = False,
+               threads: int | None = None):
         """Compiles every step program the scheduler can produce, before any request.
 
         Runs one step of each program key (`runner.warmup_keys()`: the bucketed (T, S, P)
@@ -1078,13 +1079,20 @@ class Engine:
         Args:
           progress: show a tqdm bar (programs done / total, seconds).
           multimodal: also the steps that inject multimodal embedding rows.
+          threads: programs compiled at once (XLA compiles outside the GIL; tracing
+            and lowering stay on this thread); None: the cores this process may use
+            (`prefixcache.engine.warmup.default_warmup_threads`); 1: one after another.
 
         Returns:
           `prefixcache.engine.warmup.WarmupResult` (num_programs, num_built, seconds).
+
+        Raises:
+          ValueError: `threads` is not an int >= 1.
         """
         from prefixcache.engine.warmup import warmup_engine  # noqa: PLC0415
 
-        result = warmup_engine(self, progress=progress, multimodal=multimodal)
+        result = warmup_engine(self, progress=progress, multimodal=multimodal,
+                               threads=threads)
         self._programs_at_warmup = self.runner.num_programs_built
         return result
 

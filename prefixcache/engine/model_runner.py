@@ -267,6 +267,24 @@ class StepProgram:
         persistent compilation cache), read from jax's caches."""
         return self._jitted._cache_size() + self._jitted_packed._cache_size()
 
+    def lower(self, kv_caches, inputs: DeviceInputs | PackedInputs, *, all_greedy: bool,
+              lora_weights=None):
+        """The `jax.stages.Lowered` program `__call__` would run on these arguments
+        (traced and lowered, not compiled; nothing runs, nothing is donated).
+
+        `.compile()` on it builds the very executable that jax's caches then hand to
+        `__call__` with arguments of the same shapes (compiling releases the GIL, so
+        several can compile at once on threads: `prefixcache.engine.warmup`).
+        """
+        if isinstance(inputs, PackedInputs):
+            traced = self._jitted_packed.trace(
+                self._param_leaves, kv_caches, inputs.packed, inputs.mm_embeds,
+                inputs.mm_mask, lora_weights, layout=inputs.layout, all_greedy=all_greedy)
+        else:
+            traced = self._jitted.trace(self._param_leaves, kv_caches, inputs, lora_weights,
+                                        all_greedy=all_greedy)
+        return traced.lower()
+
     def __call__(self, kv_caches, inputs: DeviceInputs | PackedInputs, *,
                  all_greedy: bool, lora_weights=None):
         """(tokens i32[S], logits f32[S, V], new kv_caches); `kv_caches` is donated.
@@ -489,16 +507,8 @@ class ModelRunner:
         Returns:
           (token ids i32[num_seqs] in scheduled order, logits or None).
         """
-        sharding = self.program.input_sharding
         self.compiled_shapes.add(prepared.shape_key)
-        if prepared.packed is not None:
-            host = (prepared.packed, prepared.inputs.mm_embeds, prepared.inputs.mm_mask)
-            packed, mm_embeds, mm_mask = (jax.device_put(host) if sharding is None
-                                          else jax.device_put(host, sharding))
-            inputs = PackedInputs(packed, mm_embeds, mm_mask, prepared.layout)
-        else:
-            inputs = (jax.device_put(prepared.inputs) if sharding is None
-                      else jax.device_put(prepared.inputs, sharding))
+        inputs = self._device_inputs(prepared)
         if self.lora_slots is None:
             tokens, logits, self.kv_caches = self.program(
                 self.kv_caches, inputs, all_greedy=prepared.all_greedy)
@@ -513,6 +523,24 @@ class ModelRunner:
             return tokens[:prepared.num_seqs], logits[:prepared.num_seqs]
         tokens = jax.device_get(tokens)
         return tokens[:prepared.num_seqs], None
+
+    def _device_inputs(self, prepared: PreparedStep) -> DeviceInputs | PackedInputs:
+        """The step's inputs moved to the device (one packed transfer when packed)."""
+        sharding = self.program.input_sharding
+        if prepared.packed is not None:
+            host = (prepared.packed, prepared.inputs.mm_embeds, prepared.inputs.mm_mask)
+            packed, mm_embeds, mm_mask = (jax.device_put(host) if sharding is None
+                                          else jax.device_put(host, sharding))
+            return PackedInputs(packed, mm_embeds, mm_mask, prepared.layout)
+        return (jax.device_put(prepared.inputs) if sharding is None
+                else jax.device_put(prepared.inputs, sharding))
+
+    def lower(self, prepared: PreparedStep):
+        """The lowered (not compiled) program `execute(prepared)` would run, with the
+        same arguments (`StepProgram.lower`); runs nothing and donates nothing."""
+        return self.program.lower(
+            self.kv_caches, self._device_inputs(prepared), all_greedy=prepared.all_greedy,
+            lora_weights=None if self.lora_slots is None else self.lora_slots.weights)
 
     def apply_host_transfers(self, transfers) -> None:
         """Dispatches the manager's ordered host-tier copies (`HostTransfer`s) before

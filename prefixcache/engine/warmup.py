@@ -16,6 +16,14 @@ prefix cache, the block pool, the KV of every allocatable block, the metrics win
 the KV events are as before. vLLM captures its CUDA graphs and tpu-inference precompiles
 its buckets the same way before the server accepts traffic.
 
+Programs compile on a thread pool (`threads`, default the usable cores): this thread
+traces and lowers each key (`ModelRunner.lower`, Python under the GIL, ~1/10 of a
+compile on CPU), XLA compiles them in parallel outside the GIL, and each key's dummy
+step then runs here, which finds the compiled executable in jax's memo of that lowering
+(nothing compiles twice) and installs it in the jitted step's cache. The count of
+programs is what costs: about 4 CPU-seconds each for `tiny` on a CPU, so
+`prefixcache serve` spaces its buckets x4 (see `prefixcache.serve.cli`).
+
 Programs are counted from jax's executable caches (`ModelRunner.num_programs_built`), not
 from the keys the runner knows, so a compile that a key does not predict still counts.
 Not warmed: the host tier's copy programs (one per padded transfer size; they show in
@@ -28,8 +36,8 @@ import dataclasses
 import os
 import time
 
-__all__ = ["WarmupResult", "default_compilation_cache_dir", "disable_compilation_cache",
-           "enable_compilation_cache", "warmup_engine"]
+__all__ = ["WarmupResult", "default_compilation_cache_dir", "default_warmup_threads",
+           "disable_compilation_cache", "enable_compilation_cache", "warmup_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,27 +56,87 @@ class WarmupResult:
     seconds: float
 
 
-def warmup_engine(engine, *, progress: bool = True,
-                  multimodal: bool = False) -> WarmupResult:
-    """`Engine.warmup` (see there)."""
+def default_warmup_threads() -> int:
+    """Compile threads `warmup_engine` uses by default: the CPU cores this process may
+    run on (XLA's compile is C++ that releases the GIL, so programs compile in parallel
+    up to the core count; tracing and lowering stay on the calling thread)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (not on Linux)
+        return max(1, os.cpu_count() or 1)
+
+
+def warmup_engine(engine, *, progress: bool = True, multimodal: bool = False,
+                  threads: int | None = None) -> WarmupResult:
+    """`Engine.warmup` (see there).
+
+    With `threads` > 1 the programs are traced and lowered on this thread
+    (`ModelRunner.lower`: Python, holding the GIL) and compiled by a pool of `threads`
+    threads; each dummy step then runs here once its program is compiled, which installs
+    that executable in the jitted step's cache (jax memoizes the lowering and its
+    compiled executable, so the run compiles nothing). `threads=1`: one key after the
+    other, each step compiled by its first run.
+    """
     from tqdm.auto import tqdm
 
+    if threads is None:
+        threads = default_warmup_threads()
+    elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     runner = engine.runner
     keys = runner.warmup_keys(multimodal=multimodal)
     t0 = time.perf_counter()
     built0 = runner.num_programs_built
-    bar = tqdm(keys, desc="compiling step programs", unit="program", disable=not progress,
-               dynamic_ncols=True)
-    for key in bar:
+    bar = tqdm(total=len(keys), desc="compiling step programs", unit="program",
+               disable=not progress, dynamic_ncols=True)
+
+    def run(key, prepared):
+        runner.execute(prepared)
         bar.set_postfix_str(f"T={key[0]} S={key[1]} P={key[2]}"
                             + ("" if key[3] else " sampling"), refresh=False)
-        runner.execute(runner.dummy_step(key, max_model_len=engine.max_model_len))
+        bar.update(1)
+
+    if threads == 1:
+        for key in keys:
+            run(key, runner.dummy_step(key, max_model_len=engine.max_model_len))
+    else:
+        _compile_concurrently(runner, keys, engine.max_model_len, threads, run)
     bar.close()
     if runner.lora_slots is not None:
         runner.lora_slots.warmup()
     built = runner.num_programs_built
     return WarmupResult(num_programs=len(keys), num_built=built - built0,
                         seconds=time.perf_counter() - t0)
+
+
+def _compile_concurrently(runner, keys, max_model_len: int, threads: int, run) -> None:
+    """Lowers each key here, compiles on `threads` threads, runs each compiled key's
+    dummy step here (in key order) as soon as it is compiled."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    # NOTE: at most 2 x threads lowered programs wait at once: the workers always have
+    # the next one ready (lowering takes ~1/10 of a compile on CPU) and the lowered
+    # modules of a large bucket grid are never all held in memory together.
+    pending: collections.deque = collections.deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="prefixcache-compile") as pool:
+        try:
+            for key in keys:
+                prepared = runner.dummy_step(key, max_model_len=max_model_len)
+                lowered = runner.lower(prepared)
+                pending.append((key, prepared, pool.submit(lowered.compile)))
+                while len(pending) > 2 * threads or (pending and pending[0][2].done()):
+                    key0, prepared0, fut = pending.popleft()
+                    fut.result()
+                    run(key0, prepared0)
+            while pending:
+                key0, prepared0, fut = pending.popleft()
+                fut.result()
+                run(key0, prepared0)
+        except BaseException:
+            for _, _, fut in pending:
+                fut.cancel()
+            raise
 
 
 def default_compilation_cache_dir() -> str:

@@ -7,7 +7,9 @@ vLLM's names. Bad flags are an argparse error (exit 2) before anything loads.
 Before `/health` answers, every step program is compiled (`Engine.warmup`, a progress
 bar; `--no-warmup` skips it, for debugging); compiled programs go to JAX's persistent
 compilation cache (`--compilation-cache-dir`, default ~/.cache/prefixcache/jax_cache;
-`--no-compilation-cache`), so a restart of the same configuration loads them.
+`--no-compilation-cache`), so a restart of the same configuration loads them. Step
+shapes are padded to `--token-buckets` / `--seq-buckets` / `--page-buckets` (one
+program per reachable bucket triple, greedy and sampling; default x4 spacing).
 The engine runs in its own process (the engine core; `--engine-in-process`: on a
 thread of the HTTP process, for debugging). If the engine core dies, requests get a
 500 / 503 OpenAI error and `/health` answers 503.
@@ -73,6 +75,50 @@ def _bytes(s: str) -> int:
         return parse_bytes(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bucket_list(s: str) -> tuple[int, ...]:
+    """'16,64,256' -> (16, 64, 256): positive ints, strictly increasing."""
+    parts = [x.strip() for x in s.split(",")]
+    try:
+        vals = tuple(int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {s!r}"
+                                         ) from None
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {s!r}")
+    if any(b <= a for a, b in zip(vals, vals[1:])):
+        raise argparse.ArgumentTypeError(f"sizes must be strictly increasing, got {s!r}")
+    return vals
+
+
+# NOTE: the server's default bucket spacing is x4 (16, 64, 256, ... tokens; 4, 16, 64
+# sequences; 4, 16, 64, ... pages per sequence; each list ends at its maximum) where the
+# library's MetadataBuilder default is x2: warm-up compiles every (T, S, P) program
+# before the server answers, and x4 on all three axes is 132 programs for `tiny` at the
+# default flags instead of 572 (4-5 CPU-seconds each on a CPU). A step pads up to 4x (2x on
+# average) instead of 2x: cheap for the token axis of a prefill (an MLP over padding
+# rows) and for pages (reads of the padding page), and it only ever costs compute, never
+# a cache hit. The flags set any other spacing (2 for the library's).
+SERVER_BUCKET_GROWTH = 4
+
+
+def server_buckets(lo: int, hi: int, growth: int = SERVER_BUCKET_GROWTH) -> tuple[int, ...]:
+    """lo, lo*growth, lo*growth^2, ... below hi, then hi (hi alone when hi <= lo)."""
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= growth
+    return (*out, hi)
+
+
+def _with_maximum(flag: str, buckets: tuple[int, ...], maximum: int, bound: str
+                  ) -> tuple[int, ...]:
+    """`buckets` ending at `maximum` (appended when below it); ValueError naming the
+    flag for a size above it."""
+    if buckets[-1] > maximum:
+        raise ValueError(f"{flag}: {buckets[-1]} exceeds {bound} ({maximum})")
+    return buckets if buckets[-1] == maximum else (*buckets, maximum)
 
 
 def _lora_module(s: str) -> tuple[str, str]:
@@ -161,6 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info")
+    buckets = p.add_argument_group(
+        "step shape buckets",
+        "Step shapes are padded to these sizes; warm-up compiles one program per "
+        "reachable (tokens, sequences, pages) bucket, greedy and sampling. Comma lists, "
+        "strictly increasing; the maximum (--max-num-batched-tokens, --max-num-seqs, "
+        "pages of --max-model-len) is appended when absent. Default: x4 steps from 16 "
+        "tokens, 4 sequences and 4 pages (fewer programs to compile than the library's "
+        "powers of two, at up to 4x padding; pages of a checkpoint served without "
+        "--max-model-len: powers of two)")
+    buckets.add_argument("--token-buckets", type=_bucket_list, default=None,
+                         metavar="N,N,...", help="tokens per step (e.g. 16,64,256,1024)")
+    buckets.add_argument("--seq-buckets", type=_bucket_list, default=None,
+                         metavar="N,N,...", help="sequences per step (e.g. 4,16,64)")
+    buckets.add_argument("--page-buckets", type=_bucket_list, default=None,
+                         metavar="N,N,...",
+                         help="KV pages (blocks) one sequence attends to (e.g. 4,16,64)")
     p.add_argument("--no-warmup", action="store_true",
                    help="serve at once, compiling each step program when a request first "
                    "needs it (debugging; requests then wait for compiles)")
@@ -195,6 +257,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.api_key = [os.environ["VLLM_API_KEY"]]
     if args.api_key is not None and not all(args.api_key):
         sp.error("--api-key: an empty key")
+    for flag, maximum, bound in (
+            ("token_buckets", args.max_num_batched_tokens, "--max-num-batched-tokens"),
+            ("seq_buckets", args.max_num_seqs, "--max-num-seqs")):
+        if getattr(args, flag) is not None:
+            try:
+                setattr(args, flag, _with_maximum(f"--{flag.replace('_', '-')}",
+                                                  getattr(args, flag), maximum, bound))
+            except ValueError as e:
+                sp.error(str(e))
+    if args.page_buckets is not None and args.max_model_len is None and args.model != "tiny":
+        sp.error("--page-buckets needs --max-model-len with a checkpoint (its pages end "
+                 "the list)")
+    if args.page_buckets is not None and args.max_model_len is not None:
+        try:
+            _with_maximum("--page-buckets", args.page_buckets,
+                          -(-args.max_model_len // args.block_size),
+                          "the pages of --max-model-len")
+        except ValueError as e:
+            sp.error(str(e))
     if args.max_request_body_bytes < 1:
         sp.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if not args.kv_events_bind_host or any(c.isspace() or c == "/"
@@ -233,6 +314,8 @@ def _build_engine(args):
         kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     if args.miss_reasons:
         kw["miss_reasons"] = True
+    kw["token_buckets"] = args.token_buckets or server_buckets(16, args.max_num_batched_tokens)
+    kw["seq_buckets"] = args.seq_buckets or server_buckets(4, args.max_num_seqs)
     if args.kv_cache_memory is not None:
         kw["kv_cache_bytes"] = args.kv_cache_memory
     else:
@@ -247,11 +330,26 @@ def _build_engine(args):
         from prefixcache.model import ModelConfig
 
         cfg = ModelConfig.tiny(**({} if dtype is None else {"dtype": dtype}))
+        kw["page_buckets"] = _page_buckets(args, args.max_model_len
+                                           or cfg.max_position_embeddings)
         return Engine(cfg, tokenizer=_tiny_tokenizer(), **kw)
     if not hasattr(Engine, "from_pretrained"):
         raise ValueError("loading a checkpoint needs Engine.from_pretrained, which this "
                          "installation lacks; serve 'tiny' instead")
+    if args.max_model_len is not None:
+        kw["page_buckets"] = _page_buckets(args, args.max_model_len)
+    # (else the checkpoint's context is known only once it loads: the library's powers
+    # of two; parse_args refuses --page-buckets there)
     return Engine.from_pretrained(args.model, dtype=dtype, **kw)
+
+
+def _page_buckets(args, max_model_len: int) -> tuple[int, ...]:
+    """--page-buckets (its maximum appended) or the server's x4 default."""
+    max_pages = -(-int(max_model_len) // args.block_size)
+    if args.page_buckets is None:
+        return server_buckets(4, max_pages)
+    return _with_maximum("--page-buckets", args.page_buckets, max_pages,
+                         "the pages of max_model_len")
 
 
 def pool_fit_error(engine) -> str | None:

@@ -51,7 +51,9 @@ def warmed():
     engine = Engine(ModelConfig.tiny(), **ENGINE_KW)
     assert engine.num_compiles_after_warmup is None
     assert engine.metrics().num_compiles_after_warmup is None
-    result = engine.warmup(progress=False)
+    # (two threads: the programs are lowered here and compiled concurrently, then
+    # installed by each key's dummy step; the tests below see no compile after it)
+    result = engine.warmup(progress=False, threads=2)
     return engine, result
 
 
@@ -63,7 +65,27 @@ def test_warmup_builds_every_program_once(warmed):
     m = engine.metrics()
     assert m.num_programs_built == 2 and m.num_compiles_after_warmup == 0
     assert engine.warmup(progress=False).num_built == 0  # already built: nothing new
+    assert engine.warmup(progress=False, threads=1).num_built == 0  # (one at a time)
     assert engine.num_compiles_after_warmup == 0
+
+
+def test_concurrent_compiles_install_the_programs_steps_use(warmed):
+    engine, _ = warmed
+    # Each key's lowered program is the one a step of that key runs: lowering it again
+    # gives the memoized executable (compiling nothing), and running it builds nothing.
+    with _CompileEvents() as events:
+        for key in engine.runner.warmup_keys():
+            prepared = engine.runner.dummy_step(key, max_model_len=engine.max_model_len)
+            engine.runner.lower(prepared).compile()
+            engine.runner.execute(prepared)
+    assert events.count == 0 and engine.num_compiles_after_warmup == 0
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_bad_thread_counts_raise_naming_threads(warmed, threads):
+    engine, _ = warmed
+    with pytest.raises(ValueError, match="threads"):
+        engine.warmup(progress=False, threads=threads)
 
 
 def test_no_compile_after_warmup_for_a_request_mix(warmed):

@@ -385,6 +385,46 @@ def test_bad_flags_exit_2(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--token-buckets", "16,x"], "--token-buckets"),
+    (["--token-buckets", "64,16"], "--token-buckets"),
+    (["--seq-buckets", "0,4"], "--seq-buckets"),
+    (["--page-buckets", ""], "--page-buckets"),
+    (["--token-buckets", "16,4096"], "--token-buckets"),  # above --max-num-batched-tokens
+    (["--max-num-seqs", "8", "--seq-buckets", "4,16"], "--seq-buckets"),
+    (["--max-model-len", "64", "--page-buckets", "2,8"], "--page-buckets"),  # 4 pages
+])
+def test_bad_bucket_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["serve", "tiny", *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_page_buckets_of_a_checkpoint_need_max_model_len(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["serve", str(tmp_path), "--page-buckets", "4,16"])
+    assert "--page-buckets needs --max-model-len" in capsys.readouterr().err
+    a = parse_args(["serve", str(tmp_path), "--page-buckets", "4,16", "--max-model-len", "512"])
+    assert a.page_buckets == (4, 16)  # (32 pages appended when the engine is built)
+
+
+def test_bucket_flags_and_the_servers_default_spacing():
+    from prefixcache.serve.cli import server_buckets
+
+    a = parse_args(["serve", "tiny", "--token-buckets", "32, 128", "--seq-buckets", "64",
+                    "--page-buckets", "8,64"])
+    # The maximum is appended when a list stops below it; pages are checked at build.
+    assert (a.token_buckets, a.seq_buckets, a.page_buckets) == ((32, 128, 2048), (64,),
+                                                                (8, 64))
+    b = parse_args(["serve", "tiny"])
+    assert (b.token_buckets, b.seq_buckets, b.page_buckets) == (None, None, None)
+    # The server's default: x4 steps from the minimum, ending at the maximum.
+    assert server_buckets(16, 2048) == (16, 64, 256, 1024, 2048)
+    assert server_buckets(4, 64) == (4, 16, 64)
+    assert server_buckets(4, 4) == (4,) and server_buckets(16, 8) == (8,)
+
+
 def test_flags_parse():
     a = parse_args(["serve", "tiny", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
                     "--eviction", "slru", "--max-waiting", "3", "--shutdown-grace", "1.5"])
