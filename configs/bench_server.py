@@ -19,7 +19,7 @@ the same request in the server pass), `e2e_ratio` (median e2e, server / in-proce
 in-process engine's (`warm_cold_ratio_client_vs_inprocess`). Targets: overhead <= 2 ms
 and e2e <= 1.1x at concurrency 1, throughput >= 0.9x at 16 and 64, warm/cold within 10%.
 
-Measured (2 CPU cores shared with seven other jobs, load average 11-13; engine in its
+Expected (measured on 2 CPU cores shared with seven other jobs, load average 11-13; engine in its
 own process; medians): concurrency 1: TTFT overhead 7.3 ms (p90 29 ms), of which the
 engine-core hop (handler -> core -> handler, means) is ~3 ms and the rest the client
 and HTTP; e2e 0.61x (the in-process pass ran on a busier machine: at this load the

@@ -32,7 +32,9 @@ def get_config(arg=None):
     c.max_output_tokens = 16
     c.time_scale = 1.0  # multiplies the trace's timestamps
     c.num_blocks = 512
-    c.block_size = 16
+    # The server's KV block (the trace's own 512-token hash-id blocks are rescaled to
+    # tokens_per_hash_id, which it must divide).
+    c.server_block_size = 16
     c.max_num_seqs = 8
     c.max_model_len = 4096
     c.serve_flags = "--max-num-batched-tokens 512"  # more `prefixcache serve` flags

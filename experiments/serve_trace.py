@@ -71,10 +71,14 @@ def find_aiperf(config) -> str:
 
 def check_config(config) -> None:
     for field in ("max_requests", "tokens_per_hash_id", "max_output_tokens", "num_blocks",
-                  "block_size", "max_num_seqs", "max_model_len"):
+                  "server_block_size", "max_num_seqs", "max_model_len"):
         v = config[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{field} must be a positive int, got {v!r}")
+    if config.tokens_per_hash_id % config.server_block_size:
+        raise ValueError(f"server_block_size={config.server_block_size} must divide "
+                         f"tokens_per_hash_id={config.tokens_per_hash_id} (a hash id is whole "
+                         "blocks)")
     if not (isinstance(config.time_scale, (int, float)) and config.time_scale > 0):
         raise ValueError(f"time_scale must be a number > 0, got {config.time_scale!r}")
 
@@ -146,7 +150,7 @@ def predict(config, lines: list[dict]) -> dict:
     reqs = [TraceRequest(id=f"mc-{i}", prompt=MooncakePrompt(d["hash_ids"], d["input_length"],
                                                                block_tokens=b),
                          output_len=d["output_length"]) for i, d in enumerate(lines)]
-    return replay(reqs, num_blocks=config.num_blocks, block_size=config.block_size,
+    return replay(reqs, num_blocks=config.num_blocks, block_size=config.server_block_size,
                   concurrency=config.max_num_seqs)
 
 
@@ -184,7 +188,7 @@ def run(config, *, progress: bool = False) -> dict:
         port = _servers.free_port()
         url = f"http://{_servers.LOCALHOST}:{port}"
         opts = {"served_model_name": config.served_model_name, "num_blocks": config.num_blocks,
-                "block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
+                "block_size": config.server_block_size, "max_num_seqs": config.max_num_seqs,
                 "max_model_len": config.max_model_len, "seed": config.seed}
         proc = fleet.start("server", _servers.serve_argv(config.serve_model, port, opts)
                            + shlex.split(config.serve_flags))
