@@ -107,7 +107,8 @@ def to_core_request(tr: TraceRequest) -> Request:
     mm = tuple(MultiModalFeature(str(i), int(o), int(n))
                for i, o, n in sorted(tr.mm or (), key=lambda m: m[1]))
     lora = None if tr.lora is None else LoRARequest(*tr.lora)
-    return Request(tr.id, tr.prompt, mm_features=mm, lora=lora, cache_salt=tr.cache_salt)
+    return Request(tr.id, tr.prompt, mm_features=mm, lora=lora, cache_salt=tr.cache_salt,
+                   priority=tr.priority, retention=tr.retention)
 
 
 @dataclasses.dataclass(eq=False)
