@@ -462,7 +462,7 @@ class Engine:
                     request_id: str | None = None, mm_features: Sequence = (),
                     mm_embeddings: Mapping[str, np.ndarray] | None = None,
                     cache_salt: str | None = None, lora=None, lora_request=None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, retention=None) -> str:
         """Queues one request.
 
         A request that can never run (prompt longer than max_model_len, more blocks than
@@ -486,6 +486,9 @@ class Engine:
           priority: forwarded to the core Request's `priority` (an int; larger = more
             important, read by the ``priority`` eviction policy); with a `Request`
             prompt it must stay 0 (set it on the Request).
+          retention: the client's `prefixcache.core.request.RetentionHints` (or a dict
+            of their fields), forwarded to the core Request and read by the ``hinted``
+            eviction policy; with a `Request` prompt it must stay None.
 
         Returns:
           The request id.
@@ -504,7 +507,7 @@ class Engine:
                                 mm_features=mm_features, mm_embeddings=mm_embeddings,
                                 cache_salt=cache_salt,
                                 lora=lora if lora is not None else lora_request,
-                                read_loras=read, priority=priority)
+                                read_loras=read, priority=priority, retention=retention)
         try:
             self._adopt_loras([state], read)
             self._commit(state)
@@ -515,7 +518,8 @@ class Engine:
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
                    mm_embeddings=None, cache_salt=None, lora=None,
-                   taken_ids=frozenset(), read_loras=None, priority: int = 0) -> EngineRequest:
+                   taken_ids=frozenset(), read_loras=None, priority: int = 0,
+                   retention=None) -> EngineRequest:
         """Validates one request and builds its state; changes nothing in the engine.
 
         Adapters not in `lora_adapters` yet are read into `read_loras` ((name, path) ->
@@ -531,9 +535,10 @@ class Engine:
             prompt = self._encode_prompt(prompt)
         if isinstance(prompt, Request):
             if (request_id is not None or mm_features or cache_salt is not None or lora
-                    or priority != 0):
+                    or priority != 0 or retention is not None):
                 raise ValueError("pass request_id / mm_features / cache_salt / lora / "
-                                 "priority on the Request itself, not to add_request")
+                                 "priority / retention on the Request itself, not to "
+                                 "add_request")
             if prompt.num_computed_tokens or prompt.num_tokens != prompt.num_prompt_tokens:
                 raise ValueError(f"request {prompt.request_id!r} already has computed or "
                                  "output tokens")
@@ -552,7 +557,7 @@ class Engine:
                     k += 1
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
-                          cache_salt=cache_salt, priority=priority)
+                          cache_salt=cache_salt, priority=priority, retention=retention)
         if req.lora is not None and self.enable_lora:
             self._load_lora(req.lora, {} if read_loras is None else read_loras)
         elif req.lora is not None and not self.lora_cache_key_only:

@@ -129,7 +129,7 @@ class _Handler:
                 self.choices.append(_Choice(k, i, rid, detok))
                 calls.append(EngineCall(rid, list(prompt), gen.params[k], tag=k,
                                         cache_salt=gen.cache_salt, priority=gen.priority,
-                                        lora=gen.lora))
+                                        lora=gen.lora, retention=gen.retention))
         self.queue: asyncio.Queue = asyncio.Queue()
         app_state.serving.submit(calls, asyncio.get_running_loop(), self.queue)
         self.num_open = len(self.choices)

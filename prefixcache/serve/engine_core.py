@@ -48,6 +48,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     priority: int = 0
     lora: tuple[str, str, int | None] | None = None
+    retention: Any = None  # RetentionHints in-process; its dict (to_dict) when encoded
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True):
@@ -230,7 +231,7 @@ class EngineCore:
                     lora = LoRARequest(*lora)
                 eng.add_request(r.prompt, params, request_id=r.request_id,
                                 cache_salt=r.cache_salt, lora_request=lora,
-                                priority=r.priority)
+                                priority=r.priority, retention=r.retention)
             except ValueError as e:
                 self._updates.append(RequestUpdate(r.request_id, error=str(e),
                                                    rejected=True))
