@@ -1,4 +1,8 @@
-"""Readers for public hash-id traces beyond Mooncake's: Qwen-Bailian and Claude Code.
+"""Readers for public agent and hash-id traces beyond Mooncake's: Qwen-Bailian, Claude
+Code, AgentX (``read_agentx``: SemiAnalysis' Weka-format sessions with nested sub-agents)
+and TraceLab (``read_tracelab``: normalized rounds, no hash ids: 64-token ids rebuilt from
+each round's cached-prefix split). The session formats can attach the retention hints
+their structure gives (``hints=True``; ``agentx_hints``).
 
 Both formats publish, per request, the lengths and one anonymised *hash id* per
 fixed-size block of the prompt (equal ids = equal content). As for Mooncake
@@ -111,8 +115,8 @@ def _session_key(session: str) -> int:
 
 
 def read_claude_code(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                     session_interval: float = 0.0, lazy: bool = False
-                     ) -> Iterator[TraceRequest]:
+                     session_interval: float = 0.0, lazy: bool = False, hints: bool = False,
+                     ttl_s: float = 300.0) -> Iterator[TraceRequest]:
     """Stream a Claude Code agent trace (module docstring), in order of arrival.
 
     Args:
@@ -121,6 +125,12 @@ def read_claude_code(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB
         session_interval: seconds between the starts of consecutive sessions (>= 0).
         lazy: prompts are ``MooncakePrompt``s of the session's ``block_size``-token ids
             (local ids already keyed by the session), not expanded.
+        hints: attach retention hints from the session structure (``agentx_hints``: a
+            live session keeps its context for ``ttl_s``; its last request ends it,
+            keeping the first ``system_tokens + tool_tokens`` tokens when the session
+            gives them). A session with nested sub-agent entries (``"type":
+            "subagent"``) is the AgentX format: read it with ``format="agentx"``.
+        ttl_s: the hints' TTL in seconds.
 
     NOTE: the whole file is read before the first request is yielded (sessions overlap
     in time, so the first arrival may be in the last line): memory O(trace).
@@ -128,11 +138,14 @@ def read_claude_code(path: str | os.PathLike, *, vocab_size: int = DEFAULT_VOCAB
     if isinstance(session_interval, bool) or not _is_time(session_interval) or session_interval < 0:
         raise ValueError(f"session_interval must be a finite number >= 0, "
                          f"got {session_interval!r}")
-    return _read_claude_code(os.fspath(path), vocab_size, float(session_interval), bool(lazy))
+    if isinstance(ttl_s, bool) or not _is_time(ttl_s) or ttl_s <= 0:
+        raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}")
+    return _read_claude_code(os.fspath(path), vocab_size, float(session_interval), bool(lazy),
+                             float(ttl_s) if hints else None)
 
 
-def _read_claude_code(path: str, vocab_size: int, session_interval: float, lazy: bool
-                      ) -> Iterator[TraceRequest]:
+def _read_claude_code(path: str, vocab_size: int, session_interval: float, lazy: bool,
+                      ttl_s: float | None = None) -> Iterator[TraceRequest]:
     heap: list[tuple[float, int, int, TraceRequest]] = []
     seen: set[str] = set()
     order = 0
@@ -159,10 +172,18 @@ def _read_claude_code(path: str, vocab_size: int, session_interval: float, lazy:
         start = k * session_interval
         key = _session_key(sid) if scope == "local" else 0
         last_t = 0.0
+        fork = 0
+        if ttl_s is not None:
+            for field in ("system_tokens", "tool_tokens"):
+                v = obj.get(field, 0)
+                fork += v if _is_int(v) and v > 0 else 0
         for i, r in enumerate(reqs):
             rw = f"{where}: requests[{i}]"
             if not isinstance(r, dict):
                 raise TraceError(f"{rw}: expected an object, got {type(r).__name__}")
+            if r.get("type") == "subagent":
+                raise TraceError(f"{rw}: a nested sub-agent entry: this is the AgentX "
+                                 "(Weka) format; read it with format='agentx'")
             for field in ("t", "in", "out", "hash_ids"):
                 if field not in r:
                     raise TraceError(f"{rw}: missing field {field!r}")
@@ -182,9 +203,12 @@ def _read_claude_code(path: str, vocab_size: int, session_interval: float, lazy:
                       mooncake_tokens(ids, block_tokens=bt, vocab_size=vocab_size)[: r["in"]]
                       .tolist())
             ts = start + float(t)
+            hint = (None if ttl_s is None else
+                    agentx_hints(main=True, last=i == len(reqs) - 1, fork_tokens=fork or None,
+                                 ttl_s=ttl_s))
             heapq.heappush(heap, (ts, order, i, TraceRequest(
                 id=f"cc-{sid}-{i}", prompt=prompt, output_len=r["out"],
-                timestamp=ts)))
+                timestamp=ts, retention=hint)))
             order += 1
     while heap:
         yield heapq.heappop(heap)[3]

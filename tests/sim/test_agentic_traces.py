@@ -154,3 +154,19 @@ def test_agentx_keeps_the_subagent_sharing_tracelab_cannot_express():
         hits[fmt] = s["hit_tokens"]
         assert s["prompt_tokens"] == sum(len(r.prompt) for r in reqs)
     assert hits["agentx"] > hits["tracelab"] > 0
+
+
+def test_claude_code_reader_hints_and_nested_subagents(tmp_path):
+    line = json.loads((DATA / "agentx_small.jsonl").read_text().splitlines()[1])
+    p = tmp_path / "cc.jsonl"
+    p.write_text(json.dumps(line) + "\n")
+    plain = list(trace_formats.read_claude_code(p))
+    hinted = list(trace_formats.read_claude_code(p, hints=True, ttl_s=30))
+    assert [r.retention for r in plain] == [None, None]
+    assert [r.prompt for r in hinted] == [r.prompt for r in plain]
+    assert hinted[0].retention == RetentionHints(priority=1, ttl_s=30)
+    assert hinted[1].retention == RetentionHints(priority=1, ttl_s=30, session_end=True)
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text((DATA / "agentx_small.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(TraceError, match="format='agentx'"):
+        list(read_trace(nested, format="claude_code"))
