@@ -136,6 +136,13 @@ class Engine:
         `kv_bytes_per_block` covers all layers in `kv_dtype`, scales included; so one
         budget holds about twice the blocks in fp8/int8 as in bf16. A budget below two
         blocks (one block and the padding page) is a ValueError.
+      residency: block residency statistics (``prefixcache.core.residency``): the share
+        of block hashes tracked, in (0, 1] (1.0: every block, exact; vLLM samples 0.01);
+        `EngineMetrics.residency` then holds per-tier histograms of block lifetime,
+        idle time before eviction, reuse gap (wall seconds) and hits per stay. They read
+        the manager's KV events, so the manager queues them and the engine drains them
+        each step: refused together with a KV-event publisher (which drains them too).
+        ``None`` (the default): nothing tracked, no cost.
       miss_reasons: classify every missed prompt block (``prefixcache.core.misses``:
         cold / evicted by tier / isolated / partial / last_token / preempted) into
         `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`, by
@@ -204,7 +211,8 @@ class Engine:
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
-                 tokenizer=None, cache_config=None, miss_reasons: bool = False):
+                 tokenizer=None, cache_config=None, miss_reasons: bool = False,
+                 residency: float | None = None):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -278,6 +286,14 @@ class Engine:
                     f"(its KV events are the publisher's): {why}; not supported (replay a "
                     "trace with miss_reasons=True instead)")
 
+        if residency is not None:
+            from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+            ResidencyTracker(residency)  # (the sample rate's check, before anything is built)
+            if kv_cache_groups is not None or index != "hash":
+                raise ValueError("residency statistics need the hash index with one "
+                                 "full-attention group")
+            manager_kwargs = {**dict(manager_kwargs or {}), "enable_events": True}
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
         max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
@@ -361,6 +377,12 @@ class Engine:
                                    max_model_len=max_model_len,
                                    scheduling_policy=policy,
                                    max_loras=max_loras if enable_lora else None)
+        self.residency = None
+        if residency is not None:
+            from prefixcache.core.residency import ManagerResidency  # noqa: PLC0415
+
+            self.residency = self.scheduler.residency = ManagerResidency(
+                self.kv_cache_manager, residency)
         self.miss_reasons = bool(miss_reasons)
         if miss_reasons:  # (checked before anything was built: _check_miss_reasons)
             from prefixcache.core.misses import (  # noqa: PLC0415
@@ -1183,6 +1205,8 @@ class Engine:
             per_tenant=_reuse_groups(self._per_tenant),
             per_adapter=_reuse_groups(self._per_adapter),
             miss_reasons=self._miss_summary(),
+            residency=(None if self.residency is None else self.residency.summary(
+                time.monotonic() - self.scheduler._t0)),
             **self._host_metrics())
 
     def _miss_summary(self) -> dict | None:

@@ -176,6 +176,9 @@ class EngineCore:
             raise ValueError("kv_event_publisher needs an engine whose KV cache manager "
                              "queues events (Engine(..., manager_kwargs={'enable_events': "
                              "True}))")
+        if kv_event_publisher is not None and getattr(engine, "residency", None) is not None:
+            raise ValueError("kv_event_publisher and Engine(residency=...) both drain the "
+                             "manager's KV events; use one of them")
         self.engine = engine
         self.kv_event_publisher = kv_event_publisher
         self._sent: dict[str, int] = {}  # unfinished request -> output tokens sent
