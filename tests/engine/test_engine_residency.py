@@ -43,3 +43,38 @@ def test_residency_off_and_checked():
             Engine(ModelConfig.tiny(), residency=bad, **SMALL)
     with pytest.raises(ValueError, match="hash index"):
         Engine(ModelConfig.tiny(), residency=1.0, index="radix", **SMALL)
+
+
+def test_metrics_render_residency_histograms():
+    from prefixcache.core.residency import ResidencyTracker
+    from prefixcache.serve.metrics import ServerMetrics
+
+    tr = ResidencyTracker(1.0)
+    tr._store(7, "GPU", 0.0)
+    tr.on_hits([7], 0.5)
+    tr.on_hits([7], 2.0)
+    tr._remove(7, "GPU", 10.0)
+    m = ServerMetrics("tiny")
+    m.watch_residency(tr.summary)
+    text = m.render()[0].decode()
+    assert 'prefixcache:kv_block_lifetime_seconds_count{model_name="tiny",tier="GPU"} 1.0' in text
+    assert 'prefixcache:kv_block_lifetime_seconds_sum{model_name="tiny",tier="GPU"} 10.0' in text
+    assert 'prefixcache:kv_block_reuse_gap_seconds_count{model_name="tiny",tier="GPU"} 2.0' in text
+    assert ('prefixcache:kv_block_hits_per_residency_bucket{le="2.0",model_name="tiny",'
+            'tier="GPU"} 1.0') in text
+    empty = ServerMetrics("tiny")
+    empty.watch_residency(lambda: None)
+    assert "kv_block_lifetime_seconds_count" not in empty.render()[0].decode()
+
+
+def test_serve_flag():
+    from prefixcache.serve.cli import parse_args
+
+    args = parse_args(["serve", "tiny", "--engine-in-process", "--residency", "0.01"])
+    assert args.residency == 0.01
+    for bad in (["--residency", "0"], ["--residency", "x"], ["--engine-in-process",
+                "--residency", "1", "--kv-events-endpoint", "tcp://127.0.0.1:5557"]):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "tiny", *bad])
+    with pytest.raises(SystemExit):  # (not in process: /metrics could not read it)
+        parse_args(["serve", "tiny", "--residency", "0.5"])
