@@ -20,7 +20,7 @@ Per row: token hit rate, hit tokens, evictions, and the roofline cost model's TT
 every request's prefill alone (``CostModel.prefill_time(prompt - hit, hit)``: no
 queueing; ``config.model`` on ``config.accelerator``): mean, p50, p90, p99. Writes
 ``retention.jsonl`` (one row per policy x capacity + the infinite-cache row, each with
-provenance) and ``retention.png`` (hit rate and p50 / p90 TTFT against capacity).
+provenance) and ``retention.png`` (hit rate and mean / p90 TTFT against capacity).
 """
 
 from __future__ import annotations
@@ -118,14 +118,14 @@ def _plot(rows, ideal, path, config):
         xs = [c for c, _ in pts]
         color, marker = styles.get(policy, ("gray", "."))
         label = "hinted (with hints)" if policy == "hinted" else policy
-        for ax, key, scale in ((axes[0], "hit_rate_tokens", 1.0), (axes[1], "ttft_p50_s", 1e3),
+        for ax, key, scale in ((axes[0], "hit_rate_tokens", 1.0), (axes[1], "ttft_mean_s", 1e3),
                                (axes[2], "ttft_p90_s", 1e3)):
             ax.plot(xs, [r[key] * scale for _, r in pts], marker=marker, color=color,
                     label=label, linestyle="--" if policy == "belady" else "-")
     axes[0].axhline(ideal["hit_rate_tokens"], color="gray", linestyle=":",
                     label="infinite cache")
     axes[0].set_ylabel("token hit rate")
-    axes[1].set_ylabel("p50 TTFT, cost model (ms)")
+    axes[1].set_ylabel("mean TTFT, cost model (ms)")
     axes[2].set_ylabel("p90 TTFT, cost model (ms)")
     for ax in axes:
         ax.set_xscale("log", base=2)
