@@ -35,6 +35,12 @@ def get_config(arg=None):
     c.seed = 0
     c.workdir = ""
     c.workload = ml_collections.ConfigDict(dict(num_sessions=8, format="agentx"))
+    # A session trace instead of the generated one (its reader derives the hints): a
+    # registered dataset by name, or a local file and its format (agentx, claude_code,
+    # tracelab).
+    c.dataset = ""
+    c.trace = ""
+    c.trace_format = ""
     c.ttl_s = 300.0  # the hints' TTL (seconds) and ttl_lru's
     c.policies = "lru,ttl_lru,hinted,belady"
     c.capacities = "4096,8192,16384"  # blocks

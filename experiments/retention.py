@@ -4,8 +4,10 @@ ttl_lru and the offline bound (belady), on the generated agentic workload.
   python -m experiments.retention --config=configs/retention.py --workdir=/tmp/retention
 
 See configs/retention.py. The workload (``prefixcache.sim.agentic``: coding-agent
-sessions of tool-call loops with sub-agents, through the AgentX format) is replayed at
-each capacity with:
+sessions of tool-call loops with sub-agents, through the AgentX format; or a session
+trace a user has: ``--config.dataset=agentx|claude_code_subagents|tracelab|...`` or
+``--config.trace=FILE --config.trace_format=agentx|claude_code|tracelab``, whose reader
+derives the hints) is replayed at each capacity with:
 
 * ``lru`` (vLLM's order) on the trace without hints;
 * ``ttl_lru`` (SGLang-style: blocks idle longer than the hints' TTL go first), no hints;
@@ -50,9 +52,35 @@ def _row(policy, capacity, summary, recs, cm):
                 ttft_p99_s=_percentile(ttft, 99))
 
 
+HINTED_FORMATS = ("agentx", "claude_code", "tracelab")  # readers that derive hints
+
+
+def _traces(config, ttl_s: float):
+    """(requests without hints, the same with hints): the generated workload, or a
+    session trace a user has (``config.dataset`` by name, or ``config.trace`` with
+    ``config.trace_format``), read twice by its reader."""
+    from prefixcache.sim import datasets, workloads  # noqa: PLC0415
+    from prefixcache.sim.trace_formats import READERS  # noqa: PLC0415
+
+    dataset, trace = config.get("dataset", ""), config.get("trace", "")
+    if dataset and trace:
+        raise ValueError("give dataset or trace, not both")
+    if not dataset and not trace:
+        kwargs = dict(config.workload.to_dict())
+        return (workloads.generate("agentic", seed=config.seed, hints=False, **kwargs),
+                workloads.generate("agentic", seed=config.seed, hints=True, ttl_s=ttl_s,
+                                   **kwargs))
+    fmt = datasets.get(dataset).trace_format if dataset else config.get("trace_format", "")
+    if fmt not in HINTED_FORMATS:
+        raise ValueError(f"trace_format must be one of {HINTED_FORMATS} (formats with "
+                         f"sessions), got {fmt!r}")
+    path = datasets.path_of(dataset, progress=False) if dataset else trace
+    read = READERS[fmt]
+    return (list(read(path, lazy=True)), list(read(path, lazy=True, hints=True, ttl_s=ttl_s)))
+
+
 def run(config, *, progress: bool = False) -> dict:
     from prefixcache.cost_model import CostModel  # noqa: PLC0415
-    from prefixcache.sim import workloads  # noqa: PLC0415
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -64,10 +92,8 @@ def run(config, *, progress: bool = False) -> dict:
     capacities = [int(c) for c in str(config.capacities).split(",") if c.strip()]
     if not capacities or min(capacities) < 1:
         raise ValueError(f"capacities must be positive block counts, got {config.capacities!r}")
-    kwargs = dict(config.workload.to_dict())
     ttl_s = float(config.ttl_s)
-    plain = workloads.generate("agentic", seed=config.seed, hints=False, **kwargs)
-    hinted = workloads.generate("agentic", seed=config.seed, hints=True, ttl_s=ttl_s, **kwargs)
+    plain, hinted = _traces(config, ttl_s)
     cm = CostModel.create(config.model, config.accelerator)
     common = dict(block_size=config.block_size, concurrency=config.concurrency,
                   free_order="unhashed_first", hash_algo="xxhash", hash_seed=0)
@@ -132,8 +158,10 @@ def _plot(rows, ideal, path, config):
         ax.set_xlabel(f"cache capacity (blocks of {config.block_size} tokens)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Retention hints on the agentic workload ({config.workload.num_sessions} "
-                 f"sessions, TTL {config.ttl_s:g} s; {config.model} on {config.accelerator})")
+    src = (config.get("dataset") or config.get("trace") or
+           f"the agentic workload, {config.workload.num_sessions} sessions")
+    fig.suptitle(f"Retention hints on {src} (TTL {config.ttl_s:g} s; {config.model} on "
+                 f"{config.accelerator})")
     return _common.save_plot(fig, path)
 
 

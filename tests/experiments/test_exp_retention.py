@@ -45,3 +45,16 @@ def test_bad_policies_are_refused(tmp_path):
     c.policies = "lru,hintd"
     with pytest.raises(ValueError, match="policies: unknown"):
         retention.run(c)
+
+
+def test_a_session_trace_file(tmp_path):
+    c = _config().get_config("quick")
+    c.workdir = str(tmp_path / "r")
+    c.trace = str(ROOT / "tests" / "data" / "agent_traces" / "agentx_small.jsonl")
+    c.trace_format = "agentx"
+    c.capacities = "4"
+    out = retention.run(c)
+    assert out["requests"] == 6 and set(out["hit_rate"]) == {"lru", "hinted", "belady"}
+    c.trace_format = "mooncake"
+    with pytest.raises(ValueError, match="formats with sessions"):
+        retention.run(c)
