@@ -31,6 +31,7 @@ WORKLOAD_KWARGS = {
                             question_len=(128, 1024), output_len=(64, 256), vocab=32000,
                             arrival_rate=20.0),
     "mooncake_scale": dict(num_requests=20000),
+    "agentic": dict(num_sessions=8, format="agentx", hints=False, ttl_s=300.0),
 }
 
 

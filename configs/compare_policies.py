@@ -129,3 +129,27 @@ def dataset_config(dataset: str, arg=None):
         c.capacities = ",".join(c.capacities.split(",")[:2])
         c.policies = "lru,queue_aware,pgdsf"
     return c
+
+
+def agentic_config(trace_format: str, arg=None):
+    """The generated agentic workload written in ``trace_format`` (``agentx`` /
+    ``tracelab``) and read back by its reader: 2 small sessions, lru / ttl_lru / tlru
+    (+ belady) at 64-token blocks and 2 capacities (the quick variant of the AgentX and
+    TraceLab configs, whose data cannot be fetched offline)."""
+    c = get_config()
+    src = _base.requests_config("agentic", format=trace_format, num_sessions=2,
+                                mean_steps=12.0, system_tokens=1000, tool_tokens=3000,
+                                compact_at=24000, summary_tokens=2000, subagent_prob=0.2,
+                                subagent_mean_steps=4.0)
+    for key in ("trace", "dataset", "workload"):
+        c[key] = src[key]
+    c.block_size = 64
+    c.capacities = "256,1024"
+    c.policies = "lru,ttl_lru,tlru"
+    c.indexes = "hash"
+    c.concurrency = 8
+    c.hash_algo = "xxhash"
+    c.hash_seed = "0"
+    c.trace_tokens = "lazy"
+    c.model = "llama_3_1_8b"
+    return c

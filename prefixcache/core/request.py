@@ -21,7 +21,7 @@ import numpy as np
 from prefixcache._validate import ArgumentTypeError, check_int, check_int_sequence, check_path
 from prefixcache.core.hashing import BlockHasher, block_extra_keys
 
-__all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request"]
+__all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request", "RetentionHints"]
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -107,6 +107,119 @@ class LoRARequest:
                 object.__setattr__(self, "int_id", i)
             if i < 1:
                 raise ValueError(f"LoRARequest.int_id must be None or an int >= 1, got {i!r}")
+
+
+def _finite_positive(name: str, value: Any) -> float | None:
+    """``None``, or ``value`` as a float when it is a finite real number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(f"RetentionHints.{name} must be a number > 0 or None, "
+                                f"got {value!r}")
+    v = float(value)
+    if not (v > 0 and v != float("inf")):
+        raise ValueError(f"RetentionHints.{name} must be a finite number > 0 or None, "
+                         f"got {value!r}")
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionHints:
+    """What a client says about keeping a request's KV cache (agent retention hints).
+
+    An agent loop re-sends its context after every tool call; the client knows what a
+    cache cannot: that the next call comes in a few seconds (keep this), that a
+    sub-agent is done (drop its private blocks), that the system prompt and tools are
+    worth keeping beyond the session. The ``hinted`` eviction policy reads these;
+    every other policy ignores them, and a request without hints (``None``, the
+    default) is cached exactly as before.
+
+    Attributes:
+      priority: an int, larger = kept longer (among blocks whose hint is in force).
+      ttl_s: seconds after the request's last use of a block during which the hint
+        holds (``None``: no limit in seconds).
+      ttl_steps: the same in the driver's steps (the replay's requests, the
+        scheduler's steps); ``None``: no limit in steps. The policy reads the TTL of
+        its own clock (``unit``).
+      keep_range: ``(start, end)`` prompt token positions the hint applies to (a
+        block is covered when its tokens lie inside the range); ``None``: the whole
+        request. Blocks outside the range get no protection.
+      session_end: this is the session's (or sub-agent's) last request: once it
+        releases them, its blocks outside ``keep_range`` are evicted before any
+        other block.
+    """
+
+    priority: int = 0
+    ttl_s: float | None = None
+    ttl_steps: float | None = None
+    keep_range: tuple[int, int] | None = None
+    session_end: bool = False
+
+    def __post_init__(self):
+        p = self.priority
+        if type(p) is not int:
+            try:
+                p = check_int("RetentionHints.priority", p)
+            except ArgumentTypeError:
+                raise ArgumentTypeError(
+                    f"RetentionHints.priority must be an int, got {p!r}") from None
+            object.__setattr__(self, "priority", p)
+        object.__setattr__(self, "ttl_s", _finite_positive("ttl_s", self.ttl_s))
+        object.__setattr__(self, "ttl_steps", _finite_positive("ttl_steps", self.ttl_steps))
+        kr = self.keep_range
+        if kr is not None:
+            if isinstance(kr, (str, bytes)) or not isinstance(kr, Sequence) or len(kr) != 2:
+                raise ArgumentTypeError(
+                    f"RetentionHints.keep_range must be a (start, end) pair of ints or "
+                    f"None, got {kr!r}")
+            start = _check_int("RetentionHints.keep_range start", kr[0], 0)
+            end = _check_int("RetentionHints.keep_range end", kr[1], 0)
+            if end <= start:
+                raise ValueError(f"RetentionHints.keep_range must satisfy 0 <= start < end, "
+                                 f"got {tuple(kr)!r}")
+            object.__setattr__(self, "keep_range", (start, end))
+        if not isinstance(self.session_end, (bool, np.bool_)):
+            raise ArgumentTypeError(f"RetentionHints.session_end must be True or False, "
+                                    f"got {self.session_end!r}")
+        object.__setattr__(self, "session_end", bool(self.session_end))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RetentionHints:
+        """From a JSON object (the server's ``retention`` field, a trace line): the field
+        names above; an unknown name is a ``ValueError`` naming it."""
+        if not isinstance(d, dict):
+            raise ArgumentTypeError(f"retention must be an object (a dict), got {d!r}")
+        unknown = sorted(set(d) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"retention: unknown field(s) {unknown}; expected some of "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """The fields that differ from the defaults, as a JSON object."""
+        out: dict[str, Any] = {}
+        if self.priority:
+            out["priority"] = self.priority
+        if self.ttl_s is not None:
+            out["ttl_s"] = self.ttl_s
+        if self.ttl_steps is not None:
+            out["ttl_steps"] = self.ttl_steps
+        if self.keep_range is not None:
+            out["keep_range"] = list(self.keep_range)
+        if self.session_end:
+            out["session_end"] = True
+        return out
+
+
+def check_retention(request_id: Any, value: Any) -> RetentionHints | None:
+    """``None``, a `RetentionHints`, or one built from a dict; anything else refused
+    naming the request."""
+    if value is None or isinstance(value, RetentionHints):
+        return value
+    if isinstance(value, dict):
+        return RetentionHints.from_dict(value)
+    raise ArgumentTypeError(f"request {request_id!r}: retention must be a RetentionHints, "
+                            f"a dict or None, got {value!r}")
 
 
 class ReadOnlyList(Sequence):
@@ -240,6 +353,7 @@ class Request:
         "_tokens_view",
         "_hashes_view",
         "_priority",
+        "_retention",
     )
 
     def __init__(
@@ -254,6 +368,7 @@ class Request:
         hasher: BlockHasher | None = None,
         block_size: int | None = None,
         priority: int = 0,
+        retention: RetentionHints | None = None,
     ):
         """Args:
         request_id: hashable id, unique among live requests of a manager.
@@ -273,6 +388,8 @@ class Request:
           are evicted first). Settable later (``request.priority = 3``); the setter
           refuses a non-int (None, NaN, a bool, a float) before anything changes, so a
           policy never reads a value it cannot order.
+        retention: the client's `RetentionHints` (or a dict of their fields), read
+          by the ``hinted`` eviction policy; ``None`` (the default): no hints.
 
         Raises:
           ValueError: empty prompt, bad token ids, bad multimodal ranges, bad salt,
@@ -325,6 +442,7 @@ class Request:
         if type(priority) is not int:
             priority = _checked_priority(request_id, priority)
         self._priority = priority
+        self._retention = check_retention(request_id, retention)
         if (hasher is None) != (block_size is None):
             raise ValueError(
                 f"request {request_id!r}: pass hasher and block_size together (or neither)"
@@ -373,6 +491,11 @@ class Request:
         if type(value) is not int:
             value = _checked_priority(self._request_id, value)
         self._priority = value
+
+    @property
+    def retention(self) -> RetentionHints | None:
+        """The client's retention hints (``None``: none)."""
+        return self._retention
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,7 +39,8 @@ from typing import Any
 
 from prefixcache.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["BUCKETS", "HIT_BUCKETS", "METRICS", "Histogram", "ResidencyTracker"]
+__all__ = ["BUCKETS", "HIT_BUCKETS", "METRICS", "Histogram", "ManagerResidency",
+           "ResidencyTracker"]
 
 # Upper bounds (inclusive) of the time buckets: 1 ms .. ~10^5 (x ~3.16 per bucket), +inf.
 BUCKETS: tuple[float, ...] = tuple(10.0 ** (e / 2) for e in range(-6, 11))
@@ -221,6 +222,68 @@ class ResidencyTracker:
         return {"sample_rate": self.sample_rate, "resident_at_end": dict(self.resident_at_end),
                 "tiers": {m: {k: h.to_dict() for k, h in hs.items()}
                           for m, hs in sorted(self.hist.items())}}
+
+
+class ManagerResidency:
+    """A ``ResidencyTracker`` fed from one ``KVCacheManager`` built with
+    ``enable_events=True``, by a driver with a clock (the DES; the engine's design is the
+    same): it drains the manager's events itself (``drain(now)``, whose list the driver
+    may pass on to another reader of the events), and hears each admission's hits and
+    each finished request's release.
+
+    Args:
+        manager: the manager (one full-attention group; its events on).
+        sample_rate: the share of block hashes tracked, in (0, 1] (1.0: exact).
+        log: keep every finished residency (tests).
+    """
+
+    def __init__(self, manager, sample_rate: float, *, log: bool = False):
+        if not getattr(manager, "enable_events", False):
+            raise ValueError("residency statistics read the manager's KV events: build it "
+                             "with enable_events=True")
+        self.tracker = ResidencyTracker(sample_rate, log=log)
+        self.manager = manager
+        self.block_size = manager.block_size
+        self._key = manager.block_pool._event_hash  # the events' form of a block hash
+        self._tiered = getattr(manager, "num_host_blocks", 0) > 0
+
+    def drain(self, now: float) -> list:
+        """The manager's queued events, fed to the tracker at ``now``; returned."""
+        events = self.manager.take_events()
+        self.tracker.on_events(events, now)
+        return events
+
+    def host_hit_tokens(self) -> int:
+        """The manager's host-hit counter (read before an allocation: ``admitted``'s
+        ``host_before``)."""
+        return self.manager.host_hit_tokens if self._tiered else 0
+
+    def admitted(self, req, num_hit: int, now: float, host_before: int = 0) -> None:
+        """``req`` was admitted with ``num_hit`` cached tokens (after its allocation and
+        before its events are drained); ``host_before``: ``host_hit_tokens()`` before
+        the allocation (the host hits are the run's last blocks)."""
+        if num_hit:
+            bs = self.block_size
+            keys = [self._key(h) for h in req.block_hashes[:num_hit // bs]]
+            n_host = (self.manager.host_hit_tokens - host_before) // bs if self._tiered else 0
+            self.tracker.on_hits(keys[:len(keys) - n_host], now)
+            if n_host:
+                self.tracker.on_hits(keys[len(keys) - n_host:], now, medium="CPU")
+        self.drain(now)
+
+    def released(self, keys: list, now: float) -> None:
+        """A finished request released the blocks of ``keys`` (``release_keys(req)``,
+        read before ``free``)."""
+        self.drain(now)
+        self.tracker.on_release(keys, now)
+
+    def release_keys(self, req) -> list:
+        return [self._key(h) for h in req.block_hashes]
+
+    def summary(self, now: float) -> dict[str, Any]:
+        self.drain(now)
+        self.tracker.finish(now)
+        return self.tracker.summary()
 
 
 def merge_summaries(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -136,6 +136,13 @@ class Engine:
         `kv_bytes_per_block` covers all layers in `kv_dtype`, scales included; so one
         budget holds about twice the blocks in fp8/int8 as in bf16. A budget below two
         blocks (one block and the padding page) is a ValueError.
+      residency: block residency statistics (``prefixcache.core.residency``): the share
+        of block hashes tracked, in (0, 1] (1.0: every block, exact; vLLM samples 0.01);
+        `EngineMetrics.residency` then holds per-tier histograms of block lifetime,
+        idle time before eviction, reuse gap (wall seconds) and hits per stay. They read
+        the manager's KV events, so the manager queues them and the engine drains them
+        each step: refused together with a KV-event publisher (which drains them too).
+        ``None`` (the default): nothing tracked, no cost.
       miss_reasons: classify every missed prompt block (``prefixcache.core.misses``:
         cold / evicted by tier / isolated / partial / last_token / preempted) into
         `RequestOutput.metrics.miss_reasons` and `EngineMetrics.miss_reasons`, by
@@ -204,7 +211,8 @@ class Engine:
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
-                 tokenizer=None, cache_config=None, miss_reasons: bool = False):
+                 tokenizer=None, cache_config=None, miss_reasons: bool = False,
+                 residency: float | None = None):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -278,6 +286,14 @@ class Engine:
                     f"(its KV events are the publisher's): {why}; not supported (replay a "
                     "trace with miss_reasons=True instead)")
 
+        if residency is not None:
+            from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+            ResidencyTracker(residency)  # (the sample rate's check, before anything is built)
+            if kv_cache_groups is not None or index != "hash":
+                raise ValueError("residency statistics need the hash index with one "
+                                 "full-attention group")
+            manager_kwargs = {**dict(manager_kwargs or {}), "enable_events": True}
         num_blocks = _positive_int("num_blocks", num_blocks)
         block_size = _positive_int("block_size", block_size)
         max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
@@ -361,6 +377,12 @@ class Engine:
                                    max_model_len=max_model_len,
                                    scheduling_policy=policy,
                                    max_loras=max_loras if enable_lora else None)
+        self.residency = None
+        if residency is not None:
+            from prefixcache.core.residency import ManagerResidency  # noqa: PLC0415
+
+            self.residency = self.scheduler.residency = ManagerResidency(
+                self.kv_cache_manager, residency)
         self.miss_reasons = bool(miss_reasons)
         if miss_reasons:  # (checked before anything was built: _check_miss_reasons)
             from prefixcache.core.misses import (  # noqa: PLC0415
@@ -462,7 +484,7 @@ class Engine:
                     request_id: str | None = None, mm_features: Sequence = (),
                     mm_embeddings: Mapping[str, np.ndarray] | None = None,
                     cache_salt: str | None = None, lora=None, lora_request=None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, retention=None) -> str:
         """Queues one request.
 
         A request that can never run (prompt longer than max_model_len, more blocks than
@@ -486,6 +508,9 @@ class Engine:
           priority: forwarded to the core Request's `priority` (an int; larger = more
             important, read by the ``priority`` eviction policy); with a `Request`
             prompt it must stay 0 (set it on the Request).
+          retention: the client's `prefixcache.core.request.RetentionHints` (or a dict
+            of their fields), forwarded to the core Request and read by the ``hinted``
+            eviction policy; with a `Request` prompt it must stay None.
 
         Returns:
           The request id.
@@ -504,7 +529,7 @@ class Engine:
                                 mm_features=mm_features, mm_embeddings=mm_embeddings,
                                 cache_salt=cache_salt,
                                 lora=lora if lora is not None else lora_request,
-                                read_loras=read, priority=priority)
+                                read_loras=read, priority=priority, retention=retention)
         try:
             self._adopt_loras([state], read)
             self._commit(state)
@@ -515,7 +540,8 @@ class Engine:
 
     def _new_state(self, prompt, params, *, request_id=None, mm_features=(),
                    mm_embeddings=None, cache_salt=None, lora=None,
-                   taken_ids=frozenset(), read_loras=None, priority: int = 0) -> EngineRequest:
+                   taken_ids=frozenset(), read_loras=None, priority: int = 0,
+                   retention=None) -> EngineRequest:
         """Validates one request and builds its state; changes nothing in the engine.
 
         Adapters not in `lora_adapters` yet are read into `read_loras` ((name, path) ->
@@ -531,9 +557,10 @@ class Engine:
             prompt = self._encode_prompt(prompt)
         if isinstance(prompt, Request):
             if (request_id is not None or mm_features or cache_salt is not None or lora
-                    or priority != 0):
+                    or priority != 0 or retention is not None):
                 raise ValueError("pass request_id / mm_features / cache_salt / lora / "
-                                 "priority on the Request itself, not to add_request")
+                                 "priority / retention on the Request itself, not to "
+                                 "add_request")
             if prompt.num_computed_tokens or prompt.num_tokens != prompt.num_prompt_tokens:
                 raise ValueError(f"request {prompt.request_id!r} already has computed or "
                                  "output tokens")
@@ -552,7 +579,7 @@ class Engine:
                     k += 1
                 request_id = f"req-{k}"
             req = Request(request_id, tokens, mm_features=tuple(mm_features), lora=lora,
-                          cache_salt=cache_salt, priority=priority)
+                          cache_salt=cache_salt, priority=priority, retention=retention)
         if req.lora is not None and self.enable_lora:
             self._load_lora(req.lora, {} if read_loras is None else read_loras)
         elif req.lora is not None and not self.lora_cache_key_only:
@@ -1178,6 +1205,8 @@ class Engine:
             per_tenant=_reuse_groups(self._per_tenant),
             per_adapter=_reuse_groups(self._per_adapter),
             miss_reasons=self._miss_summary(),
+            residency=(None if self.residency is None else self.residency.summary(
+                time.monotonic() - self.scheduler._t0)),
             **self._host_metrics())
 
     def _miss_summary(self) -> dict | None:

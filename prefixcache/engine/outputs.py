@@ -112,6 +112,11 @@ class EngineMetrics:
       miss_reasons: the finished requests' miss reasons summed (``Engine(miss_reasons=
         True)``; None otherwise): ``{"missed_blocks", "reasons", "per_tenant",
         "per_adapter"}`` as the replay summary's ``miss_reasons``.
+      residency: block residency histograms (``Engine(residency=RATE)``; None
+        otherwise): per tier, ``lifetime``, ``idle_before_evict``, ``reuse_gap`` (wall
+        seconds since the scheduler started) and ``hits_per_residency``, as the replay
+        summary's ``residency`` (``prefixcache.core.residency``; over the engine's life,
+        not the metrics window).
     """
 
     num_requests: int
@@ -147,6 +152,7 @@ class EngineMetrics:
     per_tenant: dict | None = None
     per_adapter: dict | None = None
     miss_reasons: dict | None = None
+    residency: dict | None = None
     num_programs_built: int | None = None
     num_compiles_after_warmup: int | None = None
 

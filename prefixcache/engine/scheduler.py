@@ -257,6 +257,9 @@ class Scheduler:
         # schedules. None: no clock.
         self._set_time = policy_clock(kv_cache_manager)
         self._t0 = time.monotonic()
+        # Block residency (``prefixcache.core.residency.ManagerResidency``, set by the
+        # engine; None: off, no cost): fed at admissions, frees and each step's start.
+        self.residency = None
         self.requests: dict[str, EngineRequest] = {}
         self.num_preemptions = 0
         self.num_steps = 0
@@ -308,7 +311,7 @@ class Scheduler:
             return
         if state.status is RequestStatus.RUNNING:
             self.running.remove(state)
-            self.kv_cache_manager.free(state.request)
+            self._free(state.request)
             self._release_row(state)
         else:
             self.waiting.remove(state)
@@ -320,6 +323,16 @@ class Scheduler:
         state.error = error
         state.finish_time = time.perf_counter()
         del self.requests[state.request_id]
+
+    def _free(self, req) -> None:
+        """The manager's ``free``, and the release reported to the residency feed."""
+        res = self.residency
+        if res is None:
+            self.kv_cache_manager.free(req)
+            return
+        keys = res.release_keys(req)
+        self.kv_cache_manager.free(req)
+        res.released(keys, time.monotonic() - self._t0)
 
     def abort_request(self, request_id: str) -> EngineRequest:
         """Finishes an unfinished request with reason "abort".
@@ -339,7 +352,7 @@ class Scheduler:
         assert state.status is RequestStatus.RUNNING, state.request_id
         if self.miss_accountant is not None:  # (its computed blocks, before the free)
             self.miss_accountant.preempted(state.request)
-        self.kv_cache_manager.free(state.request)
+        self._free(state.request)
         self._release_row(state)
         state.request.num_computed_tokens = 0
         # The core request's count makes the manager file its next prefix lookup under
@@ -425,6 +438,8 @@ class Scheduler:
         mgr = self.kv_cache_manager
         if self._set_time is not None:
             self._set_time(time.monotonic() - self._t0, self.num_steps)
+        if self.residency is not None:  # (the last step's decode blocks, at this time)
+            self.residency.drain(time.monotonic() - self._t0)
         tables = self.block_tables
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -548,6 +563,9 @@ class Scheduler:
             reasons = acct.lookup(req, num_hit)
         num_new = min(req.num_tokens - num_hit, budget)
         assert num_new > 0, (state.request_id, req.num_tokens, num_hit)
+        res = self.residency
+        if res is not None:
+            host_before = res.host_hit_tokens()
         new_blocks = mgr.allocate_slots(
             req, num_new, num_new_computed_tokens=num_hit,
             new_computed_blocks=hit_blocks)
@@ -562,6 +580,8 @@ class Scheduler:
         self.waiting.remove(state)
         self.running.append(state)
         state.status = RequestStatus.RUNNING
+        if res is not None:
+            res.admitted(req, num_hit, time.monotonic() - self._t0, host_before)
         req.num_computed_tokens = num_hit
         if acct is not None:
             acct.admit(req, num_hit, reasons)

@@ -129,7 +129,7 @@ class _Handler:
                 self.choices.append(_Choice(k, i, rid, detok))
                 calls.append(EngineCall(rid, list(prompt), gen.params[k], tag=k,
                                         cache_salt=gen.cache_salt, priority=gen.priority,
-                                        lora=gen.lora))
+                                        lora=gen.lora, retention=gen.retention))
         self.queue: asyncio.Queue = asyncio.Queue()
         app_state.serving.submit(calls, asyncio.get_running_loop(), self.queue)
         self.num_open = len(self.choices)
@@ -447,6 +447,9 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
     metrics = ServerMetrics(served_model_name)
     serving.metrics = metrics
     metrics.set_programs(info["num_programs_built"], info["num_compiles_after_warmup"])
+    res = getattr(getattr(serving, "engine", None), "residency", None)
+    if res is not None:  # (an in-process engine: its tracker, read at each scrape)
+        metrics.watch_residency(res.tracker.summary)
     # A request of more sequences than the running batch plus the waiting queue can
     # never be admitted (it would get a 503 on an idle server): a 400 instead.
     waiting = getattr(serving, "max_waiting", None)

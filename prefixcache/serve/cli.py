@@ -51,6 +51,16 @@ def _non_negative_int(s: str) -> int:
     return v
 
 
+def _sample_rate(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+    return v
+
+
 def _port(s: str) -> int:
     v = _non_negative_int(s)
     if v > 65535:
@@ -169,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", choices=tuple(INDEXES), default="hash")
     p.add_argument("--scheduling-policy", choices=tuple(SCHEDULING_POLICIES), default="fcfs")
     p.add_argument("--num-host-blocks", type=_non_negative_int, default=0)
+    p.add_argument("--residency", type=_sample_rate, default=None, metavar="RATE",
+                   help="block residency histograms in /metrics (lifetime, idle before "
+                   "eviction, reuse gap, hits per stay; RATE: the share of blocks sampled, "
+                   "vLLM's 0.01; needs --engine-in-process, not with --kv-events-endpoint)")
     p.add_argument("--miss-reasons", action="store_true",
                    help="classify missed prompt blocks (cold, evicted, isolated, partial, "
                    "last_token, window, preempted): per request in usage.prompt_tokens_details."
@@ -244,6 +258,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         sp.error(f"MODEL_OR_PATH {args.model!r}: no such file or directory (or 'tiny')")
     if args.lora_modules and not args.enable_lora:
         sp.error("--lora-modules needs --enable-lora")
+    if args.residency is not None and not args.engine_in_process:
+        sp.error("--residency needs --engine-in-process (/metrics reads the engine's "
+                 "histograms in this process)")
+    if args.residency is not None and args.kv_events_endpoint:
+        sp.error("--residency and --kv-events-endpoint both drain the KV events; use one")
     names = [n for n, _ in args.lora_modules]
     if len(set(names)) != len(names):
         sp.error(f"--lora-modules: duplicate names {names}")
@@ -314,6 +333,8 @@ def _build_engine(args):
         kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     if args.miss_reasons:
         kw["miss_reasons"] = True
+    if getattr(args, "residency", None) is not None:
+        kw["residency"] = args.residency
     kw["token_buckets"] = args.token_buckets or server_buckets(16, args.max_num_batched_tokens)
     kw["seq_buckets"] = args.seq_buckets or server_buckets(4, args.max_num_seqs)
     if args.kv_cache_memory is not None:

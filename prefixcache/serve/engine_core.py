@@ -48,6 +48,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     priority: int = 0
     lora: tuple[str, str, int | None] | None = None
+    retention: Any = None  # RetentionHints in-process; its dict (to_dict) when encoded
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True):
@@ -175,6 +176,9 @@ class EngineCore:
             raise ValueError("kv_event_publisher needs an engine whose KV cache manager "
                              "queues events (Engine(..., manager_kwargs={'enable_events': "
                              "True}))")
+        if kv_event_publisher is not None and getattr(engine, "residency", None) is not None:
+            raise ValueError("kv_event_publisher and Engine(residency=...) both drain the "
+                             "manager's KV events; use one of them")
         self.engine = engine
         self.kv_event_publisher = kv_event_publisher
         self._sent: dict[str, int] = {}  # unfinished request -> output tokens sent
@@ -230,7 +234,7 @@ class EngineCore:
                     lora = LoRARequest(*lora)
                 eng.add_request(r.prompt, params, request_id=r.request_id,
                                 cache_salt=r.cache_salt, lora_request=lora,
-                                priority=r.priority)
+                                priority=r.priority, retention=r.retention)
             except ValueError as e:
                 self._updates.append(RequestUpdate(r.request_id, error=str(e),
                                                    rejected=True))

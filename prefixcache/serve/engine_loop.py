@@ -63,6 +63,7 @@ class EngineCall:
     cache_salt: str | None = None
     priority: int = 0
     lora: Any = None
+    retention: Any = None  # RetentionHints or None
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,13 +170,15 @@ class EngineFrontEnd:
         self._send(AddRequests([self._new_request(c) for c in calls]))
 
     def _new_request(self, c: EngineCall) -> NewRequest:
-        params, lora = c.params, c.lora
+        params, lora, retention = c.params, c.lora, c.retention
         if self._encode_params:
             params = params_to_list(params)
             if lora is not None:
                 lora = (lora.name, lora.path, lora.int_id)
+            if retention is not None and not isinstance(retention, dict):
+                retention = retention.to_dict()
         return NewRequest(c.request_id, list(c.prompt), params, c.cache_salt, c.priority,
-                          lora)
+                          lora, retention)
 
     def abort(self, request_ids) -> None:
         """Aborts these requests if still unfinished (their final comes as "abort")."""

@@ -20,6 +20,8 @@ front end updates them from each step's outputs; `GET /metrics` renders the regi
 | `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.core.misses.REASONS` but `isolated`, counted as `cold` so that no tenant learns of another's cache; only with `serve --miss-reasons`) |
 | `prefixcache:compiled_programs` | gauge | programs the engine's jitted step functions hold (compiled, or loaded from the persistent compilation cache; `Engine.num_programs_built`) |
 | `prefixcache:compiles_after_warmup` | gauge | of those, built after the warm-up (0: no request waited for a compile; absent with `--no-warmup`) |
+| `prefixcache:kv_block_lifetime_seconds`, `prefixcache:kv_block_idle_before_evict_seconds`, `prefixcache:kv_block_reuse_gap_seconds` | histogram | block residency by `tier` (`GPU`, `CPU`): stored to removed, last release to removal, between hits (`Engine(residency=RATE)`, sampled blocks; an in-process engine only) |
+| `prefixcache:kv_block_hits_per_residency` | histogram | hits one stay of a block earned, by `tier` (same) |
 """
 
 from __future__ import annotations
@@ -115,8 +117,59 @@ class ServerMetrics:
             if v and r in REASONS:
                 self._misses.labels(self._model_name, r).inc(v)
 
+    def watch_residency(self, snapshot) -> None:
+        """Exposes block residency histograms (``prefixcache.core.residency``) read at
+        each scrape from ``snapshot()`` (a ``ResidencyTracker.summary()``-shaped dict or
+        None) as Prometheus histograms labelled by model and tier."""
+        self.registry.register(_ResidencyCollector(snapshot, self._model_name))
+
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_RESIDENCY_METRICS = (
+    ("lifetime", "kv_block_lifetime_seconds", "KV block residency: stored to removed (s)."),
+    ("idle_before_evict", "kv_block_idle_before_evict_seconds",
+     "KV block residency: last release to removal (s)."),
+    ("reuse_gap", "kv_block_reuse_gap_seconds",
+     "KV block residency: time between hits of one stay (s)."),
+    ("hits_per_residency", "kv_block_hits_per_residency", "Hits one stay of a block earned."),
+)
+
+
+class _ResidencyCollector:
+    """A Prometheus collector over a residency summary (the engine keeps the counts; a
+    scrape reads them: nothing is counted twice and nothing runs between scrapes)."""
+
+    def __init__(self, snapshot, model_name: str):
+        self._snapshot = snapshot
+        self._model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+
+        summary = None
+        for _ in range(3):  # (the engine thread may add a tier while we read)
+            try:
+                summary = self._snapshot()
+                break
+            except RuntimeError:
+                continue
+        tiers = (summary or {}).get("tiers", {})
+        for key, name, doc in _RESIDENCY_METRICS:
+            fam = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name", "tier"])
+            for tier, hists in sorted(tiers.items()):
+                h = hists[key]
+                cum, buckets = 0, []
+                for bound, count in zip(list(h["bounds"]) + [float("inf")], h["counts"]):
+                    cum += count
+                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                                    cum))
+                fam.add_metric([self._model_name, tier], buckets, h["sum"])
+            yield fam

@@ -99,6 +99,9 @@ class GenerationRequest:
       stop: stop strings (applied by the detokenizer); include_stop_str_in_output and
         skip_special_tokens as vLLM's.
       cache_salt, priority, lora: forwarded to `Engine.add_request`.
+      retention: the client's retention hints (`RetentionHints`, from the extra body
+        field ``retention``: ``{"priority", "ttl_s", "ttl_steps", "keep_range",
+        "session_end"}``), forwarded to `Engine.add_request`; None when absent.
     """
 
     kind: str
@@ -114,6 +117,7 @@ class GenerationRequest:
     cache_salt: str | None
     priority: int
     lora: Any
+    retention: Any = None
 
 
 def client_miss_reasons(reasons: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -162,6 +166,26 @@ def _typed(body: Mapping, name: str, check, what: str, default=None):
 
 def _bad(name: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=name, code=code)
+
+
+def _retention(body: Mapping[str, Any]):
+    """The extra body field ``retention`` (as vLLM's ``cache_salt``: not OpenAI's) as
+    `RetentionHints`, or None; a bad one is a 400 naming the field."""
+    from prefixcache.core.request import RetentionHints  # noqa: PLC0415
+
+    value = body.get("retention")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _bad("retention", "'retention' must be an object with some of 'priority', "
+                   "'ttl_s', 'ttl_steps', 'keep_range', 'session_end'")
+    pr = value.get("priority", 0)
+    if _is_int(pr) and not -_INT64 <= pr < _INT64:
+        raise _bad("retention", f"'retention.priority' must be in [-2**63, 2**63), got {pr}")
+    try:
+        return RetentionHints.from_dict(dict(value))
+    except (TypeError, ValueError) as e:
+        raise _bad("retention", f"'retention': {e}") from None
 
 
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays / objects a request body may have
@@ -458,6 +482,7 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
     priority = _typed(body, "priority", _is_int, "an integer", default=0)
     if not -_INT64 <= priority < _INT64:
         raise _bad("priority", f"'priority' must be in [-2**63, 2**63), got {priority}")
+    retention = _retention(body)
     params = []
     for _ in prompts:
         for j in range(n):
@@ -478,4 +503,4 @@ def parse_request(kind: str, body: Any, ctx: ServerContext) -> GenerationRequest
         skip_special_tokens=bool(_typed(
             body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean",
             default=True)),
-        cache_salt=cache_salt, priority=priority, lora=lora)
+        cache_salt=cache_salt, priority=priority, lora=lora, retention=retention)

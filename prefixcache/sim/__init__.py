@@ -1,7 +1,8 @@
 """Trace-replay simulator: no model, no device, the real ``KVCacheManager``.
 
 * ``trace``: the JSONL trace format (ours and Mooncake's), ``output_token``;
-  ``trace_formats``: the Qwen-Bailian and Claude Code readers.
+  ``trace_formats``: the Qwen-Bailian, Claude Code, AgentX and TraceLab readers;
+  ``agentic``: generated coding-agent sessions (tool-call loops with sub-agents).
 * ``replay``: the exact replay semantics of vLLM's manager under the peer harness
   (``experiments/peers/vllm_replay.py``); ``misses``: the old name of
   ``prefixcache.core.misses`` (why each prompt block missed), the same module.

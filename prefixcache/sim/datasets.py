@@ -57,6 +57,24 @@ Known datasets (``DATASETS``; block size in tokens per hash id):
   use (the URL follows the dataset's main revision: the recorded checksum then refuses
   a changed file).
 
+* ``agentx``, ``agentx_256k`` (64): SemiAnalysis' AgentX corpus for InferenceX
+  (Hugging Face ``semianalysisai/cc-traces-weka-062126`` and its ``-256k`` cap,
+  Apache-2.0, ``traces.jsonl``: one Weka-format session per line, sub-agents nested in
+  their parent's request list); AgentX format (``prefixcache.sim.trace_formats``); trust
+  on first use (no published checksum; the 256k file name is assumed to follow the
+  uncapped set's).
+* ``tracelab`` (64, rebuilt): TraceLab's public release (uw-syfi/TraceLab, release
+  ``v2026-06-08-syfi-trace``, CC BY 4.0; arXiv 2606.30560):
+  ``syfi_coding_trace.jsonl.gz``, the normalized round JSONL, with the SHA-256 the
+  project's README publishes. The release's other asset, a DuckDB database, holds the
+  same rows (not read here: it would need ``duckdb``). TraceLab has no block hashes:
+  the reader rebuilds 64-token hash ids from each round's cached-prefix split.
+
+None of these files can be fetched from the machine this project is developed on (no
+network); the readers are tested on small files written in each format
+(``tests/data/``), and the generated agentic workload (``prefixcache.sim.agentic``) is
+written in the AgentX and TraceLab formats for the quick configs.
+
 Command line (prefetch, e.g. before going offline; or install a local copy)::
 
     python -m prefixcache.sim.datasets list
@@ -98,7 +116,12 @@ _BAILIAN_COMMIT = "0b4273a1d8a83935b9d9356e78f95c31f2ac64cf"
 _BAILIAN_AB_COMMIT = "5f7439c51ec248a0c585f7d90a41a6f57773b912"
 _HF = "https://huggingface.co/datasets/semianalysisai"
 # Tokens per hash id of each format (a replay of a dataset uses its format's).
-FORMAT_BLOCK_SIZE = types.MappingProxyType({"mooncake": 512, "bailian": 16, "claude_code": 64})
+FORMAT_BLOCK_SIZE = types.MappingProxyType({"mooncake": 512, "bailian": 16, "claude_code": 64,
+                                           "agentx": 64, "tracelab": 64})
+# TraceLab's public release (uw-syfi/TraceLab, tag v2026-06-08-syfi-trace): the normalized
+# JSONL asset and the SHA-256 its README publishes.
+_TRACELAB_URL = ("https://github.com/uw-syfi/TraceLab/releases/download/v2026-06-08-syfi-trace"
+                 "/syfi_coding_trace.jsonl.gz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +227,27 @@ DATASETS: Mapping[str, Dataset] = _registry(
         sha256=None, filename="traces.jsonl", trace_format="claude_code", num_requests=None,
         description="Claude Code agent sessions without sub-agents (SemiAnalysis), "
                     "64-token hash ids, one session per line (trust on first use)"),
+    Dataset(
+        name="agentx",
+        url=f"{_HF}/cc-traces-weka-062126/resolve/main/traces.jsonl",
+        sha256=None, filename="traces.jsonl", trace_format="agentx", num_requests=None,
+        description="SemiAnalysis AgentX corpus (InferenceX): 393 Claude Code sessions "
+                    "with nested sub-agents, Weka format, 64-token hash ids (trust on "
+                    "first use)"),
+    Dataset(
+        name="agentx_256k",
+        url=f"{_HF}/cc-traces-weka-062126-256k/resolve/main/traces.jsonl",
+        sha256=None, filename="traces.jsonl", trace_format="agentx", num_requests=None,
+        description="The AgentX corpus capped for 256k-context models (trust on first "
+                    "use; the file name follows the uncapped set's)"),
+    Dataset(
+        name="tracelab",
+        url=_TRACELAB_URL,
+        sha256="9d265eae69a31cae203848bea936f018148eed7ca8bf56050c5abe96da0b4e6b",
+        filename="syfi_coding_trace.jsonl.gz", trace_format="tracelab", num_requests=357161,
+        description="TraceLab (UW SyFI, arXiv 2606.30560): 357,161 Claude Code / Codex "
+                    "LLM rounds of 4,265 sessions, normalized JSONL (no hash ids: the "
+                    "reader rebuilds 64-token blocks from the prefix split)"),
 )
 
 SUM_SUFFIX = ".sha256"  # the recorded checksum of a trust-on-first-use copy, beside it

@@ -107,7 +107,8 @@ def to_core_request(tr: TraceRequest) -> Request:
     mm = tuple(MultiModalFeature(str(i), int(o), int(n))
                for i, o, n in sorted(tr.mm or (), key=lambda m: m[1]))
     lora = None if tr.lora is None else LoRARequest(*tr.lora)
-    return Request(tr.id, tr.prompt, mm_features=mm, lora=lora, cache_salt=tr.cache_salt)
+    return Request(tr.id, tr.prompt, mm_features=mm, lora=lora, cache_salt=tr.cache_salt,
+                   priority=tr.priority, retention=tr.retention)
 
 
 @dataclasses.dataclass(eq=False)
@@ -247,6 +248,8 @@ class Server:
         # follows events, the manager's ``take_events``.
         self.miss_accountant = None
         self.miss_events = None
+        # Block residency (``prefixcache.core.residency.ManagerResidency``; None: off).
+        self.residency = None
         # An eviction policy that reads the waiting queue (queue_aware, the device's or
         # the host tier's): the manager hears of each request joining the queue (arrival,
         # preemption: ``on_waiting``) and of one leaving it unadmitted (a failure:
@@ -315,6 +318,9 @@ class Server:
         host = self.host_block_bytes is not None
         if host:
             loaded0 = manager.host_blocks_loaded
+        res = self.residency
+        if res is not None:
+            host_before = res.host_hit_tokens()
         if manager.allocate_slots(req, n, hit, blocks) is None:
             if not self.running:  # the whole pool is free and it still does not fit
                 self._dequeue(s)
@@ -325,6 +331,8 @@ class Server:
                 return budget
             return None
         self._dequeue(s)
+        if res is not None:
+            res.admitted(req, hit, self.now, host_before)
         req.num_computed_tokens = hit
         if acct is not None:
             acct.admit(req, hit, reasons)
@@ -447,7 +455,12 @@ class Server:
             if s.ttft_s is None:
                 s.ttft_s = now - s.arrival_s
             if k + 1 >= s.max_output:
-                manager.free(req)
+                if self.residency is not None:
+                    keys = self.residency.release_keys(req)
+                    manager.free(req)
+                    self.residency.released(keys, now)
+                else:
+                    manager.free(req)
                 finished = True
                 queue = s.first_scheduled_s - s.arrival_s
                 counts["finished"] += 1
@@ -608,6 +621,7 @@ def simulate(
     index: str = UNSET,
     max_model_len: int | None = UNSET,
     miss_reasons: bool = False,
+    residency: float | None = None,
 ) -> dict[str, Any]:
     """Runs the discrete-event simulation.
 
@@ -658,6 +672,11 @@ def simulate(
       ``miss_reasons=True`` (``prefixcache.core.misses``: why each missed prompt block
       missed, ``preempted`` included) records get ``miss_reasons`` (summed over the
       request's admissions) and the summary ``miss_reasons`` (as the replay's).
+      With ``residency=RATE`` (block residency, ``prefixcache.core.residency``, on the
+      simulated clock in seconds; RATE the share of block hashes tracked, in (0, 1]:
+      1.0 is exact, vLLM samples 0.01) the summary gets ``residency``: per tier,
+      histograms of ``lifetime``, ``idle_before_evict``, ``reuse_gap`` and
+      ``hits_per_residency``; ``None`` (the default) tracks nothing, at no cost.
 
     Raises:
       ValueError: missing/unsorted timestamps, a bad arrival rate, a bad
@@ -684,6 +703,13 @@ def simulate(
 
         if not uses_probes(cfg.index, cfg.kv_cache_groups):
             manager_kw.update(enable_events=True, int_event_hashes=False)
+    if residency is not None:
+        from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+        ResidencyTracker(residency)  # (the sample rate's check, before anything runs)
+        if cfg.kv_cache_groups is not None and len(cfg.kv_cache_groups) > 1:
+            raise ValueError("residency statistics need one full-attention group")
+        manager_kw["enable_events"] = True
     manager = KVCacheManager(**manager_kw, log_stats=False)
     if miss_reasons:  # (before the warm-up: its evictions are remembered)
         acct = MissAccountant.for_manager(manager)
@@ -711,6 +737,18 @@ def simulate(
         server.miss_accountant = acct
         if acct.uses_events:
             server.miss_events = manager.take_events
+    res = None
+    if residency is not None:
+        from prefixcache.core.residency import ManagerResidency  # noqa: PLC0415
+
+        res = ManagerResidency(manager, residency)
+        if server.miss_events is not None:  # one drain feeds both
+            pre = manager.take_events()  # (the warm-up's, before the measured run)
+            acct.observe(pre)
+            server.miss_events = lambda: res.drain(server.now)
+        else:
+            manager.take_events()  # (the warm-up's: before the measured run)
+        server.residency = res
     server.now = 0.0 if pending is None else pending[0]
     while True:
         # 1. Arrivals up to now.
@@ -732,6 +770,8 @@ def simulate(
         **summarize(totals, server.counts, server.now),
         "evictions": manager.num_evictions - evictions0,
     }
+    if res is not None:
+        summary["residency"] = res.summary(server.now)
     if num_host_blocks:
         summary.update({
             "num_host_blocks": num_host_blocks, "host_eviction": policy_name(host_eviction),

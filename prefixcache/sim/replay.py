@@ -597,6 +597,7 @@ def replay(
                 hasher=hasher,
                 block_size=block_size,
                 priority=tr.priority,
+                retention=tr.retention,
             )
             if keyed is not None:  # Mooncake hash ids as block keys
                 req.adopt_block_hashes(hasher.hash_keyed_blocks(keyed[1]))

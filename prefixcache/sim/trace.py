@@ -4,7 +4,9 @@ Our format (JSON lines, arrival order, one request per line)::
 
     {"id": str, "prompt": [int], "output_len": int, "cache_salt": str | null,
      "lora": [name, path] | null, "mm": [[identifier, offset, length], ...],
-     "timestamp": float (seconds, optional), "priority": int (optional, default 0)}
+     "timestamp": float (seconds, optional), "priority": int (optional, default 0),
+     "retention": {"priority", "ttl_s", "ttl_steps", "keep_range", "session_end"}
+                  (optional: the client's retention hints, ``RetentionHints``)}
 
 Mooncake format (``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``):
 each hash id stands for a 512-token block; ``len(hash_ids) == ceil(input_length /
@@ -40,10 +42,11 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from prefixcache._validate import check_int_sequence, check_path
+from prefixcache.core.request import RetentionHints, check_retention
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 32000
-TRACE_FORMATS = ("auto", "jsonl", "mooncake", "bailian", "claude_code")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "bailian", "claude_code", "agentx", "tracelab")
 
 
 class TraceError(ValueError):
@@ -63,6 +66,8 @@ class TraceRequest:
         mm: multimodal items ``(identifier, offset, length)``, sorted by offset,
             inside the prompt and not overlapping.
         timestamp: arrival time in seconds, or ``None``.
+        retention: the client's retention hints (``RetentionHints``; the ``hinted``
+            eviction policy reads them), or ``None``.
         priority: the request's priority (larger = more important; the ``priority``
             eviction policy reads it), default 0.
     """
@@ -75,6 +80,7 @@ class TraceRequest:
     mm: tuple[tuple[str, int, int], ...] = ()
     timestamp: float | None = None
     priority: int = 0
+    retention: RetentionHints | None = None
 
     def __post_init__(self):
         # NOTE: only the cheap checks (the readers validate every field; generators and
@@ -99,6 +105,8 @@ class TraceRequest:
         if not _is_int(self.priority):
             raise ValueError(f"TraceRequest {self.id!r}: priority must be an int, "
                              f"got {self.priority!r}")
+        if self.retention is not None and not isinstance(self.retention, RetentionHints):
+            self.retention = check_retention(self.id, self.retention)
 
     def to_json(self) -> dict[str, Any]:
         """The JSONL object of this request (our format)."""
@@ -114,6 +122,8 @@ class TraceRequest:
             d["timestamp"] = self.timestamp
         if self.priority:
             d["priority"] = self.priority  # only when set: older readers see no change
+        if self.retention is not None:
+            d["retention"] = self.retention.to_dict()
         return d
 
 
@@ -388,6 +398,7 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
     priority = obj.get("priority", 0)
     if not _is_int(priority):
         raise TraceError(f"{where}: field 'priority' must be an int, got {priority!r}")
+    retention = parse_retention(where, obj.get("retention"))
     return TraceRequest(
         id=rid,
         prompt=prompt,
@@ -397,7 +408,19 @@ def _parse_request(obj: dict, where: str) -> TraceRequest:
         mm=tuple(mm),
         timestamp=float(ts) if ts is not None else None,
         priority=priority,
+        retention=retention,
     )
+
+
+def parse_retention(where: str, value: Any) -> RetentionHints | None:
+    """A trace line's ``retention`` object as `RetentionHints` (``None`` when absent); a
+    bad one is a ``TraceError`` naming ``where`` and the field."""
+    if value is None:
+        return None
+    try:
+        return RetentionHints.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"{where}: field 'retention': {e}") from None
 
 
 def read_trace(
@@ -412,9 +435,10 @@ def read_trace(
     Args:
         path: the trace file (gzip-compressed when its name ends in ``.gz``).
         format: ``"jsonl"`` (ours), ``"mooncake"``, or ``"auto"`` (per line: a line
-            with ``hash_ids`` is Mooncake); ``"bailian"`` / ``"claude_code"``: the
-            Qwen-Bailian and Claude Code formats of ``prefixcache.sim.trace_formats``
-            (never guessed by ``"auto"``).
+            with ``hash_ids`` is Mooncake); ``"bailian"`` / ``"claude_code"`` /
+            ``"agentx"`` / ``"tracelab"``: the Qwen-Bailian, Claude Code, AgentX and
+            TraceLab formats of ``prefixcache.sim.trace_formats`` (never guessed by
+            ``"auto"``).
         vocab_size: token ids of expanded Mooncake blocks lie in ``[1, vocab_size)``.
         mooncake_tokens: ``"expand"`` (a hash-id prompt -- Mooncake, Bailian, Claude
             Code -- is the list of its token ids) or ``"lazy"`` (a `MooncakePrompt`:
@@ -437,7 +461,7 @@ def read_trace(
     if mooncake_tokens not in ("expand", "lazy"):
         raise ValueError(f"mooncake_tokens must be 'expand' or 'lazy', got {mooncake_tokens!r}")
     path = check_path("path", path)  # a str or os.PathLike (the one path rule)
-    if format in ("bailian", "claude_code"):  # hash-id formats of their own
+    if format in ("bailian", "claude_code", "agentx", "tracelab"):  # formats of their own
         from prefixcache.sim.trace_formats import READERS  # noqa: PLC0415 (imports us)
 
         return READERS[format](path, vocab_size=vocab_size, lazy=mooncake_tokens == "lazy")

@@ -23,6 +23,8 @@ Workloads (what reuse each one exercises):
   popularity + a question; optional Poisson arrivals.
 * ``tenant_prefixes``: many tenants, each with a long private prefix, Poisson
   arrivals (llm-d's routing benchmark shape: what routing across replicas decides).
+* ``agentic``: coding-agent sessions of tool-call loops with sub-agents
+  (``prefixcache.sim.agentic``), through the AgentX or TraceLab trace format.
 * ``mm_salt``: token-identical prompts (text prefix + image placeholders + unique
   suffix) where only the image identity, cache salt and LoRA adapter decide
   which requests may share blocks.
@@ -567,6 +569,52 @@ def tenant_prefixes(
     return _maybe_poisson(reqs, arrival_rate, seed)
 
 
+def agentic(
+    *,
+    format: str = "agentx",  # noqa: A002 - the trace format's name, as configs spell it
+    hints: bool = False,
+    ttl_s: float = 300.0,
+    seed: int = 0,
+    **kwargs: Any,
+) -> list[TraceRequest]:
+    """Coding-agent sessions: tool-call loops with sub-agents (``prefixcache.sim.agentic``,
+    calibrated to TraceLab's and AgentX's published statistics), as requests in arrival
+    order with lazy 64-token hash-id prompts (replay at a block size dividing 64).
+
+    Args:
+      format: ``"agentx"`` (the sessions written in the AgentX / Weka format and read
+        back by its reader: the main agent's and sub-agents' shared blocks are shared)
+        or ``"tracelab"`` (written as TraceLab's normalized rounds and read back: each
+        loop rebuilt from its prefix split, sub-agents as sessions of their own).
+      hints: attach the retention hints the session structure gives (``RetentionHints``).
+      ttl_s: the hints' TTL in seconds.
+      seed: RNG seed.
+      **kwargs: ``prefixcache.sim.agentic.agentic_sessions``'s arguments (session count,
+        steps, token sizes, sub-agent fan-out, timing).
+    """
+    import tempfile  # noqa: PLC0415
+
+    from prefixcache.sim import agentic as _agentic  # noqa: PLC0415
+    from prefixcache.sim import trace_formats  # noqa: PLC0415
+
+    if format not in ("agentx", "tracelab"):
+        raise ValueError(f"format must be 'agentx' or 'tracelab', got {format!r}")
+    sessions = _agentic.agentic_sessions(seed=seed, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="agentic-") as d:
+        path = os.path.join(d, f"agentic.{format}.jsonl")
+        if format == "agentx":
+            # (start_s is not in the Weka format: read back with the sessions' starts)
+            _agentic.write_agentx(path, sessions)
+            starts = [s["start_s"] for s in sessions]
+            objs = [obj for _, _, obj in trace_formats.json_objects(path)]
+            for obj, start in zip(objs, starts, strict=True):
+                obj["start_s"] = start
+            return trace_formats.agentx_requests(objs, lazy=True, hints=hints, ttl_s=ttl_s,
+                                                 where=path)
+        _agentic.write_tracelab(path, sessions)
+        return list(trace_formats.read_tracelab(path, lazy=True, hints=hints, ttl_s=ttl_s))
+
+
 # ----------------------------------------------------------------------------
 # registry
 # ----------------------------------------------------------------------------
@@ -580,6 +628,7 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "mm_salt": mm_salt,
     "rag": rag,
     "tenant_prefixes": tenant_prefixes,
+    "agentic": agentic,
 }
 
 _STREAMS = {name: i for i, name in enumerate(WORKLOADS)}

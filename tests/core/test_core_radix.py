@@ -277,6 +277,8 @@ SMALL = {
     "mm_salt": dict(num_requests=150),
     "rag": dict(num_requests=200),
     "tenant_prefixes": dict(num_requests=120, num_tenants=6, prefix_len=200),
+    "agentic": dict(num_sessions=2, mean_steps=8, system_tokens=300, tool_tokens=600,
+                    compact_at=8000, summary_tokens=500),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 from prefixcache.core.block_pool import _int_block_hash as _event_hash
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import Request
-from prefixcache.core.residency import BUCKETS, Histogram, ResidencyTracker
+from prefixcache.core.residency import BUCKETS, Histogram, ManagerResidency, ResidencyTracker
 
 
 def _cached_keys(manager) -> dict:
@@ -19,12 +19,14 @@ def _cached_keys(manager) -> dict:
     return out
 
 
-def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0):
+def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0, managed: bool = False):
     """Random admissions / decodes / frees on a small pool; the tracker fed with events,
-    hits and releases; a brute-force log from pool snapshots after each operation."""
+    hits and releases (``managed``: through ``ManagerResidency``, as the DES feeds it); a
+    brute-force log from pool snapshots after each operation."""
     rng = random.Random(seed)
     m = KVCacheManager(num_blocks=24, block_size=4, enable_caching=True, enable_events=True)
-    tracker = ResidencyTracker(sample_rate, log=True)
+    feed = ManagerResidency(m, sample_rate, log=True) if managed else None
+    tracker = feed.tracker if managed else ResidencyTracker(sample_rate, log=True)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 17))] for _ in range(4)]
     running = []
     stored_at, hits, last_hit, last_rel = {}, {}, {}, {}
@@ -41,8 +43,11 @@ def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0):
                 continue
             req.num_computed_tokens = len(prompt)
             hit_keys = [_event_hash(h) for h in req.block_hashes[:n_hit // 4]]
-            tracker.on_events(m.take_events(), now)
-            tracker.on_hits(hit_keys, now)
+            if managed:
+                feed.admitted(req, n_hit, now)
+            else:
+                tracker.on_events(m.take_events(), now)
+                tracker.on_hits(hit_keys, now)
             running.append(req)
             for k in hit_keys:  # the brute-force side of a hit
                 gaps.append(now - last_hit.get(k, stored_at[k]))
@@ -53,13 +58,19 @@ def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0):
             req.append_output_token_ids(rng.randrange(1, 50))
             if m.allocate_slots(req, 1) is not None:  # (no block: the token waits)
                 req.num_computed_tokens += 1
-            tracker.on_events(m.take_events(), now)
+            if managed:
+                feed.drain(now)
+            else:
+                tracker.on_events(m.take_events(), now)
         else:
             req = running.pop(rng.randrange(len(running)))
             keys = [_event_hash(h) for h in req.block_hashes[:req.num_computed_tokens // 4]]
             m.free(req)
-            tracker.on_events(m.take_events(), now)
-            tracker.on_release(keys, now)
+            if managed:
+                feed.released(keys, now)
+            else:
+                tracker.on_events(m.take_events(), now)
+                tracker.on_release(keys, now)
             for k in keys:
                 if k in stored_at:
                     last_rel[k] = now
@@ -77,9 +88,10 @@ def _drive(seed: int, *, num_ops: int = 120, sample_rate: float = 1.0):
     return tracker, ends, gaps
 
 
+@pytest.mark.parametrize("managed", [False, True], ids=["tracker", "manager_feed"])
 @pytest.mark.parametrize("seed", range(6))
-def test_histograms_equal_a_per_block_log(seed):
-    tracker, ends, gaps = _drive(seed)
+def test_histograms_equal_a_per_block_log(seed, managed):
+    tracker, ends, gaps = _drive(seed, managed=managed)
     assert ends, "the pool never evicted: the test would check nothing"
     got = tracker.hist["GPU"]
     for i, name in enumerate(("lifetime", "idle_before_evict", "hits_per_residency")):

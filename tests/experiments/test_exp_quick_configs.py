@@ -22,7 +22,8 @@ QUICK = ("compare_policies", "compare_policies_mooncake_conversation",
          "audit_timing", "audit_timing_sim", "compare_policies_mooncake_conversation_study",
          *(f"compare_policies_{d}" for d in (
              "mooncake_toolagent", "bailian_to_c", "bailian_to_b", "bailian_thinking",
-             "bailian_coder", "claude_code_subagents", "claude_code_no_subagents")))
+             "bailian_coder", "claude_code_subagents", "claude_code_no_subagents", "agentx",
+             "tracelab")))
 
 
 def _module(name):

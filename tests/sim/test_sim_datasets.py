@@ -29,16 +29,18 @@ def test_registry_entries_are_pinned_and_checksummed():
     assert set(datasets.DATASETS) == {
         "mooncake_conversation", "mooncake_synthetic", "mooncake_toolagent", "bailian_to_c",
         "bailian_to_b", "bailian_thinking", "bailian_coder", "claude_code_subagents",
-        "claude_code_no_subagents"}
+        "claude_code_no_subagents", "agentx", "agentx_256k", "tracelab"}
     for d in datasets.DATASETS.values():
         assert d.url.endswith("/" + d.filename)
-        assert d.block_size == {"mooncake": 512, "bailian": 16, "claude_code": 64}[d.trace_format]
-        if d.trace_format != "claude_code":  # (a Hugging Face dataset: its main revision)
+        assert d.block_size == {"mooncake": 512, "bailian": 16, "claude_code": 64,
+                                "agentx": 64, "tracelab": 64}[d.trace_format]
+        if d.trace_format not in ("claude_code", "agentx"):  # (Hugging Face: main revision)
             assert "/main/" not in d.url  # pinned to a commit, not a moving branch
     for name in ("mooncake_conversation", "mooncake_synthetic", "bailian_thinking",
-                 "bailian_coder"):
+                 "bailian_coder", "tracelab"):
         assert datasets.DATASETS[name].sha256 is not None
-    for name in ("mooncake_toolagent", "bailian_to_c", "bailian_to_b", "claude_code_subagents"):
+    for name in ("mooncake_toolagent", "bailian_to_c", "bailian_to_b", "claude_code_subagents",
+                 "agentx"):
         assert datasets.DATASETS[name].sha256 is None  # trust on first use
     with pytest.raises(TypeError):
         datasets.DATASETS["x"] = None  # read-only

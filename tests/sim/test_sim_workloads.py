@@ -36,6 +36,8 @@ def _small():
         "rag": dict(num_requests=30, num_documents=10, doc_len=(20, 60)),
         "tenant_prefixes": dict(num_requests=30, num_tenants=4, prefix_len=64,
                                 question_len=(8, 20)),
+        "agentic": dict(num_sessions=2, mean_steps=6, system_tokens=300, tool_tokens=600,
+                        compact_at=8000, summary_tokens=500),
     }
 
 

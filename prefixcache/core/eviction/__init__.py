@@ -26,6 +26,7 @@ from prefixcache.core.eviction.base import (
 from prefixcache.core.eviction.belady import BeladyPolicy, TraceFuture
 from prefixcache.core.eviction.cost import CostPolicy
 from prefixcache.core.eviction.fifo import FIFOPolicy
+from prefixcache.core.eviction.hinted import HintedPolicy
 from prefixcache.core.eviction.length import LengthPolicy
 from prefixcache.core.eviction.lfu import LFUPolicy
 from prefixcache.core.eviction.lru import LRUPolicy
@@ -57,6 +58,7 @@ POLICIES = MappingProxyType({
     "ttl_lru": TTLLRUPolicy,
     "tlru": TLRUPolicy,
     "random": RandomPolicy,
+    "hinted": HintedPolicy,
 })
 
 DEFAULT_POLICY = "lru"
