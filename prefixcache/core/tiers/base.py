@@ -458,6 +458,9 @@ class TierChain:
                 if tier.lookup(h):
                     return tier
                 # (unservable: the tier dropped it; the lookup stops here)
+                self.num_corrupt += 1
+                if self.evicted_by is not None:
+                    self.evicted_by[h] = "corrupt_" + tier.name
                 return None
         return None
 
