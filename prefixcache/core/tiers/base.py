@@ -385,6 +385,10 @@ class TierChain:
     def __bool__(self) -> bool:
         return True
 
+    def get(self, name: str) -> KeyTier | None:
+        """The tier named ``name`` (``"disk"``, ``"remote"``, ...), or ``None``."""
+        return next((t for t in self.tiers if t.name == name), None)
+
     # ------------------------------------------------------------------ events
     def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
         eh = self._event_hash
