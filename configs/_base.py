@@ -141,6 +141,9 @@ def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset:
     # CacheConfig's defaults. Host loads go over host_link (cost_model.HOST_LINKS);
     # kv_events scores host blocks at host_weight ("auto": 1 - load/prefill of a block).
     cache_defaults(c, "hash_algo", "eviction", "num_host_blocks", "host_eviction")
+    # Below the host tier (0: none): a disk per replica and one remote store shared by
+    # every replica, in bytes (pages of the model's block size; prefixcache.core.tiers).
+    cache_defaults(c, "disk_bytes", "disk_eviction", "remote_bytes", "remote_eviction")
     c.host_link = "h200_pcie5"
     c.host_weight = "auto"
     return c
