@@ -538,7 +538,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 pool = self.block_pool
                 host_tier.lower = TierChain(
                     lower, record=host_tier.record_tier_transfer,
-                    events=pool.events if self.enable_events else None,
+                    events_owner=pool if self.enable_events else None,
                     event_hash=pool._event_hash, block_size=block_size)
                 self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
@@ -1269,11 +1269,16 @@ class KVCacheManager:
                  kv_cache_groups=None, eviction: str | type = DEFAULT_POLICY,
                  num_host_blocks: int = 0, **kwargs):
         cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
-        if lower_tiers_requested(kwargs) and not issubclass(cls, HashKVCacheManager):
+        from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
+        from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
+
+        if lower_tiers_requested(kwargs) and (
+                not issubclass(cls, (HashKVCacheManager, RadixKVCacheManager))
+                or issubclass(cls, RadixHybridKVCacheManager)):
             raise ValueError(
                 "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
-                f"served by the hash index with one full-attention group; {cls.__name__} "
-                "does not demote past its host tier")
+                "served by the hash and radix indexes with one full-attention group; "
+                f"{cls.__name__} does not demote past its host tier")
         impl = cls(num_blocks, block_size, index=index, kv_cache_groups=kv_cache_groups,
                    eviction=eviction, num_host_blocks=num_host_blocks, **kwargs)
         self._impl = impl
