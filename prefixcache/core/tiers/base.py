@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from prefixcache.core.block_pool import InvariantError
 from prefixcache.core.eviction import (
@@ -132,6 +132,45 @@ class TierHit:
         h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
         t = getattr(getattr(self, "tier", None), "name", None)
         return f"TierHit(tier={t!r}, block_id={getattr(self, 'block_id', None)!r}, block_hash={h})"
+
+
+class Tier(Protocol):
+    """What a tier below the host provides to the chain (``KeyTier`` implements it; the
+    host tier, ``tiers/host.py``, has the slot-level API the managers' fast paths use).
+
+    Attributes:
+        name, medium, link, inclusive: as ``KeyTier``'s class attributes.
+        num_blocks: capacity in blocks.
+        entries: the held hashes (a mapping; pinned ones excepted), read by lookups.
+    """
+
+    name: str
+    medium: str
+    link: TierLink
+    inclusive: bool
+    num_blocks: int
+    entries: Mapping
+
+    def lookup(self, h: bytes) -> bool:
+        """``h`` can be served now (else the tier dropped it)."""
+
+    def put(self, h: bytes):
+        """Store ``h``: ``None``, the evicted hash, ``h`` (refused) or ``False`` (held)."""
+
+    def pin(self, h: bytes) -> None:
+        """Keep ``h`` while a promotion takes device blocks."""
+
+    def take(self, h: bytes) -> None:
+        """The pinned ``h`` was loaded (free it, or keep it if inclusive)."""
+
+    def discard(self, h: bytes) -> None:
+        """Drop ``h`` (the device computed it again)."""
+
+    def clear(self) -> None:
+        """Forget every entry."""
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` on any inconsistency."""
 
 
 class _Slot:
