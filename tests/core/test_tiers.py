@@ -230,3 +230,23 @@ def test_miss_reasons_name_each_tier():
     r = Request("again2", list(range(200, 205)))
     _, hit = m.get_computed_blocks(r)
     assert hit == 0 and acct.classify(r, 0) == {"evicted": 1, "corrupt_disk": 1, "partial": 1}
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_stale_tier_hit_is_refused_before_any_change(index):
+    m = KVCacheManager(2, BS, index=index, num_host_blocks=1, disk_bytes=400, page_bytes=100)
+    a, _ = _run(m, "a", list(range(5)))
+    for i in range(2):
+        _run(m, f"x{i}", list(range(100 * (i + 1), 100 * (i + 1) + 5)))
+    r = Request("a2", list(range(5)))
+    blocks, hit = m.get_computed_blocks(r)
+    assert hit == 4 and type(blocks.blocks[0][0]) is TierHit
+    disk = m.tier_chain.get("disk")
+    disk.discard(a.block_hashes[0])  # the entry changed since the lookup
+    m.take_host_transfers()
+    before = (m.free_block_ids(), list(disk.entries), m.hit_tokens_by_tier)
+    with pytest.raises(ValueError, match="not a current tier hit"):
+        m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+    assert m.take_host_transfers() == []  # no copy recorded
+    assert (m.free_block_ids(), list(disk.entries), m.hit_tokens_by_tier) == before
+    m.check_invariants()
