@@ -252,8 +252,11 @@ class KeyTier:
         self.block_size = block_size
         self.eviction = eviction
         options = dict(eviction_options or {})
+        # ``lru`` is the ordered map's own order (no policy object) unless
+        # ``{"fast_path": False}`` asks for the keyed policy (a test pins the two equal).
+        fast_path = options.pop("fast_path", True) if eviction == DEFAULT_POLICY else True
         self.policy = None
-        if eviction != DEFAULT_POLICY or options:
+        if eviction != DEFAULT_POLICY or options or not fast_path:
             try:
                 self.policy = make_policy(eviction, num_blocks=num_blocks,
                                           block_size=block_size, **options)
