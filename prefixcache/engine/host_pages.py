@@ -31,6 +31,20 @@ a page's values AND its scales (host slots keep both), in the same two transfers
 the same jitted program (each of the two arrays of a layer gathered and scattered
 with the same indices).
 
+The disk tier (`files`: a `prefixcache.engine.page_files.PageFiles`): the manager's
+list then mixes `HostTransfer`s with `TierTransfer(kind, src, src_id, dst, dst_id, key,
+group)`s touching "disk" (a device page or a host slot -> the file of key `dst_id`; the
+file of key `src_id` -> a device page), still sequential copies. `apply` gives each disk
+key the batch touches a scratch host slot (rows after the host tier's slots) and
+rewrites the list into the host copies above: a file read into its scratch slot
+before the batch (its original content), "store" device page -> scratch slot,
+"host_copy" host slot -> scratch slot, "load" scratch slot -> device page. So the disk
+copies run in the same one device_put / one jitted program / one device_get (the
+programs warm-up builds for the host tier serve them); `finish` writes each stored
+key's scratch slot to its file (temp file + rename: never a partial page) after the
+step's dispatch. A file is read and checksummed once per batch: `validate` (the core
+disk tier's validator at lookup) keeps what it read for the batch's loads.
+
 Nothing else crosses the host/device boundary; the two transfers run inside a scoped
 `jax.transfer_guard("allow")`, so the engine step stays clean under
 `jax.transfer_guard("disallow")`.
@@ -97,7 +111,9 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
     """Resolves an ordered list of `HostTransfer`s (sequential copy semantics).
 
     Args:
-      transfers: (kind, block_id, host_slot) tuples, kind "store" or "load".
+      transfers: (kind, block_id, host_slot) tuples, kind "store" or "load"; the
+        engine's disk copies add ("host_copy", dst_slot, src_slot) (host slot ->
+        host slot, `HostPages.apply`).
       num_blocks: allocatable device pages (the padding page is `num_blocks`).
       num_host_blocks: host slots.
 
@@ -108,6 +124,12 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
     host: dict[int, tuple[bool, int]] = {}  # host slot -> (from_device, id) original
     for t in transfers:
         kind, b, s = t
+        if kind == "host_copy":  # (engine-internal) host slot s -> host slot b
+            if not (0 <= b < num_host_blocks and 0 <= s < num_host_blocks):
+                raise ValueError(f"host copy {tuple(t)!r} out of range (host slots "
+                                 f"[0, {num_host_blocks}))")
+            host[b] = host.get(s, (False, s))
+            continue
         if not (0 <= b < num_blocks and 0 <= s < num_host_blocks):
             raise ValueError(f"host transfer {tuple(t)!r} out of range (device blocks "
                              f"[0, {num_blocks}), host slots [0, {num_host_blocks}))")
@@ -245,14 +267,21 @@ class HostPages:
         in `pages[l][s]` and its scales in `scales[l][s]`, always written together;
       - at most one batch is pending (`apply` done, `finish` not yet): its gathered
         pages are written into their host slots by `finish` (called after the step's
-        dispatch, and at the latest by the next `apply`).
+        dispatch, and at the latest by the next `apply`), then its disk stores into
+        their files;
+      - with `files`, the host arrays have scratch rows after the host tier's slots
+        (`pages` / `scales` show the slots only): the disk keys of the batch being
+        applied; nothing is kept in them between batches.
 
     Args:
       kv_caches: the device KV arrays: L arrays, or L (pages, scales) pairs for a
         quantized KV (shapes, dtypes and sharding are taken from them).
       num_blocks: allocatable device pages (padding page id = num_blocks).
-      num_host_blocks: host slots (> 0).
+      num_host_blocks: host slots (> 0; 0 with `files`: a disk tier right under the
+        device).
       mesh: the runner's mesh (KV sharded over kv heads) or None.
+      files: the disk tier's page files (`PageFiles` of the KV arrays' page shapes and
+        dtypes), or None (no disk tier).
 
     Attributes:
       num_h2d, num_d2h: `jax.device_put` / `jax.device_get` calls made (one each at
@@ -260,9 +289,11 @@ class HostPages:
       num_pages_loaded, num_pages_stored: device pages written from host data / host
         slots written from device data (batch-resolved, padding excluded).
       compiled_shapes: (Gp, Hp, Sp) of every copy program run.
+      num_disk_loaded, num_disk_stored: page files read for a batch's loads / written.
     """
 
-    def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None):
+    def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None,
+                 files=None):
         parts = _parts(kv_caches)
         first = parts[0][0]
         self.num_layers = len(kv_caches)
@@ -270,12 +301,22 @@ class HostPages:
         self.dtype = np.dtype(first.dtype)
         self.num_blocks = int(num_blocks)
         self.num_host_blocks = int(num_host_blocks)
+        self.files = files
+        if files is not None:
+            want = tuple((tuple(part[0].shape[1:]), np.dtype(part[0].dtype)) for part in parts)
+            if files.parts != want or files.num_layers != self.num_layers:
+                raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
+                                 f"arrays' {self.num_layers} x {want}")
+        # Scratch slots (rows after the host tier's) of the disk keys of one batch.
+        self._num_scratch = 0 if files is None else 2 * MIN_ROWS
         # One list of per-layer host arrays per part (pages, and scales if quantized).
         self._host = tuple(
-            [np.zeros((self.num_host_blocks, *part[0].shape[1:]), np.dtype(part[0].dtype))
+            [np.zeros((self.num_host_blocks + self._num_scratch, *part[0].shape[1:]),
+                      np.dtype(part[0].dtype))
              for _ in range(self.num_layers)] for part in parts)
-        self.pages = self._host[0]
-        self.scales = self._host[1] if len(parts) > 1 else None
+        self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
+        self._pending_files: dict[tuple[int, int], int] = {}  # (key, group) -> slot
+        self.num_disk_loaded = self.num_disk_stored = 0
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
         self.compiled_shapes: set[tuple[int, int, int]] = set()
@@ -296,6 +337,18 @@ class HostPages:
         bits = tuple(_needs_bits(part[0]) for part in parts)
         self._copy = jax.jit(functools.partial(_copy_pages, bits=bits),
                              donate_argnums=0, out_shardings=out)
+
+    @property
+    def pages(self) -> list:
+        """Layer l's host pages, [num_host_blocks, page, 2K, H] (views: writable)."""
+        return [p[:self.num_host_blocks] for p in self._host[0]]
+
+    @property
+    def scales(self) -> list | None:
+        """Layer l's host page scales, f32[num_host_blocks, 2K] (quantized KV), or None."""
+        if len(self._host) < 2:
+            return None
+        return [p[:self.num_host_blocks] for p in self._host[1]]
 
     @property
     def num_programs_built(self) -> int:
@@ -326,8 +379,10 @@ class HostPages:
           The KV arrays to use from now on.
         """
         self.finish()
+        if self.files is not None:
+            transfers = self._disk_to_host_copies(transfers)
         plan = plan_host_transfers(transfers, num_blocks=self.num_blocks,
-                                   num_host_blocks=self.num_host_blocks)
+                                   num_host_blocks=self.num_host_blocks + self._num_scratch)
         h = plan.staged_slots.size
         staged = []
         # Original host contents are read (staged) before any host slot is written.
@@ -364,20 +419,113 @@ class HostPages:
 
     def finish(self) -> None:
         """Writes the pending batch's gathered pages (and scales) into their host slots
-        (ONE `jax.device_get`); nothing when none is pending."""
-        if self._pending is None:
-            return
-        gathered, slots, rows = self._pending
-        self._pending = None
-        with jax.transfer_guard("allow"):
-            data = jax.device_get(gathered)
-        self.num_d2h += 1
-        for part, got in zip(self._host, data):
-            for l, p in enumerate(part):
-                p[slots] = got[l][rows]
-        self.num_pages_stored += int(slots.size)
+        (ONE `jax.device_get`), then its disk stores into their files; nothing when
+        none is pending."""
+        if self._pending is not None:
+            gathered, slots, rows = self._pending
+            self._pending = None
+            with jax.transfer_guard("allow"):
+                data = jax.device_get(gathered)
+            self.num_d2h += 1
+            for part, got in zip(self._host, data):
+                for l, p in enumerate(part):
+                    p[slots] = got[l][rows]
+            self.num_pages_stored += int(np.count_nonzero(slots < self.num_host_blocks))
+        pending, self._pending_files = self._pending_files, {}
+        for (key, group), slot in pending.items():
+            self.files.write(key, group, [np.stack([p[slot] for p in part])
+                                          for part in self._host])
+            self.num_disk_stored += 1
 
     def discard_pending(self) -> None:
-        """Drops a pending batch (after a failed step: the prefix cache, both tiers, is
-        reset, so no host slot can be served before a new store writes it)."""
+        """Drops a pending batch (after a failed step: the prefix cache, every tier, is
+        reset, so no host slot or page file can be served before a new store writes
+        it)."""
         self._pending = None
+        self._pending_files = {}
+        self._validated.clear()
+
+    # -- the disk tier ----------------------------------------------------------------
+
+    def validate(self, key: int, group: int = 0) -> bool:
+        """Whether block `key`'s page file of `group` is there and passes every check
+        (`PageFiles.read`; a failing file is counted and deleted): the core disk tier's
+        validator. The page read is kept for this batch's load of it."""
+        k = (int(key), int(group))
+        if k in self._validated:
+            return True
+        got = self.files.read(*k)
+        if got is None:
+            return False
+        self._validated[k] = got
+        return True
+
+    def _disk_to_host_copies(self, transfers: Sequence) -> list:
+        """The batch's list as host copies over scratch slots (module doc), with the
+        files its loads read staged into their slots and the stores recorded for
+        `finish`."""
+        base = self.num_host_blocks
+        slots: dict[tuple[int, int], int] = {}   # (key, group) -> scratch slot
+        reads: list[tuple[tuple[int, int], int]] = []
+        ops = []
+        for t in transfers:
+            if len(t) != 7:  # a HostTransfer: (kind, block_id, host_slot)
+                ops.append(t)
+                continue
+            kind, src, src_id, dst, dst_id, _key, group = t
+            if (src, dst) == ("device", "host") and kind == "store":
+                ops.append(("store", src_id, dst_id))
+            elif (src, dst) == ("host", "device") and kind == "load":
+                ops.append(("load", dst_id, src_id))
+            elif dst == "disk" and kind == "store" and src in ("device", "host"):
+                k = (int(dst_id), int(group))
+                slot = slots.setdefault(k, base + len(slots))
+                if src == "device":
+                    ops.append(("store", src_id, slot))
+                else:
+                    if not 0 <= src_id < base:
+                        raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of "
+                                         f"range [0, {base})")
+                    ops.append(("host_copy", slot, src_id))
+                self._pending_files[k] = slot
+            elif src == "disk" and kind == "load" and dst in ("device", "host"):
+                k = (int(src_id), int(group))
+                if k not in slots:
+                    slots[k] = base + len(slots)
+                    reads.append((k, slots[k]))
+                if dst == "device":
+                    ops.append(("load", dst_id, slots[k]))
+                else:
+                    if not 0 <= dst_id < base:
+                        raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of "
+                                         f"range [0, {base})")
+                    ops.append(("host_copy", dst_id, slots[k]))
+            else:
+                raise ValueError(f"tier transfer {tuple(t)!r}: the engine copies pages "
+                                 "between device, host and disk only")
+        self._grow_scratch(len(slots))
+        for k, slot in reads:
+            got = self._validated.pop(k, None)
+            if got is None:
+                got = self.files.read(*k)
+            if got is None:
+                # NOTE: the manager promised this page (validated at lookup, or preloaded
+                # and never checked): fail loudly, the step's recovery resets the cache.
+                raise RuntimeError(f"disk page of key {k[0]:#x} (group {k[1]}) is gone "
+                                   "or corrupt at load")
+            for part, arr in zip(self._host, got):
+                for l, p in enumerate(part):
+                    p[slot] = arr[l]
+            self.num_disk_loaded += 1
+        self._validated.clear()
+        return ops
+
+    def _grow_scratch(self, n: int) -> None:
+        """At least `n` scratch slots (doubling; the host slots are copied once)."""
+        if n <= self._num_scratch:
+            return
+        new = max(n, 2 * self._num_scratch)
+        self._host = tuple(
+            [np.concatenate([p, np.zeros((new - self._num_scratch, *p.shape[1:]), p.dtype)])
+             for p in part] for part in self._host)
+        self._num_scratch = new
