@@ -301,19 +301,16 @@ class HostPages:
         self.dtype = np.dtype(first.dtype)
         self.num_blocks = int(num_blocks)
         self.num_host_blocks = int(num_host_blocks)
-        self.files = files
-        if files is not None:
-            want = tuple((tuple(part[0].shape[1:]), np.dtype(part[0].dtype)) for part in parts)
-            if files.parts != want or files.num_layers != self.num_layers:
-                raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
-                                 f"arrays' {self.num_layers} x {want}")
+        self.files = None
         # Scratch slots (rows after the host tier's) of the disk keys of one batch.
-        self._num_scratch = 0 if files is None else 2 * MIN_ROWS
+        self._num_scratch = 0
         # One list of per-layer host arrays per part (pages, and scales if quantized).
         self._host = tuple(
             [np.zeros((self.num_host_blocks + self._num_scratch, *part[0].shape[1:]),
                       np.dtype(part[0].dtype))
              for _ in range(self.num_layers)] for part in parts)
+        if files is not None:
+            self.attach_files(files)
         self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
         self._pending_files: dict[tuple[int, int], int] = {}  # (key, group) -> slot
         self.num_disk_loaded = self.num_disk_stored = 0
@@ -446,6 +443,21 @@ class HostPages:
         self._validated.clear()
 
     # -- the disk tier ----------------------------------------------------------------
+
+    def attach_files(self, files) -> None:
+        """Serves the disk tier's copies from `files` (a `PageFiles` whose pages have
+        the KV arrays' page shapes and dtypes, every layer).
+
+        Raises:
+          ValueError: `files` of another page layout.
+        """
+        want = tuple((tuple(part[0].shape[1:]), np.dtype(part[0].dtype))
+                     for part in self._host)
+        if files.parts != want or files.num_layers != self.num_layers:
+            raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
+                             f"arrays' {self.num_layers} x {want}")
+        self.files = files
+        self._grow_scratch(2 * MIN_ROWS)
 
     def validate(self, key: int, group: int = 0) -> bool:
         """Whether block `key`'s page file of `group` is there and passes every check

@@ -161,6 +161,7 @@ class PageFiles:
         self.num_written = self.num_read = 0
         self.num_corrupt = self.num_foreign = self.num_stale_tmp = 0
         self._sizes: dict[str, int] = {}
+        self._nbytes = 0
         self._scan()
 
     # -- the header -------------------------------------------------------------------
@@ -230,6 +231,7 @@ class PageFiles:
             if (header is not None and header.get("fingerprint") == self.fingerprint
                     and self._matches(header, *parsed)):
                 self._sizes[name] = size
+                self._nbytes += size
 
     def keys(self) -> list[tuple[int, int]]:
         """(key, group) of the pages of this fingerprint in the directory (found at open
@@ -245,7 +247,7 @@ class PageFiles:
     @property
     def nbytes(self) -> int:
         """Bytes of this store's page files (headers included)."""
-        return sum(self._sizes.values())
+        return self._nbytes
 
     def path(self, key: int, group: int = 0) -> str:
         return os.path.join(self.directory, file_name(key, group))
@@ -293,6 +295,7 @@ class PageFiles:
             except FileNotFoundError:
                 pass
             raise
+        self._nbytes += size - self._sizes.get(name, 0)
         self._sizes[name] = size
         self.num_written += 1
 
@@ -305,7 +308,7 @@ class PageFiles:
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            self._sizes.pop(name, None)
+            self._nbytes -= self._sizes.pop(name, 0)
             return None
         with f:
             header = self._read_header(f)
@@ -336,7 +339,7 @@ class PageFiles:
     def discard(self, key: int, group: int = 0) -> bool:
         """Deletes block `key`'s page of group `group`; whether a file was there."""
         name = file_name(key, group)
-        self._sizes.pop(name, None)
+        self._nbytes -= self._sizes.pop(name, 0)
         try:
             os.unlink(os.path.join(self.directory, name))
         except FileNotFoundError:
@@ -345,5 +348,21 @@ class PageFiles:
 
     def clear(self) -> None:
         """Deletes every page file of this store (those of other fingerprints stay)."""
-        for name in list(self._sizes):
-            self.discard(*parse_file_name(name))
+        self.retain(lambda key, group: False)
+
+    def retain(self, keep) -> int:
+        """Deletes the page files whose `keep(key, group)` is False; how many."""
+        gone = [kg for kg in map(parse_file_name, list(self._sizes)) if not keep(*kg)]
+        for kg in gone:
+            self.discard(*kg)
+        return len(gone)
+
+    def keys_oldest_first(self) -> list[tuple[int, int]]:
+        """`keys()` by modification time, oldest first (ties by key): the order a
+        restart preloads them in, so the disk tier's policy evicts the oldest first."""
+        def age(kg):
+            try:
+                return os.stat(self.path(*kg)).st_mtime_ns, kg
+            except FileNotFoundError:
+                return 0, kg
+        return sorted(self.keys(), key=age)

@@ -58,6 +58,10 @@ def test_round_trip_keys_and_bytes(tmp_path):
     assert again.keys() == store.keys() and again.nbytes == store.nbytes
     assert _same(again.read(5, 0), pages[5])
     assert again.discard(5, 0) and (5, 0) not in again and not os.path.exists(again.path(5))
+    assert again.retain(lambda key, group: key == KEY) == 1  # -9 goes
+    assert again.keys() == [(KEY, 0)] and again.nbytes == os.path.getsize(again.path(KEY))
+    store.write(KEY, 0, _page(4))  # a rewrite replaces the file (bytes counted once)
+    assert store.keys_oldest_first()[-1] == (KEY, 0)
 
 
 def test_bad_write_is_refused_before_any_file(tmp_path):
