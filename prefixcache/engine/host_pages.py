@@ -348,6 +348,12 @@ class HostPages:
         return [p[:self.num_host_blocks] for p in self._host[1]]
 
     @property
+    def page_parts(self) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+        """(page shape, dtype) of each part of one layer's page: the pages, then the
+        scales of a quantized KV (the layout of `PageFiles`)."""
+        return tuple((tuple(part[0].shape[1:]), part[0].dtype) for part in self._host)
+
+    @property
     def num_programs_built(self) -> int:
         """Executables of the copy program (one per padded (Gp, Hp, Sp)), from jax's
         cache."""
@@ -451,8 +457,7 @@ class HostPages:
         Raises:
           ValueError: `files` of another page layout.
         """
-        want = tuple((tuple(part[0].shape[1:]), np.dtype(part[0].dtype))
-                     for part in self._host)
+        want = self.page_parts
         if files.parts != want or files.num_layers != self.num_layers:
             raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
                              f"arrays' {self.num_layers} x {want}")
