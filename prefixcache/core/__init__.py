@@ -39,7 +39,7 @@ from prefixcache.core.events import (
     KVCacheEvent,
 )
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import HostHit, HostTransfer
+from prefixcache.core.tiers.host import HostHit, HostTransfer
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request

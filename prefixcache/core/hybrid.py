@@ -77,7 +77,7 @@ from prefixcache.core.events import (
     event_extra_keys,
 )
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import (
+from prefixcache.core.tiers.host import (
     GroupHostTier,
     HostHit,
     HostTierAPI,
@@ -794,6 +794,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 num_null.append(skipped)
             if self.host_tier is not None:
                 self._promote_host_hits(request, tables, num_new_computed_tokens)
+            else:
+                self.device_hit_tokens += num_new_computed_tokens
             st = _HybridState(request, tables, [len(t) for t in tables], num_null)
             if self._waiting_policy is not None:  # admitted: no longer waiting
                 self._waiting_policy.drop_waiting(request.request_id)
@@ -1044,6 +1046,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
     num_host_blocks = 0
     host_hit_tokens = 0
     host_tier = None
+    device_hit_tokens = 0  # (an instance attribute from the first admission on)
 
     def take_events(self):
         return self.block_pool.take_events()

@@ -46,9 +46,12 @@ LAYOUT_INDEXES = MappingProxyType({
 })
 
 # Tiers below the device pool, by name (``KVCacheManager(num_host_blocks=N)`` selects
-# "host"); each entry is the tier's class.
+# "host", ``disk_bytes`` "disk", ``remote_bytes`` / ``remote`` "remote"; a tier of one's
+# own: one entry here, or its class passed in ``tiers``); each entry is the tier's class.
 TIERS = MappingProxyType({
-    "host": "prefixcache.core.host_tier:HostTier",
+    "host": "prefixcache.core.tiers.host:HostTier",
+    "disk": "prefixcache.core.tiers.disk:DiskTier",
+    "remote": "prefixcache.core.tiers.remote:RemoteStore",
 })
 
 # The combinations no implementation serves yet, each with its reason. Keys:

@@ -38,7 +38,8 @@ from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.groups.base import check_block_hash_list
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import (
+from prefixcache.core.tiers import TierChain, TierHit, build_lower_tiers, lower_tiers_requested
+from prefixcache.core.tiers.host import (
     HostHit,
     HostTierAPI,
     TieredBlockPool,
@@ -419,6 +420,16 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             the page copies to make, in order. Needs ``enable_caching``.
         host_eviction: the host tier's policy (a ``POLICIES`` name but ``belady``).
         host_eviction_options: that policy's options.
+        disk_bytes, disk_eviction, disk_eviction_options, page_bytes, remote_bytes,
+            remote_eviction, remote, tiers: the tiers below the host
+            (``prefixcache.core.tiers``; they need a host tier): a ``disk`` tier of
+            ``disk_bytes // page_bytes`` blocks, tiers of one's own (``tiers``: mappings
+            with a ``"tier"`` name or ``KeyTier`` subclass and its keywords), and a
+            ``remote`` store (``remote``: a ``RemoteStore`` shared with other managers,
+            or ``remote_bytes`` of this manager's own). A block the host evicts is
+            demoted down the chain; a lookup continues there block by block, its hits
+            are ``TierHit`` placeholders loaded like ``HostHit``s, and the copies are
+            ``TierTransfer``s in ``take_host_transfers()``' list.
 
     Attributes:
         eviction, index: the names chosen.
@@ -454,6 +465,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         num_host_blocks: int = 0,
         host_eviction: str = DEFAULT_POLICY,
         host_eviction_options: Mapping[str, Any] | None = None,
+        **lower_tiers,
     ):
         # The one composition rule (an unknown index, a layout or tier this class does
         # not serve -> ValueError naming why); KVCacheManager has applied it already.
@@ -478,6 +490,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events)
+        lower = _build_lower_tiers(self, lower_tiers, num_host_blocks, block_size)
         self.eviction = eviction
         self.index = index
         self.policy = policy
@@ -521,7 +534,16 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             # hits (lookup and admission); the decode fast path is shared.
             self._hit_blocks = self._hit_blocks_tiered
             self._allocate_slow = self._allocate_slow_tiered
+            if lower:
+                pool = self.block_pool
+                host_tier.lower = TierChain(
+                    lower, record=host_tier.record_tier_transfer,
+                    events=pool.events if self.enable_events else None,
+                    event_hash=pool._event_hash, block_size=block_size)
+                self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
+        # Hit tokens adopted at admission from each tier below the host, by name.
+        self._lower_hit_tokens = {t.name: 0 for t in lower}
         self.num_host_blocks = num_host_blocks
         self.host_eviction = host_eviction
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
@@ -608,6 +630,34 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 slot = host_get(h)
                 if slot is None:
                     break
+                append(HostHit(h, slot.block_id))
+                continue
+            if type(b) is dict:
+                b = next(iter(b.values()))
+            append(b)
+        return computed
+
+    def _hit_blocks_chain(self, request) -> list:
+        """``_hit_blocks_tiered`` with tiers below the host: block by block, a device
+        hit, else a host hit, else a ``TierHit`` of the first lower tier holding the
+        hash, else stop."""
+        request.bind_hasher(self.hasher, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get = self.block_pool.cached_block_hash_to_block.get
+        host_get = self.host_tier.hash_to_slot.get
+        find = self.host_tier.lower.find
+        computed: list = []
+        append = computed.append
+        for h in islice(request.block_hashes, max_blocks):
+            b = get(h)
+            if b is None:
+                slot = host_get(h)
+                if slot is None:
+                    tier = find(h)
+                    if tier is None:
+                        break
+                    append(TierHit(h, tier))
+                    continue
                 append(HostHit(h, slot.block_id))
                 continue
             if type(b) is dict:
@@ -868,10 +918,20 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                     hashes = request.block_hashes
                 _check_host_hit(tier, b, i, hashes, seen_slots, request)
                 loads.append(i)
+            elif t is TierHit and tier.lower is not None:
+                if hashes is None:
+                    request.bind_hasher(self.hasher, bs)
+                    hashes = request.block_hashes
+                if not tier.lower.check_hit(b) or i >= len(hashes) or hashes[i] != b.block_hash:
+                    raise ValueError(
+                        f"{b!r} is not a current tier hit of this manager for block #{i} of "
+                        f"request {request.request_id!r} (already promoted, reordered, or the "
+                        "entry changed since get_computed_blocks)")
+                loads.append(i)
             else:
                 raise ArgumentTypeError(
                     "new_computed_blocks must hold KVCacheBlock / HostHit objects, got "
-                    f"{b!r}")
+                    f"{b!r} (TierHit too with tiers below the host)")
         if computed:
             _check_hit_positions(self, request, computed)
         num_held = len(st.blocks) if st is not None else 0
@@ -885,16 +945,26 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 self._waiting_policy.drop_waiting(request.request_id)
             pool.touch(device_hits, request)
             table = computed
+            lower_hits = None
             if loads:
                 # NOTE: pin the entries to load first: the device blocks taken for them
                 # may evict cached blocks, whose demotions then never pick these slots.
                 for i in loads:
-                    tier.pin(computed[i].host_slot)
+                    hit = computed[i]
+                    if type(hit) is HostHit:
+                        tier.pin(hit.host_slot)
+                    else:
+                        hit.tier.pin(hit.block_hash)
+                        lower_hits = self._lower_hit_tokens
                 fresh = pool.get_new_blocks(len(loads))
                 table = list(computed)
                 for i, blk in zip(loads, fresh):
                     hit = computed[i]
-                    tier.load(hit.host_slot, blk.block_id)
+                    if type(hit) is HostHit:
+                        tier.load(hit.host_slot, blk.block_id)
+                    else:
+                        tier.lower.load(hit, blk.block_id)
+                        lower_hits[hit.tier.name] += bs
                     hit.block_id = blk.block_id
                     table[i] = blk
                 request.bind_hasher(self.hasher, bs)
@@ -916,7 +986,10 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                     request.num_preemptions > 0,
                 )
             self.device_hit_tokens += len(device_hits) * bs
-            self.host_hit_tokens += len(loads) * bs
+            if lower_hits is None:
+                self.host_hit_tokens += len(loads) * bs
+            else:
+                self.host_hit_tokens += sum(type(computed[i]) is HostHit for i in loads) * bs
         return self._grow_and_cache(request, st, num_new_blocks, total)
 
     def free(self, request) -> None:
@@ -1055,6 +1128,25 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                                      "waiting for the queue-aware policy (a leak)")
 
 
+def _build_lower_tiers(manager, lower_tiers: dict, num_host_blocks: int, block_size: int):
+    """The tiers below the host asked for by the manager's keywords (``[]``: none);
+    ``TypeError`` for an unknown keyword, ``ValueError`` naming a bad one."""
+    from prefixcache.core.tiers import LOWER_TIER_DEFAULTS  # noqa: PLC0415
+
+    unknown = sorted(set(lower_tiers) - set(LOWER_TIER_DEFAULTS) - {"remote"})
+    if unknown:
+        raise TypeError(f"{type(manager).__name__}() got unexpected keyword arguments "
+                        f"{unknown}")
+    if not lower_tiers_requested(lower_tiers):
+        return []
+    if not num_host_blocks:
+        raise ValueError(
+            "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) need a host "
+            "tier (num_host_blocks > 0): a block reaches them when the host evicts it")
+    return build_lower_tiers(block_size=block_size, key_bytes=manager.hasher.digest_size,
+                             **lower_tiers)
+
+
 def _check_host_hit(tier, b, i: int, hashes, seen: set, request) -> None:
     """Both indexes' rule for a ``HostHit`` at position ``i`` of a hit list: a current
     entry of ``tier`` for the request's block ``i``, its slot not ``seen`` before in the
@@ -1167,14 +1259,21 @@ class KVCacheManager:
         num_host_blocks: host-memory tier slots (0: no tier).
         **kwargs: ``enable_caching``, ``hash_algo``, ``hash_seed``, ``free_order``,
             ``log_stats``, ``enable_events``, ``max_model_len``, ``int_event_hashes``,
-            ``eviction_options``, ``host_eviction``, ``host_eviction_options`` (see
-            ``HashKVCacheManager``).
+            ``eviction_options``, ``host_eviction``, ``host_eviction_options``, and the
+            tiers below the host: ``disk_bytes``, ``disk_eviction``,
+            ``disk_eviction_options``, ``page_bytes``, ``remote_bytes``,
+            ``remote_eviction``, ``remote``, ``tiers`` (see ``HashKVCacheManager``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, index: str | type = DEFAULT_INDEX,
                  kv_cache_groups=None, eviction: str | type = DEFAULT_POLICY,
                  num_host_blocks: int = 0, **kwargs):
         cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
+        if lower_tiers_requested(kwargs) and not issubclass(cls, HashKVCacheManager):
+            raise ValueError(
+                "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
+                f"served by the hash index with one full-attention group; {cls.__name__} "
+                "does not demote past its host tier")
         impl = cls(num_blocks, block_size, index=index, kv_cache_groups=kv_cache_groups,
                    eviction=eviction, num_host_blocks=num_host_blocks, **kwargs)
         self._impl = impl
@@ -1368,6 +1467,11 @@ class KVCacheManager:
         recorded since the last call, in order (``[]`` without a host tier)."""
         return self._impl.take_host_transfers()
 
+    def take_tier_transfers(self) -> list:
+        """``take_host_transfers``: the same list, every tier's copies in order
+        (``HostTransfer`` device <-> host, ``TierTransfer`` for the tiers below)."""
+        return self._impl.take_tier_transfers()
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Return the stats since the last call and start a new interval (``None``
         when ``log_stats`` is off)."""
@@ -1433,6 +1537,9 @@ _ATTRIBUTES = MappingProxyType({
     "num_host_cached_blocks": "Hashes held in the host tier now (0 without one).",
     "host_blocks_loaded": "Host entries promoted into device blocks, cumulative.",
     "host_blocks_stored": "Device blocks demoted into host slots, cumulative.",
+    "tier_chain": "The tiers below the host (tiers.TierChain; None without any).",
+    "hit_tokens_by_tier": ("Prefix-hit tokens adopted at admission by tier (device, host, "
+                           "disk, remote, ...), cumulative."),
 })
 for _name, _doc in _ATTRIBUTES.items():
     setattr(KVCacheManager, _name, _read(_name, _doc))

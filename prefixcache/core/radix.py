@@ -112,7 +112,7 @@ from prefixcache.core.events import (
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.host_tier import (HostHit, HostTierAPI, check_tier_args,
+from prefixcache.core.tiers.host import (HostHit, HostTierAPI, check_tier_args,
                                         make_host_tier)
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,

@@ -95,7 +95,7 @@ from prefixcache.core.events import (
     device_block_stored,
 )
 from prefixcache.core.hybrid import is_idle_step
-from prefixcache.core.host_tier import check_host_args
+from prefixcache.core.tiers.host import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
     _admission_checks,

@@ -123,7 +123,7 @@ class SingleTypeManager:
         # ``HostHit`` placeholder the coordinator promotes at admission).
         self.host_tier = getattr(coordinator, "host_tier", None)
         if self.host_tier is not None:
-            from prefixcache.core.host_tier import HostHit  # noqa: PLC0415 - (a cycle)
+            from prefixcache.core.tiers.host import HostHit  # noqa: PLC0415 - (a cycle)
 
             self._host_hit_class = HostHit
             self.get_cached = self._get_cached_tiered  # (shadows the method)

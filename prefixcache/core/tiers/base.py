@@ -1,0 +1,507 @@
+"""The tier chain under the device pool: device -> host -> disk -> remote.
+
+A cached block the device evicts is demoted to the host tier (``tiers/host.py``); a
+block the host tier evicts is demoted to the next tier of the chain (``disk``, then
+``remote``, then any tier of the user's own), and so on down; the last tier's
+evictions are gone for good. A lookup walks the request's block hashes: device hit?
+else host hit? else the first lower tier that holds the hash? else stop. A hit below
+the host is a ``TierHit`` placeholder in ``get_computed_blocks``' list (``block_id ==
+-1`` until ``allocate_slots`` loads it into a fresh device block, as a ``HostHit``).
+
+Every tier below the host is a ``KeyTier``: a map of block hashes with a capacity in
+blocks, its own eviction policy (``prefixcache.core.eviction``: ``lru`` is an ordered
+map, any other policy a policy object over internal slots), and its ``link`` (a
+``TierLink``: what one load costs, read by the cost model, the DES and the
+experiments). A tier is exclusive (``inclusive = False``: a load moves the block up
+and frees the entry, as the host tier's; the device computing a hash the tier holds
+drops the tier's copy) or inclusive (``inclusive = True``: a load copies, the entry
+stays: a ``remote`` store shared by several replicas).
+
+The transfers a manager records go to one ordered list (the host tier's): device <->
+host copies are ``HostTransfer``s, every copy that touches a lower tier a
+``TierTransfer``. Apply them in list order before the step computes.
+
+Invariants (``TierChain.check_invariants``):
+    * no hash is on the device and in an exclusive lower tier, nor in the host and in an
+      exclusive lower tier;
+    * each tier's entries are at most its capacity; the policy's candidates are
+      exactly its unpinned entries (none pinned outside ``allocate_slots``).
+
+A tier of one's own (a slower memory, a different store) is one class: subclass
+``KeyTier``, set ``name`` (the attribution key: ``hit_tokens_by_tier[name]``, the
+replay's ``hit_tokens_<name>``), ``medium`` (its KV events' medium) and ``link``; pass
+it where a tier name goes (``KVCacheManager(..., tiers=({"tier": MyTier,
+"num_blocks": 64},))``) or register it in ``prefixcache.core.tiers.TIERS``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from prefixcache.core.block_pool import InvariantError
+from prefixcache.core.eviction import (
+    DEFAULT_POLICY,
+    get_policy_class,
+    make_policy,
+    online_policy_names,
+    policy_name,
+)
+from prefixcache.core.events import BlockRemoved, BlockStored
+
+TIER_STORE = "store"  # a demotion down the chain
+TIER_LOAD = "load"  # a promotion into a device page
+TIER_NAMES = ("device", "host", "disk", "remote")  # the built-in chain, top first
+
+
+class TierLink(NamedTuple):
+    """The path between a tier and the device: loading ``n`` pages of ``page_bytes``
+    takes ``latency_s + n * page_bytes / bandwidth_bytes_per_s`` seconds."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def load_time(self, num_pages: int, page_bytes: float) -> float:
+        """Seconds to load ``num_pages`` pages of ``page_bytes`` (0 for no page)."""
+        if num_pages <= 0:
+            return 0.0
+        return self.latency_s + num_pages * page_bytes / self.bandwidth_bytes_per_s
+
+
+# Default links (a PCIe 5 x16 host link, an NVMe SSD, a 100 Gb/s RDMA network store).
+HOST_LINK = TierLink(50e9, 10e-6)
+DISK_LINK = TierLink(6e9, 100e-6)
+REMOTE_LINK = TierLink(12.5e9, 1e-3)
+
+
+class TierTransfer(NamedTuple):
+    """One page copy that touches a tier below the host, in the order recorded.
+
+    Attributes:
+        kind: ``"store"`` (a demotion down the chain) or ``"load"`` (a promotion into
+            device page ``dst_id``).
+        src, dst: ``"device"``, ``"host"``, ``"disk"``, ``"remote"`` (or a user tier's
+            name).
+        src_id, dst_id: a device block id, a host slot, or for the lower tiers the
+            block's ``key``.
+        key: the block's cache key as an int (its content hash: the pool's hash key,
+            big-endian); file names ``f"{key:064x}"``-style are stable across restarts
+            for the same model, block size and hash algorithm.
+        group: the KV cache group (0 for one full-attention group).
+    """
+
+    kind: str
+    src: str
+    src_id: int
+    dst: str
+    dst_id: int
+    key: int
+    group: int = 0
+
+
+def key_of(block_hash: bytes) -> int:
+    """A block hash as the int key of ``TierTransfer`` (big-endian)."""
+    return int.from_bytes(block_hash, "big")
+
+
+class TierHit:
+    """A prefix-hit block found in a tier below the host (an entry of
+    ``get_computed_blocks``).
+
+    Attributes:
+        block_hash: the hash it was found under.
+        tier: the tier object holding it.
+        block_id: ``-1`` until ``allocate_slots`` promotes it; then the id of the
+            device block it was loaded into.
+    """
+
+    __slots__ = ("block_hash", "tier", "block_id")
+
+    # (a promotion takes one free device block: see ``HostHit.ref_cnt``)
+    ref_cnt = 0
+
+    def __init__(self, block_hash: bytes, tier: KeyTier):
+        self.block_hash = block_hash
+        self.tier = tier
+        self.block_id = -1
+
+    def __repr__(self) -> str:
+        h = getattr(self, "block_hash", None)
+        h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
+        t = getattr(getattr(self, "tier", None), "name", None)
+        return f"TierHit(tier={t!r}, block_id={getattr(self, 'block_id', None)!r}, block_hash={h})"
+
+
+class _Slot:
+    """One entry of a ``KeyTier`` as its policy sees it (``block_id``: an internal
+    slot number, never a transfer's id)."""
+
+    __slots__ = ("block_id", "block_hash")
+
+    def __init__(self, i: int):
+        self.block_id = i
+        self.block_hash: bytes | None = None
+
+
+class _Origin:
+    __slots__ = ("priority",)
+
+    def __init__(self):
+        self.priority = 0
+
+
+_ORIGIN = _Origin()
+
+
+def check_tier_policy(arg: str, eviction) -> type:
+    """The tier policy's class; ``ValueError`` naming ``arg`` for an unknown or offline
+    policy."""
+    try:
+        cls = get_policy_class(eviction)
+    except ValueError as e:
+        raise ValueError(f"{arg}: {e}") from None
+    if cls.needs_future:
+        raise ValueError(f"{arg}={policy_name(eviction)!r} needs the trace's future; use one "
+                         f"of {online_policy_names()}")
+    return cls
+
+
+class KeyTier:
+    """A tier below the host: block hashes with a capacity in blocks and an eviction
+    policy of its own. Subclass it for a tier of one's own (the module docstring).
+
+    Class attributes:
+        name: the tier's name (attribution, transfers, miss reasons ``evicted_<name>``).
+        medium: its KV events' ``medium``.
+        link: its ``TierLink``.
+        inclusive: a load copies (the entry stays) instead of moving the block up.
+
+    Args:
+        num_blocks: capacity in blocks (> 0).
+        block_size: tokens per block.
+        eviction: the tier's policy (a name or class; not one that needs the future).
+        eviction_options: its options.
+        link: overrides the class's ``link``.
+
+    Attributes:
+        num_stored, num_loaded, num_evicted, num_dropped, num_discarded: cumulative
+            counts (demotions in, promotions out, entries the policy dropped, demotions
+            refused while every entry is pinned, entries dropped because the device
+            computed the hash again).
+    """
+
+    name = "tier"
+    medium = "TIER"
+    link = DISK_LINK
+    inclusive = False
+
+    def __init__(self, num_blocks: int, *, block_size: int = 16,
+                 eviction: str | type = DEFAULT_POLICY,
+                 eviction_options: Mapping[str, Any] | None = None,
+                 link: TierLink | None = None):
+        if type(num_blocks) is not int or num_blocks <= 0:
+            raise ValueError(f"{self.name} tier: num_blocks must be a positive int, "
+                             f"got {num_blocks!r}")
+        check_tier_policy(f"{self.name}_eviction", eviction)
+        if link is not None:
+            if not isinstance(link, TierLink):
+                raise ValueError(f"{self.name} tier: link must be a TierLink, got {link!r}")
+            self.link = link
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.eviction = eviction
+        options = dict(eviction_options or {})
+        self.policy = None
+        if eviction != DEFAULT_POLICY or options:
+            try:
+                self.policy = make_policy(eviction, num_blocks=num_blocks,
+                                          block_size=block_size, **options)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{self.name}_eviction={eviction!r}, {self.name}_eviction_options="
+                              f"{eviction_options!r}: {e}") from None
+        # hash -> slot of each unpinned entry; without a policy object its order is the
+        # eviction order (least recently stored or touched first).
+        self.entries: OrderedDict[bytes, _Slot] = OrderedDict()
+        self._pinned: dict[bytes, _Slot] = {}
+        self._slots = [_Slot(i) for i in range(num_blocks)]
+        self._free = collections.deque(range(num_blocks))
+        self.num_stored = 0
+        self.num_loaded = 0
+        self.num_evicted = 0
+        self.num_dropped = 0
+        self.num_discarded = 0
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self._pinned)
+
+    def __contains__(self, h) -> bool:
+        return h in self.entries or h in self._pinned
+
+    def keys(self):
+        """The held hashes (pinned ones excepted)."""
+        return self.entries.keys()
+
+    # ----------------------------------------------------------------- lookup
+    def lookup(self, h: bytes) -> bool:
+        """``h`` can be served from this tier now (a subclass may refuse an entry it
+        cannot serve, e.g. a disk page that fails its check: then it drops it)."""
+        return h in self.entries
+
+    # ------------------------------------------------------------ transitions
+    def put(self, h: bytes):
+        """Store ``h`` (a demotion from above). Returns ``None`` (stored), the hash the
+        policy evicted to make room (stored; the caller demotes it further), or ``h``
+        itself (refused: every entry is pinned). An inclusive tier that holds ``h``
+        already refreshes it and returns ``False``."""
+        entries = self.entries
+        if h in entries or h in self._pinned:
+            if self.policy is None and h in entries:
+                entries.move_to_end(h)
+            return False
+        old = None
+        if self._free:
+            slot = self._slots[self._free.popleft()]
+        elif self.policy is None:
+            if not entries:
+                self.num_dropped += 1
+                return h
+            old, slot = entries.popitem(False)
+            self.num_evicted += 1
+        elif len(self.policy):
+            slot = self.policy.pop()
+            old = slot.block_hash
+            del entries[old]
+            self.policy.on_evicted(slot)
+            self.num_evicted += 1
+        else:
+            self.num_dropped += 1
+            return h
+        slot.block_hash = h
+        entries[h] = slot
+        if self.policy is not None:
+            self.policy.on_cached(slot, h, _ORIGIN, 0)
+            self.policy.on_release(slot, _ORIGIN, 0)
+            self.policy.add(slot)
+        self.num_stored += 1
+        return old
+
+    def pin(self, h: bytes) -> None:
+        """Keep ``h`` from being evicted while a promotion takes device blocks."""
+        slot = self.entries.pop(h)
+        self._pinned[h] = slot
+        if self.policy is not None:
+            self.policy.discard(slot)
+
+    def take(self, h: bytes) -> None:
+        """The pinned ``h`` was loaded into the device: an exclusive tier frees it, an
+        inclusive one keeps it (most recently used)."""
+        slot = self._pinned.pop(h)
+        self.num_loaded += 1
+        if self.inclusive:
+            self.entries[h] = slot
+            if self.policy is not None:
+                self.policy.on_hit(slot, _ORIGIN)
+                self.policy.on_release(slot, _ORIGIN, 0)
+                self.policy.add(slot)
+            return
+        self._release(slot)
+
+    def discard(self, h: bytes) -> None:
+        """Drop the entry ``h`` (the device computed it again, or it is unservable)."""
+        slot = self.entries.pop(h)
+        if self.policy is not None:
+            self.policy.discard(slot)
+        self._release(slot)
+        self.num_discarded += 1
+
+    def _release(self, slot: _Slot) -> None:
+        if self.policy is not None:
+            self.policy.on_evicted(slot)
+        slot.block_hash = None
+        self._free.append(slot.block_id)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        for slot in self.entries.values():
+            slot.block_hash = None
+        self.entries = OrderedDict()
+        self._free = collections.deque(range(self.num_blocks))
+        if self.policy is not None:
+            self.policy.clear()
+
+    def eviction_order(self) -> list[bytes]:
+        """The held hashes, the next one the policy evicts first."""
+        if self.policy is None:
+            return list(self.entries)
+        return [self._slots[i].block_hash for i in self.policy.candidate_ids()]
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the tier and hash on any inconsistency."""
+        if self._pinned:
+            raise InvariantError(f"{self.name} tier: entries {len(self._pinned)} are still "
+                                 "pinned outside allocate_slots")
+        if len(self.entries) + len(self._free) != self.num_blocks:
+            raise InvariantError(f"{self.name} tier: {len(self.entries)} entries + "
+                                 f"{len(self._free)} free != {self.num_blocks}")
+        for h, slot in self.entries.items():
+            if slot.block_hash != h:
+                raise InvariantError(f"{self.name} tier: {h.hex()} -> slot {slot.block_id} "
+                                     f"holding {slot.block_hash!r}")
+        if self.policy is not None:
+            self.policy.check_invariants([s.block_id for s in self.entries.values()])
+
+
+class TierChain:
+    """The tiers below a manager's host tier, top first, and the manager's view of
+    them: demotion down the chain, lookup, promotion, attribution counters.
+
+    Args:
+        tiers: the ``KeyTier`` objects, top (next below the host) first.
+        record: appends one recorded copy to the manager's transfer list (in order
+            with the host tier's ``HostTransfer``s).
+        events: the manager's event list, or ``None`` (events off).
+        event_hash: the pool's digest -> event hash conversion.
+        block_size: tokens per block (the event's ``block_size``).
+    """
+
+    def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
+                 events: list | None = None, event_hash=None, block_size: int = 16):
+        names = [t.name for t in tiers]
+        dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
+        if dup:
+            raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
+        self.tiers = tiers
+        self._record = record
+        self.events = events
+        self._event_hash = event_hash
+        self.block_size = block_size
+        self.exclusive = [t for t in tiers if not t.inclusive]
+        # Miss accounting's hook: hashes a tier dropped for good -> that tier's name.
+        self.evicted_by: dict | None = None
+        self.num_corrupt = 0
+
+    def __bool__(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ events
+    def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
+        eh = self._event_hash
+        self.events.append(BlockStored(
+            block_hashes=[eh(h)], parent_block_hash=None, token_ids=[],
+            block_size=self.block_size, lora_id=None, medium=tier.medium, lora_name=None,
+            group_idx=0))
+
+    def _removed(self, tier: KeyTier, h: bytes) -> None:
+        self.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
+                                        medium=tier.medium, group_idx=0))
+
+    # --------------------------------------------------------------- demotion
+    def demote(self, h: bytes, src: str, src_id) -> None:
+        """The tier ``src`` (``"host"``: slot ``src_id``) evicted ``h``: store it in the
+        first tier below that takes it (cascading the evictions that makes room for),
+        recording each copy; a hash no tier takes is dropped (miss accounting)."""
+        key = key_of(h)
+        i = 0
+        tiers = self.tiers
+        while i < len(tiers):
+            tier = tiers[i]
+            old = tier.put(h)
+            if old is False:  # an inclusive tier holds it already: nothing to copy
+                return
+            if old is h:  # refused (every entry pinned): try the next tier
+                i += 1
+                continue
+            if old is not None:
+                # NOTE: the evicted entry moves down first (its bytes leave before the
+                # new ones arrive), so the copies apply in list order.
+                if self.events is not None:
+                    self._removed(tier, old)
+                self._cascade(old, i)
+            self._record(TierTransfer(TIER_STORE, src, src_id if src == "host" else key,
+                                      tier.name, key, key, 0))
+            if self.events is not None:
+                self._stored(tier, h)
+            return
+        if self.evicted_by is not None:
+            self.evicted_by[h] = src
+
+    def _cascade(self, h: bytes, i: int) -> None:
+        """Tier ``i`` evicted ``h``: demote it to tier ``i + 1`` and below."""
+        tiers = self.tiers
+        key = key_of(h)
+        src = tiers[i].name
+        for j in range(i + 1, len(tiers)):
+            tier = tiers[j]
+            old = tier.put(h)
+            if old is False:
+                return
+            if old is h:
+                continue
+            if old is not None:
+                if self.events is not None:
+                    self._removed(tier, old)
+                self._cascade(old, j)
+            self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, 0))
+            if self.events is not None:
+                self._stored(tier, h)
+            return
+        if self.evicted_by is not None:
+            self.evicted_by[h] = src
+
+    # ----------------------------------------------------------------- lookup
+    def find(self, h: bytes) -> KeyTier | None:
+        """The first tier that can serve ``h`` now, or ``None``."""
+        for tier in self.tiers:
+            if h in tier.entries:
+                if tier.lookup(h):
+                    return tier
+                # (unservable: the tier dropped it; the lookup stops here)
+                return None
+        return None
+
+    # -------------------------------------------------------------- promotion
+    def check_hit(self, b: TierHit) -> bool:
+        """``b`` is a current hit of this chain."""
+        return b.block_id == -1 and b.tier in self.tiers and b.block_hash in b.tier.entries
+
+    def load(self, hit: TierHit, block_id: int) -> None:
+        """Promote the pinned ``hit`` into device block ``block_id`` (record the load)."""
+        tier = hit.tier
+        h = hit.block_hash
+        tier.take(h)
+        key = key_of(h)
+        self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, 0))
+        if self.events is not None and not tier.inclusive:
+            self._removed(tier, h)
+
+    def discard_cached(self, hashes) -> None:
+        """The device cached ``hashes`` (computed): drop the exclusive tiers' copies."""
+        for tier in self.exclusive:
+            entries = tier.entries
+            if entries and not entries.keys().isdisjoint(hashes):
+                for h in hashes:
+                    if h in entries:
+                        tier.discard(h)
+                        if self.events is not None:
+                            self._removed(tier, h)
+
+    def clear(self) -> None:
+        """A prefix-cache reset: forget the exclusive tiers' entries (a shared inclusive
+        store keeps what other replicas stored)."""
+        for tier in self.exclusive:
+            tier.clear()
+
+    def check_invariants(self, device_cached, host_cached) -> None:
+        for tier in self.tiers:
+            tier.check_invariants()
+            if tier.inclusive:
+                continue
+            for h in tier.entries:
+                if h in device_cached:
+                    raise InvariantError(f"hash {h.hex()} is on the device and in the "
+                                         f"{tier.name} tier")
+                if h in host_cached:
+                    raise InvariantError(f"hash {h.hex()} is in the host and the "
+                                         f"{tier.name} tier")
