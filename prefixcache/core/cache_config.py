@@ -165,6 +165,16 @@ class CacheConfig:
       host_eviction: the host tier's policy (any policy that needs no future; a name or
         a class, as ``eviction``).
       host_eviction_options: its options.
+      disk_bytes: a disk tier under the host tier, in bytes (0: none;
+        ``prefixcache.core.tiers``); it holds ``disk_bytes // page_bytes`` blocks.
+      disk_eviction: the disk tier's policy (as ``host_eviction``).
+      page_bytes: one block's KV page, every layer, in bytes (sizes the disk and remote
+        tiers; None: the driver's model gives it).
+      remote_bytes: a remote store under the host (and disk) tier, in bytes (0: none);
+        a cluster shares one store of this size among its replicas.
+      remote_eviction: the remote store's policy.
+      tiers: tiers of one's own between the disk and the remote store: mappings with a
+        ``"tier"`` item (a registered name or a ``KeyTier`` subclass) and its keywords.
       kv_cache_groups: the model's KV cache groups (``prefixcache.core.kv_groups``;
         None: one full-attention group).
       enable_events: the manager records KV cache events.
@@ -185,6 +195,12 @@ class CacheConfig:
     num_host_blocks: int = 0
     host_eviction: str = "lru"
     host_eviction_options: Mapping[str, Any] | None = None
+    disk_bytes: int = 0
+    disk_eviction: str = "lru"
+    page_bytes: int | None = None
+    remote_bytes: int = 0
+    remote_eviction: str = "lru"
+    tiers: tuple | None = None
     kv_cache_groups: tuple | None = None
     enable_events: bool = False
     max_model_len: int | None = None
@@ -254,6 +270,24 @@ class CacheConfig:
         if self.num_host_blocks and not self.enable_caching:
             raise ValueError(f"num_host_blocks={self.num_host_blocks} needs prefix caching "
                              "(enable_caching=True)")
+        put("disk_bytes", check_count("disk_bytes", self.disk_bytes))
+        put("remote_bytes", check_count("remote_bytes", self.remote_bytes))
+        if self.page_bytes is not None:
+            put("page_bytes", check_count("page_bytes", self.page_bytes, min=1))
+        from prefixcache.core.tiers.base import check_tier_policy  # noqa: PLC0415
+
+        for name in ("disk_eviction", "remote_eviction"):
+            check_tier_policy(name, _check_policy(name, getattr(self, name)))
+        if self.tiers is not None:
+            if isinstance(self.tiers, (str, bytes, Mapping)) or not all(
+                    isinstance(t, Mapping) and "tier" in t for t in self.tiers):
+                raise ValueError(f"tiers must be a sequence of mappings with a 'tier' item, "
+                                 f"got {self.tiers!r}")
+            put("tiers", tuple(dict(t) for t in self.tiers) or None)
+        if (self.disk_bytes or self.remote_bytes or self.tiers) and not self.num_host_blocks:
+            raise ValueError("disk_bytes / remote_bytes / tiers need a host tier "
+                             "(num_host_blocks > 0): a block reaches them when the host "
+                             "evicts it")
         groups = _groups_from_value(self.kv_cache_groups)
         put("kv_cache_groups", None if groups is None else check_kv_cache_groups(groups))
         if self.max_model_len is not None:
@@ -322,6 +356,13 @@ class CacheConfig:
         }
         if self.kv_cache_groups is not None:
             kw["kv_cache_groups"] = self.kv_cache_groups
+        # The tiers below the host only when asked for (each implementation that serves
+        # no such tier keeps its keywords).
+        if self.disk_bytes or self.remote_bytes or self.tiers:
+            kw.update(disk_bytes=self.disk_bytes, disk_eviction=self.disk_eviction,
+                      page_bytes=self.page_bytes, remote_bytes=self.remote_bytes,
+                      remote_eviction=self.remote_eviction,
+                      tiers=None if self.tiers is None else [dict(t) for t in self.tiers])
         return kw
 
     # -- building ------------------------------------------------------------------
@@ -346,8 +387,11 @@ class CacheConfig:
                 d[k] = dict(d[k])
         from prefixcache.core.eviction import policy_name  # noqa: PLC0415
 
-        for k in ("eviction", "host_eviction"):  # a plug-in class: its name
-            d[k] = policy_name(d[k])
+        for k in ("eviction", "host_eviction", "disk_eviction", "remote_eviction"):
+            d[k] = policy_name(d[k])  # a plug-in class: its name
+        if d["tiers"] is not None:
+            d["tiers"] = [{k: (v.__name__ if isinstance(v, type) else v) for k, v in t.items()}
+                          for t in d["tiers"]]
         from prefixcache.core.indexes import index_name  # noqa: PLC0415
 
         d["index"] = index_name(d["index"])
@@ -385,10 +429,10 @@ class CacheConfig:
                 f"from_config_dict needs a ConfigDict or a mapping, got {type(config).__name__}")
         kw = {k: config[k] for k in _FIELD_NAMES if k in config}
         kw.update(overrides)
-        for k in ("kv_cache_bytes", "kv_dtype", "hash_seed", "kv_cache_groups"):
+        for k in ("kv_cache_bytes", "kv_dtype", "hash_seed", "kv_cache_groups", "tiers"):
             if kw.get(k) == "":
                 kw[k] = None
-        for k in ("max_model_len", "num_blocks"):
+        for k in ("max_model_len", "num_blocks", "page_bytes"):
             if type(kw.get(k)) is int and kw[k] in (0, -1):
                 kw[k] = None
         for k in ("eviction_options", "host_eviction_options"):

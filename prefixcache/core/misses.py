@@ -83,6 +83,38 @@ from prefixcache.core.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, 
 REASONS = ("cold", "evicted", "isolated", "partial", "last_token", "window", "preempted")
 # Sub-counts of ``evicted`` (not reasons of their own: they do not add to the sum).
 EVICTED_BY = ("evicted_device", "evicted_host")
+# With tiers below the host (``prefixcache.core.tiers``): ``evicted_<tier>`` for the
+# last tier that held the block (``evicted_disk``, ``evicted_remote``, a user tier's
+# name), and ``corrupt_disk`` for a disk page that failed its check at a lookup (also
+# sub-counts of ``evicted``; present only when nonzero).
+def _sub_name(tier: str) -> str:
+    """The evicted sub-count of an ``evicted_by`` value (a tier's name, or
+    ``corrupt_<tier>``)."""
+    return tier if tier.startswith("corrupt_") else "evicted_" + tier
+
+
+class _ChainKeys:
+    """The keys the host tier and the exclusive and inclusive tiers below it hold, as
+    one read-only view (membership, emptiness, ``keys().isdisjoint``)."""
+
+    __slots__ = ("host", "tiers")
+
+    def __init__(self, host, chain):
+        self.host = host
+        self.tiers = chain.tiers
+
+    def __contains__(self, k) -> bool:
+        return k in self.host or any(k in t.entries for t in self.tiers)
+
+    def __bool__(self) -> bool:
+        return bool(self.host) or any(t.entries for t in self.tiers)
+
+    def keys(self):
+        return self
+
+    def isdisjoint(self, keys) -> bool:
+        return self.host.keys().isdisjoint(keys) and all(
+            t.entries.keys().isdisjoint(keys) for t in self.tiers)
 
 
 def uses_probes(index: str, kv_cache_groups) -> bool:
@@ -211,6 +243,8 @@ class MissAccountant:
             if tier is not None:
                 acct._tier = tier
                 tier.evicted_by = acct._dropped
+                if tier.lower is not None:
+                    tier.lower.evicted_by = acct._dropped
             return acct
         if not getattr(impl, "enable_events", False):
             raise ValueError(
@@ -492,7 +526,8 @@ class MissAccountant:
                 else:
                     dev = pool.cached_block_hash_to_block
                 tier = self._tier
-                host = () if tier is None else tier.hash_to_slot
+                host = (() if tier is None else tier.hash_to_slot if tier.lower is None
+                        else _ChainKeys(tier.hash_to_slot, tier.lower))
             dropped = self._dropped
             content = self._extras_content
             lost = self._lost.get(request.request_id, 0) if self._lost else 0
@@ -523,7 +558,12 @@ class MissAccountant:
                 # can be), so each one is classified alone (no chain): the ever-cached
                 # ones were evicted.
                 ne = lo
-                if ne:
+                if ne and self._tier is not None and self._tier.lower is not None:
+                    for t, c in collections.Counter(
+                            map(dropped.__getitem__, ks[:ne])).items():
+                        reasons[_sub_name(t)] = c
+                    reasons["evicted"] = ne
+                elif ne:
                     nh = (list(map(dropped.__getitem__, ks[:ne])).count("host")
                           if self._tier is not None or self._reads_key_maps else 0)
                     if ne - nh:
@@ -592,7 +632,7 @@ class MissAccountant:
                     r = "preempted"
                 elif k in dropped:
                     r = "evicted"
-                    d = "evicted_" + dropped[k]
+                    d = _sub_name(dropped[k])
                     reasons[d] = reasons.get(d, 0) + 1
                     if chain_reason is None or windowed:
                         chain_sub = d
@@ -693,6 +733,9 @@ def full_reasons(c: Mapping[str, int]) -> dict[str, int]:
     d = {r: int(c.get(r, 0)) for r in REASONS}
     for r in EVICTED_BY:
         d[r] = int(c.get(r, 0))
+    for r, n in c.items():  # the tiers below the host's sub-counts, when present
+        if r not in d and n:
+            d[r] = int(n)
     return d
 
 

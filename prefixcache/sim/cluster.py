@@ -27,6 +27,7 @@ from prefixcache._validate import check_positive_int
 from prefixcache.core.cache_config import UNSET, CacheConfig
 from prefixcache.core.eviction import policy_name
 from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.tiers import RemoteStore
 from prefixcache.cost_model import CostModel
 from prefixcache.sim.des import SchedulerConfig, Server, _arrivals, _Totals, check_arrival_rate, \
     host_summary, make_sim_request, percentiles, sim_cache_config, summarize
@@ -93,6 +94,7 @@ def simulate_cluster(
     max_model_len: int | None = UNSET,
     host_eviction_options: dict | None = UNSET,
     miss_reasons: bool = False,
+    remote: RemoteStore | None = None,
 ) -> dict[str, Any]:
     """Simulates ``num_replicas`` replicas behind ``router``.
 
@@ -125,6 +127,10 @@ def simulate_cluster(
         ``des.simulate`` (0: none; needs ``cost_model.host_link``). The replicas'
         events then carry the tier (``medium`` GPU / CPU) and ``kv_events`` scores
         host blocks at its ``host_weight`` (``prefixcache/sim/routing/kv_events.py``).
+      remote: a ``prefixcache.core.tiers.RemoteStore`` every replica's chain ends in
+        (shared: a block one replica demoted is a hit for another, loaded at the
+        store's link); without it, ``cache_config.remote_bytes > 0`` builds one store
+        of that size shared by the replicas. Needs a host tier.
       miss_reasons: classify every missed prompt block (``prefixcache.core.misses``),
         one accountant per replica: records get ``miss_reasons`` (as
         ``des.simulate``'s), ``per_replica`` rows their replica's summary and the
@@ -197,10 +203,20 @@ def simulate_cluster(
         # NOTE: every layout the simulated server runs (one full-attention group, hash
         # or radix) is probed: no events taken from the router.
         from prefixcache.core.misses import MissAccountant  # noqa: PLC0415
+    shared: dict[str, Any] = {}
+    if remote is not None or cfg.remote_bytes:
+        # One remote store shared by every replica: a block one replica demoted is a
+        # hit for another.
+        if remote is None:
+            remote = RemoteStore(cfg.remote_bytes, page_bytes=cfg.page_bytes,
+                                 block_size=cfg.block_size, eviction=cfg.remote_eviction)
+        if not cfg.num_host_blocks:
+            raise ValueError("remote needs a host tier (num_host_blocks > 0) on every replica")
+        shared = {"remote": remote, "remote_bytes": 0}
     for i in range(num_replicas):
         # NOTE: events carry the raw digests (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0):
         # the router then keys its index on the request's own block hashes directly.
-        manager = KVCacheManager(**{**cfg.manager_kwargs(),
+        manager = KVCacheManager(**{**cfg.manager_kwargs(), **shared,
                                     "enable_events": cfg.enable_events or router.needs_events},
                                  log_stats=False, int_event_hashes=False)
 

@@ -77,6 +77,7 @@ from prefixcache.core.cache_config import UNSET, CacheConfig, resolve
 from prefixcache.core.eviction import policy_clock, policy_name, reads_waiting_queue
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.request import LoRARequest, MultiModalFeature, Request
+from prefixcache.core.tiers import TierTransfer
 from prefixcache.cost_model import CostModel
 from prefixcache.scheduling import WaitingPolicy, make_scheduling_policy
 from prefixcache.sim.trace import TraceRequest, output_token
@@ -255,9 +256,13 @@ class Server:
         # A time-varying eviction policy (ttl_lru): told the simulated time and the
         # steps so far before each step schedules. None: no clock.
         self._set_time = policy_clock(manager)
+        self.tier_links = None  # the tiers below the host: name -> TierLink
         if host_tier_on(manager):
             cost_model.load_time(0)  # no host_link -> ValueError before anything runs
             self.host_block_bytes = cost_model.block_bytes(manager.block_size)
+            chain = getattr(manager, "tier_chain", None)
+            if chain is not None:
+                self.tier_links = {t.name: t.link for t in chain.tiers}
             manager.take_host_transfers()  # copies before this server (a warm-up) are done
 
     def _enqueue(self, s: _SimRequest, *, front: bool = False) -> None:
@@ -315,6 +320,7 @@ class Server:
         host = self.host_block_bytes is not None
         if host:
             loaded0 = manager.host_blocks_loaded
+            lower0 = self._lower_hits()
         if manager.allocate_slots(req, n, hit, blocks) is None:
             if not self.running:  # the whole pool is free and it still does not fit
                 self._dequeue(s)
@@ -342,7 +348,12 @@ class Server:
                 h = (manager.host_blocks_loaded - loaded0) * manager.block_size
                 s.num_host_tokens = h
                 self.counts["host_hit_tokens"] += h
-                self.counts["device_hit_tokens"] += hit - h
+                lower = 0
+                if lower0 is not None:  # hits loaded from the tiers below the host
+                    for name, v in self._lower_hits().items():
+                        self.counts["hit_tokens_" + name] += v - lower0[name]
+                        lower += v - lower0[name]
+                self.counts["device_hit_tokens"] += hit - h - lower
         self.running.append(s)
         scheduled.append((s, n, hit))
         return budget - n
@@ -468,12 +479,37 @@ class Server:
             self.running = [s for s in self.running if not s.finished]
         return True
 
+    def _lower_hits(self) -> dict | None:
+        """The manager's hit tokens from each tier below the host (None: no such tier)."""
+        if self.tier_links is None:
+            return None
+        by = self.manager.hit_tokens_by_tier
+        return {name: by[name] for name in self.tier_links}
+
     def _with_loads(self, compute_s: float, loaded0: int) -> float:
         """The step's time with its host -> device copies (``compute_s`` if none);
         drains the manager's transfer list (checked against its counter: a mismatch is
         a bug)."""
         manager = self.manager
-        loads = sum(1 for t in manager.take_host_transfers() if t.kind == "load")
+        transfers = manager.take_host_transfers()
+        lower_s = 0.0
+        if self.tier_links is not None:  # each lower tier's loads at its own link
+            per_tier = collections.Counter(t.src for t in transfers
+                                           if type(t) is TierTransfer and t.kind == "load")
+            for name, n in per_tier.items():
+                lower_s += self.tier_links[name].load_time(n, self.host_block_bytes)
+                self.counts[name + "_blocks_loaded"] += n
+            transfers = [t for t in transfers if type(t) is not TierTransfer]
+        loads = sum(1 for t in transfers if t.kind == "load")
+        if lower_s:
+            # NOTE: the tiers' copies run one after the other, then the host's.
+            load_s = lower_s + (self.cost_model.load_time(loads * self.host_block_bytes)
+                                if loads else 0.0)
+            step_s = max(compute_s, load_s) if self.host_load_overlap else compute_s + load_s
+            self.counts["host_load_s"] += step_s - compute_s
+            self.counts["host_blocks_loaded"] += loads
+            self.counts["host_load_steps"] += 1
+            return step_s
         if loads != manager.host_blocks_loaded - loaded0:  # pragma: no cover - a bug
             raise AssertionError(f"the step recorded {loads} host loads but the manager's "
                                  f"host_blocks_loaded grew by "
@@ -535,13 +571,25 @@ def sim_cache_config(cache_config: CacheConfig | None, cost_model: CostModel,
                          "request (one full-attention group); replay the trace instead "
                          "(prefixcache.sim.replay takes kv_cache_groups)")
     check_host_tier(cfg.num_host_blocks, cost_model)
+    if (cfg.disk_bytes or cfg.remote_bytes or cfg.tiers) and cfg.page_bytes is None:
+        # The tiers below the host hold pages of the cost model's block size.
+        cfg = cfg.replace(page_bytes=cost_model.block_bytes(cfg.block_size))
     return cfg
 
 
 def host_summary(counts: collections.Counter, block_bytes: int) -> dict[str, Any]:
-    """The host-tier fields of a summary (``counts``: one or several servers' counts)."""
-    prompt_hits = counts["device_hit_tokens"] + counts["host_hit_tokens"]
-    return {
+    """The host-tier fields of a summary (``counts``: one or several servers' counts);
+    with tiers below the host also ``hit_tokens_by_tier`` and each tier's
+    ``<name>_blocks_loaded``."""
+    lower = {k[len("hit_tokens_"):]: v for k, v in counts.items() if k.startswith("hit_tokens_")}
+    prompt_hits = counts["device_hit_tokens"] + counts["host_hit_tokens"] + sum(lower.values())
+    extra: dict[str, Any] = {}
+    if lower:
+        extra["hit_tokens_by_tier"] = {"device": counts["device_hit_tokens"],
+                                       "host": counts["host_hit_tokens"], **lower}
+        for name in lower:
+            extra[name + "_blocks_loaded"] = counts[name + "_blocks_loaded"]
+    return {**extra,
         "device_hit_tokens": counts["device_hit_tokens"],
         "host_hit_tokens": counts["host_hit_tokens"],
         "host_hit_share": counts["host_hit_tokens"] / prompt_hits if prompt_hits else 0.0,

@@ -434,6 +434,11 @@ def replay(
         cfg = cfg.with_pool_blocks(shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype))
         bytes_per_block = shape.kv_bytes_per_block(cfg.block_size, cfg.kv_dtype)
     manager_kw = cfg.manager_kwargs()  # the pool in bytes without a model -> ValueError
+    if "page_bytes" in manager_kw and manager_kw["page_bytes"] is None:
+        if bytes_per_block is None:
+            raise ValueError("disk_bytes / remote_bytes need page_bytes (the bytes of one "
+                             "block's KV page) or model (a preset that gives it)")
+        manager_kw["page_bytes"] = bytes_per_block
     num_blocks, block_size = cfg.num_blocks, cfg.block_size
     hash_algo, hash_seed, free_order = cfg.hash_algo, cfg.hash_seed, cfg.free_order
     max_model_len, eviction, index = cfg.max_model_len, cfg.eviction, cfg.index
@@ -496,6 +501,9 @@ def replay(
     if res is not None and acct_events is not None:  # one drain feeds both
         acct_events = res.drain
     drop_transfers = m.host_tier.drop_transfers if tiered else None
+    chain = m.tier_chain if tiered else None  # the tiers below the host, or None
+    tier_before = m.hit_tokens_by_tier if chain is not None else None
+    tier_names = tuple(tier_before) if chain is not None else ()
     peak_host = 0
     hasher = m.hasher
     # NOTE: a group layout's get_block_ids is one list per group; records hold lists.
@@ -672,6 +680,10 @@ def replay(
                 c = m.num_host_cached_blocks
                 if c > peak_host:
                     peak_host = c
+                if chain is not None:
+                    now_by = m.hit_tokens_by_tier  # (a fresh dict)
+                    tier_delta = {t: now_by[t] - tier_before[t] for t in tier_names}
+                    tier_before = now_by
             admitted_prompt += num_prompt
             hit_tokens += num_hit
             if tag is not None:
@@ -687,6 +699,9 @@ def replay(
                         list(m.get_block_ids(rid)) if per_group_ids else m.get_block_ids(rid)),
                     "prompt_tokens": num_prompt,
                 }
+                if chain is not None:
+                    for t in tier_names:
+                        rec["hit_tokens_" + t] = tier_delta[t]
                 if record_evictions:
                     rec["evictions_so_far"] = m.num_evictions
                 if reasons is not None:
@@ -790,7 +805,18 @@ def replay(
             "host_blocks_stored": m.host_blocks_stored,
             "peak_host_cached_blocks": peak_host,
         }
-        if m.device_hit_tokens + m.host_hit_tokens != hit_tokens:  # pragma: no cover - a bug
+        if chain is not None:
+            by = m.hit_tokens_by_tier
+            host["hit_tokens_by_tier"] = by
+            host["tiers"] = {
+                t.name: {"num_blocks": t.num_blocks, "eviction": policy_name(t.eviction),
+                         "blocks_loaded": t.num_loaded, "blocks_stored": t.num_stored,
+                         "blocks_evicted": t.num_evicted, "cached_blocks": len(t),
+                         "link": t.link._asdict()}
+                for t in chain.tiers}
+            if sum(by.values()) != hit_tokens:  # pragma: no cover - a bug
+                raise AssertionError(f"hit tokens by tier {by} != {hit_tokens} admitted")
+        elif m.device_hit_tokens + m.host_hit_tokens != hit_tokens:  # pragma: no cover - a bug
             raise AssertionError(
                 f"device {m.device_hit_tokens} + host {m.host_hit_tokens} hit tokens != "
                 f"{hit_tokens} admitted hit tokens")

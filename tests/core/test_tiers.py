@@ -201,3 +201,21 @@ def test_random_ops_page_model(seed):
         m.free(r)
         m.check_invariants()
     assert sum(m.hit_tokens_by_tier.get("remote", 0) for m in ms) > 0
+
+
+def test_miss_reasons_name_each_tier():
+    from prefixcache.core.misses import MissAccountant
+
+    m = KVCacheManager(2, BS, num_host_blocks=1, disk_bytes=100, page_bytes=100)
+    acct = MissAccountant.for_manager(m)
+    reqs = [_run(m, f"r{i}", list(range(100 * i, 100 * i + 5)))[0] for i in range(5)]
+    # r0's block went device -> host -> disk -> gone; r2's is on the disk now.
+    r = Request("again0", list(range(5)))
+    _, hit = m.get_computed_blocks(r)
+    assert hit == 0 and acct.classify(r, 0) == {"evicted": 1, "evicted_disk": 1, "partial": 1}
+    disk = m.tier_chain.tiers[0]
+    assert reqs[2].block_hashes[0] in disk
+    disk.validator = lambda key: False
+    r = Request("again2", list(range(200, 205)))
+    _, hit = m.get_computed_blocks(r)
+    assert hit == 0 and acct.classify(r, 0) == {"evicted": 1, "corrupt_disk": 1, "partial": 1}

@@ -385,6 +385,10 @@ class TierChain:
     def __bool__(self) -> bool:
         return True
 
+    def get(self, name: str) -> KeyTier | None:
+        """The tier named ``name`` (``"disk"``, ``"remote"``, ...), or ``None``."""
+        return next((t for t in self.tiers if t.name == name), None)
+
     # ------------------------------------------------------------------ events
     def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
         eh = self._event_hash
@@ -458,6 +462,9 @@ class TierChain:
                 if tier.lookup(h):
                     return tier
                 # (unservable: the tier dropped it; the lookup stops here)
+                self.num_corrupt += 1
+                if self.evicted_by is not None:
+                    self.evicted_by[h] = "corrupt_" + tier.name
                 return None
         return None
 
