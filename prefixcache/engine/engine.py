@@ -225,12 +225,15 @@ class Engine:
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
-             manager_kwargs) = _unpack_cache_config(cache_config, manager_kwargs, dict(
-                 num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching,
-                 max_model_len=max_model_len, hash_algo=hash_algo, hash_seed=hash_seed,
-                 eviction=eviction, index=index, num_host_blocks=num_host_blocks,
-                 host_eviction=host_eviction, kv_dtype=kv_dtype,
-                 kv_cache_bytes=kv_cache_bytes))
+             disk_bytes, disk_eviction, manager_kwargs) = _unpack_cache_config(
+                 cache_config, manager_kwargs, dict(
+                     num_blocks=num_blocks, block_size=block_size,
+                     enable_caching=enable_caching, max_model_len=max_model_len,
+                     hash_algo=hash_algo, hash_seed=hash_seed, eviction=eviction,
+                     index=index, num_host_blocks=num_host_blocks,
+                     host_eviction=host_eviction, kv_dtype=kv_dtype,
+                     kv_cache_bytes=kv_cache_bytes, disk_bytes=disk_bytes,
+                     disk_eviction=disk_eviction))
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -249,10 +252,22 @@ class Engine:
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
                              "bound for the replay): an online engine has none")
         get_index_class(index)  # unknown name -> ValueError
-        if manager_kwargs and ({"eviction", "index", "num_host_blocks", "host_eviction"}
-                               & set(manager_kwargs)):
-            raise ValueError("pass eviction=, index=, num_host_blocks= and host_eviction= "
-                             "to Engine, not in manager_kwargs")
+        if manager_kwargs and ({"eviction", "index", "num_host_blocks", "host_eviction",
+                                "disk_bytes", "disk_eviction"} & set(manager_kwargs)):
+            raise ValueError("pass eviction=, index=, num_host_blocks=, host_eviction=, "
+                             "disk_bytes= and disk_eviction= to Engine, not in manager_kwargs")
+        if manager_kwargs:
+            other = [k for k in ("remote_bytes", "remote", "tiers") if manager_kwargs.get(k)]
+            if other:
+                raise ValueError(
+                    f"{other[0]}: the engine keeps KV pages for the host and disk tiers only "
+                    "(a remote store or a tier of one's own is studied with "
+                    "prefixcache.sim: replay, des, simulate_cluster)")
+            page = manager_kwargs.get("page_bytes")
+            if page is not None and page != kv_block_bytes:
+                raise ValueError(f"page_bytes={page!r}: the engine's page is "
+                                 f"{kv_block_bytes} bytes (every layer, {kv_dtype}); leave "
+                                 "page_bytes unset")
         if manager_kwargs and "kv_cache_groups" in manager_kwargs:
             from prefixcache.core.kv_groups import (  # noqa: PLC0415
                 check_kv_cache_groups,
@@ -821,10 +836,10 @@ class Engine:
 
     def _disk_tier(self):
         """The manager's disk tier (the core `DiskTier` of its tier chain)."""
-        chain = getattr(self.kv_cache_manager, "tier_chain", None)
-        tiers = [t for t in (chain.tiers if chain else ()) if t.name == "disk"]
-        assert len(tiers) == 1, f"a disk tier was asked for, the chain holds {tiers}"
-        return tiers[0]
+        chain = self.kv_cache_manager.tier_chain
+        tier = None if chain is None else chain.get("disk")
+        assert tier is not None, "a disk tier was asked for, the manager has none"
+        return tier
 
     def _open_disk(self, disk_dir, *, reuse: bool, hash_algo, hash_seed) -> None:
         """Opens the page files, hooks their check into the core disk tier (its
@@ -1380,10 +1395,14 @@ def disk_fingerprint(model, model_config, *, kv_dtype: str, block_size: int, has
 _ENGINE_CACHE = {"num_blocks": None, "block_size": 16, "enable_caching": True,
                  "max_model_len": None, "hash_algo": "sha256", "hash_seed": None,
                  "eviction": "lru", "index": "hash", "num_host_blocks": 0,
-                 "host_eviction": "lru", "kv_dtype": None, "kv_cache_bytes": None}
-# CacheConfig fields the Engine hands to the manager through manager_kwargs.
+                 "host_eviction": "lru", "kv_dtype": None, "kv_cache_bytes": None,
+                 "disk_bytes": 0, "disk_eviction": "lru"}
+# CacheConfig fields the Engine hands to the manager through manager_kwargs (the tiers
+# the engine keeps no pages for, remote and one's own, are refused there; page_bytes
+# must be the engine's own).
 _ENGINE_MANAGER_FIELDS = ("free_order", "eviction_options", "host_eviction_options",
-                          "enable_events")
+                          "enable_events", "page_bytes", "remote_bytes", "remote_eviction",
+                          "tiers")
 
 
 def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:

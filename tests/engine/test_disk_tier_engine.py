@@ -87,7 +87,7 @@ def test_device_host_disk_and_back_equals_cache_off(off, tmp_path):
     assert m.disk_used_bytes == files.nbytes == sum(
         os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path))
     # The page files on disk are exactly the blocks the core disk tier holds.
-    tier = eng._disk_tier()
+    tier = eng.kv_cache_manager.tier_chain.get("disk")
     assert {k.to_bytes(tier.key_bytes, "big") for k, _ in files.keys()} >= set(tier.entries)
     eng.kv_cache_manager.check_invariants()
     # The disk copies ran in the host tier's copy programs: no new step program.
@@ -188,6 +188,31 @@ def test_bad_disk_options_fail_before_anything_is_built(kw, match, tmp_path, mon
     with pytest.raises(ValueError, match=match):
         Engine(ModelConfig.tiny(), num_blocks=8, **kw)
     assert not os.path.exists(tmp_path / "d")
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(remote_bytes=1 << 20), "remote_bytes"),
+    (dict(disk_bytes=1 << 20, page_bytes=1000), "page_bytes=1000"),
+])
+def test_cache_config_tiers_the_engine_cannot_serve_are_refused(cfg, match, monkeypatch):
+    import prefixcache.engine.engine as engine_mod
+    from prefixcache.core.cache_config import CacheConfig
+
+    monkeypatch.setattr(engine_mod, "_init_model", lambda *a: pytest.fail("model built"))
+    with pytest.raises(ValueError, match=match):
+        Engine(ModelConfig.tiny(), disk_dir="unused",
+               cache_config=CacheConfig(num_blocks=8, num_host_blocks=4, **cfg))
+
+
+def test_cache_config_disk_fields_reach_the_engine(tmp_path):
+    from prefixcache.core.cache_config import CacheConfig
+
+    cfg = CacheConfig(num_blocks=8, block_size=BS, num_host_blocks=4,
+                      disk_bytes=8 * PAGE_BYTES, disk_eviction="fifo", page_bytes=PAGE_BYTES)
+    eng = Engine(ModelConfig.tiny(), cache_config=cfg, disk_dir=tmp_path)
+    tier = eng.kv_cache_manager.tier_chain.get("disk")
+    assert tier.num_blocks == 8 and tier.eviction == "fifo"
+    assert tier.validator == eng.runner.host_pages.validate
 
 
 def test_disk_dir_that_is_a_file_is_refused(tmp_path):
