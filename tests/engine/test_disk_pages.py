@@ -156,3 +156,26 @@ def test_remote_transfers_are_refused(tmp_path):
     pages = HostPages(_kv(4), num_blocks=NB, num_host_blocks=NH, files=_files(tmp_path))
     with pytest.raises(ValueError, match="device, host and disk"):
         pages.apply(_kv(4), [TierTransfer("load", "remote", 3, "device", 0, 3, 0)])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_pages_keep_values_and_scales_through_a_file(kv_dtype, tmp_path):
+    dtype = jnp.dtype(kv_dtype)
+    rng = np.random.default_rng(5)
+    kv = []
+    for _ in range(L):  # (pages, scales f32[pages, 2K]) per layer, arbitrary bits
+        pages = rng.integers(0, 256, (NB + 1, *PAGE), dtype=np.uint8).view(dtype)
+        kv.append((jnp.asarray(pages), jnp.asarray(
+            rng.standard_normal((NB + 1, PAGE[1])).astype(np.float32))))
+    want = [(np.asarray(p)[1].tobytes(), np.asarray(s)[1].tobytes()) for p, s in kv]
+    files = PageFiles(tmp_path, fingerprint="q", block_size=PAGE[0],
+                      parts=((PAGE, dtype), ((PAGE[1],), np.float32)), num_layers=L,
+                      fsync=False)
+    pages = HostPages(kv, num_blocks=NB, num_host_blocks=NH, files=files)
+    kv = pages.apply(kv, [TierTransfer("store", "device", 1, "host", 0, 0, 0),
+                          TierTransfer("store", "host", 0, "disk", 42, 42, 0)])
+    pages.finish()
+    kv = pages.apply(kv, [TierTransfer("load", "disk", 42, "device", 4, 42, 0)])
+    pages.finish()
+    got = [(np.asarray(p)[4].tobytes(), np.asarray(s)[4].tobytes()) for p, s in kv]
+    assert got == want
