@@ -890,6 +890,8 @@ class Engine:
           The requests that finished since the previous step (incl. rejected ones).
         """
         t0 = time.perf_counter()
+        if self.disk_files is not None:
+            self.runner.host_pages.forget_validated()
         sched = self.scheduler.schedule()
         # The host tier's copies of this schedule (demotions, promotions); None: off.
         transfers = (self.kv_cache_manager.take_host_transfers() if self.num_host_blocks

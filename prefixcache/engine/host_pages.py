@@ -477,6 +477,11 @@ class HostPages:
         self._validated[k] = got
         return True
 
+    def forget_validated(self) -> None:
+        """Drops the pages `validate` read and no batch loaded (called before each
+        schedule, so pages checked for requests that were not admitted are not held)."""
+        self._validated.clear()
+
     def _disk_to_host_copies(self, transfers: Sequence) -> list:
         """The batch's list as host copies over scratch slots (module doc), with the
         files its loads read staged into their slots and the stores recorded for

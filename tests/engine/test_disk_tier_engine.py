@@ -94,6 +94,19 @@ def test_device_host_disk_and_back_equals_cache_off(off, tmp_path):
     assert eng.num_programs_built - programs == len(eng.runner.host_pages.compiled_shapes)
 
 
+def test_a_full_disk_evicts_and_its_files_stay_bounded(off, tmp_path):
+    eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON,
+                 num_host_blocks=4, disk_bytes=6 * PAGE_BYTES, disk_dir=tmp_path)
+    _same(_serve(eng, _rounds()), off[1])
+    tier = eng.kv_cache_manager.tier_chain.get("disk")
+    assert tier.num_blocks == 6 and len(tier) <= 6 and tier.num_evicted > 0
+    files = eng.disk_files
+    assert files.nbytes <= eng._disk_collect_bytes
+    assert len(files) <= eng._disk_collect_bytes // PAGE_BYTES  # 6 pages x 5/4 (+ headers)
+    held = {k.to_bytes(tier.key_bytes, "big") for k, _ in files.keys()}
+    assert held >= set(tier.entries)  # every block the tier holds has its file
+
+
 def test_corrupt_page_files_are_misses_never_wrong_kv(off, tmp_path):
     eng = _disk_engine(off[0], tmp_path)
     rounds = _rounds()
