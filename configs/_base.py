@@ -90,7 +90,7 @@ def cache_defaults(c: ml_collections.ConfigDict, *names: str) -> None:
     for name in names:
         value = fields[name].default
         if value is None:
-            value = 0 if name in ("num_blocks", "max_model_len") else ""
+            value = 0 if name in ("num_blocks", "max_model_len", "page_bytes") else ""
         setattr(c, name, value)
 
 
@@ -108,6 +108,10 @@ def replay_config(workload: str = "shared_system_prompt", *, trace: str = "", da
     # limit): CacheConfig's defaults.
     cache_defaults(c, "hash_algo", "hash_seed", "free_order", "eviction", "index",
                    "num_host_blocks", "host_eviction", "max_model_len")
+    # Below the host tier (prefixcache.core.tiers; 0: none): disk_bytes, remote_bytes in
+    # bytes of pages of page_bytes (0 -> the model's block bytes: needs model).
+    cache_defaults(c, "disk_bytes", "disk_eviction", "remote_bytes", "remote_eviction",
+                   "page_bytes")
     c.model = ""  # a cost_model preset: report cache memory in bytes ("" -> blocks only)
     c.concurrency = concurrency
     # Why each missed prompt block missed (prefixcache.core.misses): records get
@@ -141,6 +145,9 @@ def route_config(workload: str = "tenant_prefixes", *, trace: str = "", dataset:
     # CacheConfig's defaults. Host loads go over host_link (cost_model.HOST_LINKS);
     # kv_events scores host blocks at host_weight ("auto": 1 - load/prefill of a block).
     cache_defaults(c, "hash_algo", "eviction", "num_host_blocks", "host_eviction")
+    # Below the host tier (0: none): a disk per replica and one remote store shared by
+    # every replica, in bytes (pages of the model's block size; prefixcache.core.tiers).
+    cache_defaults(c, "disk_bytes", "disk_eviction", "remote_bytes", "remote_eviction")
     c.host_link = "h200_pcie5"
     c.host_weight = "auto"
     return c

@@ -156,7 +156,8 @@ def run(config, *, progress: bool = False) -> dict:
     plot(rows, png, title=f"{_common.source_label(config)}: {config.model} on {config.accelerator}, "
                           f"{num_blocks} blocks x {config.block_size} per replica")
     print_table(rows)
-    keep = ("policy", "replicas", "hit_rate_tokens", "host_hit_tokens", "ttft_p50_s",
+    keep = ("policy", "replicas", "hit_rate_tokens", "host_hit_tokens", "hit_tokens_by_tier",
+            "ttft_p50_s",
             "ttft_p90_s", "ttft_p99_s", "throughput_tok_s", "load_imbalance")
     return {"rows_file": str(rows_path), "png": str(png),
             "rows": [{k: r[k] for k in keep if k in r} for r in rows]}

@@ -384,6 +384,46 @@ def test_tier_recipe_host_policy():
     assert m.host_blocks_stored > 0 and m.host_tier.policy.name == "newest_first"
 
 
+def _slow_memory(latency_s):
+    from prefixcache.core.tiers import KeyTier, TierLink
+
+    class SlowMemory(KeyTier):
+        """A toy slow-memory tier under the host: exclusive, its own link."""
+
+        name = "slow"
+        medium = "SLOW"
+        link = TierLink(1e9, latency_s)
+
+    return SlowMemory
+
+
+def test_tier_recipe_toy_slow_memory_through_replay_and_des():
+    # A tier of one's own: a KeyTier subclass passed where a tier name goes, no edit of
+    # prefixcache/. Eight prompt families, each seen twice, through a 4-block device pool
+    # and a 2-slot host: the second visits hit the toy tier.
+    from prefixcache.cost_model import CostModel
+    from prefixcache.sim import des
+    from prefixcache.sim.replay import replay
+
+    trace = [TraceRequest(id=str(i), prompt=[1 + i % 8] * 8 + [100 + i] * 3, output_len=2,
+                          timestamp=0.5 * i) for i in range(16)]
+    ttft = {}
+    for latency in (1e-4, 1.0):
+        cfg = CacheConfig(num_blocks=4, block_size=4, num_host_blocks=2, page_bytes=1024,
+                          tiers=({"tier": _slow_memory(latency), "num_blocks": 64},))
+        s = replay(trace, cache_config=cfg)
+        assert s["hit_tokens_by_tier"]["slow"] > 0
+        assert sum(s["hit_tokens_by_tier"].values()) == s["hit_tokens"]
+        assert s["tiers"]["slow"]["link"]["latency_s"] == latency
+        d = des.simulate(trace, cost_model=CostModel.create("tiny", "h100",
+                                                            host_link="h200_pcie5"),
+                         cache_config=cfg)
+        assert d["hit_tokens_by_tier"]["slow"] > 0
+        ttft[latency] = d["ttft_s"]["mean"]
+    assert ttft[1.0] > ttft[1e-4] + 0.1  # the DES charges the toy tier's own link
+    assert cfg.to_dict()["tiers"] == [{"tier": "SlowMemory", "num_blocks": 64}]
+
+
 # ------------------------------------------------------------------------- dataset
 def test_dataset_recipe(tmp_path):
     from prefixcache.sim import datasets

@@ -16,7 +16,11 @@ Modules:
 * ``block_pool``: ``KVCacheBlock``, ``BlockPool`` (vLLM's free queue and hash map);
   ``policy_pool``: the pool under any eviction policy; ``eviction/``: the policies
   (``POLICIES``; one file each).
-* ``host_tier``: the host-memory tier (``HostTier``, ``HostHit``, ``HostTransfer``).
+* ``tiers``: the storage tiers under the device pool, one chain: ``tiers.host`` (the
+  host-memory tier: ``HostTier``, ``HostHit``, ``HostTransfer``; ``host_tier`` keeps the
+  old import path), ``tiers.disk`` (``DiskTier``), ``tiers.remote`` (``RemoteStore``,
+  shared by replicas), ``tiers.base`` (``KeyTier``, ``TierChain``, ``TierTransfer``,
+  ``TierHit``, ``TierLink``).
 * ``hashing``: the block-hash spec (serializers, digests, extra keys, ``BlockHasher``);
   ``hash_writers``: its fast writers' tables and helpers.
 * ``request``: ``Request``, ``MultiModalFeature``, ``LoRARequest``.
@@ -39,6 +43,7 @@ from prefixcache.core.events import (
     KVCacheEvent,
 )
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.tiers import TierHit, TierLink, TierTransfer
 from prefixcache.core.tiers.host import HostHit, HostTransfer
 from prefixcache.core.kv_cache_manager import KVCacheManager
 from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
@@ -66,4 +71,7 @@ __all__ = [
     "PrefixCacheStats",
     "Request",
     "SlidingWindowSpec",
+    "TierHit",
+    "TierLink",
+    "TierTransfer",
 ]

@@ -20,6 +20,9 @@ from prefixcache.core.kv_groups import parse_kv_groups
 BS = 4
 LAYOUTS = {"full": None, "full+sw": "full,sw6", "full+mamba": "full,mamba"}
 TIERS = {"none": 0, "host": 6}
+# The tiers below the host (hash index, one full-attention group): keyword sets.
+LOWER = {"host+disk": {"disk_bytes": 800, "page_bytes": 100},
+         "host+disk+remote": {"disk_bytes": 400, "page_bytes": 100, "remote_bytes": 1000}}
 
 
 def _trace(seed: int = 0, n: int = 14) -> list[list[int]]:
@@ -44,7 +47,7 @@ def _options(eviction: str, prompts) -> dict:
     return {"future": TraceFuture.from_hashes(h.hash_token_blocks(p, BS) for p in prompts)}
 
 
-def _run(index, eviction, tier, layout, num_blocks):
+def _run(index, eviction, tier, layout, num_blocks, lower=None):
     """Replay the trace (2 running at once, 3 decode steps each); invariants after
     every call. Returns the hit tokens per request."""
     prompts = _trace()
@@ -52,7 +55,7 @@ def _run(index, eviction, tier, layout, num_blocks):
     m = KVCacheManager(
         num_blocks, BS, index=index, eviction=eviction, kv_cache_groups=groups,
         eviction_options=_options(eviction, prompts) or None,
-        num_host_blocks=TIERS[tier], free_order="unhashed_first")
+        num_host_blocks=TIERS[tier], free_order="unhashed_first", **(lower or {}))
     assert isinstance(m, KVCacheManager)
     running: list[Request] = []
     hits = []
@@ -154,3 +157,24 @@ def test_indexes_hit_the_same_tokens_when_nothing_is_evicted(eviction, tier, lay
     got = {i: _run(i, eviction, tier, layout, num_blocks=400) for i in INDEXES}
     assert got["hash"] == got["radix"]
     assert any(got["hash"])  # the trace shares prefixes: some request hits
+
+
+@pytest.mark.parametrize("eviction", list(POLICIES))
+@pytest.mark.parametrize("lower", list(LOWER))
+def test_every_policy_runs_over_the_tiers_below_the_host(eviction, lower):
+    # Bounded (the chain demotes to the disk and the remote store); unbounded (lru):
+    # with nothing evicted the lower tiers change no hit.
+    _run("hash", eviction, "host", "full", num_blocks=12, lower=LOWER[lower])
+    if eviction == "lru":
+        assert (_run("hash", eviction, "host", "full", num_blocks=400, lower=LOWER[lower])
+                == _run("hash", eviction, "host", "full", num_blocks=400))
+
+
+@pytest.mark.parametrize("index,layout", [(i, lay) for i in INDEXES for lay in LAYOUTS
+                                          if (i, lay) != ("hash", "full")])
+def test_tiers_below_the_host_elsewhere_are_refused(index, layout):
+    groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
+    if refusal(index, groups, "lru", 6) is not None:
+        return  # (refused already without them)
+    with pytest.raises(ValueError, match="served by the hash index"):
+        _run(index, "lru", "host", layout, num_blocks=12, lower=LOWER["host+disk"])
