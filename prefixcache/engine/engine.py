@@ -138,8 +138,11 @@ class Engine:
       cache_config: a `prefixcache.CacheConfig` holding the cache keywords above
         (`num_blocks` / `kv_cache_bytes`, `block_size`, `enable_caching`,
         `max_model_len`, `hash_algo`, `hash_seed`, `eviction`, `index`, the host tier,
-        `kv_dtype`) and the manager's `free_order`, `eviction_options`,
-        `host_eviction_options`, `enable_events`; a cache keyword given with a
+        the disk tier's `disk_bytes` / `disk_eviction`, `kv_dtype`) and the manager's
+        `free_order`, `eviction_options`, `host_eviction_options`, `enable_events`
+        (`page_bytes` must be unset or the engine's `kv_bytes_per_block`; a nonzero
+        `remote_bytes` or `tiers` is refused: the engine keeps no pages for them); a
+        cache keyword given with a
         non-default value overrides its field. Its `kv_cache_groups` must be None (they
         come from the model config).
       kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
@@ -187,6 +190,8 @@ class Engine:
         the host, least recently used first (with enable_lora; the device slots are
         `runner.lora_slots`): at most `max_cpu_loras`, or more while unfinished
         requests name more (see `max_cpu_loras`).
+      disk_files: the disk tier's `prefixcache.engine.page_files.PageFiles` (None
+        without one); disk_fingerprint: the identity its pages are written under.
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
