@@ -1252,13 +1252,13 @@ class Engine:
 
     def _tier_counters(self) -> tuple[dict | None, tuple[int, int, int] | None]:
         """(the manager's cumulative hit tokens by tier or None, the disk pages'
-        (loaded, stored, corrupt) or None)."""
+        (loaded, stored, corrupt, write errors) or None)."""
         by_tier = getattr(self.kv_cache_manager, "hit_tokens_by_tier", None)
         files = getattr(self, "disk_files", None)
         pages = self.runner.host_pages if files is not None else None
         return (None if by_tier is None else dict(by_tier),
                 None if files is None else (pages.num_disk_loaded, pages.num_disk_stored,
-                                            files.num_corrupt))
+                                            files.num_corrupt, pages.num_disk_write_errors))
 
     def _tier_metrics(self) -> dict:
         (by_tier, disk), (by_tier0, disk0) = self._tier_counters(), self._tier_base
@@ -1267,12 +1267,13 @@ class Engine:
             by_tier0 = by_tier0 or {}
             out["hit_tokens_by_tier"] = {k: v - by_tier0.get(k, 0) for k, v in by_tier.items()}
         if disk is not None:
-            disk0 = disk0 or (0, 0, 0)
-            loaded, stored, corrupt = (a - b for a, b in zip(disk, disk0))
+            disk0 = disk0 or (0, 0, 0, 0)
+            loaded, stored, corrupt, failed = (a - b for a, b in zip(disk, disk0))
             page = self.runner.host_pages.page_bytes
             out.update(disk_blocks_loaded=loaded, disk_blocks_stored=stored,
                        disk_bytes_loaded=loaded * page, disk_bytes_stored=stored * page,
-                       disk_corrupt=corrupt, disk_used_bytes=self.disk_files.nbytes)
+                       disk_corrupt=corrupt, disk_write_errors=failed,
+                       disk_used_bytes=self.disk_files.nbytes)
         return out
 
     def _num_evictions_total(self) -> int:

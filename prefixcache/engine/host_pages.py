@@ -53,6 +53,7 @@ Nothing else crosses the host/device boundary; the two transfers run inside a sc
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple, Sequence
 
 import jax
@@ -60,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _I32 = np.int32
+_log = logging.getLogger(__name__)
 
 
 # Smallest padded row count of a non-empty gather / scatter (fewer compiled programs;
@@ -289,7 +291,9 @@ class HostPages:
       num_pages_loaded, num_pages_stored: device pages written from host data / host
         slots written from device data (batch-resolved, padding excluded).
       compiled_shapes: (Gp, Hp, Sp) of every copy program run.
-      num_disk_loaded, num_disk_stored: page files read for a batch's loads / written.
+      num_disk_loaded, num_disk_stored: page files read for a batch's loads / written;
+      num_disk_write_errors: pages whose file could not be written (OSError: a full
+        disk; logged, and those blocks are misses when looked up).
     """
 
     def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None,
@@ -313,7 +317,7 @@ class HostPages:
             self.attach_files(files)
         self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
         self._pending_files: dict[tuple[int, int], int] = {}  # (key, group) -> slot
-        self.num_disk_loaded = self.num_disk_stored = 0
+        self.num_disk_loaded = self.num_disk_stored = self.num_disk_write_errors = 0
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
         self.compiled_shapes: set[tuple[int, int, int]] = set()
@@ -436,8 +440,19 @@ class HostPages:
             self.num_pages_stored += int(np.count_nonzero(slots < self.num_host_blocks))
         pending, self._pending_files = self._pending_files, {}
         for (key, group), slot in pending.items():
-            self.files.write(key, group, [np.stack([p[slot] for p in part])
-                                          for part in self._host])
+            try:
+                self.files.write(key, group, [np.stack([p[slot] for p in part])
+                                              for part in self._host])
+            except OSError as e:
+                # NOTE: a page that could not be written (disk full, I/O error) is not
+                # an engine failure: the core tier still lists the block, its lookup
+                # finds no valid file and the block is a miss (never wrong KV).
+                self.num_disk_write_errors += 1
+                if self.num_disk_write_errors == 1 or self.num_disk_write_errors % 1000 == 0:
+                    _log.warning("disk tier: page of key %#x not written (%s); %d so far: "
+                                 "such blocks are misses", key, e,
+                                 self.num_disk_write_errors)
+                continue
             self.num_disk_stored += 1
 
     def discard_pending(self) -> None:

@@ -105,7 +105,8 @@ class EngineMetrics:
       disk_blocks_loaded, disk_blocks_stored: page files read into device pages and
         written (host -> disk demotions); disk_bytes_loaded, disk_bytes_stored: their
         KV bytes; disk_corrupt: page files that failed their checks (each a miss, never
-        served); disk_used_bytes: the page files' bytes now (headers included). None
+        served); disk_write_errors: pages that could not be written (a full disk: those
+        blocks are misses); disk_used_bytes: the page files' bytes now (headers included). None
         without a disk tier (`Engine(disk_dir=..., disk_bytes=...)`).
       num_blocks, kv_dtype, kv_bytes_per_block: the engine's KV pool (allocatable
         blocks, page dtype, device bytes of one block over all layers, scales
@@ -163,6 +164,7 @@ class EngineMetrics:
     disk_bytes_loaded: int | None = None
     disk_bytes_stored: int | None = None
     disk_corrupt: int | None = None
+    disk_write_errors: int | None = None
     disk_used_bytes: int | None = None
 
     def to_dict(self) -> dict:

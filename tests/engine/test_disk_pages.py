@@ -5,6 +5,7 @@ most one device_get per batch; a corrupt file is never loaded."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -179,3 +180,24 @@ def test_quantized_pages_keep_values_and_scales_through_a_file(kv_dtype, tmp_pat
     pages.finish()
     got = [(np.asarray(p)[4].tobytes(), np.asarray(s)[4].tobytes()) for p, s in kv]
     assert got == want
+
+
+def test_a_failed_page_write_is_a_later_miss_not_an_error(tmp_path, monkeypatch):
+    import errno
+
+    kv = _kv(6)
+    pages = HostPages(kv, num_blocks=NB, num_host_blocks=NH, files=_files(tmp_path))
+    real = pages.files.write
+
+    def full_disk(key, group, arrays):
+        if key == 8:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(key, group, arrays)
+
+    monkeypatch.setattr(pages.files, "write", full_disk)
+    kv = pages.apply(kv, [TierTransfer("store", "device", 1, "disk", 8, 8, 0),
+                          TierTransfer("store", "device", 2, "disk", 9, 9, 0)])
+    pages.finish()  # no exception: the step goes on
+    assert (pages.num_disk_stored, pages.num_disk_write_errors) == (1, 1)
+    assert not pages.validate(8) and pages.validate(9)
+    assert os.listdir(tmp_path) == [pages.files.path(9).rsplit("/", 1)[1]]

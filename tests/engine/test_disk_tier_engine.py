@@ -82,7 +82,7 @@ def test_device_host_disk_and_back_equals_cache_off(off, tmp_path):
     assert m.hit_tokens_by_tier["device"] > 0 and m.hit_tokens_by_tier["host"] >= 0
     assert sum(m.hit_tokens_by_tier.values()) == m.num_cached_tokens
     assert m.disk_bytes_stored == m.disk_blocks_stored * PAGE_BYTES
-    assert m.disk_corrupt == 0
+    assert m.disk_corrupt == 0 and m.disk_write_errors == 0
     files = eng.disk_files
     assert m.disk_used_bytes == files.nbytes == sum(
         os.path.getsize(os.path.join(tmp_path, n)) for n in os.listdir(tmp_path))
