@@ -150,6 +150,56 @@ def test_corrupt_page_files_are_misses_never_wrong_kv(off, tmp_path):
     assert len(names) - len(still) >= m.disk_corrupt
 
 
+def test_failed_step_resets_the_disk_tier_and_serves_no_stale_page(off, tmp_path):
+    from prefixcache.engine.faults import StepFault
+
+    eng = _disk_engine(off[0], tmp_path)
+    rounds = _rounds()
+    for batch in rounds[:5]:  # the first visit: the disk tier fills
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    tier = eng.kv_cache_manager.tier_chain.get("disk")
+    assert len(tier) > 0
+    fault = StepFault(1, kind="kv_lost").attach(eng)
+    for rid, prompt in rounds[5]:
+        eng.add_request(prompt, PARAMS, request_id=rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+        if fault.fired:
+            eng.fault_injector = None
+    assert fault.fired
+    # Every tier was reset: what the disk holds now was stored after the fault.
+    written = set()
+    write = eng.disk_files.write
+
+    def spy_write(key, group, arrays):
+        written.add(key)
+        write(key, group, arrays)
+
+    eng.disk_files.write = spy_write
+    loaded = []
+    read = eng.disk_files.read
+
+    def spy_read(key, group=0):
+        got = read(key, group)
+        if got is not None:
+            loaded.append(key)
+        return got
+
+    eng.disk_files.read = spy_read
+    for i, batch in enumerate(rounds[1:5] + rounds[:5]):
+        for rid, prompt in batch:
+            eng.add_request(prompt, PARAMS, request_id=f"{rid}:{i}")
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                assert o.error is None
+                assert o.token_ids == off[1][0][o.request_id.split(":")[0]]
+    assert loaded and set(loaded) <= written  # no page of before the reset was served
+    eng.kv_cache_manager.check_invariants()
+
+
 def test_restart_reuses_the_pages_of_the_same_model(off, tmp_path):
     first = _disk_engine(off[0], tmp_path)
     _serve(first, _rounds(visits=1))
