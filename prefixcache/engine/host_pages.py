@@ -40,9 +40,10 @@ rewrites the list into the host copies above: a file read into its scratch slot
 before the batch (its original content), "store" device page -> scratch slot,
 "host_copy" host slot -> scratch slot, "load" scratch slot -> device page. So the disk
 copies run in the same one device_put / one jitted program / one device_get (the
-programs warm-up builds for the host tier serve them); `finish` writes each stored
-key's scratch slot to its file (temp file + rename: never a partial page) after the
-step's dispatch. A file is read and checksummed once per batch: `validate` (the core
+programs warm-up builds for the host tier serve them); `finish`, after the step's
+dispatch, hands a copy of each stored key's scratch slot to one writer thread, which
+writes its file (temp file, fsync, rename: never a partial page; ~10 ms a 512 KiB page
+here, so not on the engine thread); a read of a key waits for its pending write. A file is read and checksummed once per batch: `validate` (the core
 disk tier's validator at lookup) keeps what it read for the batch's loads.
 
 Nothing else crosses the host/device boundary; the two transfers run inside a scoped
@@ -52,6 +53,7 @@ Nothing else crosses the host/device boundary; the two transfers run inside a sc
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from typing import NamedTuple, Sequence
@@ -313,10 +315,12 @@ class HostPages:
             [np.zeros((self.num_host_blocks + self._num_scratch, *part[0].shape[1:]),
                       np.dtype(part[0].dtype))
              for _ in range(self.num_layers)] for part in parts)
-        if files is not None:
-            self.attach_files(files)
         self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
         self._pending_files: dict[tuple[int, int], int] = {}  # (key, group) -> slot
+        self._writing: dict[tuple[int, int], concurrent.futures.Future] = {}
+        self._writer = None
+        if files is not None:
+            self.attach_files(files)
         self.num_disk_loaded = self.num_disk_stored = self.num_disk_write_errors = 0
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
@@ -439,21 +443,39 @@ class HostPages:
                     p[slots] = got[l][rows]
             self.num_pages_stored += int(np.count_nonzero(slots < self.num_host_blocks))
         pending, self._pending_files = self._pending_files, {}
-        for (key, group), slot in pending.items():
-            try:
-                self.files.write(key, group, [np.stack([p[slot] for p in part])
-                                              for part in self._host])
-            except OSError as e:
-                # NOTE: a page that could not be written (disk full, I/O error) is not
-                # an engine failure: the core tier still lists the block, its lookup
-                # finds no valid file and the block is a miss (never wrong KV).
-                self.num_disk_write_errors += 1
-                if self.num_disk_write_errors == 1 or self.num_disk_write_errors % 1000 == 0:
-                    _log.warning("disk tier: page of key %#x not written (%s); %d so far: "
-                                 "such blocks are misses", key, e,
-                                 self.num_disk_write_errors)
-                continue
-            self.num_disk_stored += 1
+        if pending:
+            self._writing = {k: f for k, f in self._writing.items() if not f.done()}
+        for k, slot in pending.items():
+            # (copies of the scratch rows: the next batch may reuse them at once)
+            arrays = [np.stack([p[slot] for p in part]) for part in self._host]
+            self._writing[k] = self._writer.submit(self._write_page, k, arrays)
+
+    def _write_page(self, k: tuple[int, int], arrays: list) -> None:
+        """Writes one page file (on the writer thread)."""
+        try:
+            self.files.write(*k, arrays)
+        except OSError as e:
+            # NOTE: a page that could not be written (disk full, I/O error) is not an
+            # engine failure: the core tier still lists the block, its lookup finds no
+            # valid file and the block is a miss (never wrong KV).
+            self.num_disk_write_errors += 1
+            if self.num_disk_write_errors == 1 or self.num_disk_write_errors % 1000 == 0:
+                _log.warning("disk tier: page of key %#x not written (%s); %d so far: such "
+                             "blocks are misses", k[0], e, self.num_disk_write_errors)
+            return
+        self.num_disk_stored += 1
+
+    def _wait_written(self, k: tuple[int, int]) -> None:
+        """Waits for the pending write of page `k`, if any (a read sees the last store)."""
+        f = self._writing.pop(k, None)
+        if f is not None:
+            f.result()
+
+    def flush_files(self) -> None:
+        """Waits until every page file stored so far is written (or failed: counted)."""
+        writing, self._writing = self._writing, {}
+        for f in writing.values():
+            f.result()
 
     def discard_pending(self) -> None:
         """Drops a pending batch (after a failed step: the prefix cache, every tier, is
@@ -472,12 +494,19 @@ class HostPages:
         Raises:
           ValueError: `files` of another page layout.
         """
+        if self.files is not None:
+            raise ValueError("files: this HostPages already has its page files")
         want = self.page_parts
         if files.parts != want or files.num_layers != self.num_layers:
             raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
                              f"arrays' {self.num_layers} x {want}")
         self.files = files
         self._grow_scratch(2 * MIN_ROWS)
+        # NOTE: one writer thread, first in first out: two stores of one key land in
+        # order. A file write with its fsync takes ~10 ms per 512 KiB page here; on
+        # the engine thread it would hold up the next step.
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-disk-writer")
 
     def validate(self, key: int, group: int = 0) -> bool:
         """Whether block `key`'s page file of `group` is there and passes every check
@@ -486,6 +515,7 @@ class HostPages:
         k = (int(key), int(group))
         if k in self._validated:
             return True
+        self._wait_written(k)
         got = self.files.read(*k)
         if got is None:
             return False
@@ -544,6 +574,7 @@ class HostPages:
         for k, slot in reads:
             got = self._validated.pop(k, None)
             if got is None:
+                self._wait_written(k)
                 got = self.files.read(*k)
             if got is None:
                 # NOTE: the manager promised this page (validated at lookup, or preloaded

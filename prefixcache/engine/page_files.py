@@ -36,6 +36,7 @@ import json
 import os
 import re
 import struct
+import threading
 import zlib
 from typing import Sequence
 
@@ -162,6 +163,9 @@ class PageFiles:
         self.num_corrupt = self.num_foreign = self.num_stale_tmp = 0
         self._sizes: dict[str, int] = {}
         self._nbytes = 0
+        # NOTE: `write` may run on a writer thread while the engine thread reads,
+        # discards or lists: `_sizes` and `_nbytes` change under this lock only.
+        self._lock = threading.Lock()
         self._scan()
 
     # -- the header -------------------------------------------------------------------
@@ -236,7 +240,9 @@ class PageFiles:
     def keys(self) -> list[tuple[int, int]]:
         """(key, group) of the pages of this fingerprint in the directory (found at open
         or written since), sorted: what a restart preloads into the disk tier."""
-        return sorted(parse_file_name(n) for n in self._sizes)
+        with self._lock:
+            names = list(self._sizes)
+        return sorted(parse_file_name(n) for n in names)
 
     def __contains__(self, key_group) -> bool:
         return file_name(*key_group) in self._sizes
@@ -295,9 +301,10 @@ class PageFiles:
             except FileNotFoundError:
                 pass
             raise
-        self._nbytes += size - self._sizes.get(name, 0)
-        self._sizes[name] = size
-        self.num_written += 1
+        with self._lock:
+            self._nbytes += size - self._sizes.get(name, 0)
+            self._sizes[name] = size
+            self.num_written += 1
 
     def read(self, key: int, group: int = 0) -> tuple[np.ndarray, ...] | None:
         """Block `key`'s page of group `group`: one array per part, [num_layers, *page
@@ -308,7 +315,8 @@ class PageFiles:
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            self._nbytes -= self._sizes.pop(name, 0)
+            with self._lock:
+                self._nbytes -= self._sizes.pop(name, 0)
             return None
         with f:
             header = self._read_header(f)
@@ -339,7 +347,8 @@ class PageFiles:
     def discard(self, key: int, group: int = 0) -> bool:
         """Deletes block `key`'s page of group `group`; whether a file was there."""
         name = file_name(key, group)
-        self._nbytes -= self._sizes.pop(name, 0)
+        with self._lock:
+            self._nbytes -= self._sizes.pop(name, 0)
         try:
             os.unlink(os.path.join(self.directory, name))
         except FileNotFoundError:
@@ -352,7 +361,9 @@ class PageFiles:
 
     def retain(self, keep) -> int:
         """Deletes the page files whose `keep(key, group)` is False; how many."""
-        gone = [kg for kg in map(parse_file_name, list(self._sizes)) if not keep(*kg)]
+        with self._lock:
+            names = list(self._sizes)
+        gone = [kg for kg in map(parse_file_name, names) if not keep(*kg)]
         for kg in gone:
             self.discard(*kg)
         return len(gone)

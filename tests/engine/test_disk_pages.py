@@ -106,6 +106,7 @@ def test_batch_equals_sequential_copies(seed, shared):
     counts = (pages.num_h2d, pages.num_d2h)
     kv = pages.apply(kv, transfers)
     pages.finish()
+    pages.flush_files()  # (the files are written on the writer thread)
     for l in range(L):
         np.testing.assert_array_equal(np.asarray(kv[l])[:NB], want_dev[l][:NB])
         np.testing.assert_array_equal(pages.pages[l], want_host[l])
@@ -113,6 +114,29 @@ def test_batch_equals_sequential_copies(seed, shared):
     for k, want in want_disk.items():
         np.testing.assert_array_equal(files.read(k, 0)[0], want)
     assert pages.num_h2d - counts[0] <= 1 and pages.num_d2h - counts[1] <= 1
+
+
+def test_a_load_waits_for_the_write_of_its_page(tmp_path, monkeypatch):
+    import threading
+
+    kv = _kv(7)
+    before = np.stack([np.asarray(x)[3] for x in kv])
+    pages = HostPages(kv, num_blocks=NB, num_host_blocks=NH, files=_files(tmp_path))
+    gate, real = threading.Event(), pages.files.write
+
+    def slow_write(*a):
+        assert gate.wait(30)
+        real(*a)
+
+    monkeypatch.setattr(pages.files, "write", slow_write)
+    kv = pages.apply(kv, [TierTransfer("store", "device", 3, "disk", 5, 5, 0)])
+    pages.finish()  # returns with the write still held on the writer thread
+    assert pages.files.keys() == [] and threading.active_count() > 1
+    threading.Timer(0.2, gate.set).start()
+    assert pages.validate(5)  # waits for the write, then reads it
+    kv = pages.apply(kv, [TierTransfer("load", "disk", 5, "device", 0, 5, 0)])
+    pages.finish()
+    np.testing.assert_array_equal(np.stack([np.asarray(x)[0] for x in kv]), before)
 
 
 def test_disk_without_a_host_tier_round_trips_a_page(tmp_path):
@@ -123,7 +147,8 @@ def test_disk_without_a_host_tier_round_trips_a_page(tmp_path):
     kv = pages.apply(kv, [TierTransfer("store", "device", 2, "disk", 99, 99, 0)])
     assert pages.files.keys() == []  # written after the step's dispatch ...
     pages.finish()
-    assert pages.files.keys() == [(99, 0)] and pages.num_disk_stored == 1  # ... by finish
+    pages.flush_files()  # ... by finish, on the writer thread
+    assert pages.files.keys() == [(99, 0)] and pages.num_disk_stored == 1
     assert pages.validate(99)
     kv = pages.apply(kv, [TierTransfer("load", "disk", 99, "device", 5, 99, 0)])
     pages.finish()
@@ -198,6 +223,7 @@ def test_a_failed_page_write_is_a_later_miss_not_an_error(tmp_path, monkeypatch)
     kv = pages.apply(kv, [TierTransfer("store", "device", 1, "disk", 8, 8, 0),
                           TierTransfer("store", "device", 2, "disk", 9, 9, 0)])
     pages.finish()  # no exception: the step goes on
+    pages.flush_files()
     assert (pages.num_disk_stored, pages.num_disk_write_errors) == (1, 1)
     assert not pages.validate(8) and pages.validate(9)
     assert os.listdir(tmp_path) == [pages.files.path(9).rsplit("/", 1)[1]]

@@ -76,6 +76,7 @@ def test_device_host_disk_and_back_equals_cache_off(off, tmp_path):
     eng = _disk_engine(off[0], tmp_path)
     programs = eng.num_programs_built
     _same(_serve(eng, _rounds()), off[1])
+    eng.runner.host_pages.flush_files()  # (page files are written on a writer thread)
     m = eng.metrics()
     assert m.disk_blocks_stored > 0 and m.disk_blocks_loaded > 0
     assert m.hit_tokens_by_tier["disk"] == m.disk_blocks_loaded * BS
@@ -98,9 +99,11 @@ def test_a_full_disk_evicts_and_its_files_stay_bounded(off, tmp_path):
     eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON,
                  num_host_blocks=4, disk_bytes=6 * PAGE_BYTES, disk_dir=tmp_path)
     _same(_serve(eng, _rounds()), off[1])
+    eng.runner.host_pages.flush_files()
     tier = eng.kv_cache_manager.tier_chain.get("disk")
     assert tier.num_blocks == 6 and len(tier) <= 6 and tier.num_evicted > 0
     files = eng.disk_files
+    eng._maybe_collect_disk()  # (what the next step does, its writes landed)
     assert files.nbytes <= eng._disk_collect_bytes
     assert len(files) <= eng._disk_collect_bytes // PAGE_BYTES  # 6 pages x 5/4 (+ headers)
     held = {k.to_bytes(tier.key_bytes, "big") for k, _ in files.keys()}
@@ -111,6 +114,7 @@ def test_corrupt_page_files_are_misses_never_wrong_kv(off, tmp_path):
     eng = _disk_engine(off[0], tmp_path)
     rounds = _rounds()
     _serve(eng, rounds[:5])  # the first visit: the prefixes reach the disk
+    eng.runner.host_pages.flush_files()
     names = [n for n in os.listdir(tmp_path) if n.endswith(".kvpage")]
     assert names
     corrupted = {}
@@ -203,6 +207,7 @@ def test_failed_step_resets_the_disk_tier_and_serves_no_stale_page(off, tmp_path
 def test_restart_reuses_the_pages_of_the_same_model(off, tmp_path):
     first = _disk_engine(off[0], tmp_path)
     _serve(first, _rounds(visits=1))
+    first.runner.host_pages.flush_files()
     kept = first.disk_files.keys()
     assert kept
     # A second engine over the directory (same model, block size, hash): preloaded.
