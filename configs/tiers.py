@@ -14,10 +14,11 @@ Command:
 
 Expected: token hit rate 0.0015 device only -> 0.0047 +host -> 0.0129 +host+disk ->
 0.2157 +host+disk+remote (0.2027 of it remote hits: blocks other replicas demoted);
-never evicts 0.6084. TTFT mean 4.18 / 4.18 / 4.22 / 4.66 ms: on short prompts the
+Belady with the chain's whole capacity in one pool 0.6084 = never evicts 0.6084 (the
+replica split and demote-on-evict placement, not capacity, cost the rest). TTFT mean 4.18 / 4.18 / 4.22 / 4.66 ms: on short prompts the
 remote's 1 ms link and 2 MiB pages cost more than recomputing them (loads are not
 overlapped with compute here). Quick variant (`:quick`: 24 conversations): hit rate
-0.0298 / 0.0645 / 0.0742 / 0.1034, ~10 s.
+0.0298 / 0.0645 / 0.0742 / 0.1034 (bounds 0.6001), ~10 s.
 """
 
 from configs import _base

@@ -12,7 +12,7 @@ Command:
 Expected: the full run is not measured yet (long on a 2-core machine). Quick variant
 (`:quick`: the first 600 requests, 200-block pools), measured: token hit rate 0.0362
 device only -> 0.0373 +host -> 0.0489 +host+disk -> 0.0546 +host+disk+remote (0.0057
-remote hits); never evicts 0.1713. TTFT mean 397.0 / 396.8 / 398.1 / 397.9 ms (the
+remote hits); never evicts 0.1713 (Belady's bound: see the rows). TTFT mean 397.0 / 396.8 / 398.1 / 397.9 ms (the
 loads cost about what they save at this load). ~3 min wall on the shared machine.
 """
 

@@ -12,7 +12,7 @@ Command:
 Expected: the full run is not measured yet (long on a 2-core machine). Quick variant
 (`:quick`: the first 600 requests, 200-block pools), measured: token hit rate 0.0015
 device only -> 0.0048 +host -> 0.0104 +host+disk -> 0.0260 +host+disk+remote (0.0155
-remote hits); never evicts 0.1132. TTFT mean 275.8 / 275.1 / 275.2 / 272.9 ms.
+remote hits); never evicts 0.1132 (Belady's bound: see the rows). TTFT mean 275.8 / 275.1 / 275.2 / 272.9 ms.
 ~3 min wall on the shared machine.
 """
 

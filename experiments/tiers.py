@@ -12,8 +12,10 @@ of ``host_multiple x num_blocks`` per replica), ``host+disk`` (and a disk tier o
 remote store of ``remote_multiple x num_blocks`` pages shared by every replica: a block
 one replica demoted is a hit for another). Each tier's loads are charged at its own
 link (the host at ``config.host_link``, disk and remote at their ``TierLink``s,
-``prefixcache.core.tiers``). Plus the bound: one cache that never evicts
-(``record: "ideal"``, the replay of the whole trace on a pool that holds every block).
+``prefixcache.core.tiers``). Plus two bounds from the replay of the whole trace on one
+pool: Belady's eviction with the chain's whole capacity in one place (``record:
+"belady"``: ``replicas x (1 + host + disk) x num_blocks + remote`` blocks, no replica
+split, no tier boundary) and a cache that never evicts (``record: "ideal"``).
 
 Outputs in ``--workdir``: ``tiers.jsonl`` (one row per scenario with provenance),
 ``tiers.png`` (left: token hit rate stacked by tier; right: TTFT mean / p90), a table
@@ -78,31 +80,41 @@ def run_scenario(config, scenario: str) -> dict:
             "cell_s": time.perf_counter() - t0}
 
 
-def ideal_row(config) -> dict:
-    """The bound: the whole trace on one pool that never evicts."""
+def bound_rows(config) -> list[dict]:
+    """The bounds: the whole trace on one pool of the chain's whole capacity under
+    Belady's eviction, and on one pool that never evicts."""
     from prefixcache.sim import compare  # noqa: PLC0415
     from prefixcache.sim.replay import replay  # noqa: PLC0415
 
     def reqs():
-        return _common.requests_from_config(config, config.workdir or None)
+        return list(_common.requests_from_config(config, config.workdir or None))
 
-    n = compare.ideal_num_blocks(reqs(), config.block_size)
-    s = replay(reqs(), cache_config=_common.cache_config(config, num_blocks=n))
-    return {"record": "ideal", "scenario": "never evicts", "num_blocks": n,
-            "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
-            "hit_tokens": s["hit_tokens"], "hit_rate_tokens": s["hit_rate_tokens"]}
+    n = config.num_blocks
+    total = int(config.replicas * n * (1 + config.host_multiple + config.disk_multiple)
+                + config.remote_multiple * n)
+    rows = []
+    for record, scenario, num_blocks, eviction in (
+            ("belady", "belady, all capacity", total, "belady"),
+            ("ideal", "never evicts", compare.ideal_num_blocks(reqs(), config.block_size),
+             config.eviction)):
+        s = replay(reqs(), cache_config=_common.cache_config(
+            config, num_blocks=num_blocks, eviction=eviction, eviction_options=None))
+        rows.append({"record": record, "scenario": scenario, "num_blocks": num_blocks,
+                     "requests": s["requests"], "prompt_tokens": s["prompt_tokens"],
+                     "hit_tokens": s["hit_tokens"], "hit_rate_tokens": s["hit_rate_tokens"]})
+    return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
     """One line per scenario: hit rate by tier, TTFT."""
-    lines = [f"{'scenario':>18} {'hit':>6} " + " ".join(f"{t:>7}" for t in TIER_ORDER)
+    lines = [f"{'scenario':>20} {'hit':>6} " + " ".join(f"{t:>7}" for t in TIER_ORDER)
              + f" {'mean ms':>8} {'p90 ms':>8}"]
     for r in rows:
-        if r["record"] == "ideal":
-            lines.append(f"{r['scenario']:>18} {r['hit_rate_tokens']:>6.4f}")
+        if r["record"] != "cluster":
+            lines.append(f"{r['scenario']:>20} {r['hit_rate_tokens']:>6.4f}")
             continue
         by = r["hit_rate_by_tier"]
-        lines.append(f"{r['scenario']:>18} {r['hit_rate_tokens']:>6.4f} "
+        lines.append(f"{r['scenario']:>20} {r['hit_rate_tokens']:>6.4f} "
                      + " ".join(f"{by.get(t, 0.0):>7.4f}" for t in TIER_ORDER)
                      + f" {r['ttft_s']['mean'] * 1e3:>8.2f} {r['ttft_s']['p90'] * 1e3:>8.2f}")
     return "\n".join(lines)
@@ -118,10 +130,10 @@ def plot(rows: Sequence[dict], path, *, title: str = "") -> None:
         v = [r["hit_rate_by_tier"].get(tier, 0.0) for r in cells]
         ax.bar(x, v, bottom=bottom, color=f"C{i}", label=f"{tier} hits")
         bottom = [b + w for b, w in zip(bottom, v)]
-    for r in rows:
-        if r["record"] == "ideal":
-            ax.axhline(r["hit_rate_tokens"], color="gray", linestyle="-.",
-                       label=f"never evicts ({r['hit_rate_tokens']:.3f})")
+    for r, style in ((r, {"ideal": "-.", "belady": ":"}.get(r["record"])) for r in rows):
+        if style is not None:
+            ax.axhline(r["hit_rate_tokens"], color="gray", linestyle=style,
+                       label=f"{r['scenario']} ({r['hit_rate_tokens']:.3f})")
     ax.set_xticks(x, [r["scenario"] for r in cells], fontsize=8)
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
@@ -145,7 +157,7 @@ def run(config, *, progress: bool = False) -> dict:
             raise ValueError(f"{name} must be > 0, got {config[name]!r}")
     workdir = _common.prepare_workdir(config.workdir)
     _common.trace_path(config)  # a missing trace / unknown dataset fails before any cell
-    rows = [run_scenario(config, s) for s in SCENARIOS] + [ideal_row(config)]
+    rows = [run_scenario(config, s) for s in SCENARIOS] + bound_rows(config)
     source = _common.source_name(config)
     prov = _common.provenance(config, seed=config.seed, hash_algo=config.hash_algo,
                               cache_state="cold", extra={"source": source})

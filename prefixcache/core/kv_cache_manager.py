@@ -538,7 +538,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 pool = self.block_pool
                 host_tier.lower = TierChain(
                     lower, record=host_tier.record_tier_transfer,
-                    events=pool.events if self.enable_events else None,
+                    events_owner=pool if self.enable_events else None,
                     event_hash=pool._event_hash, block_size=block_size)
                 self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
@@ -1147,6 +1147,21 @@ def _build_lower_tiers(manager, lower_tiers: dict, num_host_blocks: int, block_s
                              **lower_tiers)
 
 
+def _check_lower_tiers_served(cls: type) -> None:
+    """``ValueError`` unless ``cls`` (the implementation ``KVCacheManager`` resolved)
+    serves the tiers below the host: the hash and radix indexes over one full-attention
+    group (a user's subclass of either too)."""
+    from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
+    from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
+
+    if (not issubclass(cls, (HashKVCacheManager, RadixKVCacheManager))
+            or issubclass(cls, RadixHybridKVCacheManager)):
+        raise ValueError(
+            "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
+            "served by the hash and radix indexes with one full-attention group; "
+            f"{cls.__name__} does not demote past its host tier")
+
+
 def _check_host_hit(tier, b, i: int, hashes, seen: set, request) -> None:
     """Both indexes' rule for a ``HostHit`` at position ``i`` of a hit list: a current
     entry of ``tier`` for the request's block ``i``, its slot not ``seen`` before in the
@@ -1269,11 +1284,8 @@ class KVCacheManager:
                  kv_cache_groups=None, eviction: str | type = DEFAULT_POLICY,
                  num_host_blocks: int = 0, **kwargs):
         cls = resolve_manager_class(index, kv_cache_groups, eviction, num_host_blocks)
-        if lower_tiers_requested(kwargs) and not issubclass(cls, HashKVCacheManager):
-            raise ValueError(
-                "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
-                f"served by the hash index with one full-attention group; {cls.__name__} "
-                "does not demote past its host tier")
+        if lower_tiers_requested(kwargs):
+            _check_lower_tiers_served(cls)
         impl = cls(num_blocks, block_size, index=index, kv_cache_groups=kv_cache_groups,
                    eviction=eviction, num_host_blocks=num_host_blocks, **kwargs)
         self._impl = impl

@@ -117,6 +117,7 @@ from prefixcache.core.tiers.host import (HostHit, HostTierAPI, check_tier_args,
 from prefixcache.core.kv_cache_manager import (
     KVCacheManager,
     _admission_checks,
+    _build_lower_tiers,
     _check_computed_fit,
     _check_host_hit,
     _check_request,
@@ -131,6 +132,7 @@ from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
+from prefixcache.core.tiers import TierChain, TierHit
 
 _new = object.__new__
 
@@ -352,6 +354,7 @@ class RadixKVCacheManager(HostTierAPI):
         num_host_blocks: int = 0,
         host_eviction: str = "lru",
         host_eviction_options: Mapping[str, Any] | None = None,
+        **lower_tiers,
     ):
         # The one composition rule (a refused layout or tier raises with its reason); a
         # sliding-window layout is another class's (radix_hybrid).
@@ -365,6 +368,7 @@ class RadixKVCacheManager(HostTierAPI):
         host_tier = make_host_tier(num_host_blocks, host_eviction, host_options,
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events)
+        lower = _build_lower_tiers(self, lower_tiers, num_host_blocks, block_size)
         # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
         self._on_hit = (
             None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
@@ -435,6 +439,13 @@ class RadixKVCacheManager(HostTierAPI):
             self.peek_computed_tokens = self._peek_computed_tokens_tiered
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
+            if lower:  # the tiers below the host (prefixcache.core.tiers)
+                host_tier.lower = TierChain(
+                    lower, record=host_tier.record_tier_transfer,
+                    events_owner=self if self.enable_events else None,
+                    event_hash=self._event_hash, block_size=block_size)
+        # Hit tokens adopted at admission from each tier below the host, by name.
+        self._lower_hit_tokens = {t.name: 0 for t in lower}
 
     @property
     def hash_algo(self) -> str:
@@ -915,11 +926,16 @@ class RadixKVCacheManager(HostTierAPI):
         if start >= max_blocks:
             return out
         get = self.host_tier.hash_to_slot.get
+        lower = self.host_tier.lower
         append = out.append
         for h in islice(request.block_hashes, start, max_blocks):
             slot = get(h)
             if slot is None:
-                break
+                tier = lower.find(h) if lower is not None else None
+                if tier is None:
+                    break
+                append(TierHit(h, tier))  # (a tier below the host holds it)
+                continue
             append(HostHit(h, slot.block_id))
         return out
 
@@ -929,7 +945,7 @@ class RadixKVCacheManager(HostTierAPI):
         nodes = self._lookup_nodes(request)
         computed: list = [node.block for node in nodes]
         self._lookup = (request, nodes, computed[:], self._epoch)
-        if self.host_tier.hash_to_slot:
+        if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
             computed += self._host_hits(request, len(nodes))
         num_tokens = request.num_tokens
         num_hit = len(computed) * self.block_size
@@ -943,7 +959,7 @@ class RadixKVCacheManager(HostTierAPI):
     def _peek_computed_tokens_tiered(self, request) -> int:
         """``peek_computed_tokens`` with a host tier (device + host hits)."""
         n = len(self._lookup_nodes(request))
-        if self.host_tier.hash_to_slot:
+        if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
             n += len(self._host_hits(request, n))
         return n * self.block_size
 
@@ -962,7 +978,7 @@ class RadixKVCacheManager(HostTierAPI):
         tier = self.host_tier
         num_dev = len(computed)
         for i, b in enumerate(computed):
-            if type(b) is HostHit:
+            if type(b) is HostHit or type(b) is TierHit:
                 num_dev = i
                 break
         device = computed[:num_dev]
@@ -975,6 +991,14 @@ class RadixKVCacheManager(HostTierAPI):
             hashes = request.block_hashes
             seen: set[int] = set()
             for i, b in enumerate(host, num_dev):
+                if type(b) is TierHit and tier.lower is not None:
+                    if (not tier.lower.check_hit(b) or i >= len(hashes)
+                            or hashes[i] != b.block_hash):
+                        raise ValueError(
+                            f"{b!r} is not a current tier hit of this manager for block "
+                            f"#{i} of request {request.request_id!r} (already promoted, "
+                            "reordered, or the entry changed since get_computed_blocks)")
+                    continue
                 if type(b) is not HostHit:
                     raise (ValueError if type(b) is KVCacheBlock else ArgumentTypeError)(
                         f"new_computed_blocks #{i} ({b!r}) follows a host-tier hit: the radix "
@@ -1012,11 +1036,20 @@ class RadixKVCacheManager(HostTierAPI):
             if host:
                 # NOTE: pin the entries to load first: the device blocks taken for them
                 # may evict leaves, whose demotions then never pick these slots.
+                num_lower = 0
                 for b in host:
-                    tier.pin(b.host_slot)
+                    if type(b) is HostHit:
+                        tier.pin(b.host_slot)
+                    else:
+                        b.tier.pin(b.block_hash)
+                        num_lower += 1
                 fresh = self._take_blocks(len(host))
                 for b, blk in zip(host, fresh):
-                    tier.load(b.host_slot, blk.block_id)
+                    if type(b) is HostHit:
+                        tier.load(b.host_slot, blk.block_id)
+                    else:
+                        tier.lower.load(b, blk.block_id)
+                        self._lower_hit_tokens[b.tier.name] += bs
                     b.block_id = blk.block_id
                 st.blocks.extend(fresh)
                 # The loaded blocks become nodes below the device hits (GPU BlockStored).
@@ -1026,7 +1059,7 @@ class RadixKVCacheManager(HostTierAPI):
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
                 )
             self.device_hit_tokens += len(device) * bs
-            self.host_hit_tokens += len(host) * bs
+            self.host_hit_tokens += (len(host) - num_lower if host else 0) * bs
         new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
         st.blocks.extend(new_blocks)
         request.bind_hasher(self.hasher, bs)
@@ -1066,6 +1099,8 @@ class RadixKVCacheManager(HostTierAPI):
             for h in hashes[first:num_full]:
                 if h in on_host:
                     tier.discard(h)
+        if tier.lower is not None:
+            tier.lower.discard_cached(hashes[first:num_full])
 
     def free(self, request) -> None:
         """Release a request's blocks and unlock its path (deepest node first, so with
@@ -1203,6 +1238,8 @@ class RadixKVCacheManager(HostTierAPI):
         if self.host_tier is not None:
             self.host_tier.clear()
             self.host_tier.evicted_by = self.evicted_by
+            if self.host_tier.lower is not None:
+                self.host_tier.lower.evicted_by = self.evicted_by
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         if self.log_stats:

@@ -159,22 +159,26 @@ def test_indexes_hit_the_same_tokens_when_nothing_is_evicted(eviction, tier, lay
     assert any(got["hash"])  # the trace shares prefixes: some request hits
 
 
+@pytest.mark.parametrize("index", list(INDEXES))
 @pytest.mark.parametrize("eviction", list(POLICIES))
 @pytest.mark.parametrize("lower", list(LOWER))
-def test_every_policy_runs_over_the_tiers_below_the_host(eviction, lower):
-    # Bounded (the chain demotes to the disk and the remote store); unbounded (lru):
-    # with nothing evicted the lower tiers change no hit.
-    _run("hash", eviction, "host", "full", num_blocks=12, lower=LOWER[lower])
-    if eviction == "lru":
-        assert (_run("hash", eviction, "host", "full", num_blocks=400, lower=LOWER[lower])
-                == _run("hash", eviction, "host", "full", num_blocks=400))
+def test_every_policy_runs_over_the_tiers_below_the_host(index, eviction, lower):
+    # Bounded: the chain demotes past the host to the disk and the remote store.
+    _run(index, eviction, "host", "full", num_blocks=12, lower=LOWER[lower])
+
+
+@pytest.mark.parametrize("lower", list(LOWER))
+def test_indexes_agree_over_the_tiers_below_the_host_when_nothing_is_evicted(lower):
+    got = {i: _run(i, "lru", "host", "full", num_blocks=400, lower=LOWER[lower])
+           for i in INDEXES}
+    assert got["hash"] == got["radix"] == _run("hash", "lru", "host", "full", num_blocks=400)
 
 
 @pytest.mark.parametrize("index,layout", [(i, lay) for i in INDEXES for lay in LAYOUTS
-                                          if (i, lay) != ("hash", "full")])
-def test_tiers_below_the_host_elsewhere_are_refused(index, layout):
-    groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
+                                          if lay != "full"])
+def test_tiers_below_the_host_with_group_layouts_are_refused(index, layout):
+    groups = parse_kv_groups(LAYOUTS[layout])
     if refusal(index, groups, "lru", 6) is not None:
         return  # (refused already without them)
-    with pytest.raises(ValueError, match="served by the hash index"):
+    with pytest.raises(ValueError, match="served by the hash and radix indexes"):
         _run(index, "lru", "host", layout, num_blocks=12, lower=LOWER["host+disk"])

@@ -104,10 +104,11 @@ def test_preload_keys_are_hits():
     assert hit == 8 and m.hit_tokens_by_tier["disk"] == 8
 
 
-def test_remote_store_shared_by_replicas():
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_remote_store_shared_by_replicas(index):
     store = RemoteStore(1000, page_bytes=100, block_size=BS)
-    a = KVCacheManager(2, BS, num_host_blocks=1, remote=store)
-    b = KVCacheManager(2, BS, num_host_blocks=1, remote=store)
+    a = KVCacheManager(2, BS, index=index, num_host_blocks=1, remote=store)
+    b = KVCacheManager(2, BS, index=index, num_host_blocks=1, remote=store)
     r, _ = _run(a, "a", list(range(5)))
     for i in range(2):  # push a's block past its host into the store
         _run(a, f"x{i}", list(range(100 * (i + 1), 100 * (i + 1) + 5)))
@@ -120,12 +121,14 @@ def test_remote_store_shared_by_replicas():
         TierTransfer("load", "remote", k, "device", 0, k, 0)]
 
 
-def test_events_carry_each_tiers_medium():
-    m = KVCacheManager(2, BS, num_host_blocks=1, disk_bytes=200, page_bytes=100,
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_events_carry_each_tiers_medium(index):
+    m = KVCacheManager(2, BS, index=index, num_host_blocks=1, disk_bytes=200, page_bytes=100,
                        remote_bytes=500, enable_events=True)
-    for i in range(6):
+    media = set()
+    for i in range(6):  # (events taken every step: the list is swapped each time)
         _run(m, f"r{i}", list(range(100 * i, 100 * i + 5)))
-    media = {e.medium for e in m.take_events()}
+        media |= {e.medium for e in m.take_events()}
     assert media == {"GPU", "CPU", "DISK", "REMOTE"}
 
 
@@ -153,21 +156,29 @@ def test_user_tier_class_and_registry():
      "disk_eviction"),
     ({"num_host_blocks": 1, "remote": "shared"}, "remote must be a shared RemoteStore"),
     ({"num_host_blocks": 1, "tiers": ({"tier": "nope", "num_blocks": 2},)}, "unknown tier"),
-    ({"num_host_blocks": 1, "index": "radix", "disk_bytes": 100, "page_bytes": 100},
-     "hash index"),
+    ({"num_host_blocks": 1, "kv_cache_groups": "full,sw8", "disk_bytes": 100,
+      "page_bytes": 100}, "hash and radix indexes"),
+    ({"num_host_blocks": 1, "index": "radix", "kv_cache_groups": "full,sw8",
+      "disk_bytes": 100, "page_bytes": 100}, "not supported with KV cache groups"),
 ])
 def test_refusals_name_the_argument(kwargs, match):
+    from prefixcache.core.kv_groups import parse_kv_groups
+
+    kwargs = dict(kwargs)
+    if "kv_cache_groups" in kwargs:
+        kwargs["kv_cache_groups"] = parse_kv_groups(kwargs["kv_cache_groups"])
     with pytest.raises(ValueError, match=match):
         KVCacheManager(4, BS, **kwargs)
 
 
+@pytest.mark.parametrize("index", ["hash", "radix"])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_ops_page_model(seed):
+def test_random_ops_page_model(seed, index):
     """Every recorded copy applied to a model of pages: each block a request is given
     for a hit holds the hit's hash (no copy reads a page another copy overwrote)."""
     rng = random.Random(seed)
     store = RemoteStore(600, page_bytes=100, block_size=BS)
-    ms = [KVCacheManager(5, BS, num_host_blocks=2, disk_bytes=300, page_bytes=100,
+    ms = [KVCacheManager(5, BS, index=index, num_host_blocks=2, disk_bytes=300, page_bytes=100,
                          remote=store, disk_eviction=rng.choice(["lru", "fifo", "lfu"]))
           for _ in range(2)]
     device = [dict() for _ in ms]

@@ -20,6 +20,7 @@ QUICK = ("compare_policies", "compare_policies_mooncake_conversation",
          "route_mooncake_conversation", "route_mooncake_synthetic",
          "route_mooncake_synthetic_host", "route_llmd", "latency_by_prefix_mooncake",
          "audit_timing", "audit_timing_sim", "compare_policies_mooncake_conversation_study",
+         "tiers", "tiers_mooncake_conversation", "tiers_mooncake_synthetic",
          *(f"compare_policies_{d}" for d in (
              "mooncake_toolagent", "bailian_to_c", "bailian_to_b", "bailian_thinking",
              "bailian_coder", "claude_code_subagents", "claude_code_no_subagents")))

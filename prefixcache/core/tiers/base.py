@@ -39,7 +39,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from prefixcache.core.block_pool import InvariantError
 from prefixcache.core.eviction import (
@@ -132,6 +132,45 @@ class TierHit:
         h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
         t = getattr(getattr(self, "tier", None), "name", None)
         return f"TierHit(tier={t!r}, block_id={getattr(self, 'block_id', None)!r}, block_hash={h})"
+
+
+class Tier(Protocol):
+    """What a tier below the host provides to the chain (``KeyTier`` implements it; the
+    host tier, ``tiers/host.py``, has the slot-level API the managers' fast paths use).
+
+    Attributes:
+        name, medium, link, inclusive: as ``KeyTier``'s class attributes.
+        num_blocks: capacity in blocks.
+        entries: the held hashes (a mapping; pinned ones excepted), read by lookups.
+    """
+
+    name: str
+    medium: str
+    link: TierLink
+    inclusive: bool
+    num_blocks: int
+    entries: Mapping
+
+    def lookup(self, h: bytes) -> bool:
+        """``h`` can be served now (else the tier dropped it)."""
+
+    def put(self, h: bytes):
+        """Store ``h``: ``None``, the evicted hash, ``h`` (refused) or ``False`` (held)."""
+
+    def pin(self, h: bytes) -> None:
+        """Keep ``h`` while a promotion takes device blocks."""
+
+    def take(self, h: bytes) -> None:
+        """The pinned ``h`` was loaded (free it, or keep it if inclusive)."""
+
+    def discard(self, h: bytes) -> None:
+        """Drop ``h`` (the device computed it again)."""
+
+    def clear(self) -> None:
+        """Forget every entry."""
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` on any inconsistency."""
 
 
 class _Slot:
@@ -361,20 +400,23 @@ class TierChain:
         tiers: the ``KeyTier`` objects, top (next below the host) first.
         record: appends one recorded copy to the manager's transfer list (in order
             with the host tier's ``HostTransfer``s).
-        events: the manager's event list, or ``None`` (events off).
+        events_owner: the object whose ``events`` list the manager's events go to (the
+            pool, or the radix manager; read at each event: ``take_events`` swaps the
+            list), or ``None`` (events off).
         event_hash: the pool's digest -> event hash conversion.
         block_size: tokens per block (the event's ``block_size``).
     """
 
     def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
-                 events: list | None = None, event_hash=None, block_size: int = 16):
+                 events_owner=None, event_hash=None, block_size: int = 16):
         names = [t.name for t in tiers]
         dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
         if dup:
             raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
         self.tiers = tiers
         self._record = record
-        self.events = events
+        self._owner = events_owner
+        self.events = events_owner is not None  # (events on)
         self._event_hash = event_hash
         self.block_size = block_size
         self.exclusive = [t for t in tiers if not t.inclusive]
@@ -392,13 +434,13 @@ class TierChain:
     # ------------------------------------------------------------------ events
     def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
         eh = self._event_hash
-        self.events.append(BlockStored(
+        self._owner.events.append(BlockStored(
             block_hashes=[eh(h)], parent_block_hash=None, token_ids=[],
             block_size=self.block_size, lora_id=None, medium=tier.medium, lora_name=None,
             group_idx=0))
 
     def _removed(self, tier: KeyTier, h: bytes) -> None:
-        self.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
+        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
                                         medium=tier.medium, group_idx=0))
 
     # --------------------------------------------------------------- demotion
@@ -420,12 +462,12 @@ class TierChain:
             if old is not None:
                 # NOTE: the evicted entry moves down first (its bytes leave before the
                 # new ones arrive), so the copies apply in list order.
-                if self.events is not None:
+                if self.events:
                     self._removed(tier, old)
                 self._cascade(old, i)
             self._record(TierTransfer(TIER_STORE, src, src_id if src == "host" else key,
                                       tier.name, key, key, 0))
-            if self.events is not None:
+            if self.events:
                 self._stored(tier, h)
             return
         if self.evicted_by is not None:
@@ -444,11 +486,11 @@ class TierChain:
             if old is h:
                 continue
             if old is not None:
-                if self.events is not None:
+                if self.events:
                     self._removed(tier, old)
                 self._cascade(old, j)
             self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, 0))
-            if self.events is not None:
+            if self.events:
                 self._stored(tier, h)
             return
         if self.evicted_by is not None:
@@ -480,7 +522,7 @@ class TierChain:
         tier.take(h)
         key = key_of(h)
         self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, 0))
-        if self.events is not None and not tier.inclusive:
+        if self.events and not tier.inclusive:
             self._removed(tier, h)
 
     def discard_cached(self, hashes) -> None:
@@ -491,7 +533,7 @@ class TierChain:
                 for h in hashes:
                     if h in entries:
                         tier.discard(h)
-                        if self.events is not None:
+                        if self.events:
                             self._removed(tier, h)
 
     def clear(self) -> None:

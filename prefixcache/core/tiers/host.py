@@ -92,6 +92,7 @@ from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.policy_pool import PolicyBlockPool
+from prefixcache.core.tiers.base import HOST_LINK
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
@@ -266,6 +267,10 @@ def make_host_tier(num_host_blocks: int, host_eviction, host_options: dict, *,
 class HostTier:
     """The host index: hash -> host slot, the free slots, the host policy.
 
+    The first tier of the chain (``prefixcache.core.tiers``): ``lower`` is the
+    ``TierChain`` below it (``None``: the host is the last tier), ``link`` its default
+    link (the DES charges host loads at ``cost_model.host_link``).
+
     Invariants (``check_invariants``):
         * every occupied slot maps to exactly one hash and the hash back to it;
         * occupied + free slots == ``num_host_blocks`` (each slot once);
@@ -281,6 +286,10 @@ class HostTier:
         enable_events: queue ``BlockStored`` / ``BlockRemoved`` with ``medium="CPU"``.
         event_hash: the pool's digest -> event hash conversion.
     """
+
+    name = "host"
+    medium = MEDIUM_CPU
+    link = HOST_LINK
 
     def __init__(self, num_host_blocks: int, *, block_size: int, num_device_blocks: int,
                  eviction: str = DEFAULT_POLICY, eviction_options: Mapping[str, Any] | None = None,
