@@ -95,6 +95,14 @@ def test_device_host_disk_and_back_equals_cache_off(off, tmp_path):
     assert eng.num_programs_built - programs == len(eng.runner.host_pages.compiled_shapes)
 
 
+def test_radix_index_with_the_disk_tier_equals_cache_off(off, tmp_path):
+    eng = _disk_engine(off[0], tmp_path, index="radix")
+    _same(_serve(eng, _rounds()), off[1])
+    m = eng.metrics()
+    assert m.disk_blocks_loaded > 0 and m.hit_tokens_by_tier["disk"] == m.disk_blocks_loaded * BS
+    eng.kv_cache_manager.check_invariants()
+
+
 def test_a_full_disk_evicts_and_its_files_stay_bounded(off, tmp_path):
     eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON,
                  num_host_blocks=4, disk_bytes=6 * PAGE_BYTES, disk_dir=tmp_path)

@@ -99,10 +99,6 @@ def test_bad_disk_flags_are_named(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: TierChain appends its events to the list the pool held when the manager was "
-    "built (events=pool.events), and BlockPool.take_events replaces that list, so every "
-    "lower-tier event after the first take_events is lost"))
 def test_kv_events_carry_the_disk_medium():
     # The publisher takes the manager's events after every step, as the server does.
     from prefixcache.core import KVCacheManager
