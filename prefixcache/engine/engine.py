@@ -140,9 +140,9 @@ class Engine:
         `max_model_len`, `hash_algo`, `hash_seed`, `eviction`, `index`, the host tier,
         the disk tier's `disk_bytes` / `disk_eviction`, `kv_dtype`) and the manager's
         `free_order`, `eviction_options`, `host_eviction_options`, `enable_events`
-        (`page_bytes` must be unset or the engine's `kv_bytes_per_block`; a nonzero
-        `remote_bytes` or `tiers` is refused: the engine keeps no pages for them); a
-        cache keyword given with a
+        (`page_bytes` must be unset or the engine's `kv_bytes_per_block`; a remote
+        store or tiers of one's own, `remote_bytes` / `tiers`, keep their pages in host
+        memory: `page_files.MemoryPages`); a cache keyword given with a
         non-default value overrides its field. Its `kv_cache_groups` must be None (they
         come from the model config).
       kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
@@ -262,12 +262,6 @@ class Engine:
             raise ValueError("pass eviction=, index=, num_host_blocks=, host_eviction=, "
                              "disk_bytes= and disk_eviction= to Engine, not in manager_kwargs")
         if manager_kwargs:
-            other = [k for k in ("remote_bytes", "remote", "tiers") if manager_kwargs.get(k)]
-            if other:
-                raise ValueError(
-                    f"{other[0]}: the engine keeps KV pages for the host and disk tiers only "
-                    "(a remote store or a tier of one's own is studied with "
-                    "prefixcache.sim: replay, des, simulate_cluster)")
             page = manager_kwargs.get("page_bytes")
             if page is not None and page != kv_block_bytes:
                 raise ValueError(f"page_bytes={page!r}: the engine's page is "
@@ -394,7 +388,11 @@ class Engine:
                               "host_eviction": host_eviction}
         if disk_bytes:
             manager_kwargs = {**manager_kwargs, "disk_bytes": disk_bytes,
-                              "disk_eviction": disk_eviction, "page_bytes": kv_block_bytes}
+                              "disk_eviction": disk_eviction}
+        if manager_kwargs and (disk_bytes or any(
+                manager_kwargs.get(k) for k in ("remote_bytes", "remote", "tiers"))):
+            # (the tiers below the host are sized in pages of the engine's own size)
+            manager_kwargs = {**manager_kwargs, "page_bytes": kv_block_bytes}
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, max_model_len=max_model_len, eviction=eviction, index=index,
@@ -448,6 +446,8 @@ class Engine:
         if disk_bytes:
             self._open_disk(disk_dir, reuse=bool(disk_reuse), hash_algo=hash_algo,
                             hash_seed=hash_seed)
+        # (tier, MemoryPages) of the other tiers below the host (remote, one's own).
+        self._memory_tiers = self._open_memory_tiers()
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -874,6 +874,32 @@ class Engine:
         self._disk_collect_bytes = tier.num_blocks * (pages.page_bytes + 4096) * 5 // 4
         self._maybe_collect_disk(force=True)
 
+    def _open_memory_tiers(self) -> list:
+        """Host-memory pages (`page_files.MemoryPages`) for each tier below the host
+        but the disk: a remote store, a tier of one's own (kept on the tier object, so
+        engines sharing a remote store share its pages)."""
+        chain = self.kv_cache_manager.tier_chain
+        out = []
+        for tier in (chain.tiers if chain is not None else ()):
+            if tier.name == "disk":
+                continue
+            from prefixcache.engine.page_files import MemoryPages  # noqa: PLC0415
+
+            pages = self.runner.host_pages
+            store = MemoryPages.for_tier(tier, parts=pages.page_parts,
+                                         num_layers=pages.num_layers)
+            pages.attach_store(tier.name, store)
+            out.append((tier, store))
+        return out
+
+    def _maybe_collect_memory_tiers(self) -> None:
+        """Drops the memory pages of blocks their tier no longer holds once a store
+        holds a quarter more pages than its tier's capacity."""
+        for tier, store in self._memory_tiers:
+            if len(store) > tier.num_blocks * 5 // 4 + 8:
+                live = {int.from_bytes(h, "big") for h in tier.entries}
+                store.retain(lambda key, group: key in live)
+
     def _maybe_collect_disk(self, force: bool = False) -> None:
         """Deletes the page files of blocks the core disk tier no longer holds (loaded
         back, evicted for good, dropped at a reset) once the directory passes
@@ -965,6 +991,8 @@ class Engine:
         self._host_schedule_s += t1 - t0
         if self.disk_files is not None:
             self._maybe_collect_disk()
+        if self._memory_tiers:
+            self._maybe_collect_memory_tiers()
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs

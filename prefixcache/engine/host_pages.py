@@ -53,6 +53,7 @@ Nothing else crosses the host/device boundary; the two transfers run inside a sc
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -293,7 +294,9 @@ class HostPages:
       num_pages_loaded, num_pages_stored: device pages written from host data / host
         slots written from device data (batch-resolved, padding excluded).
       compiled_shapes: (Gp, Hp, Sp) of every copy program run.
-      num_disk_loaded, num_disk_stored: page files read for a batch's loads / written;
+      num_loaded_by_tier, num_stored_by_tier: device pages loaded from each lower tier's
+        pages / pages written to each (Counters by tier name); num_disk_loaded,
+        num_disk_stored: the disk's (page files read into device pages / written);
       num_disk_write_errors: pages whose file could not be written (OSError: a full
         disk; logged, and those blocks are misses when looked up).
     """
@@ -316,12 +319,16 @@ class HostPages:
                       np.dtype(part[0].dtype))
              for _ in range(self.num_layers)] for part in parts)
         self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
-        self._pending_files: dict[tuple[int, int], int] = {}  # (key, group) -> slot
+        # (tier, key, group) -> scratch slot of the batch's stores to a lower tier
+        self._pending_files: dict[tuple[str, int, int], int] = {}
         self._writing: dict[tuple[int, int], concurrent.futures.Future] = {}
         self._writer = None
+        self.stores: dict = {}  # lower tier name -> its page store ("disk": the files)
+        self.num_loaded_by_tier: collections.Counter = collections.Counter()
+        self.num_stored_by_tier: collections.Counter = collections.Counter()
+        self.num_disk_write_errors = 0
         if files is not None:
             self.attach_files(files)
-        self.num_disk_loaded = self.num_disk_stored = self.num_disk_write_errors = 0
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
         self.compiled_shapes: set[tuple[int, int, int]] = set()
@@ -390,8 +397,8 @@ class HostPages:
           The KV arrays to use from now on.
         """
         self.finish()
-        if self.files is not None:
-            transfers = self._disk_to_host_copies(transfers)
+        if self.stores:
+            transfers = self._lower_to_host_copies(transfers)
         plan = plan_host_transfers(transfers, num_blocks=self.num_blocks,
                                    num_host_blocks=self.num_host_blocks + self._num_scratch)
         h = plan.staged_slots.size
@@ -445,10 +452,15 @@ class HostPages:
         pending, self._pending_files = self._pending_files, {}
         if pending:
             self._writing = {k: f for k, f in self._writing.items() if not f.done()}
-        for k, slot in pending.items():
+        for (tier, key, group), slot in pending.items():
             # (copies of the scratch rows: the next batch may reuse them at once)
             arrays = [np.stack([p[slot] for p in part]) for part in self._host]
-            self._writing[k] = self._writer.submit(self._write_page, k, arrays)
+            if tier == "disk":
+                k = (key, group)
+                self._writing[k] = self._writer.submit(self._write_page, k, arrays)
+            else:
+                self.stores[tier].write(key, group, arrays)
+                self.num_stored_by_tier[tier] += 1
 
     def _write_page(self, k: tuple[int, int], arrays: list) -> None:
         """Writes one page file (on the writer thread)."""
@@ -463,7 +475,7 @@ class HostPages:
                 _log.warning("disk tier: page of key %#x not written (%s); %d so far: such "
                              "blocks are misses", k[0], e, self.num_disk_write_errors)
             return
-        self.num_disk_stored += 1
+        self.num_stored_by_tier["disk"] += 1
 
     def _wait_written(self, k: tuple[int, int]) -> None:
         """Waits for the pending write of page `k`, if any (a read sees the last store)."""
@@ -501,12 +513,29 @@ class HostPages:
             raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
                              f"arrays' {self.num_layers} x {want}")
         self.files = files
-        self._grow_scratch(2 * MIN_ROWS)
+        self.attach_store("disk", files)
         # NOTE: one writer thread, first in first out: two stores of one key land in
         # order. A file write with its fsync takes ~10 ms per 512 KiB page here; on
         # the engine thread it would hold up the next step.
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="prefixcache-disk-writer")
+
+    def attach_store(self, tier: str, store) -> None:
+        """Serves the copies of the lower tier named `tier` from `store` (read(key,
+        group) -> part arrays or None, write(key, group, arrays): `PageFiles` for the
+        disk, `MemoryPages` for a tier of one's own)."""
+        if tier in ("device", "host") or tier in self.stores:
+            raise ValueError(f"tier {tier!r}: already served or not a lower tier")
+        self.stores[tier] = store
+        self._grow_scratch(2 * MIN_ROWS)
+
+    @property
+    def num_disk_loaded(self) -> int:
+        return self.num_loaded_by_tier["disk"]
+
+    @property
+    def num_disk_stored(self) -> int:
+        return self.num_stored_by_tier["disk"]
 
     def validate(self, key: int, group: int = 0) -> bool:
         """Whether block `key`'s page file of `group` is there and passes every check
@@ -527,64 +556,80 @@ class HostPages:
         schedule, so pages checked for requests that were not admitted are not held)."""
         self._validated.clear()
 
-    def _disk_to_host_copies(self, transfers: Sequence) -> list:
+    def _lower_to_host_copies(self, transfers: Sequence) -> list:
         """The batch's list as host copies over scratch slots (module doc), with the
-        files its loads read staged into their slots and the stores recorded for
-        `finish`."""
+        pages its loads read (files, or a tier's memory pages) staged into their slots
+        and the stores recorded for `finish`."""
         base = self.num_host_blocks
-        slots: dict[tuple[int, int], int] = {}   # (key, group) -> scratch slot
-        reads: list[tuple[tuple[int, int], int]] = []
+        slots: dict[tuple[str, int, int], int] = {}   # (tier, key, group) -> scratch slot
+        reads: list[tuple[tuple[str, int, int], int]] = []
         ops = []
+
+        def host_slot(i, t):
+            if not 0 <= i < base:
+                raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of range "
+                                 f"[0, {base})")
+            return i
+
+        def lower_slot(tier, key, group, t, *, read: bool) -> int:
+            if tier not in self.stores:
+                raise ValueError(f"tier transfer {tuple(t)!r}: the engine copies pages "
+                                 f"between device, host and {', '.join(self.stores)} only")
+            k = (tier, int(key), int(group))
+            if k not in slots:
+                slots[k] = base + len(slots)
+                if read:  # (its content before the batch)
+                    reads.append((k, slots[k]))
+            return slots[k]
+
         for t in transfers:
             if len(t) != 7:  # a HostTransfer: (kind, block_id, host_slot)
                 ops.append(t)
                 continue
             kind, src, src_id, dst, dst_id, _key, group = t
-            if (src, dst) == ("device", "host") and kind == "store":
-                ops.append(("store", src_id, dst_id))
-            elif (src, dst) == ("host", "device") and kind == "load":
-                ops.append(("load", dst_id, src_id))
-            elif dst == "disk" and kind == "store" and src in ("device", "host"):
-                k = (int(dst_id), int(group))
-                slot = slots.setdefault(k, base + len(slots))
-                if src == "device":
-                    ops.append(("store", src_id, slot))
+            if kind not in ("store", "load") or src == dst:
+                raise ValueError(f"tier transfer {tuple(t)!r}: kind must be 'store' or "
+                                 "'load', between two tiers")
+            if dst == "device":
+                if src == "host":
+                    ops.append(("load", dst_id, src_id))
                 else:
-                    if not 0 <= src_id < base:
-                        raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of "
-                                         f"range [0, {base})")
-                    ops.append(("host_copy", slot, src_id))
-                self._pending_files[k] = slot
-            elif src == "disk" and kind == "load" and dst in ("device", "host"):
-                k = (int(src_id), int(group))
-                if k not in slots:
-                    slots[k] = base + len(slots)
-                    reads.append((k, slots[k]))
-                if dst == "device":
-                    ops.append(("load", dst_id, slots[k]))
-                else:
-                    if not 0 <= dst_id < base:
-                        raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of "
-                                         f"range [0, {base})")
-                    ops.append(("host_copy", dst_id, slots[k]))
+                    ops.append(("load", dst_id,
+                                lower_slot(src, src_id, group, t, read=True)))
+                    self.num_loaded_by_tier[src] += 1
+                continue
+            if src == "device":
+                if dst == "host":
+                    ops.append(("store", src_id, dst_id))
+                    continue
+                slot = lower_slot(dst, dst_id, group, t, read=False)
+                ops.append(("store", src_id, slot))
             else:
-                raise ValueError(f"tier transfer {tuple(t)!r}: the engine copies pages "
-                                 "between device, host and disk only")
+                src_slot = (host_slot(src_id, t) if src == "host"
+                            else lower_slot(src, src_id, group, t, read=True))
+                if dst == "host":
+                    ops.append(("host_copy", host_slot(dst_id, t), src_slot))
+                    continue
+                slot = lower_slot(dst, dst_id, group, t, read=False)
+                ops.append(("host_copy", slot, src_slot))
+            self._pending_files[(dst, int(dst_id), int(group))] = slot
         self._grow_scratch(len(slots))
-        for k, slot in reads:
-            got = self._validated.pop(k, None)
+        for (tier, key, group), slot in reads:
+            got = None
+            if tier == "disk":
+                got = self._validated.pop((key, group), None)
+                if got is None:
+                    self._wait_written((key, group))
             if got is None:
-                self._wait_written(k)
-                got = self.files.read(*k)
+                got = self.stores[tier].read(key, group)
             if got is None:
                 # NOTE: the manager promised this page (validated at lookup, or preloaded
                 # and never checked): fail loudly, the step's recovery resets the cache.
-                raise RuntimeError(f"disk page of key {k[0]:#x} (group {k[1]}) is gone "
+                raise RuntimeError(f"{tier} page of key {key:#x} (group {group}) is gone "
                                    "or corrupt at load")
             for part, arr in zip(self._host, got):
                 for l, p in enumerate(part):
                     p[slot] = arr[l]
-            self.num_disk_loaded += 1
         self._validated.clear()
         return ops
 

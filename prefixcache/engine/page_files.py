@@ -377,3 +377,77 @@ class PageFiles:
             except FileNotFoundError:
                 return 0, kg
         return sorted(self.keys(), key=age)
+
+
+class MemoryPages:
+    """The KV pages of a lower tier the engine keeps in host memory (a tier of one's
+    own, a remote store): the page store interface of `PageFiles` over a dict.
+
+    One `MemoryPages` may serve several engines that share a tier object (a remote
+    store shared by replicas in one process): it is kept on the tier (`for_tier`).
+
+    Args:
+      parts, num_layers: as `PageFiles` (the layout every page must have).
+
+    Attributes:
+      num_written, num_read: pages written / read.
+    """
+
+    def __init__(self, *, parts: Sequence[tuple[Sequence[int], object]], num_layers: int):
+        self.parts = tuple((tuple(int(d) for d in shape), np.dtype(dtype))
+                           for shape, dtype in parts)
+        self.num_layers = int(num_layers)
+        self.page_bytes = self.num_layers * sum(
+            int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in self.parts)
+        self._pages: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self.num_written = self.num_read = 0
+
+    @classmethod
+    def for_tier(cls, tier, *, parts, num_layers: int) -> "MemoryPages":
+        """The pages kept on `tier` (its attribute ``engine_pages``), made on first use;
+        ValueError when another engine's pages there have another layout."""
+        pages = getattr(tier, "engine_pages", None)
+        if pages is None:
+            pages = cls(parts=parts, num_layers=num_layers)
+            tier.engine_pages = pages
+        elif pages.parts != tuple((tuple(s), np.dtype(d)) for s, d in parts) or \
+                pages.num_layers != num_layers:
+            raise ValueError(f"the {tier.name} tier already holds pages of another layout "
+                             f"({pages.num_layers} x {pages.parts}): engines sharing a tier "
+                             "must run the same model and KV dtype")
+        return pages
+
+    def write(self, key: int, group: int, arrays: Sequence[np.ndarray]) -> None:
+        got = tuple(np.asarray(a) for a in arrays)
+        if len(got) != len(self.parts) or any(
+                a.shape != (self.num_layers, *s) or a.dtype != d
+                for a, (s, d) in zip(got, self.parts)):
+            raise ValueError(f"arrays: parts {[(a.shape, a.dtype) for a in got]}, expected "
+                             f"{[((self.num_layers, *s), d) for s, d in self.parts]}")
+        self._pages[(int(key), int(group))] = got
+        self.num_written += 1
+
+    def read(self, key: int, group: int = 0) -> tuple[np.ndarray, ...] | None:
+        got = self._pages.get((int(key), int(group)))
+        if got is not None:
+            self.num_read += 1
+        return got
+
+    def discard(self, key: int, group: int = 0) -> bool:
+        return self._pages.pop((int(key), int(group)), None) is not None
+
+    def retain(self, keep) -> int:
+        gone = [kg for kg in list(self._pages) if not keep(*kg)]
+        for kg in gone:
+            del self._pages[kg]
+        return len(gone)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._pages)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._pages) * self.page_bytes

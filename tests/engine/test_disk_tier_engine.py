@@ -103,6 +103,31 @@ def test_radix_index_with_the_disk_tier_equals_cache_off(off, tmp_path):
     eng.kv_cache_manager.check_invariants()
 
 
+def test_a_tier_of_ones_own_and_a_remote_store_keep_pages_in_memory(off):
+    # A toy tier (a KeyTier subclass, no edit of prefixcache/) under a 4-slot host tier,
+    # then a remote store: the engine keeps their pages in host memory.
+    from prefixcache.core.tiers import KeyTier, TierLink
+
+    class SlowMemory(KeyTier):
+        name, medium, link = "slow", "SLOW", TierLink(1e9, 1e-3)
+
+    eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON,
+                 num_host_blocks=4, manager_kwargs={
+                     "tiers": ({"tier": SlowMemory, "num_blocks": 12},),
+                     "remote_bytes": 64 * PAGE_BYTES})
+    _same(_serve(eng, _rounds()), off[1])
+    by_tier = eng.metrics().hit_tokens_by_tier
+    assert by_tier["slow"] > 0 and by_tier["remote"] > 0
+    pages = eng.runner.host_pages
+    assert pages.num_loaded_by_tier["slow"] * BS == by_tier["slow"]
+    assert set(pages.stores) == {"slow", "remote"} and eng.disk_files is None
+    chain = eng.kv_cache_manager.tier_chain
+    for name in ("slow", "remote"):  # every block a tier holds has its page
+        held = {k for k, _ in pages.stores[name].keys()}
+        assert held >= {int.from_bytes(h, "big") for h in chain.get(name).entries}
+    eng.kv_cache_manager.check_invariants()
+
+
 def test_a_full_disk_evicts_and_its_files_stay_bounded(off, tmp_path):
     eng = Engine(ModelConfig.tiny(), share_programs_with=off[0], **COMMON,
                  num_host_blocks=4, disk_bytes=6 * PAGE_BYTES, disk_dir=tmp_path)
@@ -267,7 +292,6 @@ def test_bad_disk_options_fail_before_anything_is_built(kw, match, tmp_path, mon
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (dict(remote_bytes=1 << 20), "remote_bytes"),
     (dict(disk_bytes=1 << 20, page_bytes=1000), "page_bytes=1000"),
 ])
 def test_cache_config_tiers_the_engine_cannot_serve_are_refused(cfg, match, monkeypatch):
