@@ -922,11 +922,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 if hashes is None:
                     request.bind_hasher(self.hasher, bs)
                     hashes = request.block_hashes
-                if not tier.lower.check_hit(b) or i >= len(hashes) or hashes[i] != b.block_hash:
-                    raise ValueError(
-                        f"{b!r} is not a current tier hit of this manager for block #{i} of "
-                        f"request {request.request_id!r} (already promoted, reordered, or the "
-                        "entry changed since get_computed_blocks)")
+                _check_tier_hit(tier.lower, b, i, hashes, request)
                 loads.append(i)
             else:
                 raise ArgumentTypeError(
@@ -1160,6 +1156,16 @@ def _check_lower_tiers_served(cls: type) -> None:
             "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
             "served by the hash and radix indexes with one full-attention group; "
             f"{cls.__name__} does not demote past its host tier")
+
+
+def _check_tier_hit(chain, b, i: int, hashes, request) -> None:
+    """Both indexes' rule for a ``TierHit`` at position ``i`` of a hit list: a current
+    entry of a tier of ``chain`` for the request's block ``i``; ``ValueError`` otherwise."""
+    if not chain.check_hit(b) or i >= len(hashes) or hashes[i] != b.block_hash:
+        raise ValueError(
+            f"{b!r} is not a current tier hit of this manager for block #{i} of request "
+            f"{request.request_id!r} (already promoted, reordered, or the entry changed "
+            "since get_computed_blocks)")
 
 
 def _check_host_hit(tier, b, i: int, hashes, seen: set, request) -> None:

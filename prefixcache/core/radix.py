@@ -121,6 +121,7 @@ from prefixcache.core.kv_cache_manager import (
     _check_computed_fit,
     _check_host_hit,
     _check_request,
+    _check_tier_hit,
     _check_sizes,
     _held_states,
     _init_lookup_counters,
@@ -992,12 +993,7 @@ class RadixKVCacheManager(HostTierAPI):
             seen: set[int] = set()
             for i, b in enumerate(host, num_dev):
                 if type(b) is TierHit and tier.lower is not None:
-                    if (not tier.lower.check_hit(b) or i >= len(hashes)
-                            or hashes[i] != b.block_hash):
-                        raise ValueError(
-                            f"{b!r} is not a current tier hit of this manager for block "
-                            f"#{i} of request {request.request_id!r} (already promoted, "
-                            "reordered, or the entry changed since get_computed_blocks)")
+                    _check_tier_hit(tier.lower, b, i, hashes, request)
                     continue
                 if type(b) is not HostHit:
                     raise (ValueError if type(b) is KVCacheBlock else ArgumentTypeError)(

@@ -230,3 +230,59 @@ def test_miss_reasons_name_each_tier():
     r = Request("again2", list(range(200, 205)))
     _, hit = m.get_computed_blocks(r)
     assert hit == 0 and acct.classify(r, 0) == {"evicted": 1, "corrupt_disk": 1, "partial": 1}
+
+
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_stale_tier_hit_is_refused_before_any_change(index):
+    m = KVCacheManager(2, BS, index=index, num_host_blocks=1, disk_bytes=400, page_bytes=100)
+    a, _ = _run(m, "a", list(range(5)))
+    for i in range(2):
+        _run(m, f"x{i}", list(range(100 * (i + 1), 100 * (i + 1) + 5)))
+    r = Request("a2", list(range(5)))
+    blocks, hit = m.get_computed_blocks(r)
+    assert hit == 4 and type(blocks.blocks[0][0]) is TierHit
+    disk = m.tier_chain.get("disk")
+    disk.discard(a.block_hashes[0])  # the entry changed since the lookup
+    m.take_host_transfers()
+    before = (m.free_block_ids(), list(disk.entries), m.hit_tokens_by_tier)
+    with pytest.raises(ValueError, match="not a current tier hit"):
+        m.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+    assert m.take_host_transfers() == []  # no copy recorded
+    assert (m.free_block_ids(), list(disk.entries), m.hit_tokens_by_tier) == before
+    m.check_invariants()
+
+
+def test_lower_tier_lru_map_equals_the_keyed_policy():
+    # The disk's lru (its ordered map, no policy object) and the keyed LRUPolicy
+    # (fast_path False), under the host's fast and keyed lru: the same hits, the same
+    # transfers, the same disk contents in the same eviction order.
+    from prefixcache.sim import workloads
+
+    reqs = workloads.generate("multi_turn", seed=3, num_conversations=10, num_turns=4)
+    runs = []
+    for host_opts, disk_opts in ((None, None), (None, {"fast_path": False}),
+                                 ({"fast_path": False}, {"fast_path": False})):
+        m = KVCacheManager(40, 16, num_host_blocks=8, host_eviction_options=host_opts,
+                           disk_bytes=20000, page_bytes=100, disk_eviction_options=disk_opts)
+        disk = m.tier_chain.get("disk")
+        assert (disk.policy is None) == (disk_opts is None)
+        hits, transfers, running = [], [], []
+        for i, tr in enumerate(reqs):
+            req = Request(str(i), tr.prompt)
+            while True:
+                blocks, hit = m.get_computed_blocks(req)
+                new = m.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+                if new is not None or not running:
+                    break
+                m.free(running.pop(0))
+            hits.append(hit)
+            if new is not None:
+                running.append(req)
+            if len(running) > 3:
+                m.free(running.pop(0))
+            transfers += m.take_host_transfers()
+            m.check_invariants()
+        runs.append((hits, transfers, disk.eviction_order(), disk.num_evicted,
+                     m.hit_tokens_by_tier))
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0][3] > 0 and runs[0][4]["disk"] > 0  # disk evictions and hits happened
