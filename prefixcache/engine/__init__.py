@@ -7,7 +7,8 @@ Modules: `engine` (`Engine(model_config, *, cache_config=..., ...)`: `generate`,
 `prefixcache.scheduling` policy, chunked prefill, preemption, LoRA slots),
 `block_table` (one int32 row per running request), `model_runner` (`ModelRunner`: one
 jitted device step from `prefixcache.metadata`'s arrays), `host_pages` (the host tier's
-pages and their transfers), `sampler` / `sampling_params`, `outputs` (`RequestOutput`,
+pages and the batched copies of every tier), `page_files` (the disk tier's KV page
+files), `sampler` / `sampling_params`, `outputs` (`RequestOutput`,
 metrics), `distributed` (one process per host), `faults` (fault injection points),
 `warmup` (`Engine.warmup`: every step program compiled before any request; JAX's
 persistent compilation cache, `enable_compilation_cache`).

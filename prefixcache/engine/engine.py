@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import operator
 import time
@@ -114,6 +115,20 @@ class Engine:
         page's scales, moved together.
       host_eviction: the host tier's eviction policy (a `prefixcache.core.eviction`
         name; not belady).
+      disk_dir, disk_bytes: the disk tier under the host tier (off unless both are
+        given; it needs `num_host_blocks`): blocks the host tier evicts are demoted to
+        KV page files in `disk_dir` (`prefixcache.engine.page_files`: one file per
+        block key, header + crc32, written to a temporary file and renamed), at most
+        `disk_bytes` of pages (an int or a string such as "8GiB"; the core disk tier
+        holds `disk_bytes // kv_bytes_per_block` blocks), and loaded back into device
+        pages on a hit, in the same batched copies as the host tier's. A page file
+        that fails its checks at lookup is a miss (`corrupt_disk`), never wrong KV.
+      disk_eviction: the disk tier's eviction policy (an online
+        `prefixcache.core.eviction` name).
+      disk_reuse: keep the pages of an earlier run over `disk_dir` of the same model,
+        KV dtype, block size and hash algorithm and seed (`disk_fingerprint`) and
+        preload the disk tier with them, oldest first; False (default): the
+        directory's pages of this fingerprint are deleted at start (other files stay).
       kv_dtype: the KV pages' dtype, one of `prefixcache.kv_dtypes.KV_DTYPES`
         ("bfloat16", "float32", "float8_e4m3fn", "int8"); None (default): the model's
         dtype, as before. float8_e4m3fn / int8 store per-(page, kv head) scales
@@ -123,8 +138,11 @@ class Engine:
       cache_config: a `prefixcache.CacheConfig` holding the cache keywords above
         (`num_blocks` / `kv_cache_bytes`, `block_size`, `enable_caching`,
         `max_model_len`, `hash_algo`, `hash_seed`, `eviction`, `index`, the host tier,
-        `kv_dtype`) and the manager's `free_order`, `eviction_options`,
-        `host_eviction_options`, `enable_events`; a cache keyword given with a
+        the disk tier's `disk_bytes` / `disk_eviction`, `kv_dtype`) and the manager's
+        `free_order`, `eviction_options`, `host_eviction_options`, `enable_events`
+        (`page_bytes` must be unset or the engine's `kv_bytes_per_block`; a remote
+        store or tiers of one's own, `remote_bytes` / `tiers`, keep their pages in host
+        memory: `page_files.MemoryPages`); a cache keyword given with a
         non-default value overrides its field. Its `kv_cache_groups` must be None (they
         come from the model config).
       kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
@@ -179,6 +197,8 @@ class Engine:
         the host, least recently used first (with enable_lora; the device slots are
         `runner.lora_slots`): at most `max_cpu_loras`, or more while unfinished
         requests name more (see `max_cpu_loras`).
+      disk_files: the disk tier's `prefixcache.engine.page_files.PageFiles` (None
+        without one); disk_fingerprint: the identity its pages are written under.
       last_scheduler_output: the SchedulerOutput of the latest step.
       last_step_times: (schedule, prepare, device, update) seconds of the latest step
         that ran the model.
@@ -212,16 +232,21 @@ class Engine:
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
                  tokenizer=None, cache_config=None, miss_reasons: bool = False,
-                 residency: float | None = None):
+                 residency: float | None = None,
+                 disk_dir=None, disk_bytes: int | str = 0, disk_eviction: str = "lru",
+                 disk_reuse: bool = False):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
-             manager_kwargs) = _unpack_cache_config(cache_config, manager_kwargs, dict(
-                 num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching,
-                 max_model_len=max_model_len, hash_algo=hash_algo, hash_seed=hash_seed,
-                 eviction=eviction, index=index, num_host_blocks=num_host_blocks,
-                 host_eviction=host_eviction, kv_dtype=kv_dtype,
-                 kv_cache_bytes=kv_cache_bytes))
+             disk_bytes, disk_eviction, manager_kwargs) = _unpack_cache_config(
+                 cache_config, manager_kwargs, dict(
+                     num_blocks=num_blocks, block_size=block_size,
+                     enable_caching=enable_caching, max_model_len=max_model_len,
+                     hash_algo=hash_algo, hash_seed=hash_seed, eviction=eviction,
+                     index=index, num_host_blocks=num_host_blocks,
+                     host_eviction=host_eviction, kv_dtype=kv_dtype,
+                     kv_cache_bytes=kv_cache_bytes, disk_bytes=disk_bytes,
+                     disk_eviction=disk_eviction))
         from prefixcache._validate import check_count
         from prefixcache.core import KVCacheManager
         from prefixcache.core.eviction import get_policy_class
@@ -240,10 +265,16 @@ class Engine:
             raise ValueError(f"eviction={eviction!r} needs the trace's future (an offline "
                              "bound for the replay): an online engine has none")
         get_index_class(index)  # unknown name -> ValueError
-        if manager_kwargs and ({"eviction", "index", "num_host_blocks", "host_eviction"}
-                               & set(manager_kwargs)):
-            raise ValueError("pass eviction=, index=, num_host_blocks= and host_eviction= "
-                             "to Engine, not in manager_kwargs")
+        if manager_kwargs and ({"eviction", "index", "num_host_blocks", "host_eviction",
+                                "disk_bytes", "disk_eviction"} & set(manager_kwargs)):
+            raise ValueError("pass eviction=, index=, num_host_blocks=, host_eviction=, "
+                             "disk_bytes= and disk_eviction= to Engine, not in manager_kwargs")
+        if manager_kwargs:
+            page = manager_kwargs.get("page_bytes")
+            if page is not None and page != kv_block_bytes:
+                raise ValueError(f"page_bytes={page!r}: the engine's page is "
+                                 f"{kv_block_bytes} bytes (every layer, {kv_dtype}); leave "
+                                 "page_bytes unset")
         if manager_kwargs and "kv_cache_groups" in manager_kwargs:
             from prefixcache.core.kv_groups import (  # noqa: PLC0415
                 check_kv_cache_groups,
@@ -265,6 +296,10 @@ class Engine:
         if get_policy_class(host_eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"host_eviction={host_eviction!r} needs the trace's future: "
                              "an online engine has none")
+        disk_bytes = _check_disk(disk_dir=disk_dir, disk_bytes=disk_bytes,
+                                 disk_eviction=disk_eviction, disk_reuse=disk_reuse,
+                                 num_host_blocks=num_host_blocks, hash_algo=hash_algo,
+                                 hash_seed=hash_seed, enable_caching=enable_caching)
         kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index)
         if kv_cache_groups is not None and num_host_blocks:
             # NOTE: served by the hash index (per-group host slots, core/hybrid.py): a
@@ -367,6 +402,13 @@ class Engine:
         if num_host_blocks:
             manager_kwargs = {**dict(manager_kwargs or {}), "num_host_blocks": num_host_blocks,
                               "host_eviction": host_eviction}
+        if disk_bytes:
+            manager_kwargs = {**manager_kwargs, "disk_bytes": disk_bytes,
+                              "disk_eviction": disk_eviction}
+        if manager_kwargs and (disk_bytes or any(
+                manager_kwargs.get(k) for k in ("remote_bytes", "remote", "tiers"))):
+            # (the tiers below the host are sized in pages of the engine's own size)
+            manager_kwargs = {**manager_kwargs, "page_bytes": kv_block_bytes}
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_caching=enable_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, max_model_len=max_model_len, eviction=eviction, index=index,
@@ -421,6 +463,13 @@ class Engine:
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
             lora_slots=lora_slots, lora_adapters=self.lora_adapters,
             num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
+        self.disk_files = None
+        self.disk_fingerprint = None
+        if disk_bytes:
+            self._open_disk(disk_dir, reuse=bool(disk_reuse), hash_algo=hash_algo,
+                            hash_seed=hash_seed)
+        # (tier, MemoryPages) of the other tiers below the host (remote, one's own).
+        self._memory_tiers = self._open_memory_tiers()
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False
@@ -815,6 +864,81 @@ class Engine:
         req = state.request
         return list(req.all_token_ids[req.num_prompt_tokens + start:])
 
+    # -- the disk tier --------------------------------------------------------------
+
+    def _disk_tier(self):
+        """The manager's disk tier (the core `DiskTier` of its tier chain)."""
+        chain = self.kv_cache_manager.tier_chain
+        tier = None if chain is None else chain.get("disk")
+        assert tier is not None, "a disk tier was asked for, the manager has none"
+        return tier
+
+    def _open_disk(self, disk_dir, *, reuse: bool, hash_algo, hash_seed) -> None:
+        """Opens the page files, hooks their check into the core disk tier (its
+        `validator`) and preloads the tier (`reuse`) or empties the store."""
+        from prefixcache.engine.page_files import PageFiles  # noqa: PLC0415
+
+        pages = self.runner.host_pages
+        self.disk_fingerprint = disk_fingerprint(
+            self.model, self.model_config, kv_dtype=self.kv_dtype,
+            block_size=self.block_size, hash_algo=hash_algo, hash_seed=hash_seed)
+        files = PageFiles(disk_dir, fingerprint=self.disk_fingerprint,
+                          block_size=self.block_size, parts=pages.page_parts,
+                          num_layers=pages.num_layers)
+        pages.attach_files(files)
+        tier = self._disk_tier()
+        tier.validator = pages.validate
+        if reuse:
+            # NOTE: oldest first, so the tier's policy evicts the oldest pages first
+            # when the directory holds more than the budget.
+            tier.preload([k for k, g in files.keys_oldest_first()
+                          if g == 0 and 0 <= k < 1 << (8 * tier.key_bytes)])
+        else:
+            files.clear()
+        self.disk_files = files
+        # The directory may exceed the tier's budget by a quarter before the files of
+        # blocks the tier no longer holds are deleted (`_maybe_collect_disk`).
+        self._disk_collect_bytes = tier.num_blocks * (pages.page_bytes + 4096) * 5 // 4
+        self._maybe_collect_disk(force=True)
+
+    def _open_memory_tiers(self) -> list:
+        """Host-memory pages (`page_files.MemoryPages`) for each tier below the host
+        but the disk: a remote store, a tier of one's own (kept on the tier object, so
+        engines sharing a remote store share its pages)."""
+        chain = self.kv_cache_manager.tier_chain
+        out = []
+        for tier in (chain.tiers if chain is not None else ()):
+            if tier.name == "disk":
+                continue
+            from prefixcache.engine.page_files import MemoryPages  # noqa: PLC0415
+
+            pages = self.runner.host_pages
+            store = MemoryPages.for_tier(tier, parts=pages.page_parts,
+                                         num_layers=pages.num_layers)
+            pages.attach_store(tier.name, store)
+            out.append((tier, store))
+        return out
+
+    def _maybe_collect_memory_tiers(self) -> None:
+        """Drops the memory pages of blocks their tier no longer holds once a store
+        holds a quarter more pages than its tier's capacity."""
+        for tier, store in self._memory_tiers:
+            if len(store) > tier.num_blocks * 5 // 4 + 8:
+                live = {int.from_bytes(h, "big") for h in tier.entries}
+                store.retain(lambda key, group: key in live)
+
+    def _maybe_collect_disk(self, force: bool = False) -> None:
+        """Deletes the page files of blocks the core disk tier no longer holds (loaded
+        back, evicted for good, dropped at a reset) once the directory passes
+        `_disk_collect_bytes` (amortized: each pass removes at least a fifth)."""
+        files = self.disk_files
+        if files is None or not (force or files.nbytes > self._disk_collect_bytes):
+            return
+        tier = self._disk_tier()
+        width, entries = tier.key_bytes, tier.entries
+        files.retain(lambda key, group: group == 0 and 0 <= key < 1 << (8 * width)
+                     and key.to_bytes(width, "big") in entries)
+
     # -- stepping -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -824,6 +948,8 @@ class Engine:
           The requests that finished since the previous step (incl. rejected ones).
         """
         t0 = time.perf_counter()
+        if self.disk_files is not None:
+            self.runner.host_pages.forget_validated()
         sched = self.scheduler.schedule()
         # The host tier's copies of this schedule (demotions, promotions); None: off.
         transfers = (self.kv_cache_manager.take_host_transfers() if self.num_host_blocks
@@ -890,6 +1016,10 @@ class Engine:
             self.runner.apply_host_transfers(transfers)
             self.runner.host_pages.finish()
         self._host_schedule_s += t1 - t0
+        if self.disk_files is not None:
+            self._maybe_collect_disk()
+        if self._memory_tiers:
+            self._maybe_collect_memory_tiers()
         self.last_scheduler_output = sched
         outs, self._pending_outputs = self._pending_outputs, []
         return outs
@@ -1152,6 +1282,7 @@ class Engine:
         self._device_s = self._host_update_s = 0.0
         self._evictions_base = self._num_evictions_total()
         self._host_base = self._host_counters()
+        self._tier_base = self._tier_counters()
         self._preemptions_base = self.scheduler.num_preemptions
 
     def _host_counters(self) -> tuple[int, int, int, int] | None:
@@ -1173,6 +1304,32 @@ class Engine:
                     host_bytes_stored=stored * pages.page_bytes,
                     host_pool_bytes=pages.nbytes,
                     host_copy_programs=len(pages.compiled_shapes))
+
+    def _tier_counters(self) -> tuple[dict | None, tuple[int, int, int] | None]:
+        """(the manager's cumulative hit tokens by tier or None, the disk pages'
+        (loaded, stored, corrupt, write errors) or None)."""
+        by_tier = getattr(self.kv_cache_manager, "hit_tokens_by_tier", None)
+        files = getattr(self, "disk_files", None)
+        pages = self.runner.host_pages if files is not None else None
+        return (None if by_tier is None else dict(by_tier),
+                None if files is None else (pages.num_disk_loaded, pages.num_disk_stored,
+                                            files.num_corrupt, pages.num_disk_write_errors))
+
+    def _tier_metrics(self) -> dict:
+        (by_tier, disk), (by_tier0, disk0) = self._tier_counters(), self._tier_base
+        out = {}
+        if by_tier is not None and self.num_host_blocks:
+            by_tier0 = by_tier0 or {}
+            out["hit_tokens_by_tier"] = {k: v - by_tier0.get(k, 0) for k, v in by_tier.items()}
+        if disk is not None:
+            disk0 = disk0 or (0, 0, 0, 0)
+            loaded, stored, corrupt, failed = (a - b for a, b in zip(disk, disk0))
+            page = self.runner.host_pages.page_bytes
+            out.update(disk_blocks_loaded=loaded, disk_blocks_stored=stored,
+                       disk_bytes_loaded=loaded * page, disk_bytes_stored=stored * page,
+                       disk_corrupt=corrupt, disk_write_errors=failed,
+                       disk_used_bytes=self.disk_files.nbytes)
+        return out
 
     def _num_evictions_total(self) -> int:
         return int(self.kv_cache_manager.num_evictions)
@@ -1207,7 +1364,7 @@ class Engine:
             miss_reasons=self._miss_summary(),
             residency=(None if self.residency is None else self.residency.summary(
                 time.monotonic() - self.scheduler._t0)),
-            **self._host_metrics())
+            **self._host_metrics(), **self._tier_metrics())
 
     def _miss_summary(self) -> dict | None:
         """The finished requests' miss reasons summed, per tenant and per adapter."""
@@ -1228,15 +1385,89 @@ class Engine:
                 "per_adapter": {k: full_reasons(v) for k, v in adapters.items()}}
 
 
+def _check_disk(*, disk_dir, disk_bytes, disk_eviction, disk_reuse, num_host_blocks,
+                hash_algo, hash_seed, enable_caching) -> int:
+    """The disk tier's byte budget (0: off), or ValueError naming the bad argument."""
+    import os  # noqa: PLC0415
+
+    from prefixcache.core.eviction import get_policy_class  # noqa: PLC0415
+    from prefixcache.kv_dtypes import parse_bytes  # noqa: PLC0415
+
+    if not isinstance(disk_reuse, (bool, np.bool_)):
+        raise ValueError(f"disk_reuse must be a bool, got {disk_reuse!r}")
+    if isinstance(disk_bytes, bool):
+        raise ValueError(f"disk_bytes must be a byte count, got {disk_bytes!r}")
+    if disk_bytes in (0, None, "0"):
+        if disk_dir is not None or disk_reuse:
+            raise ValueError("disk_dir / disk_reuse need disk_bytes > 0 (the disk tier's "
+                             "budget)")
+        return 0
+    try:
+        disk_bytes = parse_bytes(disk_bytes)
+    except ValueError as e:
+        raise ValueError(f"disk_bytes={disk_bytes!r}: {e}") from None
+    if disk_dir is None:
+        raise ValueError("disk_bytes needs disk_dir (the directory of the KV page files)")
+    try:
+        disk_dir = os.fspath(disk_dir)
+    except TypeError:
+        raise ValueError(f"disk_dir must be a path, got {disk_dir!r}") from None
+    if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+        raise ValueError(f"disk_dir={disk_dir!r} exists and is not a directory")
+    if not num_host_blocks:
+        raise ValueError("disk_bytes needs a host tier (num_host_blocks > 0): the disk tier "
+                         "sits under it and takes the blocks it evicts")
+    if not enable_caching:
+        raise ValueError("disk_bytes needs enable_caching=True (the disk tier holds cached "
+                         "blocks)")
+    if get_policy_class(disk_eviction).needs_future:  # unknown name -> ValueError
+        raise ValueError(f"disk_eviction={disk_eviction!r} needs the trace's future: an "
+                         "online engine has none")
+    if (disk_reuse and hash_seed is None and str(hash_algo).startswith("xxhash")
+            and os.environ.get("PYTHONHASHSEED") is None):
+        raise ValueError(f"disk_reuse=True with hash_algo={hash_algo!r} needs a hash_seed "
+                         "(without one its block keys are random per process: no page of an "
+                         "earlier run could ever be found)")
+    return disk_bytes
+
+
+def disk_fingerprint(model, model_config, *, kv_dtype: str, block_size: int, hash_algo,
+                     hash_seed) -> str:
+    """What makes a disk page's bytes reusable by another engine: the model config, a
+    sample of its weights (the first values of every parameter array, so two
+    checkpoints of one architecture differ), the KV dtype, the block size and the
+    block hashes' algorithm and seed, digested (`page_files.engine_fingerprint`)."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from prefixcache.engine.page_files import FORMAT_VERSION, engine_fingerprint  # noqa: PLC0415
+
+    leaves = jax.tree_util.tree_leaves(nnx.state(model))
+    sample = [x[(0,) * (x.ndim - 1)][:8] if x.ndim else x for x in leaves
+              if hasattr(x, "ndim")]
+    with jax.transfer_guard("allow"):
+        sample = jax.device_get(sample)
+    weights = hashlib.sha256()
+    for x in sample:
+        weights.update(np.asarray(x).tobytes())
+    return engine_fingerprint("prefixcache kv page", FORMAT_VERSION, repr(model_config),
+                              weights.hexdigest(), kv_dtype, block_size, hash_algo,
+                              repr(hash_seed))
+
+
 # The Engine's cache keywords and their defaults: with `cache_config`, a keyword at a
 # non-default value overrides the config's field of the same name.
 _ENGINE_CACHE = {"num_blocks": None, "block_size": 16, "enable_caching": True,
                  "max_model_len": None, "hash_algo": "sha256", "hash_seed": None,
                  "eviction": "lru", "index": "hash", "num_host_blocks": 0,
-                 "host_eviction": "lru", "kv_dtype": None, "kv_cache_bytes": None}
-# CacheConfig fields the Engine hands to the manager through manager_kwargs.
+                 "host_eviction": "lru", "kv_dtype": None, "kv_cache_bytes": None,
+                 "disk_bytes": 0, "disk_eviction": "lru"}
+# CacheConfig fields the Engine hands to the manager through manager_kwargs (the tiers
+# the engine keeps no pages for, remote and one's own, are refused there; page_bytes
+# must be the engine's own).
 _ENGINE_MANAGER_FIELDS = ("free_order", "eviction_options", "host_eviction_options",
-                          "enable_events")
+                          "enable_events", "page_bytes", "remote_bytes", "remote_eviction",
+                          "tiers")
 
 
 def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:

@@ -31,6 +31,21 @@ a page's values AND its scales (host slots keep both), in the same two transfers
 the same jitted program (each of the two arrays of a layer gathered and scattered
 with the same indices).
 
+The disk tier (`files`: a `prefixcache.engine.page_files.PageFiles`): the manager's
+list then mixes `HostTransfer`s with `TierTransfer(kind, src, src_id, dst, dst_id, key,
+group)`s touching "disk" (a device page or a host slot -> the file of key `dst_id`; the
+file of key `src_id` -> a device page), still sequential copies. `apply` gives each disk
+key the batch touches a scratch host slot (rows after the host tier's slots) and
+rewrites the list into the host copies above: a file read into its scratch slot
+before the batch (its original content), "store" device page -> scratch slot,
+"host_copy" host slot -> scratch slot, "load" scratch slot -> device page. So the disk
+copies run in the same one device_put / one jitted program / one device_get (the
+programs warm-up builds for the host tier serve them); `finish`, after the step's
+dispatch, hands a copy of each stored key's scratch slot to one writer thread, which
+writes its file (temp file, fsync, rename: never a partial page; ~10 ms a 512 KiB page
+here, so not on the engine thread); a read of a key waits for its pending write. A file is read and checksummed once per batch: `validate` (the core
+disk tier's validator at lookup) keeps what it read for the batch's loads.
+
 Nothing else crosses the host/device boundary; the two transfers run inside a scoped
 `jax.transfer_guard("allow")`, so the engine step stays clean under
 `jax.transfer_guard("disallow")`.
@@ -38,7 +53,10 @@ Nothing else crosses the host/device boundary; the two transfers run inside a sc
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
+import logging
 from typing import NamedTuple, Sequence
 
 import jax
@@ -46,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _I32 = np.int32
+_log = logging.getLogger(__name__)
 
 
 # Smallest padded row count of a non-empty gather / scatter (fewer compiled programs;
@@ -97,7 +116,9 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
     """Resolves an ordered list of `HostTransfer`s (sequential copy semantics).
 
     Args:
-      transfers: (kind, block_id, host_slot) tuples, kind "store" or "load".
+      transfers: (kind, block_id, host_slot) tuples, kind "store" or "load"; the
+        engine's disk copies add ("host_copy", dst_slot, src_slot) (host slot ->
+        host slot, `HostPages.apply`).
       num_blocks: allocatable device pages (the padding page is `num_blocks`).
       num_host_blocks: host slots.
 
@@ -108,6 +129,12 @@ def plan_host_transfers(transfers: Sequence, *, num_blocks: int,
     host: dict[int, tuple[bool, int]] = {}  # host slot -> (from_device, id) original
     for t in transfers:
         kind, b, s = t
+        if kind == "host_copy":  # (engine-internal) host slot s -> host slot b
+            if not (0 <= b < num_host_blocks and 0 <= s < num_host_blocks):
+                raise ValueError(f"host copy {tuple(t)!r} out of range (host slots "
+                                 f"[0, {num_host_blocks}))")
+            host[b] = host.get(s, (False, s))
+            continue
         if not (0 <= b < num_blocks and 0 <= s < num_host_blocks):
             raise ValueError(f"host transfer {tuple(t)!r} out of range (device blocks "
                              f"[0, {num_blocks}), host slots [0, {num_host_blocks}))")
@@ -245,14 +272,21 @@ class HostPages:
         in `pages[l][s]` and its scales in `scales[l][s]`, always written together;
       - at most one batch is pending (`apply` done, `finish` not yet): its gathered
         pages are written into their host slots by `finish` (called after the step's
-        dispatch, and at the latest by the next `apply`).
+        dispatch, and at the latest by the next `apply`), then its disk stores into
+        their files;
+      - with `files`, the host arrays have scratch rows after the host tier's slots
+        (`pages` / `scales` show the slots only): the disk keys of the batch being
+        applied; nothing is kept in them between batches.
 
     Args:
       kv_caches: the device KV arrays: L arrays, or L (pages, scales) pairs for a
         quantized KV (shapes, dtypes and sharding are taken from them).
       num_blocks: allocatable device pages (padding page id = num_blocks).
-      num_host_blocks: host slots (> 0).
+      num_host_blocks: host slots (> 0; 0 with `files`: a disk tier right under the
+        device).
       mesh: the runner's mesh (KV sharded over kv heads) or None.
+      files: the disk tier's page files (`PageFiles` of the KV arrays' page shapes and
+        dtypes), or None (no disk tier).
 
     Attributes:
       num_h2d, num_d2h: `jax.device_put` / `jax.device_get` calls made (one each at
@@ -260,9 +294,15 @@ class HostPages:
       num_pages_loaded, num_pages_stored: device pages written from host data / host
         slots written from device data (batch-resolved, padding excluded).
       compiled_shapes: (Gp, Hp, Sp) of every copy program run.
+      num_loaded_by_tier, num_stored_by_tier: device pages loaded from each lower tier's
+        pages / pages written to each (Counters by tier name); num_disk_loaded,
+        num_disk_stored: the disk's (page files read into device pages / written);
+      num_disk_write_errors: pages whose file could not be written (OSError: a full
+        disk; logged, and those blocks are misses when looked up).
     """
 
-    def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None):
+    def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None,
+                 files=None):
         parts = _parts(kv_caches)
         first = parts[0][0]
         self.num_layers = len(kv_caches)
@@ -270,12 +310,25 @@ class HostPages:
         self.dtype = np.dtype(first.dtype)
         self.num_blocks = int(num_blocks)
         self.num_host_blocks = int(num_host_blocks)
+        self.files = None
+        # Scratch slots (rows after the host tier's) of the disk keys of one batch.
+        self._num_scratch = 0
         # One list of per-layer host arrays per part (pages, and scales if quantized).
         self._host = tuple(
-            [np.zeros((self.num_host_blocks, *part[0].shape[1:]), np.dtype(part[0].dtype))
+            [np.zeros((self.num_host_blocks + self._num_scratch, *part[0].shape[1:]),
+                      np.dtype(part[0].dtype))
              for _ in range(self.num_layers)] for part in parts)
-        self.pages = self._host[0]
-        self.scales = self._host[1] if len(parts) > 1 else None
+        self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
+        # (tier, key, group) -> scratch slot of the batch's stores to a lower tier
+        self._pending_files: dict[tuple[str, int, int], int] = {}
+        self._writing: dict[tuple[int, int], concurrent.futures.Future] = {}
+        self._writer = None
+        self.stores: dict = {}  # lower tier name -> its page store ("disk": the files)
+        self.num_loaded_by_tier: collections.Counter = collections.Counter()
+        self.num_stored_by_tier: collections.Counter = collections.Counter()
+        self.num_disk_write_errors = 0
+        if files is not None:
+            self.attach_files(files)
         self.num_h2d = self.num_d2h = 0
         self.num_pages_loaded = self.num_pages_stored = 0
         self.compiled_shapes: set[tuple[int, int, int]] = set()
@@ -296,6 +349,24 @@ class HostPages:
         bits = tuple(_needs_bits(part[0]) for part in parts)
         self._copy = jax.jit(functools.partial(_copy_pages, bits=bits),
                              donate_argnums=0, out_shardings=out)
+
+    @property
+    def pages(self) -> list:
+        """Layer l's host pages, [num_host_blocks, page, 2K, H] (views: writable)."""
+        return [p[:self.num_host_blocks] for p in self._host[0]]
+
+    @property
+    def scales(self) -> list | None:
+        """Layer l's host page scales, f32[num_host_blocks, 2K] (quantized KV), or None."""
+        if len(self._host) < 2:
+            return None
+        return [p[:self.num_host_blocks] for p in self._host[1]]
+
+    @property
+    def page_parts(self) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+        """(page shape, dtype) of each part of one layer's page: the pages, then the
+        scales of a quantized KV (the layout of `PageFiles`)."""
+        return tuple((tuple(part[0].shape[1:]), part[0].dtype) for part in self._host)
 
     @property
     def num_programs_built(self) -> int:
@@ -326,8 +397,10 @@ class HostPages:
           The KV arrays to use from now on.
         """
         self.finish()
+        if self.stores:
+            transfers = self._lower_to_host_copies(transfers)
         plan = plan_host_transfers(transfers, num_blocks=self.num_blocks,
-                                   num_host_blocks=self.num_host_blocks)
+                                   num_host_blocks=self.num_host_blocks + self._num_scratch)
         h = plan.staged_slots.size
         staged = []
         # Original host contents are read (staged) before any host slot is written.
@@ -364,20 +437,208 @@ class HostPages:
 
     def finish(self) -> None:
         """Writes the pending batch's gathered pages (and scales) into their host slots
-        (ONE `jax.device_get`); nothing when none is pending."""
-        if self._pending is None:
+        (ONE `jax.device_get`), then its disk stores into their files; nothing when
+        none is pending."""
+        if self._pending is not None:
+            gathered, slots, rows = self._pending
+            self._pending = None
+            with jax.transfer_guard("allow"):
+                data = jax.device_get(gathered)
+            self.num_d2h += 1
+            for part, got in zip(self._host, data):
+                for l, p in enumerate(part):
+                    p[slots] = got[l][rows]
+            self.num_pages_stored += int(np.count_nonzero(slots < self.num_host_blocks))
+        pending, self._pending_files = self._pending_files, {}
+        if pending:
+            self._writing = {k: f for k, f in self._writing.items() if not f.done()}
+        for (tier, key, group), slot in pending.items():
+            # (copies of the scratch rows: the next batch may reuse them at once)
+            arrays = [np.stack([p[slot] for p in part]) for part in self._host]
+            if tier == "disk":
+                k = (key, group)
+                self._writing[k] = self._writer.submit(self._write_page, k, arrays)
+            else:
+                self.stores[tier].write(key, group, arrays)
+                self.num_stored_by_tier[tier] += 1
+
+    def _write_page(self, k: tuple[int, int], arrays: list) -> None:
+        """Writes one page file (on the writer thread)."""
+        try:
+            self.files.write(*k, arrays)
+        except OSError as e:
+            # NOTE: a page that could not be written (disk full, I/O error) is not an
+            # engine failure: the core tier still lists the block, its lookup finds no
+            # valid file and the block is a miss (never wrong KV).
+            self.num_disk_write_errors += 1
+            if self.num_disk_write_errors == 1 or self.num_disk_write_errors % 1000 == 0:
+                _log.warning("disk tier: page of key %#x not written (%s); %d so far: such "
+                             "blocks are misses", k[0], e, self.num_disk_write_errors)
             return
-        gathered, slots, rows = self._pending
-        self._pending = None
-        with jax.transfer_guard("allow"):
-            data = jax.device_get(gathered)
-        self.num_d2h += 1
-        for part, got in zip(self._host, data):
-            for l, p in enumerate(part):
-                p[slots] = got[l][rows]
-        self.num_pages_stored += int(slots.size)
+        self.num_stored_by_tier["disk"] += 1
+
+    def _wait_written(self, k: tuple[int, int]) -> None:
+        """Waits for the pending write of page `k`, if any (a read sees the last store)."""
+        f = self._writing.pop(k, None)
+        if f is not None:
+            f.result()
+
+    def flush_files(self) -> None:
+        """Waits until every page file stored so far is written (or failed: counted)."""
+        writing, self._writing = self._writing, {}
+        for f in writing.values():
+            f.result()
 
     def discard_pending(self) -> None:
-        """Drops a pending batch (after a failed step: the prefix cache, both tiers, is
-        reset, so no host slot can be served before a new store writes it)."""
+        """Drops a pending batch (after a failed step: the prefix cache, every tier, is
+        reset, so no host slot or page file can be served before a new store writes
+        it)."""
         self._pending = None
+        self._pending_files = {}
+        self._validated.clear()
+
+    # -- the disk tier ----------------------------------------------------------------
+
+    def attach_files(self, files) -> None:
+        """Serves the disk tier's copies from `files` (a `PageFiles` whose pages have
+        the KV arrays' page shapes and dtypes, every layer).
+
+        Raises:
+          ValueError: `files` of another page layout.
+        """
+        if self.files is not None:
+            raise ValueError("files: this HostPages already has its page files")
+        want = self.page_parts
+        if files.parts != want or files.num_layers != self.num_layers:
+            raise ValueError(f"files: pages {files.num_layers} x {files.parts}, the KV "
+                             f"arrays' {self.num_layers} x {want}")
+        self.files = files
+        self.attach_store("disk", files)
+        # NOTE: one writer thread, first in first out: two stores of one key land in
+        # order. A file write with its fsync takes ~10 ms per 512 KiB page here; on
+        # the engine thread it would hold up the next step.
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-disk-writer")
+
+    def attach_store(self, tier: str, store) -> None:
+        """Serves the copies of the lower tier named `tier` from `store` (read(key,
+        group) -> part arrays or None, write(key, group, arrays): `PageFiles` for the
+        disk, `MemoryPages` for a tier of one's own)."""
+        if tier in ("device", "host") or tier in self.stores:
+            raise ValueError(f"tier {tier!r}: already served or not a lower tier")
+        self.stores[tier] = store
+        self._grow_scratch(2 * MIN_ROWS)
+
+    @property
+    def num_disk_loaded(self) -> int:
+        return self.num_loaded_by_tier["disk"]
+
+    @property
+    def num_disk_stored(self) -> int:
+        return self.num_stored_by_tier["disk"]
+
+    def validate(self, key: int, group: int = 0) -> bool:
+        """Whether block `key`'s page file of `group` is there and passes every check
+        (`PageFiles.read`; a failing file is counted and deleted): the core disk tier's
+        validator. The page read is kept for this batch's load of it."""
+        k = (int(key), int(group))
+        if k in self._validated:
+            return True
+        self._wait_written(k)
+        got = self.files.read(*k)
+        if got is None:
+            return False
+        self._validated[k] = got
+        return True
+
+    def forget_validated(self) -> None:
+        """Drops the pages `validate` read and no batch loaded (called before each
+        schedule, so pages checked for requests that were not admitted are not held)."""
+        self._validated.clear()
+
+    def _lower_to_host_copies(self, transfers: Sequence) -> list:
+        """The batch's list as host copies over scratch slots (module doc), with the
+        pages its loads read (files, or a tier's memory pages) staged into their slots
+        and the stores recorded for `finish`."""
+        base = self.num_host_blocks
+        slots: dict[tuple[str, int, int], int] = {}   # (tier, key, group) -> scratch slot
+        reads: list[tuple[tuple[str, int, int], int]] = []
+        ops = []
+
+        def host_slot(i, t):
+            if not 0 <= i < base:
+                raise ValueError(f"tier transfer {tuple(t)!r}: host slot out of range "
+                                 f"[0, {base})")
+            return i
+
+        def lower_slot(tier, key, group, t, *, read: bool) -> int:
+            if tier not in self.stores:
+                raise ValueError(f"tier transfer {tuple(t)!r}: the engine copies pages "
+                                 f"between device, host and {', '.join(self.stores)} only")
+            k = (tier, int(key), int(group))
+            if k not in slots:
+                slots[k] = base + len(slots)
+                if read:  # (its content before the batch)
+                    reads.append((k, slots[k]))
+            return slots[k]
+
+        for t in transfers:
+            if len(t) != 7:  # a HostTransfer: (kind, block_id, host_slot)
+                ops.append(t)
+                continue
+            kind, src, src_id, dst, dst_id, _key, group = t
+            if kind not in ("store", "load") or src == dst:
+                raise ValueError(f"tier transfer {tuple(t)!r}: kind must be 'store' or "
+                                 "'load', between two tiers")
+            if dst == "device":
+                if src == "host":
+                    ops.append(("load", dst_id, src_id))
+                else:
+                    ops.append(("load", dst_id,
+                                lower_slot(src, src_id, group, t, read=True)))
+                    self.num_loaded_by_tier[src] += 1
+                continue
+            if src == "device":
+                if dst == "host":
+                    ops.append(("store", src_id, dst_id))
+                    continue
+                slot = lower_slot(dst, dst_id, group, t, read=False)
+                ops.append(("store", src_id, slot))
+            else:
+                src_slot = (host_slot(src_id, t) if src == "host"
+                            else lower_slot(src, src_id, group, t, read=True))
+                if dst == "host":
+                    ops.append(("host_copy", host_slot(dst_id, t), src_slot))
+                    continue
+                slot = lower_slot(dst, dst_id, group, t, read=False)
+                ops.append(("host_copy", slot, src_slot))
+            self._pending_files[(dst, int(dst_id), int(group))] = slot
+        self._grow_scratch(len(slots))
+        for (tier, key, group), slot in reads:
+            got = None
+            if tier == "disk":
+                got = self._validated.pop((key, group), None)
+                if got is None:
+                    self._wait_written((key, group))
+            if got is None:
+                got = self.stores[tier].read(key, group)
+            if got is None:
+                # NOTE: the manager promised this page (validated at lookup, or preloaded
+                # and never checked): fail loudly, the step's recovery resets the cache.
+                raise RuntimeError(f"{tier} page of key {key:#x} (group {group}) is gone "
+                                   "or corrupt at load")
+            for part, arr in zip(self._host, got):
+                for l, p in enumerate(part):
+                    p[slot] = arr[l]
+        self._validated.clear()
+        return ops
+
+    def _grow_scratch(self, n: int) -> None:
+        """At least `n` scratch slots (doubling; the host slots are copied once)."""
+        if n <= self._num_scratch:
+            return
+        new = max(n, 2 * self._num_scratch)
+        self._host = tuple(
+            [np.concatenate([p, np.zeros((new - self._num_scratch, *p.shape[1:]), p.dtype)])
+             for p in part] for part in self._host)
+        self._num_scratch = new

@@ -99,6 +99,15 @@ class EngineMetrics:
         (all layers); host_pool_bytes: the host tier's pages; host_copy_programs:
         distinct compiled copy programs (over the engine's life; bucketed sizes). None
         without a host tier.
+      hit_tokens_by_tier: prompt tokens adopted from the cache at admission by the
+        tier that held them (``{"device", "host", "disk", "remote", ...}``: the
+        manager's `hit_tokens_by_tier` over the window); None without a host tier.
+      disk_blocks_loaded, disk_blocks_stored: page files read into device pages and
+        written (host -> disk demotions); disk_bytes_loaded, disk_bytes_stored: their
+        KV bytes; disk_corrupt: page files that failed their checks (each a miss, never
+        served); disk_write_errors: pages that could not be written (a full disk: those
+        blocks are misses); disk_used_bytes: the page files' bytes now (headers included). None
+        without a disk tier (`Engine(disk_dir=..., disk_bytes=...)`).
       num_blocks, kv_dtype, kv_bytes_per_block: the engine's KV pool (allocatable
         blocks, page dtype, device bytes of one block over all layers, scales
         included); kv_pool_bytes: its KV arrays' bytes, `(num_blocks + 1) *
@@ -155,6 +164,14 @@ class EngineMetrics:
     residency: dict | None = None
     num_programs_built: int | None = None
     num_compiles_after_warmup: int | None = None
+    hit_tokens_by_tier: dict | None = None
+    disk_blocks_loaded: int | None = None
+    disk_blocks_stored: int | None = None
+    disk_bytes_loaded: int | None = None
+    disk_bytes_stored: int | None = None
+    disk_corrupt: int | None = None
+    disk_write_errors: int | None = None
+    disk_used_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

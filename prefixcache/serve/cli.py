@@ -183,6 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block residency histograms in /metrics (lifetime, idle before "
                    "eviction, reuse gap, hits per stay; RATE: the share of blocks sampled, "
                    "vLLM's 0.01; needs --engine-in-process, not with --kv-events-endpoint)")
+    disk = p.add_argument_group(
+        "disk tier",
+        "KV pages the host tier evicts go to page files in --disk-dir (at most "
+        "--disk-bytes of pages) and are loaded back on a hit; needs --num-host-blocks. "
+        "A page file that fails its checks is a miss, never wrong KV. Warm-up does not "
+        "build the tiers' copy programs (host and disk share them): the first batches "
+        "of copies of each padded size compile")
+    disk.add_argument("--disk-dir", default=None, metavar="DIR",
+                      help="directory of the disk tier's KV page files")
+    disk.add_argument("--disk-bytes", type=_bytes, default=0,
+                      help="the disk tier's budget ('8GiB' ok); 0: no disk tier")
+    disk.add_argument("--disk-eviction", choices=online_policy_names(), default="lru")
+    disk.add_argument("--disk-reuse", action="store_true",
+                      help="serve the pages an earlier server of the same model, KV dtype, "
+                      "block size and hash left in --disk-dir (default: delete them at start)")
     p.add_argument("--miss-reasons", action="store_true",
                    help="classify missed prompt blocks (cold, evicted, isolated, partial, "
                    "last_token, window, preempted): per request in usage.prompt_tokens_details."
@@ -269,6 +284,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     served = args.served_model_name or args.model
     if served in names:
         sp.error(f"--lora-modules: {served!r} is the base model's name")
+    if args.disk_bytes and args.disk_dir is None:
+        sp.error("--disk-bytes needs --disk-dir (the directory of the KV page files)")
+    if (args.disk_dir is not None or args.disk_reuse) and not args.disk_bytes:
+        sp.error("--disk-dir / --disk-reuse need --disk-bytes (the disk tier's budget)")
+    if args.disk_bytes and not args.num_host_blocks:
+        sp.error("--disk-bytes needs --num-host-blocks (the disk tier sits under the host "
+                 "tier and takes the blocks it evicts)")
     for flag in ("kv_events_topic", "kv_events_replay_endpoint"):
         if getattr(args, flag) and not args.kv_events_endpoint:
             sp.error(f"--{flag.replace('_', '-')} needs --kv-events-endpoint")
@@ -335,6 +357,9 @@ def _build_engine(args):
         kw["miss_reasons"] = True
     if getattr(args, "residency", None) is not None:
         kw["residency"] = args.residency
+    if args.disk_bytes or args.disk_dir is not None or args.disk_reuse:
+        kw.update(disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+                  disk_eviction=args.disk_eviction, disk_reuse=args.disk_reuse)
     kw["token_buckets"] = args.token_buckets or server_buckets(16, args.max_num_batched_tokens)
     kw["seq_buckets"] = args.seq_buckets or server_buckets(4, args.max_num_seqs)
     if args.kv_cache_memory is not None:

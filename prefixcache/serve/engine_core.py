@@ -100,7 +100,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     `num_added`: add commands' requests handled since the last batch (added or
     rejected); `num_running`, `num_waiting`, `kv_usage`: the scheduler's state now;
     `queries`, `hits`, `host_hits`, `preemptions`: counter increments since the last
-    batch; `done`: the core shut down after this batch."""
+    batch; `hits_by_tier`: the prefix-hit tokens adopted since, by tier (engines with a
+    host tier; `KVCacheManager.hit_tokens_by_tier`); `done`: the core shut down after
+    this batch."""
 
     updates: list[RequestUpdate] = []
     num_added: int = 0
@@ -115,6 +117,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     done: bool = False
     programs: int = 0
     compiles_after_warmup: int = -1  # (-1: no warm-up ran)
+    hits_by_tier: dict[str, int] = {}
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -188,6 +191,7 @@ class EngineCore:
         self._timings: dict[str, tuple] | None = None
         self._preemptions_seen = engine.scheduler.stats()["num_preemptions"]
         self._host_hits_seen = int(getattr(engine.kv_cache_manager, "host_hit_tokens", 0))
+        self._tier_hits_seen = self._tier_hits()
 
     @property
     def busy(self) -> bool:
@@ -291,12 +295,23 @@ class EngineCore:
         pre_delta = max(pre - self._preemptions_seen, 0)
         self._preemptions_seen = pre
         after = self.engine.num_compiles_after_warmup
+        tiers = self._tier_hits()
+        tier_delta = {k: v - self._tier_hits_seen.get(k, 0) for k, v in tiers.items()
+                      if v > self._tier_hits_seen.get(k, 0)}
+        self._tier_hits_seen = tiers
         out = StepOutputs(self._updates, self._num_added, st["num_running"],
                           st["num_waiting"], float(mgr.usage), queries, hits, host_delta,
                           pre_delta, self._results, done, self.engine.num_programs_built,
-                          -1 if after is None else after)
+                          -1 if after is None else after, tier_delta)
         self._updates, self._results, self._num_added = [], [], 0
         return out
+
+    def _tier_hits(self) -> dict[str, int]:
+        """The manager's cumulative hit tokens by tier ({} without a host tier)."""
+        if not getattr(self.engine, "num_host_blocks", 0):
+            return {}
+        return {str(k): int(v) for k, v in
+                getattr(self.engine.kv_cache_manager, "hit_tokens_by_tier", {}).items()}
 
     def has_outputs(self) -> bool:
         return bool(self._updates or self._results or self._num_added)

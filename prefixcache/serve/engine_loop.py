@@ -264,6 +264,8 @@ class EngineFrontEnd:
                 m.hits.inc(out.hits)
             if out.host_hits:
                 m.host_hits.inc(out.host_hits)
+            if out.hits_by_tier:
+                m.add_tier_hits(out.hits_by_tier)
             if out.preemptions:
                 m.preemptions.inc(out.preemptions)
         _flush(deliveries)

@@ -6,7 +6,7 @@ front end updates them from each step's outputs; `GET /metrics` renders the regi
 | name | kind | what |
 |---|---|---|
 | `prefixcache:prefix_cache_queries_total` | counter | prompt tokens looked up at admission (vLLM's) |
-| `prefixcache:prefix_cache_hits_total` | counter | of those, tokens found cached |
+| `prefixcache:prefix_cache_hits_total` | counter | of those, tokens found cached (vLLM's series, labelled `model_name` only); with a host tier, also one series per tier labelled `tier` (`device`, `host`, `disk`): the prefix-hit tokens adopted at admission by the tier that held them (`KVCacheManager.hit_tokens_by_tier`). Select `{tier=""}` for vLLM's total, `{tier!=""}` to sum or split the tiers |
 | `prefixcache:external_prefix_cache_hits_total` | counter | prefix-hit tokens served from the host tier (vLLM's name for the offload tier's hits) |
 | `prefixcache:num_requests_running` | gauge | requests in the running batch |
 | `prefixcache:num_requests_waiting` | gauge | requests queued (in the engine or not yet added) |
@@ -25,6 +25,8 @@ front end updates them from each step's outputs; `GET /metrics` renders the regi
 """
 
 from __future__ import annotations
+
+import threading
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -48,8 +50,8 @@ class ServerMetrics:
 
         self._queries = counter("prefix_cache_queries",
                                 "Prompt tokens looked up in the prefix cache at admission.")
-        self._hits = counter("prefix_cache_hits",
-                             "Prompt tokens found in the prefix cache at admission.")
+        self._hits = _HitsByTier(model_name)
+        r.register(self._hits)
         self._host_hits = counter(
             "external_prefix_cache_hits",
             "Prefix-hit tokens served from the host-memory tier (vLLM's external cache).")
@@ -85,8 +87,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         # Children bound once: the engine thread calls these every step.
         m = model_name
-        self.queries, self.hits, self.host_hits = (
-            c.labels(m) for c in (self._queries, self._hits, self._host_hits))
+        self.queries, self.host_hits = (
+            c.labels(m) for c in (self._queries, self._host_hits))
+        self.hits = self._hits
         self.prompt_tokens, self.generation_tokens = (
             self._prompt_tokens.labels(m), self._gen_tokens.labels(m))
         self.preemptions = self._preemptions.labels(m)
@@ -102,6 +105,12 @@ class ServerMetrics:
         self._programs.labels(self._model_name).set(num_built)
         if after_warmup is not None:
             self._after_warmup.labels(self._model_name).set(after_warmup)
+
+    def add_tier_hits(self, hits_by_tier) -> None:
+        """Count prefix-hit tokens by the tier that held them (``{tier: tokens}``)."""
+        for tier, n in hits_by_tier.items():
+            if n:
+                self._hits.inc_tier(tier, n)
 
     def success(self, reason: str):
         return self._success.labels(self._model_name, reason)
@@ -173,3 +182,50 @@ class _ResidencyCollector:
                                     cum))
                 fam.add_metric([self._model_name, tier], buckets, h["sum"])
             yield fam
+
+
+class _HitsByTier:
+    """``prefixcache:prefix_cache_hits_total``: vLLM's series (``model_name``) and, once
+    a tier's hits are counted, one series per tier (``model_name``, ``tier``), in one
+    counter family (a collector of its own: prometheus_client's ``Counter`` keeps one
+    label set per family, and vLLM's series must stay as it is)."""
+
+    _DOC = "Prompt tokens found in the prefix cache at admission."
+
+    def __init__(self, model_name: str):
+        self._model_name = model_name
+        self._lock = threading.Lock()
+        self._total = 0.0
+        self._by_tier: dict[str, float] = {}
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError(f"counters only go up, got {amount!r}")
+        with self._lock:
+            self._total += amount
+
+    def inc_tier(self, tier: str, amount: float) -> None:
+        if amount < 0:
+            raise ValueError(f"counters only go up, got {amount!r}")
+        with self._lock:
+            self._by_tier[tier] = self._by_tier.get(tier, 0.0) + amount
+
+    def describe(self):
+        from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415
+
+        return [CounterMetricFamily(PREFIX + "prefix_cache_hits", self._DOC,
+                                    labels=["model_name"])]
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415
+        from prometheus_client.samples import Sample  # noqa: PLC0415
+
+        with self._lock:
+            total, by_tier = self._total, sorted(self._by_tier.items())
+        fam = CounterMetricFamily(PREFIX + "prefix_cache_hits", self._DOC,
+                                  labels=["model_name"])
+        fam.add_metric([self._model_name], total)
+        for tier, v in by_tier:
+            fam.samples.append(Sample(fam.name + "_total",
+                                      {"model_name": self._model_name, "tier": tier}, v))
+        return [fam]

@@ -205,13 +205,9 @@ def test_engine_takes_the_config(monkeypatch):
     from prefixcache.engine import engine as engine_mod
 
     # Every field reaches the engine's manager (or is the model's: the groups).
-    # (the tiers below the host reach the engine with its disk page store: until then
-    # the engine's keywords leave them out)
-    lower = {"disk_bytes", "disk_eviction", "page_bytes", "remote_bytes", "remote_eviction",
-             "tiers"} - set(engine_mod._ENGINE_MANAGER_FIELDS)
-    assert set(FIELDS) - lower == (set(engine_mod._ENGINE_CACHE)
-                                   | set(engine_mod._ENGINE_MANAGER_FIELDS)
-                                   | {"kv_cache_groups"})
+    assert set(FIELDS) == (set(engine_mod._ENGINE_CACHE)
+                           | set(engine_mod._ENGINE_MANAGER_FIELDS)
+                           | {"kv_cache_groups"})
     from prefixcache.model import ModelConfig
 
     import prefixcache.core as core
