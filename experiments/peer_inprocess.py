@@ -114,6 +114,7 @@ def main(argv=None) -> None:
         pargs = types.SimpleNamespace(
             num_blocks=args.num_blocks, block_size=args.block_size, hash_algo=algo,
             concurrency=args.concurrency, events=False,
+            kv_groups=None, retention_interval=None,  # (one full-attention group)
         )
 
         def run_vllm():
