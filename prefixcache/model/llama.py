@@ -38,7 +38,9 @@ __all__ = [
     "RMSNorm",
     "Transformer",
     "apply_rope",
+    "layer_period",
     "rope_inv_freq",
+    "stack_layer_params",
 ]
 
 
@@ -327,8 +329,7 @@ class Transformer(nnx.Module):
     def __call__(self, kv_caches: Sequence[jax.Array], input_ids: jax.Array,
                  metadata: AttentionMetadata, logits_indices: jax.Array,
                  mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None, *,
-                 attend=None, lora: LoRABatch | None = None
-                 ) -> tuple[jax.Array, list[jax.Array]]:
+                 attend=None, lora: LoRABatch | None = None, layer_params=None):
         """One step over ragged tokens.
 
         Args:
@@ -351,9 +352,16 @@ class Transformer(nnx.Module):
             `kernels.paged_attention(backend="auto")` on one device.
           lora: `prefixcache.model.lora.LoRABatch` (slots i32[T] + stacked adapter
             weights): each token's adapter is added to the targeted projections; None: none.
+          layer_params: the layers' params stacked (`stack_layer_params`), or None. Given,
+            the layers run under one `lax.scan` (compile time independent of depth; the
+            per-layer params in the module are not read) and `kv_caches` is in the stacked
+            layout (`make_kv_caches(stacked=True)`): one array [A, num_pages, page_size,
+            2K, H] for A = `config.kv_group_size` (quantized: the pair (pages, scales
+            f32[A, num_pages, 2K])).
 
         Returns:
-          (logits f32[S, V], the L updated kv caches).
+          (logits f32[S, V], the updated kv caches: a list of L arrays, or with
+          `layer_params` the stacked array (pair)).
         """
         cfg = self.config
         if attend is None:
@@ -376,18 +384,109 @@ class Transformer(nnx.Module):
             inv_freq = jnp.asarray(rope_inv_freq(cfg, theta))  # f32[H // 2], host constant
             freqs = positions.astype(jnp.float32)[:, None] * inv_freq
             tables[theta] = (jnp.cos(freqs), jnp.sin(freqs))
-        # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by the
-        # i-th layer of every KV group, each with its own block ids); per-layer caches
-        # (one array per layer) keep array i.
-        slot_of = (range(cfg.num_layers) if len(kv_caches) == cfg.num_layers
-                   else cfg.layer_kv_slots)
-        new_caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            md = metadata[group_of[i]] if per_group else metadata
-            cos, sin = tables[cfg.layer_rope_thetas[i]]
-            x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin, attend,
-                                              None if lora is None else lora.layer(i))
+        if layer_params is not None:
+            x, new_caches = self._scan_layers(layer_params, kv_caches, x, metadata, tables,
+                                              attend, lora)
+        else:
+            # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by
+            # the i-th layer of every KV group, each with its own block ids); per-layer
+            # caches (one array per layer) keep array i.
+            slot_of = (range(cfg.num_layers) if len(kv_caches) == cfg.num_layers
+                       else cfg.layer_kv_slots)
+            new_caches = list(kv_caches)
+            for i, layer in enumerate(self.layers):
+                md = metadata[group_of[i]] if per_group else metadata
+                cos, sin = tables[cfg.layer_rope_thetas[i]]
+                x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin,
+                                                  attend,
+                                                  None if lora is None else lora.layer(i))
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]
         head = emb if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32), new_caches
+
+    def _scan_layers(self, layer_params, kv_stack, x, metadata, tables, attend, lora):
+        """The layers under `lax.scan` over units of `layer_period` layers.
+
+        NOTE: the caches stay one buffer: the A arrays [A, P, page, 2K, H] are viewed as
+        one pool [A * P, page, 2K, H] (a free reshape), and layer i reads and writes its
+        array through its block ids shifted by `slot * P` (its slots by `slot * P *
+        page`), so the kernels run unchanged and the scan updates the carried pool in
+        place. A slot outside [0, P * page) still writes nothing (it becomes -1) and
+        page ids are clipped to [0, P) first, as the kernels' own `mode="clip"` does.
+        """
+        cfg = self.config
+        quantized = isinstance(kv_stack, tuple)
+        pages = kv_stack[0] if quantized else kv_stack
+        num_arrays, num_pages, page_size = pages.shape[:3]
+        flat = pages.reshape(num_arrays * num_pages, *pages.shape[2:])
+        cache = (flat, kv_stack[1].reshape(num_arrays * num_pages, -1)) if quantized else flat
+        per_group = not isinstance(metadata, AttentionMetadata)
+        slot_of = (tuple(range(cfg.num_layers)) if num_arrays == cfg.num_layers
+                   else cfg.layer_kv_slots)
+        period = layer_period(cfg, per_group=per_group)
+        num_units, num_tail = divmod(cfg.num_layers, period)
+        graphdefs = [nnx.graphdef(self.layers[j]) for j in range(period)]
+        slots = jnp.asarray(np.asarray(slot_of[:num_units * period], np.int32)
+                            .reshape(num_units, period))  # host constant i32[U, period]
+
+        def run(j, layer_index, x, cache, slot, params):
+            """Layer `layer_index` (position j of its unit) over the pool."""
+            md = metadata[cfg.layer_kv_groups[j]] if per_group else metadata
+            page0 = slot * num_pages
+            limit = num_pages * page_size
+            md = md._replace(
+                page_indices=jnp.clip(md.page_indices, 0, num_pages - 1) + page0,
+                slot_mapping=jnp.where((md.slot_mapping >= 0) & (md.slot_mapping < limit),
+                                       md.slot_mapping + page0 * page_size, -1))
+            cos, sin = tables[cfg.layer_rope_thetas[j]]
+            block = nnx.merge(graphdefs[j], params)
+            return block(x, cache, md, cos, sin, attend,
+                         None if lora is None else lora.layer(layer_index))
+
+        def body(carry, unit):
+            x, cache = carry
+            for j in range(period):
+                i = unit * period + j
+                params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False),
+                                      layer_params)
+                x, cache = run(j, i, x, cache, slots[unit, j], params)
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(num_units, dtype=jnp.int32))
+        for i in range(num_units * period, cfg.num_layers):  # the last, partial unit
+            params = jax.tree.map(lambda a: a[i], layer_params)
+            x, cache = run(i % period, i, x, cache, slot_of[i], params)
+        if quantized:
+            return x, (cache[0].reshape(pages.shape), cache[1].reshape(kv_stack[1].shape))
+        return x, cache.reshape(pages.shape)
+
+
+def layer_period(config: ModelConfig, *, per_group: bool = True) -> int:
+    """The fewest layers p such that layer i has the same kind as layer i % p: sliding
+    window, RoPE base and (with one metadata per KV group) KV group. 1 for a model with
+    one attention kind; 6 for Gemma 3 (five sliding-window layers, one full). The
+    scanned step (`Transformer(layer_params=...)`) unrolls one such unit per iteration.
+    """
+    kinds = list(zip(config.layer_windows, config.layer_rope_thetas,
+                     config.layer_kv_groups if per_group else [0] * config.num_layers))
+    for p in range(1, config.num_layers + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(config.num_layers)):
+            return p
+    return config.num_layers
+
+
+def stack_layer_params(model: Transformer) -> nnx.State:
+    """The layers' params stacked on a new leading axis: each leaf [L, ...] (layer i at
+    index i), the `layer_params` of `Transformer.__call__`.
+
+    Raises:
+      ValueError: layers whose params differ in structure (they cannot share a scan).
+    """
+    states = [nnx.state(layer) for layer in model.layers]
+    structure = jax.tree.structure(states[0])
+    for i, s in enumerate(states):
+        if jax.tree.structure(s) != structure:
+            raise ValueError(f"layer {i}'s params differ in structure from layer 0's; "
+                             "the layers cannot be stacked")
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
