@@ -143,6 +143,10 @@ class Engine:
         or radix index, of one full-attention group or with sliding-window layers
         (`window`: cached in the full-attention group, past the hit the windows allow;
         `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
+      scan_layers: run the decoder's layers under one `lax.scan` over stacked params
+        (`make_step_fn(scan_layers=True)`): compile time no longer grows with depth;
+        one device, no host tier. On CPU decode steps run slower (each layer's weights
+        are copied out of the stack).
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -204,7 +208,8 @@ class Engine:
                  max_loras: int = 4, max_lora_rank: int = 16, num_host_blocks: int = 0,
                  host_eviction: str = "lru", kv_dtype: str | None = None,
                  kv_cache_bytes: int | str | None = None, max_cpu_loras: int | None = None,
-                 tokenizer=None, cache_config=None, miss_reasons: bool = False):
+                 tokenizer=None, cache_config=None, miss_reasons: bool = False,
+                 scan_layers: bool = False):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -398,7 +403,7 @@ class Engine:
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
             lora_slots=lora_slots, lora_adapters=self.lora_adapters,
-            num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
+            num_host_blocks=num_host_blocks, kv_dtype=kv_dtype, scan_layers=scan_layers)
         self._pending_outputs: list[RequestOutput] = []
         self._known_ids: set[str] = set()
         self.record_logits = False

@@ -489,4 +489,6 @@ def stack_layer_params(model: Transformer) -> nnx.State:
         if jax.tree.structure(s) != structure:
             raise ValueError(f"layer {i}'s params differ in structure from layer 0's; "
                              "the layers cannot be stacked")
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+    # (one jitted program for all leaves: eager `jnp.stack` would compile one per shape)
+    return jax.jit(lambda states: jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))(
+        states)
