@@ -12,7 +12,7 @@ fresh JAX persistent compilation cache directory (the second process loads the p
 instead of compiling). Per process: load, first prefill of `prompt_len` tokens (its
 compile), a steady prefill, the first decode run (its compile) and decode tokens/s at
 batch 1, each as wall seconds and the process's CPU seconds (all threads; on a shared
-machine wall is an upper bound).
+machine wall is an upper bound); rates per wall second and per CPU second.
 
 Expected (SmolLM2-135M, 2 shared CPU cores): the scanned first prefill several times
 faster than the unrolled one (its compile no longer grows with the 30 layers); the

@@ -62,8 +62,8 @@ def child(spec: dict) -> dict:
     for _ in range(spec["repeats"]):
         t = _clock()
         engine.generate([prompt(spec["prompt_len"])], one)
-        times.append(_since(t)["wall_s"])
-    out["prefill_tok_s"] = round(spec["prompt_len"] / statistics.median(times), 1)
+        times.append(_since(t))
+    out["prefill_tok_s"] = _rates(spec["prompt_len"], times)
     t = _clock()
     engine.generate([prompt(32)], many)  # compiles the decode program(s)
     out["first_decode_run"] = _since(t)
@@ -71,13 +71,21 @@ def child(spec: dict) -> dict:
     for _ in range(spec["repeats"]):
         t = _clock()
         engine.generate([prompt(32)], one)
-        t1.append(_since(t)["wall_s"])
+        t1.append(_since(t))
         t = _clock()
         engine.generate([prompt(32)], many)
-        t2.append(_since(t)["wall_s"])
-    d = statistics.median(t2) - statistics.median(t1)
-    out["decode_b1_tok_s"] = round(spec["decode_tokens"] / d, 2) if d > 0 else None
+        t2.append(_since(t))
+    out["decode_b1_tok_s"] = {
+        k: (round(spec["decode_tokens"] / d, 2) if d > 0 else None)
+        for k in ("wall_s", "cpu_s")
+        for d in [statistics.median(x[k] for x in t2) - statistics.median(x[k] for x in t1)]}
     return out
+
+
+def _rates(tokens: int, times: list[dict]) -> dict:
+    """Tokens per wall second and per CPU second (medians of the runs)."""
+    return {k: round(tokens / statistics.median(x[k] for x in times), 1)
+            for k in ("wall_s", "cpu_s")}
 
 
 def run(config, *, progress: bool = False) -> dict:
