@@ -367,9 +367,9 @@ class ModelRunner:
             max_pages_per_seq=-(-max_model_len // block_size),
             token_buckets=token_buckets, seq_buckets=seq_buckets, page_buckets=page_buckets)
         self.kv_dtype = kv_dtype
+        self.stacked_kv = program.scan_layers  # the KV layout, fixed for the runner's life
         self.kv_caches = make_kv_caches(config, num_blocks=num_blocks, block_size=block_size,
-                                        mesh=mesh, kv_dtype=kv_dtype,
-                                        stacked=program.scan_layers)
+                                        mesh=mesh, kv_dtype=kv_dtype, stacked=self.stacked_kv)
         # numpy dtype of injected multimodal rows (bfloat16 via ml_dtypes, as jax does).
         self._embed_dtype = jnp.dtype(config.dtype)
         self.compiled_shapes: set[tuple] = set()
@@ -670,6 +670,5 @@ class ModelRunner:
         self.kv_caches = None  # drop the broken arrays before allocating new ones
         self.kv_caches = make_kv_caches(self.config, num_blocks=self.builder.num_blocks,
                                         block_size=self.builder.block_size, mesh=self.mesh,
-                                        kv_dtype=self.kv_dtype,
-                                        stacked=self.program.scan_layers)
+                                        kv_dtype=self.kv_dtype, stacked=self.stacked_kv)
         return True
