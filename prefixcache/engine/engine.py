@@ -145,8 +145,8 @@ class Engine:
         `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
       scan_layers: run the decoder's layers under one `lax.scan` over stacked params
         (`make_step_fn(scan_layers=True)`): compile time no longer grows with depth;
-        one device, no host tier. On CPU decode steps run slower (each layer's weights
-        are copied out of the stack).
+        one device, no host tier. The program holds a stacked copy of the layer weights
+        besides the model's own.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention

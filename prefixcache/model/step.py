@@ -320,7 +320,9 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         NOTE: `step.params` then holds a stacked copy of the layer params (the model's
         own are not freed while the model lives). On XLA:CPU each layer's weights are
         copied out of the stack before its matmuls (a dynamic slice is not fused into
-        the dot), which costs decode steps (weight-bound) time; prefill hardly notices.
+        the dot): a bare chain of matrix-vector products runs about 2x slower scanned;
+        SmolLM2's engine steps, whose time goes mostly elsewhere, ran within about 10%
+        (experiments/results/bench_first_step.md).
 
     Raises:
       ValueError: unknown backend or kv_dtype, or a mesh that does not divide the model.
