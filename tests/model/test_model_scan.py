@@ -77,28 +77,25 @@ def _gemma(n):
     return ModelConfig.tiny_gemma3(num_layers=n, layer_types=gemma3_layer_types(n))
 
 
-@pytest.mark.parametrize("name,config,per_layer", [
-    # hybrid (S, S, F, S): four one-layer groups sharing one KV array; one unit of 4
-    ("hybrid", ModelConfig.tiny_hybrid(), False),
-    # the same with one array per layer and one metadata: a unit (S, S, F), then the
-    # last S layer unrolled after the scan
-    ("hybrid per-layer", ModelConfig.tiny_hybrid(), True),
+def test_scanned_step_equals_unrolled_gemma3_units():
     # Gemma 3, 12 layers: two scanned units of (5 sliding + 1 full), six KV groups of
-    # two layers sharing two arrays (unit u's layers all use array u)
-    ("gemma3 12 layers", _gemma(12), False),
-])
-def test_scanned_step_equals_unrolled(name, config, per_layer):
-    kv_list, kv_stack = _run_both(config, per_layer=per_layer)
-    assert kv_stack.shape == (len(kv_list), *kv_list[0].shape)
+    # two layers sharing two arrays (unit u's layers all use array u), one metadata per
+    # group
+    kv_list, kv_stack = _run_both(_gemma(12))
+    assert kv_stack.shape == (2, *kv_list[0].shape)
     for i, arr in enumerate(kv_list):
         np.testing.assert_allclose(np.asarray(kv_stack[i]), np.asarray(arr), rtol=1e-5,
-                                   atol=1e-5, err_msg=f"{name}: KV array {i}")
+                                   atol=1e-5, err_msg=f"KV array {i}")
     assert np.asarray(kv_stack).any()
 
 
-def test_scanned_step_equals_unrolled_int8_kv_and_lora():
-    config = ModelConfig.tiny(num_layers=3)
-    kv_list, (pages, scales) = _run_both(config, kv_dtype="int8", lora=True)
+def test_scanned_step_equals_unrolled_partial_unit_int8_kv_and_lora():
+    # hybrid (S, S, F, S) with one array per layer and one metadata: a scanned unit
+    # (S, S, F), then the last S layer after the scan; int8 pages with their scales, and
+    # two LoRA adapters over the tokens
+    config = ModelConfig.tiny_hybrid()
+    kv_list, (pages, scales) = _run_both(config, kv_dtype="int8", lora=True, per_layer=True)
+    assert pages.shape[0] == 4
     for i, (p, s) in enumerate(kv_list):
         np.testing.assert_array_equal(np.asarray(pages[i]), np.asarray(p), err_msg=f"layer {i}")
         np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(s), err_msg=f"layer {i}")
