@@ -168,6 +168,10 @@ class Engine:
         or radix index, of one full-attention group or with sliding-window layers
         (`window`: cached in the full-attention group, past the hit the windows allow;
         `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
+      scan_layers: run the decoder's layers under one `lax.scan` over stacked params
+        (`make_step_fn(scan_layers=True)`): compile time no longer grows with depth;
+        one device, no host tier. The program holds a stacked copy of the layer weights
+        besides the model's own.
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -234,7 +238,7 @@ class Engine:
                  tokenizer=None, cache_config=None, miss_reasons: bool = False,
                  residency: float | None = None,
                  disk_dir=None, disk_bytes: int | str = 0, disk_eviction: str = "lru",
-                 disk_reuse: bool = False):
+                 disk_reuse: bool = False, scan_layers: bool = False):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -462,7 +466,7 @@ class Engine:
             interpret=interpret, mesh=mesh, token_buckets=token_buckets,
             seq_buckets=seq_buckets, page_buckets=page_buckets, program=program,
             lora_slots=lora_slots, lora_adapters=self.lora_adapters,
-            num_host_blocks=num_host_blocks, kv_dtype=kv_dtype)
+            num_host_blocks=num_host_blocks, kv_dtype=kv_dtype, scan_layers=scan_layers)
         self.disk_files = None
         self.disk_fingerprint = None
         if disk_bytes:

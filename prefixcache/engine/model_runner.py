@@ -199,10 +199,12 @@ class StepProgram:
       model: a `prefixcache.model.Transformer` (with a mesh, laid out over it in place).
       attention_backend, interpret: passed to `make_step_fn`.
       mesh: a `jax.sharding.Mesh` or None (one device).
+      scan_layers: the layers under one `lax.scan` (`make_step_fn(scan_layers=True)`):
+        the KV arrays are then in the stacked layout (`make_kv_caches(stacked=True)`).
     """
 
     def __init__(self, model, *, attention_backend: str = "auto", interpret: bool = False,
-                 mesh=None, kv_dtype=None):
+                 mesh=None, kv_dtype=None, scan_layers: bool = False):
         from prefixcache.model import make_step_fn
 
         self.model = model
@@ -211,8 +213,9 @@ class StepProgram:
         self.attention_backend = attention_backend
         self.interpret = interpret
         self.kv_dtype = kv_dtype
+        self.scan_layers = bool(scan_layers)
         step = make_step_fn(model, attention_backend=attention_backend, interpret=interpret,
-                            mesh=mesh, kv_dtype=kv_dtype)
+                            mesh=mesh, kv_dtype=kv_dtype, scan_layers=self.scan_layers)
         # NOTE: one jitted function runs the model step and the sampler, with the weights
         # as an argument (`step.pure` + `step.params`, not constants folded into the
         # program) and the paged KV donated.
@@ -334,21 +337,26 @@ class ModelRunner:
                  token_buckets=None, seq_buckets=None, page_buckets=None,
                  program: StepProgram | None = None, pack_transfers: bool = True,
                  lora_slots=None, lora_adapters=None, num_host_blocks: int = 0,
-                 kv_dtype=None):
+                 kv_dtype=None, scan_layers: bool = False):
         from prefixcache.model import make_kv_caches
 
         if lora_adapters is not None and not isinstance(lora_adapters,
                                                         collections.OrderedDict):
             raise ValueError("lora_adapters must be a collections.OrderedDict (its order "
                              f"is the adapters' recency), got {type(lora_adapters).__name__}")
+        if scan_layers and num_host_blocks:
+            raise ValueError("scan_layers=True does not take num_host_blocks (the host tier "
+                             "copies pages of the per-array KV layout)")
         if program is None:
             program = StepProgram(model, attention_backend=attention_backend,
-                                  interpret=interpret, mesh=mesh, kv_dtype=kv_dtype)
+                                  interpret=interpret, mesh=mesh, kv_dtype=kv_dtype,
+                                  scan_layers=scan_layers)
         elif (program.model is not model or program.mesh is not mesh
               or program.attention_backend != attention_backend
-              or program.interpret != interpret or program.kv_dtype != kv_dtype):
+              or program.interpret != interpret or program.kv_dtype != kv_dtype
+              or program.scan_layers != bool(scan_layers)):
             raise ValueError("a shared StepProgram needs the same model object, mesh, "
-                             "attention_backend, interpret flag and kv_dtype")
+                             "attention_backend, interpret flag, kv_dtype and scan_layers")
         self.program = program
         self.model = model
         self.config = config
@@ -359,8 +367,9 @@ class ModelRunner:
             max_pages_per_seq=-(-max_model_len // block_size),
             token_buckets=token_buckets, seq_buckets=seq_buckets, page_buckets=page_buckets)
         self.kv_dtype = kv_dtype
+        self.stacked_kv = program.scan_layers  # the KV layout, fixed for the runner's life
         self.kv_caches = make_kv_caches(config, num_blocks=num_blocks, block_size=block_size,
-                                        mesh=mesh, kv_dtype=kv_dtype)
+                                        mesh=mesh, kv_dtype=kv_dtype, stacked=self.stacked_kv)
         # numpy dtype of injected multimodal rows (bfloat16 via ml_dtypes, as jax does).
         self._embed_dtype = jnp.dtype(config.dtype)
         self.compiled_shapes: set[tuple] = set()
@@ -661,5 +670,5 @@ class ModelRunner:
         self.kv_caches = None  # drop the broken arrays before allocating new ones
         self.kv_caches = make_kv_caches(self.config, num_blocks=self.builder.num_blocks,
                                         block_size=self.builder.block_size, mesh=self.mesh,
-                                        kv_dtype=self.kv_dtype)
+                                        kv_dtype=self.kv_dtype, stacked=self.stacked_kv)
         return True

@@ -37,8 +37,11 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "Transformer",
+    "abstract_transformer",
     "apply_rope",
+    "layer_period",
     "rope_inv_freq",
+    "stack_layer_params",
 ]
 
 
@@ -54,6 +57,11 @@ def _normal_chunk(key, i, *, size: int) -> jax.Array:
     return jax.random.normal(jax.random.fold_in(key, i), (size,), jnp.float32)
 
 
+class _AbstractRngs:
+    """Stands in for `nnx.Rngs` in `abstract_transformer`: every param is a
+    `jax.ShapeDtypeStruct`, nothing is drawn or traced."""
+
+
 def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype,
           scale: float = 1.0) -> jax.Array:
     """Normal init with std `scale / sqrt(fan_in)`, drawn in float32 then cast.
@@ -62,6 +70,8 @@ def _init(rngs: nnx.Rngs, shape: Sequence[int], fan_in: int, dtype,
     (to float rounding: XLA may fuse the scaling into the sampler).
     """
     shape = tuple(int(d) for d in shape)
+    if isinstance(rngs, _AbstractRngs):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     key = rngs.params()
     n = math.prod(shape)
     size = _SMALL_CHUNK if n <= 16 * _SMALL_CHUNK else _LARGE_CHUNK
@@ -126,10 +136,12 @@ class RMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, *, eps: float, dtype, rngs: nnx.Rngs, plus_one: bool = False):
-        del rngs
         self.eps = eps
         self.plus_one = plus_one
-        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
+        if isinstance(rngs, _AbstractRngs):
+            self.scale = nnx.Param(jax.ShapeDtypeStruct((dim,), jnp.dtype(dtype)))
+        else:
+            self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in x's dtype."""
@@ -327,8 +339,7 @@ class Transformer(nnx.Module):
     def __call__(self, kv_caches: Sequence[jax.Array], input_ids: jax.Array,
                  metadata: AttentionMetadata, logits_indices: jax.Array,
                  mm_embeds: jax.Array | None = None, mm_mask: jax.Array | None = None, *,
-                 attend=None, lora: LoRABatch | None = None
-                 ) -> tuple[jax.Array, list[jax.Array]]:
+                 attend=None, lora: LoRABatch | None = None, layer_params=None):
         """One step over ragged tokens.
 
         Args:
@@ -351,9 +362,16 @@ class Transformer(nnx.Module):
             `kernels.paged_attention(backend="auto")` on one device.
           lora: `prefixcache.model.lora.LoRABatch` (slots i32[T] + stacked adapter
             weights): each token's adapter is added to the targeted projections; None: none.
+          layer_params: the layers' params stacked (`stack_layer_params`), or None. Given,
+            the layers run under one `lax.scan` (compile time independent of depth; the
+            per-layer params in the module are not read) and `kv_caches` is in the stacked
+            layout (`make_kv_caches(stacked=True)`): one array [A, num_pages, page_size,
+            2K, H] for A = `config.kv_group_size` (quantized: the pair (pages, scales
+            f32[A, num_pages, 2K])).
 
         Returns:
-          (logits f32[S, V], the L updated kv caches).
+          (logits f32[S, V], the updated kv caches: a list of L arrays, or with
+          `layer_params` the stacked array (pair)).
         """
         cfg = self.config
         if attend is None:
@@ -376,18 +394,123 @@ class Transformer(nnx.Module):
             inv_freq = jnp.asarray(rope_inv_freq(cfg, theta))  # f32[H // 2], host constant
             freqs = positions.astype(jnp.float32)[:, None] * inv_freq
             tables[theta] = (jnp.cos(freqs), jnp.sin(freqs))
-        # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by the
-        # i-th layer of every KV group, each with its own block ids); per-layer caches
-        # (one array per layer) keep array i.
-        slot_of = (range(cfg.num_layers) if len(kv_caches) == cfg.num_layers
-                   else cfg.layer_kv_slots)
-        new_caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            md = metadata[group_of[i]] if per_group else metadata
-            cos, sin = tables[cfg.layer_rope_thetas[i]]
-            x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin, attend,
-                                              None if lora is None else lora.layer(i))
+        if layer_params is not None:
+            x, new_caches = self._scan_layers(layer_params, kv_caches, x, metadata, tables,
+                                              attend, lora)
+        else:
+            # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by
+            # the i-th layer of every KV group, each with its own block ids); per-layer
+            # caches (one array per layer) keep array i.
+            slot_of = (range(cfg.num_layers) if len(kv_caches) == cfg.num_layers
+                       else cfg.layer_kv_slots)
+            new_caches = list(kv_caches)
+            for i, layer in enumerate(self.layers):
+                md = metadata[group_of[i]] if per_group else metadata
+                cos, sin = tables[cfg.layer_rope_thetas[i]]
+                x, new_caches[slot_of[i]] = layer(x, new_caches[slot_of[i]], md, cos, sin,
+                                                  attend,
+                                                  None if lora is None else lora.layer(i))
         x = self.final_norm(jnp.take(x, logits_indices, axis=0))  # [S, D]
         head = emb if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("sd,vd->sv", x, head, preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32), new_caches
+
+    def _scan_layers(self, layer_params, kv_stack, x, metadata, tables, attend, lora):
+        """The layers under `lax.scan` over units of `layer_period` layers.
+
+        NOTE: the caches stay one buffer: the A arrays [A, P, page, 2K, H] are viewed as
+        one pool [A * P, page, 2K, H] (a free reshape), and layer i reads and writes its
+        array through its block ids shifted by `slot * P` (its slots by `slot * P *
+        page`), so the kernels run unchanged and the scan updates the carried pool in
+        place. A slot outside [0, P * page) still writes nothing (it becomes -1) and
+        page ids are clipped to [0, P) first, as the kernels' own `mode="clip"` does.
+        """
+        cfg = self.config
+        quantized = isinstance(kv_stack, tuple)
+        pages = kv_stack[0] if quantized else kv_stack
+        num_arrays, num_pages, page_size = pages.shape[:3]
+        flat = pages.reshape(num_arrays * num_pages, *pages.shape[2:])
+        cache = (flat, kv_stack[1].reshape(num_arrays * num_pages, -1)) if quantized else flat
+        per_group = not isinstance(metadata, AttentionMetadata)
+        slot_of = (tuple(range(cfg.num_layers)) if num_arrays == cfg.num_layers
+                   else cfg.layer_kv_slots)
+        period = layer_period(cfg, per_group=per_group)
+        num_units, num_tail = divmod(cfg.num_layers, period)
+        graphdefs = [nnx.graphdef(self.layers[j]) for j in range(period)]
+        slots = jnp.asarray(np.asarray(slot_of[:num_units * period], np.int32)
+                            .reshape(num_units, period))  # host constant i32[U, period]
+
+        def run(j, layer_index, x, cache, slot, params):
+            """Layer `layer_index` (position j of its unit) over the pool."""
+            md = metadata[cfg.layer_kv_groups[j]] if per_group else metadata
+            page0 = slot * num_pages
+            limit = num_pages * page_size
+            md = md._replace(
+                page_indices=jnp.clip(md.page_indices, 0, num_pages - 1) + page0,
+                slot_mapping=jnp.where((md.slot_mapping >= 0) & (md.slot_mapping < limit),
+                                       md.slot_mapping + page0 * page_size, -1))
+            cos, sin = tables[cfg.layer_rope_thetas[j]]
+            block = nnx.merge(graphdefs[j], params)
+            return block(x, cache, md, cos, sin, attend,
+                         None if lora is None else lora.layer(layer_index))
+
+        def body(carry, unit):
+            x, cache = carry
+            for j in range(period):
+                i = unit * period + j
+                params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False),
+                                      layer_params)
+                x, cache = run(j, i, x, cache, slots[unit, j], params)
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(body, (x, cache), jnp.arange(num_units, dtype=jnp.int32))
+        for i in range(num_units * period, cfg.num_layers):  # the last, partial unit
+            params = jax.tree.map(lambda a: a[i], layer_params)
+            x, cache = run(i % period, i, x, cache, slot_of[i], params)
+        if quantized:
+            return x, (cache[0].reshape(pages.shape), cache[1].reshape(kv_stack[1].shape))
+        return x, cache.reshape(pages.shape)
+
+
+def abstract_transformer(config: ModelConfig) -> Transformer:
+    """A `Transformer` whose params are `jax.ShapeDtypeStruct`s (shapes and dtypes only),
+    built eagerly: a loader fills it (`loading.build_transformer`).
+
+    NOTE: the same tree as `nnx.eval_shape(lambda: Transformer(config, rngs=...))`
+    without tracing the initializers: under tracing every `rngs.params()` call costs
+    flax/jax ~40 ms of bookkeeping, about 8 CPU seconds for SmolLM2's 211 params, half
+    of its load time.
+    """
+    return Transformer(config, rngs=_AbstractRngs())
+
+
+def layer_period(config: ModelConfig, *, per_group: bool = True) -> int:
+    """The fewest layers p such that layer i has the same kind as layer i % p: sliding
+    window, RoPE base and (with one metadata per KV group) KV group. 1 for a model with
+    one attention kind; 6 for Gemma 3 (five sliding-window layers, one full). The
+    scanned step (`Transformer(layer_params=...)`) unrolls one such unit per iteration.
+    """
+    kinds = list(zip(config.layer_windows, config.layer_rope_thetas,
+                     config.layer_kv_groups if per_group else [0] * config.num_layers))
+    for p in range(1, config.num_layers + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(config.num_layers)):
+            return p
+    return config.num_layers
+
+
+def stack_layer_params(model: Transformer) -> nnx.State:
+    """The layers' params stacked on a new leading axis: each leaf [L, ...] (layer i at
+    index i), the `layer_params` of `Transformer.__call__`.
+
+    Raises:
+      ValueError: layers whose params differ in structure (they cannot share a scan).
+    """
+    states = [nnx.state(layer) for layer in model.layers]
+    structure = jax.tree.structure(states[0])
+    for i, s in enumerate(states):
+        if jax.tree.structure(s) != structure:
+            raise ValueError(f"layer {i}'s params differ in structure from layer 0's; "
+                             "the layers cannot be stacked")
+    # (one jitted program for all leaves: eager `jnp.stack` would compile one per shape)
+    return jax.jit(lambda states: jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))(
+        states)

@@ -41,7 +41,7 @@ import safetensors.numpy
 from flax import nnx
 
 from prefixcache.model.config import ModelConfig
-from prefixcache.model.llama import Transformer
+from prefixcache.model.llama import Transformer, abstract_transformer
 from prefixcache.model.safetensors_io import read_safetensors
 
 __all__ = ["build_transformer", "hf_param_map", "load_hf_checkpoint", "read_safetensors",
@@ -180,7 +180,7 @@ def build_transformer(config: ModelConfig, get: Callable[[str], np.ndarray], *,
       ValueError: a converted tensor whose shape is not the param's (named).
     """
     mapping = hf_param_map(config)
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    abstract = abstract_transformer(config)
     graphdef, abs_state = nnx.split(abstract)
     dt = jnp.dtype(config.dtype)
     bar = None

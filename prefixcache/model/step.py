@@ -14,7 +14,7 @@ import prefixcache_kernels as kernels
 from prefixcache._validate import check_count, check_positive_int
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
-from prefixcache.model.llama import Transformer, _local_attend
+from prefixcache.model.llama import Transformer, _local_attend, stack_layer_params
 from prefixcache.model.sharding import (
     MODEL_AXIS,
     kv_cache_sharding,
@@ -95,7 +95,8 @@ def check_kv_cache_memory(config: ModelConfig, num_pages: int, page_size: int, d
 def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
                    page_size: int | None = None, dtype=None, sharding=None, *,
                    num_blocks: int | None = None, block_size: int | None = None,
-                   mesh: Mesh | None = None, kv_dtype=None, per_layer: bool = False) -> list:
+                   mesh: Mesh | None = None, kv_dtype=None, per_layer: bool = False,
+                   stacked: bool = False):
     """Zeroed paged KV caches, one per layer position of a KV cache group (vLLM's layout).
 
     A model with one attention kind has one group of every layer: one array per layer.
@@ -123,12 +124,16 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         shared arrays; a hybrid model may then run with one AttentionMetadata for every
         layer). Reference runs and tests only (not with a mesh: the step's output
         shardings are the shared layout's).
+      stacked: the same L arrays as one array [L, num_pages, page_size, 2K, H] (quantized:
+        one pair (pages [L, ...], scales f32[L, num_pages, 2K])), the layout of the
+        scanned step (`make_step_fn(scan_layers=True)`); not with a mesh.
 
     Returns:
       L = `config.kv_group_size` (per_layer: `config.num_layers`) arrays [num_pages,
       page_size, 2K, H] (K of kv head h at slot 2h, V at 2h+1);
       for a quantized kv_dtype (float8_e4m3fn, int8) L pairs (pages, scales) with
-      zeroed scales f32[num_pages, 2K] (column 2h: K of kv head h, 2h+1: its V).
+      zeroed scales f32[num_pages, 2K] (column 2h: K of kv head h, 2h+1: its V);
+      with `stacked`, one array (pair) holding them all, as above.
 
     Raises:
       ValueError: an unknown kv_dtype or one that contradicts `dtype`, conflicting or
@@ -158,6 +163,8 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         size = check_positive_int("page_size", page_size)
     else:
         size = check_positive_int("block_size", block_size)
+    if stacked and (mesh is not None or sharding is not None):
+        raise ValueError("stacked caches take no mesh or sharding (one device)")
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give mesh or sharding, not both")
@@ -170,9 +177,14 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
     if dtype.name in QUANTIZED_KV_DTYPES:
         page_sh, scale_sh = sharding if isinstance(sharding, tuple) else (sharding, None)
         scales = (pages, 2 * config.num_kv_heads)
+        if stacked:
+            return (jnp.zeros((arrays, *shape), dtype),
+                    jnp.zeros((arrays, *scales), jnp.float32))
         return [(jnp.zeros(shape, dtype, device=page_sh),
                  jnp.zeros(scales, jnp.float32, device=scale_sh))
                 for _ in range(arrays)]
+    if stacked:
+        return jnp.zeros((arrays, *shape), dtype)
     return [jnp.zeros(shape, dtype, device=sharding) for _ in range(arrays)]
 
 
@@ -194,6 +206,11 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
         metadata = metadata[0]
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+    if is_stacked(kv_caches):  # checked as the list of arrays it holds
+        one = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+        kv_caches = ([(one(kv_caches[0]), one(kv_caches[1]))] * kv_caches[0].shape[0]
+                     if isinstance(kv_caches, tuple)
+                     else [one(kv_caches)] * kv_caches.shape[0])
     if len(kv_caches) not in (config.num_layers, config.kv_group_size):
         raise ValueError(f"got {len(kv_caches)} kv caches for {config.num_layers} layers "
                          f"(expected {config.kv_group_size}, one per layer of a KV cache "
@@ -233,6 +250,14 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
             raise ValueError(f"mm_mask must be bool[{T}], got {mm_mask.dtype}{mm_mask.shape}")
 
 
+def is_stacked(kv_caches) -> bool:
+    """Whether `kv_caches` is in the stacked layout (`make_kv_caches(stacked=True)`): one
+    array [A, num_pages, page_size, 2K, H], or one pair (pages, scales [A, num_pages, 2K])."""
+    if isinstance(kv_caches, tuple) and len(kv_caches) == 2 and hasattr(kv_caches[0], "ndim"):
+        return kv_caches[0].ndim == 5 and kv_caches[1].ndim == 3
+    return hasattr(kv_caches, "ndim") and kv_caches.ndim == 5
+
+
 def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
     """Static checks of a LoRABatch (trace time)."""
     from prefixcache.model.lora import TARGET_MODULES, LoRABatch, module_dims
@@ -257,7 +282,8 @@ def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
 
 
 def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
-                 interpret: bool = False, mesh: Mesh | None = None, kv_dtype=None):
+                 interpret: bool = False, mesh: Mesh | None = None, kv_dtype=None,
+                 scan_layers: bool = False):
     """Builds the jitted step of `model` (params captured now; graphdef static).
 
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
@@ -286,12 +312,25 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
       mesh: a Mesh with a "model" axis for tensor parallelism over kv heads, or None.
       kv_dtype: the caches' KV dtype (`make_kv_caches(kv_dtype=)`); read only with a
         mesh, whose output shardings follow the cache structure (None: unquantized).
+      scan_layers: run the layers under one `lax.scan` over their stacked params
+        (`stack_layer_params`; Gemma 3: over units of five sliding-window layers and one
+        full), so compile time does not grow with depth. The step then takes and
+        returns the stacked KV layout (`make_kv_caches(stacked=True)`); one device (no
+        mesh). Same numbers as the unrolled step.
+        NOTE: `step.params` then holds a stacked copy of the layer params (the model's
+        own are not freed while the model lives). On XLA:CPU each layer's weights are
+        copied out of the stack before its matmuls (a dynamic slice is not fused into
+        the dot): a bare chain of matrix-vector products runs about 2x slower scanned;
+        SmolLM2's engine steps, whose time goes mostly elsewhere, ran within about 10%
+        (experiments/results/bench_first_step.md).
 
     Raises:
       ValueError: unknown backend or kv_dtype, or a mesh that does not divide the model.
     """
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a Transformer, got {type(model).__name__}")
+    if scan_layers and mesh is not None:
+        raise ValueError("scan_layers runs on one device: give no mesh")
     if not (isinstance(attention_backend, kernels.KernelBackend)
             or attention_backend in kernels.BACKENDS):
         raise ValueError(f"unknown attention_backend {attention_backend!r}; expected one of "
@@ -319,14 +358,29 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
 
         kv_sharding = kv_cache_sharding(mesh, kv_dtype)
         out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.kv_group_size)
-    graphdef, params = nnx.split(model)
+    if scan_layers:
+        graphdef, layer_state, rest = nnx.split(model, nnx.PathContains("layers"), ...)
+        # The per-layer params are not read by the scanned call: shapes stand in for them.
+        abstract_layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                       layer_state)
+        params = {"layers": stack_layer_params(model), "rest": rest}
+    else:
+        graphdef, params = nnx.split(model)
 
     def pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
              mm_mask=None, lora=None):
+        if is_stacked(kv_caches) != scan_layers:
+            raise ValueError("the scanned step (scan_layers=True) takes the stacked KV layout "
+                             "(make_kv_caches(stacked=True)), the unrolled one a list of "
+                             "arrays; got " + ("stacked" if is_stacked(kv_caches) else "a list"))
         _check_step_args(config, kv_caches, input_ids, metadata, logits_indices, mm_embeds,
                          mm_mask)
         if lora is not None:
             _check_lora_args(config, input_ids, lora)
+        if scan_layers:
+            m = nnx.merge(graphdef, abstract_layers, params["rest"])
+            return m(kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask,
+                     attend=attend, lora=lora, layer_params=params["layers"])
         m = nnx.merge(graphdef, params)
         return m(list(kv_caches), input_ids, metadata, logits_indices, mm_embeds, mm_mask,
                  attend=attend, lora=lora)
@@ -335,7 +389,9 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
 
     def step(kv_caches: Sequence[jax.Array], input_ids, metadata: AttentionMetadata,
              logits_indices, mm_embeds=None, mm_mask=None, lora=None):
-        return jitted(params, list(kv_caches), input_ids, metadata, logits_indices,
+        if not is_stacked(kv_caches):
+            kv_caches = list(kv_caches)
+        return jitted(params, kv_caches, input_ids, metadata, logits_indices,
                       mm_embeds, mm_mask, lora)
 
     step.pure = pure
