@@ -492,7 +492,11 @@ def test_smollm2_chat(tiny_tokenizer):
                         "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.exists(path):
         pytest.skip(f"no {path}")
-    eng = Engine.from_pretrained(path, num_blocks=256, block_size=16, max_num_seqs=2)
+    # One step shape (a 30-layer program compiles in ~5-10 s on 2 cores; the default
+    # buckets would build several): the chat prompt (~40 tokens) and each decode step.
+    eng = Engine.from_pretrained(path, num_blocks=16, block_size=16, max_num_seqs=2,
+                                 max_model_len=256, max_num_batched_tokens=64,
+                                 token_buckets=(64,), seq_buckets=(2,), page_buckets=(16,))
     if getattr(eng, "tokenizer", None) is None:
         pytest.skip("Engine.from_pretrained gave no tokenizer (the text branch)")
     srv = ServerThread(build_app(eng, served_model_name="smollm2"))
