@@ -17,7 +17,8 @@ Commands (front end -> core): `AddRequests`, `AbortRequests`, `UtilityCall` (a n
 `EngineCore.utility_*` method, e.g. `reset_prefix_cache`), `Shutdown`.
 Outputs (core -> front end): `Ready` (once, after the engine is built and prepared),
 `StepOutputs` (per step: each request's new token ids, finish, usage, miss reasons;
-scheduler gauges; counter deltas; utility results), `CoreFailed` (start-up or loop
+scheduler gauges; counter deltas; the block residency histograms that changed;
+utility results), `CoreFailed` (start-up or loop
 failure, then the core exits).
 
 The KV-events publisher (`serve --kv-events-endpoint`) lives with the manager: in the
@@ -100,7 +101,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     `num_added`: add commands' requests handled since the last batch (added or
     rejected); `num_running`, `num_waiting`, `kv_usage`: the scheduler's state now;
     `queries`, `hits`, `host_hits`, `preemptions`: counter increments since the last
-    batch; `done`: the core shut down after this batch."""
+    batch; `done`: the core shut down after this batch; `residency`: the engine's block
+    residency histograms that observed something since the last batch
+    (`ResidencyTracker.take_changed`; None: none changed, or `Engine(residency=None)`)."""
 
     updates: list[RequestUpdate] = []
     num_added: int = 0
@@ -115,6 +118,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     done: bool = False
     programs: int = 0
     compiles_after_warmup: int = -1  # (-1: no warm-up ran)
+    residency: dict[str, dict[str, list]] | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -154,7 +158,9 @@ def engine_info(engine) -> dict:
             "enable_lora": bool(getattr(engine, "enable_lora", False)),
             "max_num_seqs": int(engine.scheduler.max_num_seqs),
             "num_programs_built": int(engine.num_programs_built),
-            "num_compiles_after_warmup": engine.num_compiles_after_warmup}
+            "num_compiles_after_warmup": engine.num_compiles_after_warmup,
+            "residency": (None if getattr(engine, "residency", None) is None
+                          else engine.residency.tracker.sample_rate)}
 
 
 # -- the core ----------------------------------------------------------------------------
@@ -291,10 +297,12 @@ class EngineCore:
         pre_delta = max(pre - self._preemptions_seen, 0)
         self._preemptions_seen = pre
         after = self.engine.num_compiles_after_warmup
+        res = getattr(eng, "residency", None)
         out = StepOutputs(self._updates, self._num_added, st["num_running"],
                           st["num_waiting"], float(mgr.usage), queries, hits, host_delta,
                           pre_delta, self._results, done, self.engine.num_programs_built,
-                          -1 if after is None else after)
+                          -1 if after is None else after,
+                          None if res is None else res.tracker.take_changed())
         self._updates, self._results, self._num_added = [], [], 0
         return out
 
