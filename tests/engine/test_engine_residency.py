@@ -19,9 +19,9 @@ def test_engine_residency_histograms_and_the_engine_core_connection():
     front end's copy ends equal to the engine's and renders in /metrics."""
     import msgspec
 
+    from prefixcache.serve.app import build_app
     from prefixcache.serve.engine_core import Output
     from prefixcache.serve.engine_loop import ServingEngine
-    from prefixcache.serve.metrics import ServerMetrics
 
     eng = Engine(ModelConfig.tiny(), residency=1.0, **SMALL)
     core = EngineCore(eng)
@@ -49,10 +49,9 @@ def test_engine_residency_histograms_and_the_engine_core_connection():
     assert gpu["reuse_gap"]["count"] == cached // 4
     assert gpu["lifetime"]["sum"] >= 0  # wall seconds
     assert carried and front.residency.summary()["tiers"] == m.residency["tiers"]
-    sm = ServerMetrics("tiny")
-    sm.watch_residency(front.residency.summary)
+    app = build_app(eng, serving=front, served_model_name="tiny", tokenizer=None)
     assert (f'prefixcache:kv_block_reuse_gap_seconds_count{{model_name="tiny",tier="GPU"}} '
-            f'{float(cached // 4)}') in sm.render()[0].decode()
+            f'{float(cached // 4)}') in app.state.metrics.render()[0].decode()
     with pytest.raises(ValueError, match="both drain"):
         EngineCore(eng, kv_event_publisher=object())
 
