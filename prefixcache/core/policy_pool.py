@@ -66,14 +66,23 @@ class PolicyBlockPool(BlockPool):
         return ret
 
     def touch(self, blocks: Iterable[KVCacheBlock], request=None) -> None:
-        q = self.free_block_queue
-        policy = self.policy
+        discard = self.policy.discard
+        on_hit = self.policy.on_hit
+        n = 0
         for block in blocks:
             if block.ref_cnt == 0:
-                q.remove(block)
-                policy.discard(block)
+                # (FreeKVCacheBlockQueue.remove, inlined as BlockPool.touch does: this
+                # runs once per hit block)
+                prev = block.prev_free_block
+                nxt = block.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                block.prev_free_block = block.next_free_block = None
+                n += 1
+                discard(block)
             block.ref_cnt += 1
-            policy.on_hit(block, request)
+            on_hit(block, request)
+        self.free_block_queue.num_free_blocks -= n
 
     def cache_full_blocks(self, request, blocks: Sequence[KVCacheBlock],
                           block_hashes: Sequence[bytes], num_cached_blocks: int,
@@ -97,7 +106,8 @@ class PolicyBlockPool(BlockPool):
         ordered = list(ordered_blocks)
         n = len(ordered)
         q = self.free_block_queue
-        policy = self.policy
+        on_release = self.policy.on_release
+        add = self.policy.add
         first: list[KVCacheBlock] = []
         last: list[KVCacheBlock] = []
         for i, block in enumerate(ordered):
@@ -109,10 +119,9 @@ class PolicyBlockPool(BlockPool):
                 if block.block_hash is None:
                     first.append(block)
                 else:
-                    policy.on_release(
-                        block, request,
-                        first_position + n - 1 - i if request is not None else None)
-                    policy.add(block)
+                    on_release(block, request,
+                               first_position + n - 1 - i if request is not None else None)
+                    add(block)
                     last.append(block)
         q.append_n(last)
         q.prepend_n(first)

@@ -126,6 +126,7 @@ class ResidencyTracker:
         self.hist: dict[str, dict[str, Histogram]] = {}
         self.log: list[dict[str, Any]] | None = [] if log else None
         self.resident_at_end: dict[str, int] = {}
+        self._taken: dict[tuple[str, str], int] = {}  # (tier, metric) -> count last taken
 
     def _tracked(self, key) -> bool:
         s = self._sampled.get(key)
@@ -215,6 +216,33 @@ class ResidencyTracker:
 
     def finish(self, now: float) -> None:
         self.resident_at_end = {m: len(live) for m, live in self._live.items()}
+
+    def take_changed(self) -> dict[str, dict[str, list]] | None:
+        """The histograms that observed something since the last call, as
+        ``{tier: {metric: [counts, sum, count]}}`` (whole states, so a reader that
+        applies them with ``apply_changed`` holds the same histograms exactly); None when
+        nothing changed. For a tracker whose summary is read in another process."""
+        out = None
+        for medium, hs in self.hist.items():
+            for name, h in hs.items():
+                if self._taken.get((medium, name), 0) != h.count:
+                    self._taken[medium, name] = h.count
+                    if out is None:
+                        out = {}
+                    out.setdefault(medium, {})[name] = [list(h.counts), h.sum, h.count]
+        return out
+
+    def apply_changed(self, changed: Mapping[str, Mapping[str, list]]) -> None:
+        """Sets the histograms named in another tracker's ``take_changed()`` (same
+        buckets) to the states given."""
+        for medium, hs in changed.items():
+            mine = self._hists(medium)
+            for name, (counts, total, count) in hs.items():
+                h = mine[name]
+                if len(counts) != len(h.counts):
+                    raise ValueError(f"residency histogram {medium}/{name}: {len(counts)} "
+                                     f"buckets, expected {len(h.counts)}")
+                h.counts, h.sum, h.count = [int(c) for c in counts], float(total), int(count)
 
     def summary(self) -> dict[str, Any]:
         """Per tier, per metric: the histogram (bounds, counts, sum, count, mean, p50,

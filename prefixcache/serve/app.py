@@ -447,9 +447,9 @@ def build_app(engine, *, served_model_name: str = "model", tokenizer: Any = "eng
     metrics = ServerMetrics(served_model_name)
     serving.metrics = metrics
     metrics.set_programs(info["num_programs_built"], info["num_compiles_after_warmup"])
-    res = getattr(getattr(serving, "engine", None), "residency", None)
-    if res is not None:  # (an in-process engine: its tracker, read at each scrape)
-        metrics.watch_residency(res.tracker.summary)
+    if getattr(serving, "residency", None) is not None:
+        # (the engine's histograms as its output batches carry them, either mode)
+        metrics.watch_residency(serving.residency.summary)
     # A request of more sequences than the running batch plus the waiting queue can
     # never be admitted (it would get a 503 on an idle server): a 400 instead.
     waiting = getattr(serving, "max_waiting", None)

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residency", type=_sample_rate, default=None, metavar="RATE",
                    help="block residency histograms in /metrics (lifetime, idle before "
                    "eviction, reuse gap, hits per stay; RATE: the share of blocks sampled, "
-                   "vLLM's 0.01; needs --engine-in-process, not with --kv-events-endpoint)")
+                   "vLLM's 0.01; not with --kv-events-endpoint)")
     disk = p.add_argument_group(
         "disk tier",
         "KV pages the host tier evicts go to page files in --disk-dir (at most "
@@ -273,9 +273,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         sp.error(f"MODEL_OR_PATH {args.model!r}: no such file or directory (or 'tiny')")
     if args.lora_modules and not args.enable_lora:
         sp.error("--lora-modules needs --enable-lora")
-    if args.residency is not None and not args.engine_in_process:
-        sp.error("--residency needs --engine-in-process (/metrics reads the engine's "
-                 "histograms in this process)")
     if args.residency is not None and args.kv_events_endpoint:
         sp.error("--residency and --kv-events-endpoint both drain the KV events; use one")
     names = [n for n, _ in args.lora_modules]

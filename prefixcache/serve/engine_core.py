@@ -17,7 +17,8 @@ Commands (front end -> core): `AddRequests`, `AbortRequests`, `UtilityCall` (a n
 `EngineCore.utility_*` method, e.g. `reset_prefix_cache`), `Shutdown`.
 Outputs (core -> front end): `Ready` (once, after the engine is built and prepared),
 `StepOutputs` (per step: each request's new token ids, finish, usage, miss reasons;
-scheduler gauges; counter deltas; utility results), `CoreFailed` (start-up or loop
+scheduler gauges; counter deltas; the block residency histograms that changed;
+utility results), `CoreFailed` (start-up or loop
 failure, then the core exits).
 
 The KV-events publisher (`serve --kv-events-endpoint`) lives with the manager: in the
@@ -102,7 +103,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     `queries`, `hits`, `host_hits`, `preemptions`: counter increments since the last
     batch; `hits_by_tier`: the prefix-hit tokens adopted since, by tier (engines with a
     host tier; `KVCacheManager.hit_tokens_by_tier`); `done`: the core shut down after
-    this batch."""
+    this batch; `residency`: the engine's block residency histograms that observed
+    something since the last batch (`ResidencyTracker.take_changed`; None: none changed,
+    or `Engine(residency=None)`)."""
 
     updates: list[RequestUpdate] = []
     num_added: int = 0
@@ -118,6 +121,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     programs: int = 0
     compiles_after_warmup: int = -1  # (-1: no warm-up ran)
     hits_by_tier: dict[str, int] = {}
+    residency: dict[str, dict[str, list]] | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -157,7 +161,9 @@ def engine_info(engine) -> dict:
             "enable_lora": bool(getattr(engine, "enable_lora", False)),
             "max_num_seqs": int(engine.scheduler.max_num_seqs),
             "num_programs_built": int(engine.num_programs_built),
-            "num_compiles_after_warmup": engine.num_compiles_after_warmup}
+            "num_compiles_after_warmup": engine.num_compiles_after_warmup,
+            "residency": (None if getattr(engine, "residency", None) is None
+                          else engine.residency.tracker.sample_rate)}
 
 
 # -- the core ----------------------------------------------------------------------------
@@ -299,10 +305,12 @@ class EngineCore:
         tier_delta = {k: v - self._tier_hits_seen.get(k, 0) for k, v in tiers.items()
                       if v > self._tier_hits_seen.get(k, 0)}
         self._tier_hits_seen = tiers
+        res = getattr(eng, "residency", None)
         out = StepOutputs(self._updates, self._num_added, st["num_running"],
                           st["num_waiting"], float(mgr.usage), queries, hits, host_delta,
                           pre_delta, self._results, done, self.engine.num_programs_built,
-                          -1 if after is None else after, tier_delta)
+                          -1 if after is None else after, tier_delta,
+                          None if res is None else res.tracker.take_changed())
         self._updates, self._results, self._num_added = [], [], 0
         return out
 

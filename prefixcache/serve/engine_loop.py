@@ -98,6 +98,8 @@ class EngineFrontEnd:
       tokenizer: the engine's tokenizer (None: token ids only).
       metrics: a `ServerMetrics` updated from each output batch (None: none).
       failure: why the core is gone (None while it runs).
+      residency: a `ResidencyTracker` holding the engine's block residency histograms
+        as its output batches carry them (`Engine(residency=RATE)`; None: off).
     """
 
     _encode_params = False  # process mode: SamplingParams / LoRARequest as plain lists
@@ -107,6 +109,11 @@ class EngineFrontEnd:
             raise ValueError(f"max_waiting must be None or an int >= 0, got {max_waiting!r}")
         self.info = dict(info)
         self.tokenizer = tokenizer
+        self.residency = None  # the engine's residency histograms, as the outputs carry them
+        if info.get("residency") is not None:
+            from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
+
+            self.residency = ResidencyTracker(info["residency"])
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.failure: BaseException | None = None
@@ -268,6 +275,8 @@ class EngineFrontEnd:
                 m.add_tier_hits(out.hits_by_tier)
             if out.preemptions:
                 m.preemptions.inc(out.preemptions)
+        if out.residency and self.residency is not None:
+            self.residency.apply_changed(out.residency)
         _flush(deliveries)
         for fut, r in results:
             if r.error is None:

@@ -20,7 +20,7 @@ front end updates them from each step's outputs; `GET /metrics` renders the regi
 | `prefixcache:prompt_block_misses_total` | counter | missed prompt blocks of finished requests by `reason` (`prefixcache.core.misses.REASONS` but `isolated`, counted as `cold` so that no tenant learns of another's cache; only with `serve --miss-reasons`) |
 | `prefixcache:compiled_programs` | gauge | programs the engine's jitted step functions hold (compiled, or loaded from the persistent compilation cache; `Engine.num_programs_built`) |
 | `prefixcache:compiles_after_warmup` | gauge | of those, built after the warm-up (0: no request waited for a compile; absent with `--no-warmup`) |
-| `prefixcache:kv_block_lifetime_seconds`, `prefixcache:kv_block_idle_before_evict_seconds`, `prefixcache:kv_block_reuse_gap_seconds` | histogram | block residency by `tier` (`GPU`, `CPU`): stored to removed, last release to removal, between hits (`Engine(residency=RATE)`, sampled blocks; an in-process engine only) |
+| `prefixcache:kv_block_lifetime_seconds`, `prefixcache:kv_block_idle_before_evict_seconds`, `prefixcache:kv_block_reuse_gap_seconds` | histogram | block residency by `tier` (`GPU`, `CPU`): stored to removed, last release to removal, between hits (`Engine(residency=RATE)`, sampled blocks; either engine mode) |
 | `prefixcache:kv_block_hits_per_residency` | histogram | hits one stay of a block earned, by `tier` (same) |
 """
 

@@ -122,3 +122,25 @@ def test_sampling_keeps_a_fixed_subset():
 def test_bad_sample_rate(rate):
     with pytest.raises(ValueError, match="sample_rate"):
         ResidencyTracker(rate)
+
+
+def test_take_changed_and_apply_changed():
+    """Only the histograms that observed something travel; applied to another tracker
+    they give the same summary; a wrong bucket count is refused."""
+    src, dst = ResidencyTracker(1.0), ResidencyTracker(1.0)
+    assert src.take_changed() is None
+    src._store(1, "GPU", 0.0)
+    src.on_hits([1], 2.0)
+    changed = src.take_changed()
+    assert set(changed) == {"GPU"} and set(changed["GPU"]) == {"reuse_gap"}
+    dst.apply_changed(changed)
+    src._remove(1, "GPU", 5.0)
+    src._store(2, "CPU", 5.0)
+    src._remove(2, "CPU", 6.5)
+    changed = src.take_changed()
+    assert set(changed["GPU"]) == {"lifetime", "idle_before_evict", "hits_per_residency"}
+    dst.apply_changed(changed)
+    assert src.take_changed() is None
+    assert dst.summary()["tiers"] == src.summary()["tiers"]
+    with pytest.raises(ValueError, match="GPU/lifetime: 1 buckets"):
+        dst.apply_changed({"GPU": {"lifetime": [[1], 1.0, 1]}})

@@ -13,24 +13,45 @@ SMALL = dict(num_blocks=12, block_size=4, max_num_seqs=2, seq_buckets=(2,),
              page_buckets=(8,), seed=0)
 
 
-def test_engine_residency_histograms():
+def test_engine_residency_histograms_and_the_engine_core_connection():
+    """The histograms' counts are the run's own totals; the engine core's output batches,
+    msgpack-encoded as between processes, carry the histograms that changed, so the
+    front end's copy ends equal to the engine's and renders in /metrics."""
+    import msgspec
+
+    from prefixcache.serve.app import build_app
+    from prefixcache.serve.engine_core import Output
+    from prefixcache.serve.engine_loop import ServingEngine
+
     eng = Engine(ModelConfig.tiny(), residency=1.0, **SMALL)
+    core = EngineCore(eng)
+    front = ServingEngine(eng)  # (not started: fed the decoded batches below)
+    assert front.residency is not None and front.residency.sample_rate == 1.0
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Output)
     rng = np.random.default_rng(0)
     prefix = rng.integers(3, 200, 8).tolist()
     params = SamplingParams(max_tokens=2, temperature=0.0)
-    cached = 0
+    cached = carried = 0
     for k in range(6):  # a shared prefix, then unrelated prompts that evict it
         prompt = (prefix if k % 3 == 0 else rng.integers(3, 200, 8).tolist()) + [5 + k] * 3
         eng.add_request(prompt, params)
         while eng.has_unfinished_requests():
-            for out in eng.step():
-                cached += out.metrics.num_cached_tokens if out.finished else 0
+            core.step()
+            out = dec.decode(enc.encode(core.take_outputs()))
+            cached += sum(u.num_cached_tokens for u in out.updates if u.finish_reason)
+            carried += out.residency is not None
+            front._process(out)
+    assert core.take_outputs().residency is None  # (nothing changed since)
     m = eng.metrics()
     gpu = m.residency["tiers"]["GPU"]
     assert m.num_evictions > 0 and cached > 0
     assert gpu["lifetime"]["count"] == gpu["hits_per_residency"]["count"] == m.num_evictions
     assert gpu["reuse_gap"]["count"] == cached // 4
     assert gpu["lifetime"]["sum"] >= 0  # wall seconds
+    assert carried and front.residency.summary()["tiers"] == m.residency["tiers"]
+    app = build_app(eng, serving=front, served_model_name="tiny", tokenizer=None)
+    assert (f'prefixcache:kv_block_reuse_gap_seconds_count{{model_name="tiny",tier="GPU"}} '
+            f'{float(cached // 4)}') in app.state.metrics.render()[0].decode()
     with pytest.raises(ValueError, match="both drain"):
         EngineCore(eng, kv_event_publisher=object())
 
@@ -38,6 +59,9 @@ def test_engine_residency_histograms():
 def test_residency_off_and_checked():
     eng = Engine(ModelConfig.tiny(), **SMALL)
     assert eng.metrics().residency is None and not eng.kv_cache_manager.enable_events
+    from prefixcache.serve.engine_loop import ServingEngine
+
+    assert ServingEngine(eng).residency is None
     for bad in (0, 1.5, "0.1"):
         with pytest.raises(ValueError, match="sample_rate"):
             Engine(ModelConfig.tiny(), residency=bad, **SMALL)
@@ -76,5 +100,4 @@ def test_serve_flag():
                 "--residency", "1", "--kv-events-endpoint", "tcp://127.0.0.1:5557"]):
         with pytest.raises(SystemExit):
             parse_args(["serve", "tiny", *bad])
-    with pytest.raises(SystemExit):  # (not in process: /metrics could not read it)
-        parse_args(["serve", "tiny", "--residency", "0.5"])
+    assert parse_args(["serve", "tiny", "--residency", "0.5"]).residency == 0.5  # (either mode)

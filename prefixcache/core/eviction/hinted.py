@@ -64,29 +64,50 @@ class HintedPolicy(TimedPolicy):
         self.dead = [False] * num_blocks
         self.hint_priority = [0] * num_blocks
         self.hint_until = [-math.inf] * num_blocks  # in force while now <= until
+        # The last request's hint as read at ``now`` (a request's blocks are told in
+        # runs: one request, one clock reading; a request's hints are fixed for its
+        # life): (request, now, hint, priority, until, first covered depth, last
+        # covered depth, session_end).
+        self._read = (None, None, None, 0, 0.0, 0, -1, False)
 
-    def _covers(self, hint, bid: int) -> bool:
-        kr = hint.keep_range
-        if kr is None:
-            return True
-        lo = self.position[bid] * self.block_size
-        return kr[0] <= lo and lo + self.block_size <= kr[1]
-
-    def _use(self, bid: int, request, release: bool) -> None:
+    def _read_hint(self, request) -> tuple:
+        """``request``'s hint read at ``self.now``: its priority, the expiry of a use
+        now, the depths ``[lo, hi]`` of the blocks ``keep_range`` covers (block ``p``
+        holds positions ``[p * block_size, (p + 1) * block_size)``), ``session_end``."""
+        now = self.now
         hint = getattr(request, "retention", None) if request is not None else None
         if hint is None:
+            self._read = (request, now, None, 0, 0.0, 0, -1, False)
+            return self._read
+        ttl = hint.ttl_s if self.unit == "s" else hint.ttl_steps
+        kr = hint.keep_range
+        bs = self.block_size
+        if kr is None:
+            lo, hi = 0, math.inf
+        else:
+            lo, hi = -(-kr[0] // bs), kr[1] // bs - 1
+        self._read = (request, now, hint, hint.priority,
+                      math.inf if ttl is None else now + ttl, lo, hi, hint.session_end)
+        return self._read
+
+    def _use(self, bid: int, request, release: bool) -> None:
+        read = self._read
+        if read[0] is not request or read[1] != self.now:
+            read = self._read_hint(request)
+        _, now, hint, prio, until, lo, hi, session_end = read
+        if hint is None:
             return
-        if self._covers(hint, bid):
-            ttl = hint.ttl_s if self.unit == "s" else hint.ttl_steps
-            until = math.inf if ttl is None else self.now + ttl
-            if self.hint_until[bid] >= self.now:  # a hint in force: merge
-                self.hint_priority[bid] = max(self.hint_priority[bid], hint.priority)
-                self.hint_until[bid] = max(self.hint_until[bid], until)
+        if lo <= self.position[bid] <= hi:  # the hint covers the block
+            if self.hint_until[bid] >= now:  # a hint in force: merge
+                if prio > self.hint_priority[bid]:
+                    self.hint_priority[bid] = prio
+                if until > self.hint_until[bid]:
+                    self.hint_until[bid] = until
             else:
-                self.hint_priority[bid] = hint.priority
+                self.hint_priority[bid] = prio
                 self.hint_until[bid] = until
             self.dead[bid] = False
-        elif release and hint.session_end:
+        elif release and session_end:
             self.dead[bid] = True
 
     def on_cached(self, block, block_hash, request, position) -> None:
