@@ -134,7 +134,8 @@ def test_bad_hit_blocks_change_nothing(bad_blocks):
     assert snapshot(m) == before
 
 
-@pytest.mark.parametrize("bad", ["new", 5, None, object()], ids=repr)
+@pytest.mark.parametrize("bad", ["new", 5, None, object()], 
+                         ids=lambda v: "object()" if type(v) is object else repr(v))
 def test_not_a_request(bad):
     m, _, _ = setup()
     before = snapshot(m)

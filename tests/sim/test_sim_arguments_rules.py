@@ -33,7 +33,8 @@ def _reqs(n=4):
                          timestamp=0.1 * i) for i in range(n)]
 
 
-@pytest.mark.parametrize("bad", [None, "llama_3_1_8b", object()], ids=repr)
+@pytest.mark.parametrize("bad", [None, "llama_3_1_8b", object()], 
+                         ids=lambda v: "object()" if type(v) is object else repr(v))
 def test_cost_model_named(bad):
     with pytest.raises(TypeError, match=r"cost_model must be a prefixcache.cost_model.CostModel"):
         des.simulate(_reqs(), cost_model=bad, num_blocks=64, block_size=BS)
