@@ -540,6 +540,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                     lower, record=host_tier.record_tier_transfer,
                     events_owner=pool if self.enable_events else None,
                     event_hash=pool._event_hash, block_size=block_size)
+                if host_tier.lower.wants_origin:
+                    host_tier.keep_origins()
                 self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
         # Hit tokens adopted at admission from each tier below the host, by name.

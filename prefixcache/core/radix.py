@@ -445,6 +445,8 @@ class RadixKVCacheManager(HostTierAPI):
                     lower, record=host_tier.record_tier_transfer,
                     events_owner=self if self.enable_events else None,
                     event_hash=self._event_hash, block_size=block_size)
+                if host_tier.lower.wants_origin:
+                    host_tier.keep_origins()
         # Hit tokens adopted at admission from each tier below the host, by name.
         self._lower_hit_tokens = {t.name: 0 for t in lower}
 
@@ -1080,7 +1082,9 @@ class RadixKVCacheManager(HostTierAPI):
         if tier.track_origin:
             pos_of = tier.device_position
             prio_of = tier.device_priority
+            hint_of = tier.device_retention
             prio = st.request.priority
+            hint = getattr(st.request, "retention", None)
             blocks = st.blocks
             path = st.path
             for pos in range(first, num_full):
@@ -1088,6 +1092,7 @@ class RadixKVCacheManager(HostTierAPI):
                 if path[pos].block is b:  # a new node (not a duplicate's)
                     pos_of[b.block_id] = pos
                     prio_of[b.block_id] = prio
+                    hint_of[b.block_id] = hint
         on_host = tier.hash_to_slot
         # NOTE: one C-level disjointness test; the per-hash loop only on an overlap. (A
         # duplicate's hash is a device node's: never on the host.)

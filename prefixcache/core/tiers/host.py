@@ -92,7 +92,7 @@ from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.policy_pool import PolicyBlockPool
-from prefixcache.core.tiers.base import HOST_LINK
+from prefixcache.core.tiers.base import HOST_LINK, _Origin
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
@@ -189,16 +189,6 @@ class HostHit:
         h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
         return (f"HostHit(host_slot={getattr(self, 'host_slot', None)!r}, "
                 f"block_id={getattr(self, 'block_id', None)!r}, block_hash={h})")
-
-
-class _Origin:
-    """What the host policy's ``on_cached`` / ``on_release`` read of a request
-    (``priority``) for a block demoted long after its request left."""
-
-    __slots__ = ("priority",)
-
-    def __init__(self, priority: int):
-        self.priority = priority
 
 
 def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tuple[int, dict]:
@@ -308,9 +298,13 @@ class HostTier:
             except (TypeError, ValueError) as e:  # (an option of the wrong name or value)
                 raise type(e)(f"host_eviction={eviction!r}, host_eviction_options="
                               f"{eviction_options!r}: {e}") from None
-        # NOTE: chain positions and priorities are recorded per device block (for the
-        # policy's on_cached / on_release) only when there is a policy object.
+        # NOTE: chain positions, priorities and retention hints are recorded per device
+        # block (for the policy's on_cached / on_release) only when there is a policy
+        # object here or in a tier below (``keep_origins``).
         self.track_origin = self.policy is not None
+        # Per host slot: the ``_Origin`` its entry was demoted with, handed on to the
+        # tiers below when the host evicts it (``None``: not kept, see ``keep_origins``).
+        self.slot_origin: list | None = None
         self.slots = [HostBlock(i) for i in range(num_host_blocks)]
         # hash -> slot of every host entry (pinned ones excepted); with the lru fast
         # path its order is the eviction order (least recently demoted first).
@@ -334,6 +328,7 @@ class HostTier:
         # (what the host policy is told at demotion).
         self.device_position = [0] * num_device_blocks
         self.device_priority = [0] * num_device_blocks
+        self.device_retention: list = [None] * num_device_blocks
         # Cumulative counters (never reset).
         self.num_stored = 0  # demotions (store transfers)
         self.num_loaded = 0  # promotions (load transfers)
@@ -372,7 +367,7 @@ class HostTier:
             old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
             if self.lower is not None:  # (recorded before this store reuses the slot)
-                self.lower.demote(old, "host", slot.block_id)
+                self.lower.demote(old, "host", slot.block_id, self._origin_of(slot))
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -384,7 +379,7 @@ class HostTier:
             policy.on_evicted(slot)
             self.num_evicted += 1
             if self.lower is not None:
-                self.lower.demote(old, "host", slot.block_id)
+                self.lower.demote(old, "host", slot.block_id, self._origin_of(slot))
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -394,16 +389,33 @@ class HostTier:
             return
         slot.block_hash = h
         on_host[h] = slot
-        if policy is not None:
-            origin = _Origin(self.device_priority[block_id])
+        if self.track_origin:
             pos = self.device_position[block_id]
-            policy.on_cached(slot, h, origin, pos)
-            policy.on_release(slot, origin, pos)
-            policy.add(slot)
+            origin = _Origin(self.device_priority[block_id], self.device_retention[block_id],
+                             pos)
+            if self.slot_origin is not None:
+                self.slot_origin[slot.block_id] = origin
+            if policy is not None:
+                policy.on_cached(slot, h, origin, pos)
+                policy.on_release(slot, origin, pos)
+                policy.add(slot)
         self.transfers += (block_id, slot.block_id)
         self.num_stored += 1
         if self.enable_events:
             self._stored(h, parent)
+
+    def keep_origins(self) -> None:
+        """Keep each entry's ``_Origin`` (its request's priority and retention hints)
+        for the tiers below, whose policies read them when the host evicts the entry:
+        called by the owner when it attaches a ``lower`` chain with a policy object."""
+        self.track_origin = True
+        if self.slot_origin is None:
+            self.slot_origin = [None] * self.num_host_blocks
+
+    def _origin_of(self, slot):
+        """The origin the entry in ``slot`` was demoted with (``None``: not kept)."""
+        so = self.slot_origin
+        return so[slot.block_id] if so is not None else None
 
     def _stored(self, h: bytes, parent: bytes | None, group: int = 0) -> None:
         eh = self._event_hash
@@ -662,11 +674,14 @@ class _TieredPool:
         if tier.track_origin:
             pos_of = tier.device_position
             prio_of = tier.device_priority
+            hint_of = tier.device_retention
             prio = request.priority
+            hint = getattr(request, "retention", None)
             for pos in range(num_cached_blocks, num_full_blocks):
                 bid = blocks[pos].block_id
                 pos_of[bid] = pos
                 prio_of[bid] = prio
+                hint_of[bid] = hint
         on_host = tier.hash_to_slot
         # NOTE: one C-level disjointness test; the per-hash loop only on an overlap.
         if on_host and not on_host.keys().isdisjoint(
