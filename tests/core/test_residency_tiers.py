@@ -4,6 +4,8 @@ engine's feed)."""
 
 from __future__ import annotations
 
+import pytest
+
 from prefixcache.core import CacheConfig, KVCacheManager, Request
 from prefixcache.core.residency import ManagerResidency, hit_media
 from prefixcache.sim import workloads
@@ -12,10 +14,11 @@ from prefixcache.sim.replay import replay
 BS = 2
 
 
-def test_replay_counts_each_hit_on_its_tier():
+@pytest.mark.parametrize("index", ["hash", "radix"])
+def test_replay_counts_each_hit_on_its_tier(index):
     reqs = workloads.generate("multi_turn", num_conversations=12, seed=3)
-    cfg = CacheConfig(num_blocks=60, block_size=16, num_host_blocks=30, disk_bytes=6000,
-                      page_bytes=100)
+    cfg = CacheConfig(num_blocks=60, block_size=16, index=index, num_host_blocks=30,
+                      disk_bytes=6000, page_bytes=100)
     s = replay(reqs, cache_config=cfg, concurrency=4, residency=1.0)
     gaps = {m: t["reuse_gap"]["count"] for m, t in s["residency"]["tiers"].items()}
     by_tier = s["hit_tokens_by_tier"]
