@@ -646,21 +646,16 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         request.bind_hasher(self.hasher, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.cached_block_hash_to_block.get
-        host_get = self.host_tier.hash_to_slot.get
-        find = self.host_tier.lower.find
+        hit = self.host_tier.hit  # (a HostHit, a TierHit of a tier below, or None)
         computed: list = []
         append = computed.append
         for h in islice(request.block_hashes, max_blocks):
             b = get(h)
             if b is None:
-                slot = host_get(h)
-                if slot is None:
-                    tier = find(h)
-                    if tier is None:
-                        break
-                    append(TierHit(h, tier))
-                    continue
-                append(HostHit(h, slot.block_id))
+                b = hit(h)
+                if b is None:
+                    break
+                append(b)
                 continue
             if type(b) is dict:
                 b = next(iter(b.values()))

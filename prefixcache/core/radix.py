@@ -928,18 +928,13 @@ class RadixKVCacheManager(HostTierAPI):
         out: list[HostHit] = []
         if start >= max_blocks:
             return out
-        get = self.host_tier.hash_to_slot.get
-        lower = self.host_tier.lower
+        hit = self.host_tier.hit  # (a HostHit, a TierHit of a tier below, or None)
         append = out.append
         for h in islice(request.block_hashes, start, max_blocks):
-            slot = get(h)
-            if slot is None:
-                tier = lower.find(h) if lower is not None else None
-                if tier is None:
-                    break
-                append(TierHit(h, tier))  # (a tier below the host holds it)
-                continue
-            append(HostHit(h, slot.block_id))
+            b = hit(h)
+            if b is None:
+                break
+            append(b)
         return out
 
     def _get_computed_blocks_tiered(self, request) -> tuple[list, int]:

@@ -92,7 +92,7 @@ from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.policy_pool import PolicyBlockPool
-from prefixcache.core.tiers.base import HOST_LINK, _Origin
+from prefixcache.core.tiers.base import HOST_LINK, TierHit, _Origin
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
@@ -344,6 +344,22 @@ class HostTier:
 
     def __len__(self) -> int:
         return len(self.hash_to_slot) + len(self._pinned)
+
+    # ----------------------------------------------------------------- lookup
+    def hit(self, h: bytes) -> HostHit | TierHit | None:
+        """A lookup's entry for a block the device does not hold: a ``HostHit`` when
+        the host holds ``h``, else a ``TierHit`` of the first tier below that can serve
+        it, else ``None`` (the run stops). Changes no entry (a lower tier may drop one
+        it cannot serve, as ``TierChain.find``)."""
+        slot = self.hash_to_slot.get(h)
+        if slot is not None:
+            return HostHit(h, slot.block_id)
+        lower = self.lower
+        if lower is not None:
+            tier = lower.find(h)
+            if tier is not None:
+                return TierHit(h, tier)
+        return None
 
     # ----------------------------------------------------------------- events
     def _removed(self, h: bytes, group: int = 0) -> None:
