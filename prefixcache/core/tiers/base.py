@@ -17,6 +17,14 @@ and frees the entry, as the host tier's; the device computing a hash the tier ho
 drops the tier's copy) or inclusive (``inclusive = True``: a load copies, the entry
 stays: a ``remote`` store shared by several replicas).
 
+A tier's policy hears each stored entry as ``on_cached`` / ``on_release`` of the request
+that cached the block on the device (an ``_Origin``: its ``priority``, its
+``retention`` hints and the block's ``position`` in its chain, kept by the host tier
+while a tier below has a policy object; an entry of unknown origin, such as a page
+found on the disk at start, has priority 0, no hints, depth 0), so ``hinted``,
+``priority`` and the depth-aware policies rank lower-tier entries as they rank device
+blocks.
+
 The transfers a manager records go to one ordered list (the host tier's): device <->
 host copies are ``HostTransfer``s, every copy that touches a lower tier a
 ``TierTransfer``. Apply them in list order before the step computes.
