@@ -645,22 +645,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         hash, else stop."""
         request.bind_hasher(self.hasher, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        get = self.block_pool.cached_block_hash_to_block.get
-        hit = self.host_tier.hit  # (a HostHit, a TierHit of a tier below, or None)
-        computed: list = []
-        append = computed.append
-        for h in islice(request.block_hashes, max_blocks):
-            b = get(h)
-            if b is None:
-                b = hit(h)
-                if b is None:
-                    break
-                append(b)
-                continue
-            if type(b) is dict:
-                b = next(iter(b.values()))
-            append(b)
-        return computed
+        return self.host_tier.hit_run(request.block_hashes, 0, max_blocks,
+                                      self.block_pool.cached_block_hash_to_block)
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now.

@@ -90,7 +90,6 @@ until the device caches that parent again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import islice
 from typing import Any, Sequence
 
 from prefixcache._validate import ArgumentTypeError, check_arrival, check_release_inputs
@@ -925,17 +924,9 @@ class RadixKVCacheManager(HostTierAPI):
         """The host tier's run of the request's blocks from ``start`` (the first block
         the tree does not hold): block by block while the host holds its hash."""
         max_blocks = (request.num_tokens - 1) // self.block_size
-        out: list[HostHit] = []
         if start >= max_blocks:
-            return out
-        hit = self.host_tier.hit  # (a HostHit, a TierHit of a tier below, or None)
-        append = out.append
-        for h in islice(request.block_hashes, start, max_blocks):
-            b = hit(h)
-            if b is None:
-                break
-            append(b)
-        return out
+            return []
+        return self.host_tier.hit_run(request.block_hashes, start, max_blocks)
 
     def _get_computed_blocks_tiered(self, request) -> tuple[list, int]:
         """``get_computed_blocks`` with a host tier: the tree's nodes, then the host's

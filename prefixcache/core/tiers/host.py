@@ -71,6 +71,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Mapping
+from itertools import islice
 from typing import Any, NamedTuple
 
 from prefixcache._validate import ArgumentTypeError, check_count, check_host_memory
@@ -346,20 +347,36 @@ class HostTier:
         return len(self.hash_to_slot) + len(self._pinned)
 
     # ----------------------------------------------------------------- lookup
-    def hit(self, h: bytes) -> HostHit | TierHit | None:
-        """A lookup's entry for a block the device does not hold: a ``HostHit`` when
-        the host holds ``h``, else a ``TierHit`` of the first tier below that can serve
-        it, else ``None`` (the run stops). Changes no entry (a lower tier may drop one
-        it cannot serve, as ``TierChain.find``)."""
-        slot = self.hash_to_slot.get(h)
-        if slot is not None:
-            return HostHit(h, slot.block_id)
-        lower = self.lower
-        if lower is not None:
-            tier = lower.find(h)
-            if tier is not None:
-                return TierHit(h, tier)
-        return None
+    def hit_run(self, hashes, start: int, stop: int, device: dict | None = None) -> list:
+        """A lookup's run of hits below the device, one call per lookup: for each hash
+        of ``hashes[start:stop]`` in order, a device block when ``device`` (the pool's
+        hash -> block map; ``None``: the caller's index holds none past ``start``)
+        holds it, else a ``HostHit`` when the host holds it, else a ``TierHit`` of the
+        first tier below that can serve it; the run stops at the first hash no tier
+        holds. Changes no entry (a lower tier may drop one it cannot serve, as
+        ``TierChain.find``)."""
+        out: list = []
+        append = out.append
+        host_get = self.hash_to_slot.get
+        find = self.lower.find if self.lower is not None else None
+        dev_get = device.get if device is not None else None
+        for h in islice(hashes, start, stop):
+            if dev_get is not None:
+                b = dev_get(h)
+                if b is not None:
+                    if type(b) is dict:  # (duplicates of one hash: any of them)
+                        b = next(iter(b.values()))
+                    append(b)
+                    continue
+            slot = host_get(h)
+            if slot is not None:
+                append(HostHit(h, slot.block_id))
+                continue
+            tier = find(h) if find is not None else None
+            if tier is None:
+                break
+            append(TierHit(h, tier))
+        return out
 
     # ----------------------------------------------------------------- events
     def _removed(self, h: bytes, group: int = 0) -> None:
@@ -383,7 +400,9 @@ class HostTier:
             old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
             if self.lower is not None:  # (recorded before this store reuses the slot)
-                self.lower.demote(old, "host", slot.block_id, self._origin_of(slot))
+                so = self.slot_origin
+                self.lower.demote(old, "host", slot.block_id,
+                                  so[slot.block_id] if so is not None else None)
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -395,7 +414,9 @@ class HostTier:
             policy.on_evicted(slot)
             self.num_evicted += 1
             if self.lower is not None:
-                self.lower.demote(old, "host", slot.block_id, self._origin_of(slot))
+                so = self.slot_origin
+                self.lower.demote(old, "host", slot.block_id,
+                                  so[slot.block_id] if so is not None else None)
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -427,11 +448,6 @@ class HostTier:
         self.track_origin = True
         if self.slot_origin is None:
             self.slot_origin = [None] * self.num_host_blocks
-
-    def _origin_of(self, slot):
-        """The origin the entry in ``slot`` was demoted with (``None``: not kept)."""
-        so = self.slot_origin
-        return so[slot.block_id] if so is not None else None
 
     def _stored(self, h: bytes, parent: bytes | None, group: int = 0) -> None:
         eh = self._event_hash
