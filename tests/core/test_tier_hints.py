@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.core import CacheConfig, KVCacheManager, Request
+from prefixcache.core.eviction import policy_clock
 from prefixcache.core.request import RetentionHints
 from prefixcache.sim import workloads
 from prefixcache.sim.replay import replay
@@ -15,14 +16,18 @@ BS = 2
 KEEP = RetentionHints(priority=5)
 
 
-def _run(index, hints_on, names="abcde", **kw):
-    """One-block requests through a 2-block device: ``a`` (hinted) is demoted
-    first, then the others push blocks down. Returns (manager, {name: block hash})."""
+def _run(index, hints_on, names="abcde", hint=KEEP, **kw):
+    """One-block requests through a 2-block device, one step each: ``a`` (hinted) is
+    demoted first, then the others push blocks down. Returns (manager, {name: block
+    hash})."""
     m = KVCacheManager(3, BS, index=index, **kw)
+    tick = policy_clock(m)
     hashes = {}
     for i, name in enumerate(names):
+        if tick is not None:
+            tick(None, i)
         r = Request(name, [10 * i + 1, 10 * i + 2, 10 * i + 3],
-                    retention=KEEP if (name == "a" and hints_on) else None)
+                    retention=hint if (name == "a" and hints_on) else None)
         blocks, hit = m.get_computed_blocks(r)
         assert m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
         m.free(r)
@@ -58,6 +63,11 @@ def test_hints_reach_the_disk(index, host_eviction):
     assert h["a"] in disk.entries
     # the hint came with the block's request: a's entry carries it
     assert disk.entries[h["a"]].origin.retention == KEEP
+    # the disk's policy keeps the driver's clock: a hint whose TTL ran out protects nothing
+    short = RetentionHints(priority=5, ttl_steps=2)
+    expired, _ = _run(index, True, "abcdefg", short, disk_eviction="hinted", **kw)
+    assert expired.tier_chain.get("disk").policy.now == 6
+    assert h["a"] not in expired.tier_chain.get("disk").entries
 
 
 @pytest.mark.parametrize("index", ["hash", "radix"])
