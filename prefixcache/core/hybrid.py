@@ -284,12 +284,15 @@ class _TieredHybridPool(_TieredPool):
         if tier.track_origin:
             pos_of = tier.device_position
             prio_of = tier.device_priority
+            hint_of = tier.device_retention
             prio = request.priority
+            hint = getattr(request, "retention", None)
             for pos in range(num_cached_blocks, num_full_blocks):
                 blk = blocks[pos]
                 if blk is not null:
                     pos_of[blk.block_id] = pos
                     prio_of[blk.block_id] = prio
+                    hint_of[blk.block_id] = hint
         on_host = tier.hash_to_slot
         if on_host:
             suffix = _group_suffix(group_id)

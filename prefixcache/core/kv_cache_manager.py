@@ -540,6 +540,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                     lower, record=host_tier.record_tier_transfer,
                     events_owner=pool if self.enable_events else None,
                     event_hash=pool._event_hash, block_size=block_size)
+                if host_tier.lower.wants_origin:
+                    host_tier.keep_origins()
                 self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
         # Hit tokens adopted at admission from each tier below the host, by name.
@@ -643,27 +645,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         hash, else stop."""
         request.bind_hasher(self.hasher, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        get = self.block_pool.cached_block_hash_to_block.get
-        host_get = self.host_tier.hash_to_slot.get
-        find = self.host_tier.lower.find
-        computed: list = []
-        append = computed.append
-        for h in islice(request.block_hashes, max_blocks):
-            b = get(h)
-            if b is None:
-                slot = host_get(h)
-                if slot is None:
-                    tier = find(h)
-                    if tier is None:
-                        break
-                    append(TierHit(h, tier))
-                    continue
-                append(HostHit(h, slot.block_id))
-                continue
-            if type(b) is dict:
-                b = next(iter(b.values()))
-            append(b)
-        return computed
+        return self.host_tier.hit_run(request.block_hashes, 0, max_blocks,
+                                      self.block_pool.cached_block_hash_to_block)
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now.

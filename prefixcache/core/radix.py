@@ -90,7 +90,6 @@ until the device caches that parent again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import islice
 from typing import Any, Sequence
 
 from prefixcache._validate import ArgumentTypeError, check_arrival, check_release_inputs
@@ -445,6 +444,8 @@ class RadixKVCacheManager(HostTierAPI):
                     lower, record=host_tier.record_tier_transfer,
                     events_owner=self if self.enable_events else None,
                     event_hash=self._event_hash, block_size=block_size)
+                if host_tier.lower.wants_origin:
+                    host_tier.keep_origins()
         # Hit tokens adopted at admission from each tier below the host, by name.
         self._lower_hit_tokens = {t.name: 0 for t in lower}
 
@@ -923,22 +924,9 @@ class RadixKVCacheManager(HostTierAPI):
         """The host tier's run of the request's blocks from ``start`` (the first block
         the tree does not hold): block by block while the host holds its hash."""
         max_blocks = (request.num_tokens - 1) // self.block_size
-        out: list[HostHit] = []
         if start >= max_blocks:
-            return out
-        get = self.host_tier.hash_to_slot.get
-        lower = self.host_tier.lower
-        append = out.append
-        for h in islice(request.block_hashes, start, max_blocks):
-            slot = get(h)
-            if slot is None:
-                tier = lower.find(h) if lower is not None else None
-                if tier is None:
-                    break
-                append(TierHit(h, tier))  # (a tier below the host holds it)
-                continue
-            append(HostHit(h, slot.block_id))
-        return out
+            return []
+        return self.host_tier.hit_run(request.block_hashes, start, max_blocks)
 
     def _get_computed_blocks_tiered(self, request) -> tuple[list, int]:
         """``get_computed_blocks`` with a host tier: the tree's nodes, then the host's
@@ -1080,7 +1068,9 @@ class RadixKVCacheManager(HostTierAPI):
         if tier.track_origin:
             pos_of = tier.device_position
             prio_of = tier.device_priority
+            hint_of = tier.device_retention
             prio = st.request.priority
+            hint = getattr(st.request, "retention", None)
             blocks = st.blocks
             path = st.path
             for pos in range(first, num_full):
@@ -1088,6 +1078,7 @@ class RadixKVCacheManager(HostTierAPI):
                 if path[pos].block is b:  # a new node (not a duplicate's)
                     pos_of[b.block_id] = pos
                     prio_of[b.block_id] = prio
+                    hint_of[b.block_id] = hint
         on_host = tier.hash_to_slot
         # NOTE: one C-level disjointness test; the per-hash loop only on an overlap. (A
         # duplicate's hash is a device node's: never on the host.)

@@ -2,7 +2,8 @@
 the gap between its reuses, and how many hits one stay in the cache earns.
 
 A *residency* is one stay of a block hash in one tier (``medium``: ``"GPU"`` for the
-device pool, ``"CPU"`` for the host tier, as the KV events name them): it starts when
+device pool, ``"CPU"`` for the host tier, ``"DISK"`` / ``"REMOTE"`` (a tier's ``medium``)
+for the tiers below it, as the KV events name them): it starts when
 the hash is stored there and ends when it is removed (evicted, promoted, cleared). The
 tracker is fed by what a driver already sees -- the KV cache events the manager
 publishes (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), the hits of each
@@ -14,7 +15,8 @@ Per residency it records:
 * ``idle_before_evict``: removed - the last time a request released the block there
   (or, never released, the time it was stored);
 * ``reuse_gap``: each hit's time since the previous hit of the same residency (or since
-  it was stored, for the first hit);
+  it was stored, for the first hit); a hit counts on the tier it was served from (a
+  block loaded from the disk is a disk hit, ``hit_media``);
 * ``hits_per_residency``: the hits one residency earned (counted when it ends).
 
 Sampling (``sample_rate``, as vLLM samples 1% of blocks for its residency metrics): a
@@ -40,7 +42,7 @@ from typing import Any
 from prefixcache.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["BUCKETS", "HIT_BUCKETS", "METRICS", "Histogram", "ManagerResidency",
-           "ResidencyTracker"]
+           "ResidencyTracker", "hit_media"]
 
 # Upper bounds (inclusive) of the time buckets: 1 ms .. ~10^5 (x ~3.16 per bucket), +inf.
 BUCKETS: tuple[float, ...] = tuple(10.0 ** (e / 2) for e in range(-6, 11))
@@ -91,6 +93,27 @@ class _Stay:
         self.last_release = None
         self.hits = 0
         self.copies = 1
+
+
+def hit_media(computed) -> list[str]:
+    """The tier each entry of a lookup's hit run is served from, as the events' ``medium``
+    (``"GPU"``: a device block, ``"CPU"``: a host tier ``HostHit``, a lower tier's
+    ``TierHit``: that tier's ``medium``). ``computed``: ``get_computed_blocks``'s blocks
+    (a ``KVCacheBlocks`` of one group, or its list), before or after the allocation
+    that adopts them (the placeholders keep their type)."""
+    from prefixcache.core.tiers.base import TierHit  # noqa: PLC0415
+    from prefixcache.core.tiers.host import HostHit  # noqa: PLC0415
+
+    blocks = getattr(computed, "blocks", None)
+    if blocks is not None:
+        blocks = blocks[0]
+    else:
+        blocks = computed
+    out = []
+    for b in blocks:
+        t = type(b)
+        out.append("CPU" if t is HostHit else b.tier.medium if t is TierHit else "GPU")
+    return out
 
 
 def _fingerprint(key) -> int:
@@ -207,6 +230,15 @@ class ResidencyTracker:
             stay.last_hit = now
             stay.hits += 1
 
+    def on_hit_run(self, keys: list, media: list[str], now: float) -> None:
+        """``on_hits`` for an admission's hit run: ``keys[i]`` was served from the tier
+        ``media[i]`` (``hit_media``); each tier hears its own keys, in order."""
+        by: dict[str, list] = {}
+        for key, medium in zip(keys, media):
+            by.setdefault(medium, []).append(key)
+        for medium, ks in by.items():
+            self.on_hits(ks, now, medium)
+
     def on_release(self, keys: Iterable, now: float) -> None:
         for live in self._live.values():
             for key in keys:
@@ -286,17 +318,24 @@ class ManagerResidency:
         ``host_before``)."""
         return self.manager.host_hit_tokens if self._tiered else 0
 
-    def admitted(self, req, num_hit: int, now: float, host_before: int = 0) -> None:
+    def admitted(self, req, num_hit: int, now: float, host_before: int = 0,
+                 computed=None) -> None:
         """``req`` was admitted with ``num_hit`` cached tokens (after its allocation and
-        before its events are drained); ``host_before``: ``host_hit_tokens()`` before
-        the allocation (the host hits are the run's last blocks)."""
+        before its events are drained). ``computed``: the blocks ``get_computed_blocks``
+        returned (each hit counts on the tier it came from: ``hit_media``); without
+        them, ``host_before`` (``host_hit_tokens()`` before the allocation) splits the
+        run: its last blocks the host hits, the others device hits."""
         if num_hit:
             bs = self.block_size
             keys = [self._key(h) for h in req.block_hashes[:num_hit // bs]]
-            n_host = (self.manager.host_hit_tokens - host_before) // bs if self._tiered else 0
-            self.tracker.on_hits(keys[:len(keys) - n_host], now)
-            if n_host:
-                self.tracker.on_hits(keys[len(keys) - n_host:], now, medium="CPU")
+            if computed is not None:
+                self.tracker.on_hit_run(keys, hit_media(computed), now)
+            else:
+                n_host = ((self.manager.host_hit_tokens - host_before) // bs
+                          if self._tiered else 0)
+                self.tracker.on_hits(keys[:len(keys) - n_host], now)
+                if n_host:
+                    self.tracker.on_hits(keys[len(keys) - n_host:], now, medium="CPU")
         self.drain(now)
 
     def released(self, keys: list, now: float) -> None:

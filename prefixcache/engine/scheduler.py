@@ -581,7 +581,8 @@ class Scheduler:
         self.running.append(state)
         state.status = RequestStatus.RUNNING
         if res is not None:
-            res.admitted(req, num_hit, time.monotonic() - self._t0, host_before)
+            res.admitted(req, num_hit, time.monotonic() - self._t0, host_before,
+                         hit_blocks)
         req.num_computed_tokens = num_hit
         if acct is not None:
             acct.admit(req, num_hit, reasons)

@@ -338,7 +338,7 @@ class Server:
             return None
         self._dequeue(s)
         if res is not None:
-            res.admitted(req, hit, self.now, host_before)
+            res.admitted(req, hit, self.now, host_before, blocks)
         req.num_computed_tokens = hit
         if acct is not None:
             acct.admit(req, hit, reasons)

@@ -189,10 +189,11 @@ class _Residency:
     none). Built only when asked for: the default loop never calls it."""
 
     def __init__(self, m, sample_rate: float, block_size: int, *, int_keys: bool):
+        from prefixcache.core import residency as _residency  # noqa: PLC0415
         from prefixcache.core.block_pool import _bytes_block_hash, _int_block_hash  # noqa: PLC0415
-        from prefixcache.core.residency import ResidencyTracker  # noqa: PLC0415
 
-        self.tracker = ResidencyTracker(sample_rate)
+        self.tracker = _residency.ResidencyTracker(sample_rate)
+        self.hit_media = _residency.hit_media
         self.m = m
         self.take = m.take_events
         self.key = _int_block_hash if int_keys else _bytes_block_hash  # the events' form
@@ -226,13 +227,18 @@ class _Residency:
             if out is not None and num_hit:  # an admission's hits (not a retried lookup)
                 key = self.key
                 keys = [key(h) for h in req.block_hashes[:num_hit // bs]]
-                # NOTE: before this allocation's events are drained: a host hit is
-                # counted on its host residency, which the promotion then ends. The
-                # device hits come first in the run, the host hits after them.
-                n_host = (m.host_hit_tokens - before) // bs if tiered else 0
-                self.tracker.on_hits(keys[:len(keys) - n_host], self.now)
-                if n_host:
-                    self.tracker.on_hits(keys[len(keys) - n_host:], self.now, medium="CPU")
+                # NOTE: before this allocation's events are drained: a host (disk, ...)
+                # hit is counted on its residency in that tier, which the promotion
+                # then ends. Each hit counts on the tier it came from.
+                if computed is not None:
+                    media = self.hit_media(computed)
+                    self.tracker.on_hit_run(keys, media, self.now)
+                else:
+                    n_host = (m.host_hit_tokens - before) // bs if tiered else 0
+                    self.tracker.on_hits(keys[:len(keys) - n_host], self.now)
+                    if n_host:
+                        self.tracker.on_hits(keys[len(keys) - n_host:], self.now,
+                                             medium="CPU")
             self.drain()
             return out
         return allocate

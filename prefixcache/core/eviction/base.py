@@ -431,12 +431,16 @@ class TimedPolicy(KeyedPolicy):
 
 
 def policy_clock(manager) -> Callable[[float | None, int], None] | None:
-    """The clock of ``manager``'s policies that read it (``needs_time``: the device's
-    and the host tier's), as one ``set_time(now_s, step)`` callable; ``None`` when no
-    policy reads it (a driver then keeps no clock: no cost). Every policy checks the
-    reading before any takes it (a bad one changes nothing)."""
-    policies = [p for p in (getattr(manager, "policy", None),
-                            getattr(getattr(manager, "host_tier", None), "policy", None))
+    """The clock of ``manager``'s policies that read it (``needs_time``: the device's,
+    the host tier's and those of the tiers below it but an inclusive one, a store shared
+    by replicas whose clocks differ), as one ``set_time(now_s, step)`` callable; ``None``
+    when no policy reads it (a driver then keeps no clock: no cost). Every policy checks
+    the reading before any takes it (a bad one changes nothing)."""
+    host = getattr(manager, "host_tier", None)
+    lower = getattr(host, "lower", None)
+    policies = [p for p in (getattr(manager, "policy", None), getattr(host, "policy", None),
+                            *(t.policy for t in (lower.tiers if lower is not None else ())
+                              if not t.inclusive))
                 if p is not None and p.needs_time]
     if not policies:
         return None

@@ -23,11 +23,10 @@ the larger priority and the later expiry. A later use revives a dead block. Hint
 pin a block: a protected block is still evicted when nothing else is left.
 
 Without any hint, every candidate is in the second class and the order is exactly ``lru``'s
-(a test replays both and compares the records byte for byte). The host tier hands
-its policy the demoted block's priority but not its hints (``core/host_tier.py``'s
-``_Origin``): as the host tier's policy, ``hinted`` sees no hints there and evicts as
-``lru`` until the tier carries ``Request.retention`` into ``_Origin`` as it carries the
-priority.
+(a test replays both and compares the records byte for byte). The host tier and the
+tiers below it hand their policy the priority and the hints of the request that cached
+the block on the device (``core/tiers/base.py``'s ``_Origin``): there a hint's TTL
+counts from the block's arrival in the tier.
 
 Options: ``unit``: the clock a hint's TTL is read in -- ``"steps"`` (the default, as
 ``ttl_lru``'s: the clock every driver has; a hint's ``ttl_steps``) or ``"s"`` (the

@@ -17,6 +17,14 @@ and frees the entry, as the host tier's; the device computing a hash the tier ho
 drops the tier's copy) or inclusive (``inclusive = True``: a load copies, the entry
 stays: a ``remote`` store shared by several replicas).
 
+A tier's policy hears each stored entry as ``on_cached`` / ``on_release`` of the request
+that cached the block on the device (an ``_Origin``: its ``priority``, its
+``retention`` hints and the block's ``position`` in its chain, kept by the host tier
+while a tier below has a policy object; an entry of unknown origin, such as a page
+found on the disk at start, has priority 0, no hints, depth 0), so ``hinted``,
+``priority`` and the depth-aware policies rank lower-tier entries as they rank device
+blocks.
+
 The transfers a manager records go to one ordered list (the host tier's): device <->
 host copies are ``HostTransfer``s, every copy that touches a lower tier a
 ``TierTransfer``. Apply them in list order before the step computes.
@@ -177,21 +185,30 @@ class _Slot:
     """One entry of a ``KeyTier`` as its policy sees it (``block_id``: an internal
     slot number, never a transfer's id)."""
 
-    __slots__ = ("block_id", "block_hash")
+    __slots__ = ("block_id", "block_hash", "origin")
 
     def __init__(self, i: int):
         self.block_id = i
         self.block_hash: bytes | None = None
+        self.origin: _Origin | None = None  # what the entry was demoted with
 
 
 class _Origin:
-    __slots__ = ("priority",)
+    """What a tier's policy's ``on_cached`` / ``on_release`` / ``on_hit`` read of a
+    request for a block demoted long after its request left: the priority and the
+    retention hints (``RetentionHints`` or ``None``) of the request that cached the
+    block on the device, and the block's depth in its chain (``position``, the
+    policy's ``position`` argument)."""
 
-    def __init__(self):
-        self.priority = 0
+    __slots__ = ("priority", "retention", "position")
+
+    def __init__(self, priority: int = 0, retention=None, position: int = 0):
+        self.priority = priority
+        self.retention = retention
+        self.position = position
 
 
-_ORIGIN = _Origin()
+_ORIGIN = _Origin()  # (a block whose request is unknown: priority 0, no hints, depth 0)
 
 
 def check_tier_policy(arg: str, eviction) -> type:
@@ -274,6 +291,9 @@ class KeyTier:
         self.num_evicted = 0
         self.num_dropped = 0
         self.num_discarded = 0
+        # The origin of the entry the last ``put`` evicted (read by the chain, which
+        # hands it on with the evicted hash).
+        self.evicted_origin: _Origin | None = None
 
     def __len__(self) -> int:
         return len(self.entries) + len(self._pinned)
@@ -292,11 +312,12 @@ class KeyTier:
         return h in self.entries
 
     # ------------------------------------------------------------ transitions
-    def put(self, h: bytes):
-        """Store ``h`` (a demotion from above). Returns ``None`` (stored), the hash the
-        policy evicted to make room (stored; the caller demotes it further), or ``h``
-        itself (refused: every entry is pinned). An inclusive tier that holds ``h``
-        already refreshes it and returns ``False``."""
+    def put(self, h: bytes, origin: _Origin | None = None):
+        """Store ``h`` (a demotion from above; ``origin``: the request that cached it,
+        as the tier above kept it, ``None``: unknown). Returns ``None`` (stored), the
+        hash the policy evicted to make room (stored; the caller demotes it further,
+        with ``evicted_origin``), or ``h`` itself (refused: every entry is pinned). An
+        inclusive tier that holds ``h`` already refreshes it and returns ``False``."""
         entries = self.entries
         if h in entries or h in self._pinned:
             if self.policy is None and h in entries:
@@ -310,21 +331,25 @@ class KeyTier:
                 self.num_dropped += 1
                 return h
             old, slot = entries.popitem(False)
+            self.evicted_origin = slot.origin
             self.num_evicted += 1
         elif len(self.policy):
             slot = self.policy.pop()
             old = slot.block_hash
             del entries[old]
             self.policy.on_evicted(slot)
+            self.evicted_origin = slot.origin
             self.num_evicted += 1
         else:
             self.num_dropped += 1
             return h
         slot.block_hash = h
+        slot.origin = origin
         entries[h] = slot
         if self.policy is not None:
-            self.policy.on_cached(slot, h, _ORIGIN, 0)
-            self.policy.on_release(slot, _ORIGIN, 0)
+            o = origin if origin is not None else _ORIGIN
+            self.policy.on_cached(slot, h, o, o.position)
+            self.policy.on_release(slot, o, o.position)
             self.policy.add(slot)
         self.num_stored += 1
         return old
@@ -344,8 +369,9 @@ class KeyTier:
         if self.inclusive:
             self.entries[h] = slot
             if self.policy is not None:
-                self.policy.on_hit(slot, _ORIGIN)
-                self.policy.on_release(slot, _ORIGIN, 0)
+                o = slot.origin if slot.origin is not None else _ORIGIN
+                self.policy.on_hit(slot, o)
+                self.policy.on_release(slot, o, o.position)
                 self.policy.add(slot)
             return
         self._release(slot)
@@ -362,6 +388,7 @@ class KeyTier:
         if self.policy is not None:
             self.policy.on_evicted(slot)
         slot.block_hash = None
+        slot.origin = None
         self._free.append(slot.block_id)
 
     def clear(self) -> None:
@@ -423,6 +450,9 @@ class TierChain:
         self._event_hash = event_hash
         self.block_size = block_size
         self.exclusive = [t for t in tiers if not t.inclusive]
+        # A tier with a policy object reads what the host kept of each entry's request
+        # (``demote``'s ``origin``): the owner then asks the host to keep it.
+        self.wants_origin = any(t.policy is not None for t in tiers)
         # Miss accounting's hook: hashes a tier dropped for good -> that tier's name.
         self.evicted_by: dict | None = None
         self.num_corrupt = 0
@@ -447,209 +477,18 @@ class TierChain:
                                         medium=tier.medium, group_idx=0))
 
     # --------------------------------------------------------------- demotion
-    def demote(self, h: bytes, src: str, src_id) -> None:
+    def demote(self, h: bytes, src: str, src_id, origin: _Origin | None = None) -> None:
         """The tier ``src`` (``"host"``: slot ``src_id``) evicted ``h``: store it in the
         first tier below that takes it (cascading the evictions that makes room for),
-        recording each copy; a hash no tier takes is dropped (miss accounting)."""
-        self._store(h, 0, src, src_id)
-
-    def _store(self, h: bytes, i: int, src: str, src_id) -> None:
-        """Store ``h`` (from ``src``'s ``src_id``) in tier ``i`` or the first below it
-        that takes it."""
-        tiers = self.tiers
-        for j in range(i, len(tiers)):
-            tier = tiers[j]
-            old = tier.put(h)
-            if old is False:  # an inclusive tier holds it already: nothing to copy
-                return
-            if old is h:  # refused (every entry pinned): try the next tier
-                continue
-            if old is not None:
-                # NOTE: the evicted entry moves down first (its bytes leave before the
-                # new ones arrive), so the copies apply in list order.
-                if self.events:
-                    self._removed(tier, old)
-                self._store(old, j + 1, tier.name, key_of(old))
-            key = key_of(h)
-            self._record(TierTransfer(TIER_STORE, src, src_id, tier.name, key, key, 0))
-            if self.events:
-                self._stored(tier, h)
-            return
-        if self.evicted_by is not None:
-            self.evicted_by[h] = src
-
-    # ----------------------------------------------------------------- lookup
-    def lookup(self, h: bytes) -> bool:
-        """``h`` can be served from this tier now (a subclass may refuse an entry it
-        cannot serve, e.g. a disk page that fails its check: then it drops it)."""
-        return h in self.entries
-
-    # ------------------------------------------------------------ transitions
-    def put(self, h: bytes):
-        """Store ``h`` (a demotion from above). Returns ``None`` (stored), the hash the
-        policy evicted to make room (stored; the caller demotes it further), or ``h``
-        itself (refused: every entry is pinned). An inclusive tier that holds ``h``
-        already refreshes it and returns ``False``."""
-        entries = self.entries
-        if h in entries or h in self._pinned:
-            if self.policy is None and h in entries:
-                entries.move_to_end(h)
-            return False
-        old = None
-        if self._free:
-            slot = self._slots[self._free.popleft()]
-        elif self.policy is None:
-            if not entries:
-                self.num_dropped += 1
-                return h
-            old, slot = entries.popitem(False)
-            self.num_evicted += 1
-        elif len(self.policy):
-            slot = self.policy.pop()
-            old = slot.block_hash
-            del entries[old]
-            self.policy.on_evicted(slot)
-            self.num_evicted += 1
-        else:
-            self.num_dropped += 1
-            return h
-        slot.block_hash = h
-        entries[h] = slot
-        if self.policy is not None:
-            self.policy.on_cached(slot, h, _ORIGIN, 0)
-            self.policy.on_release(slot, _ORIGIN, 0)
-            self.policy.add(slot)
-        self.num_stored += 1
-        return old
-
-    def pin(self, h: bytes) -> None:
-        """Keep ``h`` from being evicted while a promotion takes device blocks."""
-        slot = self.entries.pop(h)
-        self._pinned[h] = slot
-        if self.policy is not None:
-            self.policy.discard(slot)
-
-    def take(self, h: bytes) -> None:
-        """The pinned ``h`` was loaded into the device: an exclusive tier frees it, an
-        inclusive one keeps it (most recently used)."""
-        slot = self._pinned.pop(h)
-        self.num_loaded += 1
-        if self.inclusive:
-            self.entries[h] = slot
-            if self.policy is not None:
-                self.policy.on_hit(slot, _ORIGIN)
-                self.policy.on_release(slot, _ORIGIN, 0)
-                self.policy.add(slot)
-            return
-        self._release(slot)
-
-    def discard(self, h: bytes) -> None:
-        """Drop the entry ``h`` (the device computed it again, or it is unservable)."""
-        slot = self.entries.pop(h)
-        if self.policy is not None:
-            self.policy.discard(slot)
-        self._release(slot)
-        self.num_discarded += 1
-
-    def _release(self, slot: _Slot) -> None:
-        if self.policy is not None:
-            self.policy.on_evicted(slot)
-        slot.block_hash = None
-        self._free.append(slot.block_id)
-
-    def clear(self) -> None:
-        """Forget every entry."""
-        for slot in self.entries.values():
-            slot.block_hash = None
-        self.entries = OrderedDict()
-        self._free = collections.deque(range(self.num_blocks))
-        if self.policy is not None:
-            self.policy.clear()
-
-    def eviction_order(self) -> list[bytes]:
-        """The held hashes, the next one the policy evicts first."""
-        if self.policy is None:
-            return list(self.entries)
-        return [self._slots[i].block_hash for i in self.policy.candidate_ids()]
-
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the tier and hash on any inconsistency."""
-        if self._pinned:
-            raise InvariantError(f"{self.name} tier: entries {len(self._pinned)} are still "
-                                 "pinned outside allocate_slots")
-        if len(self.entries) + len(self._free) != self.num_blocks:
-            raise InvariantError(f"{self.name} tier: {len(self.entries)} entries + "
-                                 f"{len(self._free)} free != {self.num_blocks}")
-        for h, slot in self.entries.items():
-            if slot.block_hash != h:
-                raise InvariantError(f"{self.name} tier: {h.hex()} -> slot {slot.block_id} "
-                                     f"holding {slot.block_hash!r}")
-        if self.policy is not None:
-            self.policy.check_invariants([s.block_id for s in self.entries.values()])
-
-
-class TierChain:
-    """The tiers below a manager's host tier, top first, and the manager's view of
-    them: demotion down the chain, lookup, promotion, attribution counters.
-
-    Args:
-        tiers: the ``KeyTier`` objects, top (next below the host) first.
-        record: appends one recorded copy to the manager's transfer list (in order
-            with the host tier's ``HostTransfer``s).
-        events_owner: the object whose ``events`` list the manager's events go to (the
-            pool, or the radix manager; read at each event: ``take_events`` swaps the
-            list), or ``None`` (events off).
-        event_hash: the pool's digest -> event hash conversion.
-        block_size: tokens per block (the event's ``block_size``).
-    """
-
-    def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
-                 events_owner=None, event_hash=None, block_size: int = 16):
-        names = [t.name for t in tiers]
-        dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
-        if dup:
-            raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
-        self.tiers = tiers
-        self._record = record
-        self._owner = events_owner
-        self.events = events_owner is not None  # (events on)
-        self._event_hash = event_hash
-        self.block_size = block_size
-        self.exclusive = [t for t in tiers if not t.inclusive]
-        # Miss accounting's hook: hashes a tier dropped for good -> that tier's name.
-        self.evicted_by: dict | None = None
-        self.num_corrupt = 0
-
-    def __bool__(self) -> bool:
-        return True
-
-    def get(self, name: str) -> KeyTier | None:
-        """The tier named ``name`` (``"disk"``, ``"remote"``, ...), or ``None``."""
-        return next((t for t in self.tiers if t.name == name), None)
-
-    # ------------------------------------------------------------------ events
-    def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
-        eh = self._event_hash
-        self._owner.events.append(BlockStored(
-            block_hashes=[eh(h)], parent_block_hash=None, token_ids=[],
-            block_size=self.block_size, lora_id=None, medium=tier.medium, lora_name=None,
-            group_idx=0))
-
-    def _removed(self, tier: KeyTier, h: bytes) -> None:
-        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
-                                        medium=tier.medium, group_idx=0))
-
-    # --------------------------------------------------------------- demotion
-    def demote(self, h: bytes, src: str, src_id) -> None:
-        """The tier ``src`` (``"host"``: slot ``src_id``) evicted ``h``: store it in the
-        first tier below that takes it (cascading the evictions that makes room for),
-        recording each copy; a hash no tier takes is dropped (miss accounting)."""
+        recording each copy; a hash no tier takes is dropped (miss accounting).
+        ``origin``: the request that cached ``h`` (its priority and retention hints,
+        for the tiers' policies), ``None`` when the tier above did not keep it."""
         key = key_of(h)
         i = 0
         tiers = self.tiers
         while i < len(tiers):
             tier = tiers[i]
-            old = tier.put(h)
+            old = tier.put(h, origin)
             if old is False:  # an inclusive tier holds it already: nothing to copy
                 return
             if old is h:  # refused (every entry pinned): try the next tier
@@ -660,7 +499,7 @@ class TierChain:
                 # new ones arrive), so the copies apply in list order.
                 if self.events:
                     self._removed(tier, old)
-                self._cascade(old, i)
+                self._cascade(old, i, tier.evicted_origin)
             self._record(TierTransfer(TIER_STORE, src, src_id if src == "host" else key,
                                       tier.name, key, key, 0))
             if self.events:
@@ -669,14 +508,15 @@ class TierChain:
         if self.evicted_by is not None:
             self.evicted_by[h] = src
 
-    def _cascade(self, h: bytes, i: int) -> None:
-        """Tier ``i`` evicted ``h``: demote it to tier ``i + 1`` and below."""
+    def _cascade(self, h: bytes, i: int, origin: _Origin | None) -> None:
+        """Tier ``i`` evicted ``h`` (demoted with ``origin``): demote it to tier
+        ``i + 1`` and below."""
         tiers = self.tiers
         key = key_of(h)
         src = tiers[i].name
         for j in range(i + 1, len(tiers)):
             tier = tiers[j]
-            old = tier.put(h)
+            old = tier.put(h, origin)
             if old is False:
                 return
             if old is h:
@@ -684,7 +524,7 @@ class TierChain:
             if old is not None:
                 if self.events:
                     self._removed(tier, old)
-                self._cascade(old, j)
+                self._cascade(old, j, tier.evicted_origin)
             self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, 0))
             if self.events:
                 self._stored(tier, h)

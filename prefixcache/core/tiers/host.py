@@ -71,6 +71,7 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict
 from collections.abc import Mapping
+from itertools import islice
 from typing import Any, NamedTuple
 
 from prefixcache._validate import ArgumentTypeError, check_count, check_host_memory
@@ -92,7 +93,7 @@ from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
 from prefixcache.core.policy_pool import PolicyBlockPool
-from prefixcache.core.tiers.base import HOST_LINK
+from prefixcache.core.tiers.base import HOST_LINK, TierHit, _Origin
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
@@ -189,16 +190,6 @@ class HostHit:
         h = h.hex()[:12] if isinstance(h, (bytes, bytearray)) else repr(h)
         return (f"HostHit(host_slot={getattr(self, 'host_slot', None)!r}, "
                 f"block_id={getattr(self, 'block_id', None)!r}, block_hash={h})")
-
-
-class _Origin:
-    """What the host policy's ``on_cached`` / ``on_release`` read of a request
-    (``priority``) for a block demoted long after its request left."""
-
-    __slots__ = ("priority",)
-
-    def __init__(self, priority: int):
-        self.priority = priority
 
 
 def check_host_args(num_host_blocks, host_eviction, host_eviction_options) -> tuple[int, dict]:
@@ -308,9 +299,13 @@ class HostTier:
             except (TypeError, ValueError) as e:  # (an option of the wrong name or value)
                 raise type(e)(f"host_eviction={eviction!r}, host_eviction_options="
                               f"{eviction_options!r}: {e}") from None
-        # NOTE: chain positions and priorities are recorded per device block (for the
-        # policy's on_cached / on_release) only when there is a policy object.
+        # NOTE: chain positions, priorities and retention hints are recorded per device
+        # block (for the policy's on_cached / on_release) only when there is a policy
+        # object here or in a tier below (``keep_origins``).
         self.track_origin = self.policy is not None
+        # Per host slot: the ``_Origin`` its entry was demoted with, handed on to the
+        # tiers below when the host evicts it (``None``: not kept, see ``keep_origins``).
+        self.slot_origin: list | None = None
         self.slots = [HostBlock(i) for i in range(num_host_blocks)]
         # hash -> slot of every host entry (pinned ones excepted); with the lru fast
         # path its order is the eviction order (least recently demoted first).
@@ -334,6 +329,7 @@ class HostTier:
         # (what the host policy is told at demotion).
         self.device_position = [0] * num_device_blocks
         self.device_priority = [0] * num_device_blocks
+        self.device_retention: list = [None] * num_device_blocks
         # Cumulative counters (never reset).
         self.num_stored = 0  # demotions (store transfers)
         self.num_loaded = 0  # promotions (load transfers)
@@ -349,6 +345,38 @@ class HostTier:
 
     def __len__(self) -> int:
         return len(self.hash_to_slot) + len(self._pinned)
+
+    # ----------------------------------------------------------------- lookup
+    def hit_run(self, hashes, start: int, stop: int, device: dict | None = None) -> list:
+        """A lookup's run of hits below the device, one call per lookup: for each hash
+        of ``hashes[start:stop]`` in order, a device block when ``device`` (the pool's
+        hash -> block map; ``None``: the caller's index holds none past ``start``)
+        holds it, else a ``HostHit`` when the host holds it, else a ``TierHit`` of the
+        first tier below that can serve it; the run stops at the first hash no tier
+        holds. Changes no entry (a lower tier may drop one it cannot serve, as
+        ``TierChain.find``)."""
+        out: list = []
+        append = out.append
+        host_get = self.hash_to_slot.get
+        find = self.lower.find if self.lower is not None else None
+        dev_get = device.get if device is not None else None
+        for h in islice(hashes, start, stop):
+            if dev_get is not None:
+                b = dev_get(h)
+                if b is not None:
+                    if type(b) is dict:  # (duplicates of one hash: any of them)
+                        b = next(iter(b.values()))
+                    append(b)
+                    continue
+            slot = host_get(h)
+            if slot is not None:
+                append(HostHit(h, slot.block_id))
+                continue
+            tier = find(h) if find is not None else None
+            if tier is None:
+                break
+            append(TierHit(h, tier))
+        return out
 
     # ----------------------------------------------------------------- events
     def _removed(self, h: bytes, group: int = 0) -> None:
@@ -372,7 +400,9 @@ class HostTier:
             old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
             if self.lower is not None:  # (recorded before this store reuses the slot)
-                self.lower.demote(old, "host", slot.block_id)
+                so = self.slot_origin
+                self.lower.demote(old, "host", slot.block_id,
+                                  so[slot.block_id] if so is not None else None)
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -384,7 +414,9 @@ class HostTier:
             policy.on_evicted(slot)
             self.num_evicted += 1
             if self.lower is not None:
-                self.lower.demote(old, "host", slot.block_id)
+                so = self.slot_origin
+                self.lower.demote(old, "host", slot.block_id,
+                                  so[slot.block_id] if so is not None else None)
             elif self.evicted_by is not None:
                 self.evicted_by[old] = "host"
             if self.enable_events:
@@ -394,16 +426,28 @@ class HostTier:
             return
         slot.block_hash = h
         on_host[h] = slot
-        if policy is not None:
-            origin = _Origin(self.device_priority[block_id])
+        if self.track_origin:
             pos = self.device_position[block_id]
-            policy.on_cached(slot, h, origin, pos)
-            policy.on_release(slot, origin, pos)
-            policy.add(slot)
+            origin = _Origin(self.device_priority[block_id], self.device_retention[block_id],
+                             pos)
+            if self.slot_origin is not None:
+                self.slot_origin[slot.block_id] = origin
+            if policy is not None:
+                policy.on_cached(slot, h, origin, pos)
+                policy.on_release(slot, origin, pos)
+                policy.add(slot)
         self.transfers += (block_id, slot.block_id)
         self.num_stored += 1
         if self.enable_events:
             self._stored(h, parent)
+
+    def keep_origins(self) -> None:
+        """Keep each entry's ``_Origin`` (its request's priority and retention hints)
+        for the tiers below, whose policies read them when the host evicts the entry:
+        called by the owner when it attaches a ``lower`` chain with a policy object."""
+        self.track_origin = True
+        if self.slot_origin is None:
+            self.slot_origin = [None] * self.num_host_blocks
 
     def _stored(self, h: bytes, parent: bytes | None, group: int = 0) -> None:
         eh = self._event_hash
@@ -662,11 +706,14 @@ class _TieredPool:
         if tier.track_origin:
             pos_of = tier.device_position
             prio_of = tier.device_priority
+            hint_of = tier.device_retention
             prio = request.priority
+            hint = getattr(request, "retention", None)
             for pos in range(num_cached_blocks, num_full_blocks):
                 bid = blocks[pos].block_id
                 pos_of[bid] = pos
                 prio_of[bid] = prio
+                hint_of[bid] = hint
         on_host = tier.hash_to_slot
         # NOTE: one C-level disjointness test; the per-hash loop only on an overlap.
         if on_host and not on_host.keys().isdisjoint(
