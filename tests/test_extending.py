@@ -243,9 +243,9 @@ def _counting_index():
     class Counting:
         lookups = 0
 
-        def get_computed_blocks(self, request):
+        def find_longest_cache_hit(self, request):
             self.lookups += 1
-            return super().get_computed_blocks(request)
+            return super().find_longest_cache_hit(request)
 
     class CountingRadixLayouts(Counting, RadixHybridKVCacheManager):
         pass
@@ -334,7 +334,7 @@ def test_index_recipe_bad_classes_are_refused_before_anything_is_built():
     class NoProtocol:
         INDEX_NAME = "no_protocol"
 
-        def get_computed_blocks(self, request):
+        def find_longest_cache_hit(self, request):
             return None
 
     class HalfLayout(HashKVCacheManager):

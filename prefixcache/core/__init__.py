@@ -13,9 +13,9 @@ Modules:
   ``hybrid.HybridKVCacheManager`` (sliding-window / hybrid layouts, ``kv_groups``).
 * ``kv_cache_blocks``: ``KVCacheBlocks``, the one result type (blocks per KV cache group).
 * ``indexes``: the index and tier registries and the one rule that refuses a combination.
-* ``block_pool``: ``KVCacheBlock``, ``BlockPool`` (vLLM's free queue and hash map);
-  ``policy_pool``: the pool under any eviction policy; ``eviction/``: the policies
-  (``POLICIES``; one file each).
+* ``block_pool``: ``KVCacheBlock``, ``BlockPool`` (vLLM's free queue and hash map; the
+  eviction policy, the group layout and the tier under it are its components);
+  ``eviction/``: the policies (``POLICIES``; one file each).
 * ``tiers``: the storage tiers under the device pool, one chain: ``tiers.host`` (the
   host-memory tier: ``HostTier``, ``HostHit``, ``HostTransfer``; ``host_tier`` keeps the
   old import path), ``tiers.disk`` (``DiskTier``), ``tiers.remote`` (``RemoteStore``,

@@ -8,7 +8,22 @@ chained hash; a block table is append-only, so two blocks may hold the same cont
 under the same hash.
 
 Unlike vLLM there is no reserved null block: ids ``0 .. num_blocks - 1`` are all
-allocatable (the device keeps a separate padding page, see docs/DESIGN.md).
+allocatable (the device keeps a separate padding page, see docs/DESIGN.md); a pool of
+several KV cache groups has a ``null_block`` outside the pool (id ``num_blocks``).
+
+There is one pool class. What varies is given to it as components:
+
+* the **eviction policy** (``prefixcache.core.eviction``): ``None`` runs vLLM's LRU on
+  the intrusive free queue itself -- the one specialised path, with no Python call per
+  block -- and any ``EvictionPolicy`` decides which free cached block is reused
+  (``policy="lru"`` gives exactly the queue's order: a test pins it);
+* the **group layout**: ``groups=None`` keys the hash map by digest (one
+  full-attention group); with KV cache groups each key is ``digest + group id``
+  (``cache_group_blocks``), events carry ``group_idx``, and a null block pads skipped
+  slots;
+* the **tier** under the pool (``attach_tier``, ``prefixcache.core.tiers``): an evicted
+  block's key is demoted to it, and caching a key the tier holds drops it there (the
+  tiers stay exclusive).
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from prefixcache.core.events import (
     BlockRemoved,
     KVCacheEvent,
     device_block_stored,
+    event_extra_keys,
 )
 
 FREE_ORDERS = ("append", "unhashed_first")
@@ -30,6 +46,12 @@ FREE_ORDERS = ("append", "unhashed_first")
 HOST_BYTES_PER_BLOCK = 128
 KV_CACHE_SPEC_KIND = "full_attention"  # the one KV cache group's kind, as vLLM names it
 _MASK64 = (1 << 64) - 1
+_KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
+
+
+def group_suffix(group_id: int) -> bytes:
+    """The 4 big-endian bytes that follow a block hash in group ``group_id``'s keys."""
+    return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
 
 
 def _int_block_hash(h: bytes) -> int:
@@ -223,17 +245,19 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """Owns all blocks, the free queue, the hash -> cached block(s) map and events.
+    """Owns all blocks, the free queue, the hash map, the null block and events.
 
     Invariants (checked by ``check_invariants``):
         * ``blocks[i].block_id == i``; every ``ref_cnt >= 0``.
         * A block is in the free queue iff ``ref_cnt == 0``.
-        * ``cached_block_hash_to_block`` maps a digest to one block, or to a
+        * ``cached_block_hash_to_block`` maps a key to one block, or to a
           ``{block_id: block}`` dict (>= 1 entries) when several blocks were cached
-          under the same digest; a block is in the map under ``h`` iff
+          under the same key; a block is in the map under ``h`` iff
           ``block.block_hash == h``.
         * Lookups return the block inserted first among those still cached (vLLM's
           ``get_one_block`` order), so hits and block ids match vLLM exactly.
+        * With a policy: the free blocks that hold no key are the queue's head, and
+          the free cached blocks are exactly the policy's candidates.
 
     Args:
         num_blocks: number of allocatable blocks (ids ``0 .. num_blocks - 1``).
@@ -241,9 +265,15 @@ class BlockPool:
         enable_events: queue ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
         free_order: ``"append"`` (the seed's: all freed blocks to the tail) or
             ``"unhashed_first"`` (vLLM >= 0.11: freed blocks without a hash to the
-            head, hashed ones to the tail; each group in the given order).
+            head, hashed ones to the tail; each group in the given order). With a
+            policy, freed blocks without a key always go to the head.
         int_event_hashes: events carry ``int.from_bytes(digest[-8:], "big")`` (vLLM's
             default) instead of the raw digest bytes.
+        policy: ``None`` (the free queue's LRU) or an ``EvictionPolicy`` built for
+            ``num_blocks`` blocks.
+        groups: ``None`` (one full-attention group, keys are digests) or the checked
+            KV cache groups (``kv_groups.check_kv_cache_groups``): keys carry the
+            group id, events name each group's spec.
     """
 
     def __init__(
@@ -254,24 +284,42 @@ class BlockPool:
         enable_events: bool = False,
         free_order: str = "append",
         int_event_hashes: bool = True,
+        policy=None,
+        groups=None,
     ):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if free_order not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        if policy is not None:
+            from prefixcache.core.eviction.base import EvictionPolicy
+            if not isinstance(policy, EvictionPolicy):
+                raise TypeError(
+                    f"policy must be an EvictionPolicy, got {type(policy).__name__}")
+            if policy.num_blocks != num_blocks:
+                raise ValueError(
+                    f"policy was built for {policy.num_blocks} blocks, the pool has "
+                    f"{num_blocks}")
         check_host_memory(f"a block pool of num_blocks={num_blocks}",
                           num_blocks * HOST_BYTES_PER_BLOCK)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.free_order = free_order
+        self.policy = policy
+        self.groups = groups
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # NOTE: the padding page of a multi-group layout; not in self.blocks (ids
+        # 0..num_blocks-1 stay the pool).
+        self.null_block = KVCacheBlock(num_blocks) if groups is not None else None
         self.events: list[KVCacheEvent] = []
         # NOTE: vLLM publishes the low 64 bits of each digest (big-endian) as an int
         # unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; routers expect that default.
         self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
+        # The tier under this pool (``attach_tier``); None: evicted keys are dropped.
+        self.host_tier = None
         # Cumulative counters (never reset).
         self.num_evictions = 0  # cached blocks whose hash was dropped to reuse them
         self.num_blocks_cached = 0  # blocks that entered the hash map
@@ -281,6 +329,18 @@ class BlockPool:
         # sets ``evicted_by[block_hash] = "device"`` in (a reset replaces it with a new
         # empty dict); ``None`` (the default) costs one test per eviction.
         self.evicted_by: dict | None = None
+        # With groups (``misses.GroupProbeAccountant``, no tier): the suffix of the one
+        # group whose evictions ``evicted_by`` gets, as plain digests (the other groups'
+        # cost one ``endswith``); ``None``: ``evicted_by`` takes every ``(hash, group)``
+        # key (a filtering hook: ``misses.GroupEvictions``).
+        self.evicted_suffix: bytes | None = None
+
+    def attach_tier(self, tier) -> None:
+        """Put ``tier`` (a host tier, ``prefixcache.core.tiers.host``) under this pool:
+        evicted keys are demoted to it, cached keys leave it."""
+        self.host_tier = tier
+        tier.pool = self
+        tier._event_hash = self._event_hash
 
     # ------------------------------------------------------------------ lookups
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
@@ -343,71 +403,115 @@ class BlockPool:
 
     # ------------------------------------------------------------- allocation
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` blocks from the queue head, evicting cached ones.
+        """Take ``num_blocks`` free blocks, evicting cached ones.
 
-        Each popped block gets ``ref_cnt = 1``; a popped block that was cached loses
-        its hash (a ``BlockRemoved`` event when events are on).
+        Without a policy: from the queue head (vLLM's LRU). With one: the free blocks
+        that hold no key first (the queue's head), then the policy's victims. Each
+        block gets ``ref_cnt = 1``; a block that was cached loses its key (demoted to
+        the tier when there is one; a ``BlockRemoved`` event when events are on).
         """
-        if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(
-                f"cannot get {num_blocks} blocks: only "
-                f"{self.free_block_queue.num_free_blocks} free"
-            )
-        ret = self.free_block_queue.popleft_n(num_blocks)
+        q = self.free_block_queue
+        if num_blocks > q.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks: only {q.num_free_blocks} free")
+        policy = self.policy
+        if policy is None:
+            ret = q.popleft_n(num_blocks)
+            self.num_blocks_allocated += num_blocks
+            for block in ret:
+                if block.block_hash is not None:
+                    self._evict(block)
+                block.ref_cnt = 1
+            return ret
+        num_unhashed = q.num_free_blocks - len(policy)
+        k = num_blocks if num_blocks < num_unhashed else num_unhashed
+        ret = q.popleft_n(k) if k > 0 else []
+        for _ in range(num_blocks - k):
+            victim = policy.pop()
+            q.remove(victim)
+            self._evict(victim)
+            policy.on_evicted(victim)
+            ret.append(victim)
         self.num_blocks_allocated += num_blocks
         for block in ret:
-            if block.block_hash is not None:
-                self._evict(block)
             block.ref_cnt = 1
         return ret
 
     def _evict(self, block: KVCacheBlock) -> None:
-        """Drop ``block`` from the hash map (it is being reused)."""
-        h = block.block_hash
+        """Drop ``block``'s key from the hash map (it is being reused); demote the key
+        to the tier below when no other block holds it."""
+        key = block.block_hash
         cached = self.cached_block_hash_to_block
-        cur = cached.pop(h, None)
+        cur = cached.pop(key, None)
         if cur is None:
             raise InvariantError(
-                f"block {block.block_id} has hash {h.hex()} that is not in the hash map"
-            )
+                f"block {block.block_id} has hash {key.hex()} that is not in the hash map")
         if type(cur) is dict:
             if cur.pop(block.block_id, None) is None:
-                raise InvariantError(
-                    f"block {block.block_id} missing under its hash {h.hex()}"
-                )
+                raise InvariantError(f"block {block.block_id} missing under its hash {key.hex()}")
             if cur:
-                cached[h] = cur
+                cached[key] = cur
         elif cur is not block:
-            cached[h] = cur
+            cached[key] = cur
             raise InvariantError(
-                f"hash {h.hex()} maps to block {cur.block_id}, not to block "
-                f"{block.block_id} that carries it"
-            )
+                f"hash {key.hex()} maps to block {cur.block_id}, not to block "
+                f"{block.block_id} that carries it")
         block.block_hash = None
         self.num_evictions += 1
-        if self.evicted_by is not None:
-            self.evicted_by[h] = "device"
-        if self.enable_events:
-            self.events.append(
-                BlockRemoved(block_hashes=[self._event_hash(h)], medium=MEDIUM_GPU, group_idx=0)
-            )
+        ev = self.evicted_by
+        if self.groups is None:
+            if ev is not None:
+                ev[key] = "device"
+            if self.enable_events:
+                self.events.append(BlockRemoved(
+                    block_hashes=[self._event_hash(key)], medium=MEDIUM_GPU, group_idx=0))
+        else:
+            if ev is not None:
+                sfx = self.evicted_suffix
+                if sfx is None:
+                    ev[key] = "device"  # (the (hash, group) key: misses.GroupEvictions)
+                elif key.endswith(sfx):
+                    ev[key[:-_KEY_BYTES]] = "device"  # (the tracked group's digest)
+            if self.enable_events:
+                self.events.append(BlockRemoved(
+                    block_hashes=[self._event_hash(key[:-_KEY_BYTES])], medium=MEDIUM_GPU,
+                    group_idx=int.from_bytes(key[-_KEY_BYTES:], "big")))
+        tier = self.host_tier
+        # NOTE: a duplicate device block may still hold the key: then it stays here.
+        if tier is not None and key not in cached:
+            tier.store(block.block_id, key, block.parent_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock], request=None) -> None:
         """Take a reference on prefix-hit blocks (out of the free queue if unused).
 
-        ``request`` (the one adopting them) is for eviction policies only."""
+        ``request`` (the one adopting them) is for the eviction policy only."""
         n = 0
-        for block in blocks:
-            if block.ref_cnt == 0:
-                # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
-                # inlined: this runs once per hit block).
-                prev = block.prev_free_block
-                nxt = block.next_free_block
-                prev.next_free_block = nxt
-                nxt.prev_free_block = prev
-                block.prev_free_block = block.next_free_block = None
-                n += 1
-            block.ref_cnt += 1
+        policy = self.policy
+        if policy is None:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
+                    # inlined: this runs once per hit block).
+                    prev = block.prev_free_block
+                    nxt = block.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev
+                    block.prev_free_block = block.next_free_block = None
+                    n += 1
+                block.ref_cnt += 1
+        else:
+            discard = policy.discard
+            on_hit = policy.on_hit
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    prev = block.prev_free_block
+                    nxt = block.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev
+                    block.prev_free_block = block.next_free_block = None
+                    n += 1
+                    discard(block)
+                block.ref_cnt += 1
+                on_hit(block, request)
         self.free_block_queue.num_free_blocks -= n
 
     def cache_full_blocks(
@@ -419,7 +523,8 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
     ) -> None:
-        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the hash map.
+        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the hash map (one
+        full-attention group: keys are the digests).
 
         Args:
             request: the owning request (for event token ids and extra keys).
@@ -472,19 +577,168 @@ class BlockPool:
                 eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
                 num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
                 spec_kind=KV_CACHE_SPEC_KIND))
+        policy = self.policy
+        if policy is not None:
+            on_cached = policy.on_cached
+            for pos in range(num_cached_blocks, num_full_blocks):
+                blk = blocks[pos]
+                on_cached(blk, blk.block_hash, request, pos)
+        tier = self.host_tier
+        if tier is not None:
+            new = block_hashes[num_cached_blocks:num_full_blocks]
+            self._cached_on_tier(tier, request, blocks, range(num_cached_blocks,
+                                                             num_full_blocks), new)
+            if tier.lower is not None:
+                tier.lower.discard_cached(new)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None) -> None:
+    def cache_group_blocks(
+        self,
+        request,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` of group ``group_id``
+        under ``(hash, group_id)`` keys, skipping null slots (vLLM's
+        ``cache_full_blocks`` with a group id; a pool built with ``groups``)."""
+        if len(block_hashes) < num_full_blocks:
+            raise InvariantError(
+                f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} hashes")
+        null = self.null_block
+        suffix = group_suffix(group_id)
+        cached = self.cached_block_hash_to_block
+        hashes = block_hashes[:num_full_blocks]
+        stored: list[bytes] = []
+        n = 0
+        for i in range(num_cached_blocks, num_full_blocks):
+            blk = blocks[i]
+            if blk is null:
+                continue
+            h = hashes[i]
+            key = h + suffix
+            if blk.block_hash is not None:
+                raise InvariantError(
+                    f"group {group_id} block {blk.block_id} is being cached as {key.hex()} "
+                    f"but already has key {blk.block_hash.hex()}")
+            blk.block_hash = key
+            blk.parent_hash = hashes[i - 1] + suffix if i else None
+            cur = cached.get(key)
+            if cur is None:
+                cached[key] = blk
+            elif type(cur) is dict:
+                cur[blk.block_id] = blk
+            else:
+                cached[key] = {cur.block_id: cur, blk.block_id: blk}
+            n += 1
+            if self.enable_events:
+                stored.append(h)
+        self.num_blocks_cached += n
+        if self.enable_events and stored:
+            # (loops, not comprehensions: their free variables would be cells made
+            # on every call, events off too)
+            extra = []
+            for i in range(num_cached_blocks, num_full_blocks):
+                if blocks[i] is not null:
+                    extra.append(event_extra_keys(request, i * block_size,
+                                                  (i + 1) * block_size))
+            eh = self._event_hash
+            spec = self.groups[group_id].spec
+            self.events.append(device_block_stored(
+                request, list(map(eh, stored)),
+                eh(hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
+                num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
+                extra, group_idx=group_id, spec_kind=spec.kind,
+                sliding_window=spec.sliding_window))
+        policy = self.policy
+        tier = self.host_tier
+        if policy is None and tier is None:
+            return
+        positions = [pos for pos in range(num_cached_blocks, num_full_blocks)
+                     if blocks[pos] is not null]
+        if policy is not None:
+            # The policy sees each cached block under its plain digest (the prefix it
+            # holds, whatever group), so belady's next uses are the trace's; a policy
+            # with ``needs_groups`` hears the block's group too.
+            if policy.needs_groups:  # (set_groups was called by the manager)
+                on_cached_group = policy.on_cached_group
+                for pos in positions:
+                    on_cached_group(blocks[pos], block_hashes[pos], request, pos, group_id)
+            else:
+                on_cached = policy.on_cached
+                for pos in positions:
+                    on_cached(blocks[pos], block_hashes[pos], request, pos)
+        if tier is not None:
+            self._cached_on_tier(tier, request, blocks, positions,
+                                 [block_hashes[pos] + suffix for pos in positions])
+
+    @staticmethod
+    def _cached_on_tier(tier, request, blocks, positions, keys) -> None:
+        """Blocks at ``positions`` of ``blocks`` were cached under ``keys``: record
+        their origin for the tier's policy, and drop the keys the tier holds (the
+        device and the tier stay exclusive)."""
+        if tier.track_origin:
+            pos_of = tier.device_position
+            prio_of = tier.device_priority
+            hint_of = tier.device_retention
+            prio = request.priority
+            hint = getattr(request, "retention", None)
+            for pos in positions:
+                bid = blocks[pos].block_id
+                pos_of[bid] = pos
+                prio_of[bid] = prio
+                hint_of[bid] = hint
+        on_host = tier.hash_to_slot
+        # NOTE: one C-level disjointness test; the per-key loop only on an overlap.
+        if on_host and not on_host.keys().isdisjoint(keys):
+            for h in keys:
+                if h in on_host:
+                    tier.discard(h)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request=None,
+                    first_position: int = 0) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue.
 
         ``ordered_blocks`` is in eviction priority order (first evicted first): a
         request's blocks reversed, so its last block is reused first. ``request``
-        (the owner, whose whole table ``ordered_blocks`` is) is for eviction
-        policies (``PolicyBlockPool``); the LRU queue does not need it.
+        (the owner, whose table ``ordered_blocks`` is, reversed) and
+        ``first_position`` (where the freed run starts in the table: a sliding-window
+        table frees its tail) are for the policy: blocks that reach 0 with a key are
+        released to it (``on_release`` + ``add``) and queued at the tail, unkeyed ones
+        at the head.
         """
-        self.free_block_queue.release(ordered_blocks, self.free_order == "unhashed_first")
+        policy = self.policy
+        if policy is None:
+            self.free_block_queue.release(ordered_blocks, self.free_order == "unhashed_first")
+            return
+        ordered = list(ordered_blocks)
+        n = len(ordered)
+        q = self.free_block_queue
+        on_release = policy.on_release
+        add = policy.add
+        first: list[KVCacheBlock] = []
+        last: list[KVCacheBlock] = []
+        for i, block in enumerate(ordered):
+            rc = block.ref_cnt - 1
+            if rc < 0:
+                raise InvariantError(f"block {block.block_id} freed below ref_cnt 0")
+            block.ref_cnt = rc
+            if rc == 0:
+                if block.block_hash is None:
+                    first.append(block)
+                else:
+                    on_release(block, request,
+                               first_position + n - 1 - i if request is not None else None)
+                    add(block)
+                    last.append(block)
+        q.append_n(last)
+        q.prepend_n(first)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash. ``False`` (nothing changed) if any block is in use."""
+        """Drop every cached key (and the tier's). ``False`` (nothing changed) if any
+        block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks:
             return False
         self.num_blocks_cleared += self.num_cached_blocks
@@ -495,6 +749,14 @@ class BlockPool:
             self.evicted_by = {}
         if self.enable_events:
             self.events.append(AllBlocksCleared())
+        if self.policy is not None:
+            self.policy.clear()
+        tier = self.host_tier
+        if tier is not None:
+            tier.clear()
+            tier.evicted_by = self.evicted_by  # (the reset's new dict, or None)
+            if tier.lower is not None:
+                tier.lower.evicted_by = self.evicted_by
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -579,3 +841,15 @@ class BlockPool:
             raise InvariantError(
                 f"{len(in_map)} blocks are cached but the counters say {self.num_cached_blocks}"
             )
+        if self.policy is not None:
+            ids = q.block_ids()
+            seen_hashed = False
+            for bid in ids:
+                if blocks[bid].block_hash is not None:
+                    seen_hashed = True
+                elif seen_hashed:
+                    raise InvariantError(
+                        f"free block {bid} holds no hash but sits behind a cached free "
+                        "block (unhashed free blocks must be the queue's head)")
+            self.policy.check_invariants(
+                [bid for bid in ids if blocks[bid].block_hash is not None])

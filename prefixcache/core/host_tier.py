@@ -11,8 +11,6 @@ from prefixcache.core.tiers.host import (  # noqa: F401 - the old import path
     HostTier,
     HostTierAPI,
     HostTransfer,
-    TieredBlockPool,
-    TieredPolicyBlockPool,
     check_host_args,
     check_tier_args,
     make_host_tier,

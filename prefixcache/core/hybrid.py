@@ -39,15 +39,15 @@ split, ``prefill_chunks``, so its first chunk is not the whole sequence).
     manager.get_block_ids(request.request_id)   # ([ids of group 0], [ids of group 1], ...)
 
 Host tier (``num_host_blocks=N``; full-attention, sliding-window and state-space groups,
-``indexes.TIER_GROUP_KINDS``). The pool
-(``TieredHybridBlockPool`` / ``TieredHybridPolicyBlockPool``) demotes each evicted
+``indexes.TIER_GROUP_KINDS``). The pool (``BlockPool`` with the tier attached)
+demotes each evicted
 ``(hash, group)`` key to a ``host_tier.GroupHostTier`` (one slot = one block of one
 group) and drops a host copy when the device caches the key again; each group's
 single-type manager counts a host entry of its group as a hit (a ``HostHit`` in its
 hit list; the fixed-point alignment ``_lookup_hit`` is unchanged), and admission
 (``_promote_host_hits``) loads the host hits the groups keep into fresh device blocks
 (``GroupHostTransfer("load", ..., group)``) after touching the device hits, exactly as
-the one-group tiered pool does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
+the one-group manager does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
 admitted hit by block position (a position loaded in any group is a host hit).
 
 Null slots. A sliding-window table slot whose block fell wholly before the window
@@ -68,20 +68,12 @@ from prefixcache._validate import ArgumentTypeError, check_arrival
 from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
-from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.eviction.base import WaitingFanout
-from prefixcache.core.events import (
-    MEDIUM_GPU,
-    BlockRemoved,
-    device_block_stored,
-    event_extra_keys,
-)
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.tiers.host import (
     GroupHostTier,
     HostHit,
     HostTierAPI,
-    _TieredPool,
     check_tier_args,
     make_host_tier,
 )
@@ -119,196 +111,6 @@ _new = object.__new__
 def _overrides(kind, name: str) -> bool:
     """Whether ``kind``'s class overrides ``SingleTypeManager.<name>``."""
     return getattr(type(kind), name) is not getattr(SingleTypeManager, name)
-
-
-class HybridBlockPool(BlockPool):
-    """The shared pool of a hybrid manager: ``BlockPool`` whose hash map keys carry
-    the group id (``block.block_hash`` is the key), plus the null block.
-
-    Events carry the plain digest and ``group_idx`` (vLLM's), not the key.
-
-    Args:
-        num_blocks, enable_caching, enable_events, free_order, int_event_hashes: as
-            ``BlockPool``.
-        groups: the checked KV cache groups (event spec kinds and windows).
-    """
-
-    def __init__(self, num_blocks: int, *, groups, **kwargs):
-        super().__init__(num_blocks, **kwargs)
-        # NOTE: the padding page; not in self.blocks (ids 0..num_blocks-1 stay the pool).
-        self.null_block = KVCacheBlock(num_blocks)
-        self._groups = groups
-        # Miss accounting (``misses.GroupProbeAccountant``, no host tier): the suffix
-        # of the one group whose evictions ``evicted_by`` gets, as plain digests (the
-        # other groups' cost one ``endswith``); ``None``: ``evicted_by`` takes every
-        # ``(hash, group)`` key (a filtering hook: ``misses.GroupEvictions``).
-        self.evicted_suffix: bytes | None = None
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        """Drop ``block`` from the hash map (it is being reused)."""
-        key = block.block_hash
-        cached = self.cached_block_hash_to_block
-        cur = cached.pop(key, None)
-        if cur is None:
-            raise InvariantError(
-                f"block {block.block_id} has key {key.hex()} that is not in the hash map")
-        if type(cur) is dict:
-            if cur.pop(block.block_id, None) is None:
-                raise InvariantError(f"block {block.block_id} missing under its key {key.hex()}")
-            if cur:
-                cached[key] = cur
-        elif cur is not block:
-            cached[key] = cur
-            raise InvariantError(
-                f"key {key.hex()} maps to block {cur.block_id}, not to block "
-                f"{block.block_id} that carries it")
-        block.block_hash = None
-        self.num_evictions += 1
-        ev = self.evicted_by  # miss accounting's hook (``BlockPool.evicted_by``)
-        if ev is not None:
-            sfx = self.evicted_suffix
-            if sfx is None:
-                ev[key] = "device"  # (the (hash, group) key: misses.GroupEvictions)
-            elif key.endswith(sfx):
-                ev[key[:-_KEY_BYTES]] = "device"  # (the tracked group's digest)
-        if self.enable_events:
-            self.events.append(BlockRemoved(
-                block_hashes=[self._event_hash(key[:-_KEY_BYTES])], medium=MEDIUM_GPU,
-                group_idx=int.from_bytes(key[-_KEY_BYTES:], "big")))
-
-    def cache_group_blocks(
-        self,
-        request,
-        blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[bytes],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        group_id: int,
-    ) -> None:
-        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` of group ``group_id``
-        under ``(hash, group_id)`` keys, skipping null slots (vLLM's
-        ``cache_full_blocks`` with a group id)."""
-        if len(block_hashes) < num_full_blocks:
-            raise InvariantError(
-                f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} hashes")
-        null = self.null_block
-        suffix = _group_suffix(group_id)
-        cached = self.cached_block_hash_to_block
-        hashes = block_hashes[:num_full_blocks]
-        stored: list[bytes] = []
-        n = 0
-        for i in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[i]
-            if blk is null:
-                continue
-            h = hashes[i]
-            key = h + suffix
-            if blk.block_hash is not None:
-                raise InvariantError(
-                    f"group {group_id} block {blk.block_id} is being cached as {key.hex()} "
-                    f"but already has key {blk.block_hash.hex()}")
-            blk.block_hash = key
-            blk.parent_hash = hashes[i - 1] + suffix if i else None
-            cur = cached.get(key)
-            if cur is None:
-                cached[key] = blk
-            elif type(cur) is dict:
-                cur[blk.block_id] = blk
-            else:
-                cached[key] = {cur.block_id: cur, blk.block_id: blk}
-            n += 1
-            if self.enable_events:
-                stored.append(h)
-        self.num_blocks_cached += n
-        if self.enable_events and stored:
-            # (loops, not comprehensions: their free variables would be cells made
-            # on every call, events off too)
-            extra = []
-            for i in range(num_cached_blocks, num_full_blocks):
-                if blocks[i] is not null:
-                    extra.append(event_extra_keys(request, i * block_size,
-                                                  (i + 1) * block_size))
-            eh = self._event_hash
-            spec = self._groups[group_id].spec
-            self.events.append(device_block_stored(
-                request, list(map(eh, stored)),
-                eh(hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
-                num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
-                extra, group_idx=group_id, spec_kind=spec.kind,
-                sliding_window=spec.sliding_window))
-
-
-class HybridPolicyBlockPool(HybridBlockPool, PolicyBlockPool):
-    """The hybrid pool with an eviction policy (``PolicyBlockPool``'s queue, touch,
-    free and victim choice; the hybrid pool's keys and null block). The policy sees
-    each cached block under its plain digest (the prefix it holds, whatever group), so
-    ``belady``'s next uses are the trace's; a policy with ``needs_groups`` hears the
-    block's group too (``on_cached_group``, in place of ``on_cached``)."""
-
-    def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
-                           num_full_blocks, block_size, group_id) -> None:
-        super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
-                                   num_full_blocks, block_size, group_id)
-        policy = self.policy
-        null = self.null_block
-        if policy.needs_groups:  # (set_groups was called by the coordinator)
-            on_cached_group = policy.on_cached_group
-            for pos in range(num_cached_blocks, num_full_blocks):
-                blk = blocks[pos]
-                if blk is not null:
-                    on_cached_group(blk, block_hashes[pos], request, pos, group_id)
-            return
-        on_cached = policy.on_cached
-        for pos in range(num_cached_blocks, num_full_blocks):
-            blk = blocks[pos]
-            if blk is not null:
-                on_cached(blk, block_hashes[pos], request, pos)
-
-
-class _TieredHybridPool(_TieredPool):
-    """Mixin over a hybrid pool: demotes each evicted ``(hash, group)`` key to
-    ``host_tier`` (a ``GroupHostTier``) and keeps the tiers exclusive per group when
-    the device caches a key the host holds (``host_tier._TieredPool``'s rules and its
-    reset, with the hybrid pool's keys and null slots)."""
-
-    host_tier: GroupHostTier
-    _device_evict = HybridBlockPool._evict  # (``_TieredPool._evict`` demotes after it)
-
-    def cache_group_blocks(self, request, blocks, block_hashes, num_cached_blocks,
-                           num_full_blocks, block_size, group_id) -> None:
-        super().cache_group_blocks(request, blocks, block_hashes, num_cached_blocks,
-                                   num_full_blocks, block_size, group_id)
-        tier = self.host_tier
-        null = self.null_block
-        if tier.track_origin:
-            pos_of = tier.device_position
-            prio_of = tier.device_priority
-            hint_of = tier.device_retention
-            prio = request.priority
-            hint = getattr(request, "retention", None)
-            for pos in range(num_cached_blocks, num_full_blocks):
-                blk = blocks[pos]
-                if blk is not null:
-                    pos_of[blk.block_id] = pos
-                    prio_of[blk.block_id] = prio
-                    hint_of[blk.block_id] = hint
-        on_host = tier.hash_to_slot
-        if on_host:
-            suffix = _group_suffix(group_id)
-            for pos in range(num_cached_blocks, num_full_blocks):
-                if blocks[pos] is not null:
-                    key = block_hashes[pos] + suffix
-                    if key in on_host:
-                        tier.discard(key)
-
-
-class TieredHybridBlockPool(_TieredHybridPool, HybridBlockPool):
-    """``HybridBlockPool`` (device lru) with a per-group host tier under it."""
-
-
-class TieredHybridPolicyBlockPool(_TieredHybridPool, HybridPolicyBlockPool):
-    """``HybridPolicyBlockPool`` (any other device policy) with a per-group host tier."""
 
 
 class _HybridState:
@@ -420,7 +222,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         groups = check_kv_cache_groups(kv_cache_groups)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
-        # (free_order: HybridBlockPool checks it, after the policy's checks)
+        # (free_order: BlockPool checks it, after the policy's checks)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len)
         options = _hash_eviction_options(eviction_options)
@@ -435,8 +237,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
-        # NOTE: "lru" keeps vLLM's intrusive free queue (HybridBlockPool, the goldens'
-        # order); any other policy (or lru options) runs through the policy pool.
+        # NOTE: "lru" keeps vLLM's intrusive free queue (policy None, the goldens'
+        # order); any other policy (or lru options) is the pool's component.
         policy = None
         if eviction != DEFAULT_POLICY or options:
             policy = make_policy(eviction, num_blocks=num_blocks, block_size=block_size,
@@ -460,17 +262,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             groups=groups, enable_caching=self.enable_caching,
             enable_events=self.enable_events, free_order=free_order,
             int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
-        if host_tier is None:
-            self.block_pool = (
-                HybridBlockPool(num_blocks, **pool_kwargs) if policy is None
-                else HybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
-        else:
-            self.block_pool = (
-                TieredHybridBlockPool(num_blocks, **pool_kwargs) if policy is None
-                else TieredHybridPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs))
-            self.block_pool.host_tier = host_tier
-            host_tier.pool = self.block_pool
-            host_tier._event_hash = self.block_pool._event_hash
+        self.block_pool = BlockPool(num_blocks, policy=policy, **pool_kwargs)
+        if host_tier is not None:
+            self.block_pool.attach_tier(host_tier)
             self.host_eviction = host_eviction
             # Hit tokens adopted at admission, by tier (``_promote_host_hits``).
             self.device_hit_tokens = 0
@@ -504,6 +298,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._own_caches = [k if _overrides(k, "cache_blocks") else None for k in self._kinds]
         # NOTE: what the decode fast path returns: immutable, shared (no allocation).
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
+        self._empty_hit = self._no_new_blocks  # what a lookup answers with caching off
+        self._hit_blocks_class = PerGroupKVCacheBlocks  # what get_computed_blocks wraps
         self._states: dict[str, _HybridState] = {}
         self._states_by_request: dict = {}  # the same states keyed by Request object
         _init_lookup_counters(self)
@@ -571,27 +367,12 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                     del by_group[g][num_blocks:]
         return tuple(b if b is not None else [] for b in by_group), hit_length, longest
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest prefix hit valid for every group.
-
-        Changes no block state; only statistics.
-
-        Returns:
-            ``(blocks, num_computed_tokens)``: ``blocks[g]`` is group g's hit slots
-            (``num_computed_tokens // block_size`` of them; a sliding-window group's
-            slots before its window are ``null_block``).
-        """
-        if type(request) is not Request:
-            _check_request(request)
-        if not self.enable_caching:
-            return self._no_new_blocks, 0
-        blocks, num_hit = self._longest_hit(request)
-        self.num_lookups += 1
-        self.num_lookup_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit
-        r = _new(PerGroupKVCacheBlocks)
-        r.blocks = blocks
-        return r, num_hit
+    def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
+        """The longest prefix hit valid for every group, as ``(blocks per group,
+        num_hit_tokens)``: ``blocks[g]`` is group g's hit slots
+        (``num_hit_tokens // block_size`` of them; a sliding-window group's slots
+        before its window are ``null_block``). Changes nothing, counts nothing."""
+        return self._longest_hit(request)
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
@@ -1128,5 +909,4 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                                      "waiting for the queue-aware policy (a leak)")
 
 
-__all__ = ["HybridBlockPool", "HybridKVCacheManager", "TieredHybridBlockPool",
-           "TieredHybridPolicyBlockPool"]
+__all__ = ["HybridKVCacheManager"]

@@ -93,7 +93,7 @@ COMBINATION_RULES = MappingProxyType({
 })
 
 # An index class of a user's own package: what it must provide (``check_index_class``).
-INDEX_PROTOCOL = ("get_computed_blocks", "allocate_slots", "free", "check_invariants")
+INDEX_PROTOCOL = ("find_longest_cache_hit", "allocate_slots", "free", "check_invariants")
 
 # What a layout implementation (``LAYOUT_CLASS``, ``LAYOUT_INDEXES``) provides to serve
 # a policy that reads the waiting queue (``needs_waiting``: queue_aware): the per-group
@@ -140,8 +140,9 @@ def check_index_class(cls: type) -> type:
     if missing:
         raise ValueError(
             f"index class {cls.__name__} lacks the manager protocol: no {', '.join(missing)} "
-            "(an index answers KVCacheBlocks from get_computed_blocks / allocate_slots and "
-            "provides free and check_invariants; subclass HashKVCacheManager or "
+            "(an index answers its hit from find_longest_cache_hit and KVCacheBlocks from "
+            "allocate_slots, and provides free and check_invariants; subclass "
+            "HashKVCacheManager or "
             "RadixKVCacheManager)")
     layout = getattr(cls, "LAYOUT_CLASS", None)
     kinds = getattr(cls, "LAYOUT_KINDS", ())

@@ -42,8 +42,6 @@ from prefixcache.core.tiers import TierChain, TierHit, build_lower_tiers, lower_
 from prefixcache.core.tiers.host import (
     HostHit,
     HostTierAPI,
-    TieredBlockPool,
-    TieredPolicyBlockPool,
     check_tier_args,
     make_host_tier,
 )
@@ -54,7 +52,6 @@ from prefixcache.core.indexes import (
 )
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks, unwrap
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
-from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.request import Request
 from prefixcache.core.stats import PrefixCacheStats
 
@@ -511,25 +508,11 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             free_order=free_order,
             int_event_hashes=int_event_hashes,
         )
-        # NOTE: LRU keeps vLLM's intrusive free queue (BlockPool, untouched: no work
-        # added to the decode path, free or touch); any other policy runs through the
-        # PolicyBlockPool subclass.
-        if host_tier is None:
-            self.block_pool = (
-                BlockPool(num_blocks, **pool_kwargs) if policy is None
-                else PolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
-            )
-        else:
-            # NOTE: the tier's pools override only eviction (demotion: _evict, and
-            # get_new_blocks with the demotions inlined for the lru/lru pair),
-            # cache_full_blocks and reset; with no tier the plain pools above run.
-            self.block_pool = (
-                TieredBlockPool(num_blocks, **pool_kwargs) if policy is None
-                else TieredPolicyBlockPool(num_blocks, policy=policy, **pool_kwargs)
-            )
-            self.block_pool.host_tier = host_tier
-            host_tier.pool = self.block_pool
-            host_tier._event_hash = self.block_pool._event_hash
+        # NOTE: LRU keeps vLLM's intrusive free queue (policy None: no work added to
+        # the decode path, free or touch); any other policy is the pool's component.
+        self.block_pool = BlockPool(num_blocks, policy=policy, **pool_kwargs)
+        if host_tier is not None:
+            self.block_pool.attach_tier(host_tier)
             # NOTE: instance attributes shadow the two methods that learn about host
             # hits (lookup and admission); the decode fast path is shared.
             self._hit_blocks = self._hit_blocks_tiered
@@ -552,6 +535,8 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         self.num_groups = 1
         # NOTE: what a decode step that needs nothing returns: shared, immutable.
         self._empty = empty_blocks(1)
+        self._empty_hit = self._empty  # what a lookup answers with caching off
+        self._hit_blocks_class = KVCacheBlocks  # what get_computed_blocks wraps hits in
         self._states: dict[str, _RequestState] = {}
         # The same states keyed by the Request object (identity hash, C speed): the
         # decode fast path finds its state without calling the request_id property.
@@ -570,34 +555,13 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         return self.hasher.algo
 
     # -------------------------------------------------------------- scheduling
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest run of cached full blocks that starts the request.
-
-        Changes no block state (no ref counts, no queue order); only statistics.
-
-        Args:
-            request: a ``Request`` not yet holding blocks.
-
-        Returns:
-            ``(blocks, num_computed_tokens)``: the hit blocks in order and
-            ``len(blocks) * block_size`` (at most ``request.num_tokens - 1``).
-        """
-        if type(request) is not Request:
-            _check_request(request)
-        if not self.enable_caching:
-            return self._empty, 0
+    def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
+        """The longest run of cached full blocks that starts the request (a device
+        block, or with tiers a placeholder of the tier that holds it), as
+        ``((blocks,), num_hit_tokens)``; changes nothing, counts nothing
+        (``KVCacheManager.get_computed_blocks`` counts the lookup)."""
         computed = self._hit_blocks(request)
-        num_tokens = request.num_tokens
-        num_hit = len(computed) * self.block_size
-        self.num_lookups += 1
-        self.num_lookup_tokens += num_tokens
-        self.num_hit_tokens += num_hit
-        # NOTE: the prefix-cache stats record admissions, not lookups (see
-        # allocate_slots), as vLLM 0.33's scheduler does: a request whose lookup is
-        # retried because it did not fit yet counts once.
-        r = _new(KVCacheBlocks)
-        r.blocks = (computed,)
-        return r, num_hit
+        return (computed,), len(computed) * self.block_size
 
     def _hit_blocks(self, request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that starts the request: at most
@@ -1319,7 +1283,27 @@ class KVCacheManager:
             ``(blocks, num_computed_tokens)``: the hit blocks per group and the hit
             tokens (a multiple of ``block_size``, at most ``request.num_tokens - 1``).
         """
-        return self._impl.get_computed_blocks(request)
+        impl = self._impl
+        if type(request) is not Request:
+            _check_request(request)
+        if not impl.enable_caching:
+            return impl._empty_hit, 0
+        blocks, num_hit = impl.find_longest_cache_hit(request)
+        impl.num_lookups += 1
+        impl.num_lookup_tokens += request.num_tokens
+        impl.num_hit_tokens += num_hit
+        # NOTE: the prefix-cache stats record admissions, not lookups (allocate_slots),
+        # as vLLM 0.33's scheduler does: a lookup retried because the request did not
+        # fit yet counts once there.
+        r = _new(impl._hit_blocks_class)
+        r.blocks = blocks
+        return r, num_hit
+
+    def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
+        """The index's answer below ``get_computed_blocks``: ``(hit blocks per group,
+        hit tokens)``, counting no lookup (vLLM's coordinator
+        ``find_longest_cache_hit``). The protocol an index class provides."""
+        return self._impl.find_longest_cache_hit(request)
 
     def peek_computed_tokens(self, request: Request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now; counts no

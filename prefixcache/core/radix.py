@@ -390,6 +390,8 @@ class RadixKVCacheManager(HostTierAPI):
         self.kv_cache_groups = FULL_ATTENTION_LAYOUT
         self.num_groups = 1
         self._empty = empty_blocks(1)  # the decode fast path's shared empty result
+        self._empty_hit = self._empty  # what a lookup answers with caching off
+        self._hit_blocks_class = KVCacheBlocks  # what get_computed_blocks wraps hits in
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
@@ -435,7 +437,7 @@ class RadixKVCacheManager(HostTierAPI):
             # NOTE: instance attributes shadow the methods that learn about host hits
             # (lookup, admission) and the tree's caching (exclusive tiers); with no
             # tier the class methods run, unchanged.
-            self.get_computed_blocks = self._get_computed_blocks_tiered
+            self.find_longest_cache_hit = self._find_longest_cache_hit_tiered
             self.peek_computed_tokens = self._peek_computed_tokens_tiered
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
@@ -541,32 +543,18 @@ class RadixKVCacheManager(HostTierAPI):
             return 0
         return len(self._lookup_nodes(request)) * self.block_size
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The blocks of the longest cached path that starts the request.
-
-        Changes no block state (no locks, ref counts or queue order); only counters.
-        At most ``(num_tokens - 1) // block_size`` blocks hit, as in the hash chain.
-
-        Returns:
-            ``(blocks, num_computed_tokens)``.
-        """
-        if not self.enable_caching:
-            return self._empty, 0
+    def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
+        """The blocks of the longest cached path that starts the request, as
+        ``((blocks,), num_hit_tokens)``: at most ``(num_tokens - 1) // block_size``
+        blocks, as in the hash chain. Changes no block state (no locks, ref counts or
+        queue order) and counts nothing (``KVCacheManager.get_computed_blocks`` does)."""
         nodes = self._lookup_nodes(request)
-        num_tokens = request.num_tokens
-        bs = self.block_size
         computed = [node.block for node in nodes]
         # NOTE: allocate_slots adopts these nodes without walking them again while the
         # tree has lost no node since (the epoch counts removals); a copy of the list,
         # so that a caller changing the returned one in place is still checked.
         self._lookup = (request, nodes, computed[:], self._epoch)
-        num_hit = len(computed) * bs
-        self.num_lookups += 1
-        self.num_lookup_tokens += num_tokens
-        self.num_hit_tokens += num_hit
-        r = _new(KVCacheBlocks)
-        r.blocks = (computed,)
-        return r, num_hit
+        return (computed,), len(computed) * self.block_size
 
     def allocate_slots(
         self,
@@ -928,22 +916,15 @@ class RadixKVCacheManager(HostTierAPI):
             return []
         return self.host_tier.hit_run(request.block_hashes, start, max_blocks)
 
-    def _get_computed_blocks_tiered(self, request) -> tuple[list, int]:
-        """``get_computed_blocks`` with a host tier: the tree's nodes, then the host's
+    def _find_longest_cache_hit_tiered(self, request) -> tuple[tuple[list, ...], int]:
+        """``find_longest_cache_hit`` with a host tier: the tree's nodes, then the host's
         run (``HostHit`` placeholders, ``block_id == -1``); the tokens count both."""
         nodes = self._lookup_nodes(request)
         computed: list = [node.block for node in nodes]
         self._lookup = (request, nodes, computed[:], self._epoch)
         if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
             computed += self._host_hits(request, len(nodes))
-        num_tokens = request.num_tokens
-        num_hit = len(computed) * self.block_size
-        self.num_lookups += 1
-        self.num_lookup_tokens += num_tokens
-        self.num_hit_tokens += num_hit
-        r = _new(KVCacheBlocks)
-        r.blocks = (computed,)
-        return r, num_hit
+        return (computed,), len(computed) * self.block_size
 
     def _peek_computed_tokens_tiered(self, request) -> int:
         """``peek_computed_tokens`` with a host tier (device + host hits)."""

@@ -291,6 +291,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._states_by_request: dict[Any, _HybridRadixState] = {}
         self._no_new_blocks = empty_blocks(len(groups), per_group=True)
         self._empty = self._no_new_blocks
+        self._empty_hit = self._no_new_blocks  # what a lookup answers with caching off
+        self._hit_blocks_class = PerGroupKVCacheBlocks  # what get_computed_blocks wraps
         self.events = []
         _init_lookup_counters(self)
         self.device_hit_tokens = 0
@@ -365,29 +367,17 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             del by_group[g][hit:]
         return [b if b is not None else [] for b in by_group], hit
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest prefix hit valid for every group (module docstring, "Hit rule").
-
-        Changes no block state; only statistics.
-
-        Returns:
-            ``(blocks, num_computed_tokens)``: ``blocks.blocks[g]`` is group g's hit
-            slots (a sliding-window group's slots before its window are ``null_block``).
-        """
-        if not self.enable_caching:
-            return self._no_new_blocks, 0
+    def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
+        """The longest prefix hit valid for every group (module docstring, "Hit
+        rule"), as ``(blocks per group, num_hit_tokens)`` (a sliding-window group's
+        slots before its window are ``null_block``). Changes no block state; counts
+        nothing."""
         nodes = self._lookup_nodes(request)  # (checks the request, binds the hasher)
         lists, hit = self._longest_hit(nodes)
         # NOTE: allocate_slots adopts these nodes without walking again while the tree
         # has changed no block since (the epoch counts evictions).
         self._lookup = (request, nodes[:hit], self._epoch)
-        num_hit = hit * self.block_size
-        self.num_lookups += 1
-        self.num_lookup_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit
-        r = _new(PerGroupKVCacheBlocks)
-        r.blocks = tuple(lists)
-        return r, num_hit
+        return tuple(lists), hit * self.block_size
 
     def peek_computed_tokens(self, request) -> int:
         """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""

@@ -116,8 +116,10 @@ def test_annotations_resolve_and_allocate_slots_takes_and_returns_kvcacheblocks(
     for config in CONFIGS:
         cls = type(_make(config).implementation)
         assert typing.get_type_hints(cls.allocate_slots)["return"] == KVCacheBlocks | None
-        assert typing.get_type_hints(cls.get_computed_blocks)["return"] == tuple[
-            KVCacheBlocks, int]
+        assert typing.get_type_hints(cls.find_longest_cache_hit)["return"] == tuple[
+            tuple[list, ...], int]
+        # One class defines the lookup's API (the implementations answer the hit).
+        assert "get_computed_blocks" not in {n for k in cls.__mro__ for n in vars(k)}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -146,13 +148,37 @@ class _Recorder:
         return method
 
 
+# The methods the manager class itself implements over its index (the rest forward).
+OWN_METHODS = {"get_computed_blocks"}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_get_computed_blocks_is_the_managers_own_and_counts_one_lookup(config):
+    # One class defines get_computed_blocks: it asks the index for the hit
+    # (find_longest_cache_hit, which counts nothing), counts the lookup and wraps it.
+    m = _make(config)
+    impl = m.implementation
+    assert "get_computed_blocks" not in vars(m)  # the class's method, not a bound one
+    r = Request("r", list(range(1, 40)))
+    before = (impl.num_lookups, impl.num_lookup_tokens, impl.num_hit_tokens)
+    raw, raw_hit = m.find_longest_cache_hit(r)
+    assert (impl.num_lookups, impl.num_lookup_tokens, impl.num_hit_tokens) == before
+    blocks, hit = m.get_computed_blocks(r)
+    assert hit == raw_hit and blocks.blocks == tuple(raw)
+    assert type(blocks) is impl._hit_blocks_class
+    assert (impl.num_lookups, impl.num_lookup_tokens) == (before[0] + 1, before[1] + 39)
+    with pytest.raises(ArgumentTypeError, match="request must be a prefixcache Request"):
+        m.get_computed_blocks(object())
+    assert impl.num_lookups == before[0] + 1
+
+
 def test_the_class_methods_forward_every_argument_in_order():
     # The class's methods are what KVCacheManager.method(manager, ...) and help() see;
     # each hands its arguments to the implementation's method of the same name.
     m = object.__new__(KVCacheManager)
     m._impl = rec = _Recorder()
     for name, fn in vars(KVCacheManager).items():
-        if not inspect.isfunction(fn) or name.startswith("_"):
+        if not inspect.isfunction(fn) or name.startswith("_") or name in OWN_METHODS:
             continue
         params = list(inspect.signature(fn).parameters)[1:]
         args = tuple(object() for _ in params)

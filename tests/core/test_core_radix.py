@@ -26,9 +26,18 @@ from prefixcache.core import (
     Request,
 )
 from prefixcache.core.eviction import get_policy_class, policy_names
-from prefixcache.core.radix import RadixKVCacheManager, block_keys
+from prefixcache.core.radix import RadixKVCacheManager as _RadixIndex
+from prefixcache.core.radix import block_keys
 from prefixcache.sim import workloads
 from prefixcache.sim.trace import read_trace
+
+
+def RadixKVCacheManager(*args, **kwargs):
+    """The radix index under the one manager class."""
+    if "index" in kwargs:  # (the index class itself refuses another index's name)
+        return _RadixIndex(*args, **kwargs)
+    return KVCacheManager(*args, index="radix", **kwargs)
+
 
 _POLICIES = [p for p in policy_names() if not get_policy_class(p).needs_future]
 
@@ -231,7 +240,7 @@ def test_invariant_check_catches_a_broken_lock():
     m = RadixKVCacheManager(8, 2)
     a = Request("a", [1, 2, 3, 4, 5])
     admit(m, a)
-    m._nodes[0].lock += 1  # a lock no running path holds
+    m.implementation._nodes[0].lock += 1  # a lock no running path holds
     with pytest.raises(InvariantError, match="lock"):
         m.check_invariants()
 
@@ -429,8 +438,9 @@ def test_inlined_policy_stamps_equal_the_calls():
     runs = []
     for inline in (True, False):
         m = RadixKVCacheManager(128, 16)
-        assert m._stamp_release and m._stamp_cached  # lru keeps the base's
-        m._stamp_release = m._stamp_cached = inline
+        impl = m.implementation
+        assert impl._stamp_release and impl._stamp_cached  # lru keeps the base's
+        impl._stamp_release = impl._stamp_cached = inline
         tables = []
         for t in trace:
             req = Request(t.id, t.prompt)

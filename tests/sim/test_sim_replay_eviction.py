@@ -32,7 +32,7 @@ def traces():
 
 @pytest.mark.parametrize("workload", sorted(_WORKLOADS))
 def test_keyed_lru_through_the_policy_pool_equals_the_fast_path(traces, workload):
-    # The seam: the keyed lru policy behind PolicyBlockPool gives exactly the free
+    # The seam: the keyed lru policy as the pool's policy component gives exactly the free
     # queue's hits and block ids (vLLM's unhashed_first order), evictions included.
     reqs = traces[workload]
     evictions = 0

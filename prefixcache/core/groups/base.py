@@ -16,9 +16,12 @@ from __future__ import annotations
 from itertools import islice
 
 from prefixcache._validate import ArgumentTypeError
-from prefixcache.core.block_pool import InvariantError, KVCacheBlock
-
-_KEY_BYTES = 4  # the group id's bytes at the end of a cache key (vLLM's layout)
+from prefixcache.core.block_pool import (  # noqa: F401 - the key layout lives there
+    _KEY_BYTES,
+    InvariantError,
+    KVCacheBlock,
+    group_suffix,
+)
 
 
 def check_block_hash_list(block_hashes) -> list[bytes]:
@@ -33,11 +36,6 @@ def check_block_hash_list(block_hashes) -> list[bytes]:
         if type(h) is not bytes:
             raise ArgumentTypeError(f"block hashes must be bytes, got {h!r}")
     return hashes
-
-
-def group_suffix(group_id: int) -> bytes:
-    """The 4 big-endian bytes that follow a block hash in group ``group_id``'s keys."""
-    return group_id.to_bytes(_KEY_BYTES, "big", signed=False)
 
 
 def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,

@@ -79,7 +79,6 @@ from prefixcache.core.block_pool import (
     HOST_BYTES_PER_BLOCK,
     BlockPool,
     InvariantError,
-    KVCacheBlock,
 )
 from prefixcache.core.eviction import (
     DEFAULT_POLICY,
@@ -92,7 +91,6 @@ from prefixcache.core.eviction import (
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
-from prefixcache.core.policy_pool import PolicyBlockPool
 from prefixcache.core.tiers.base import HOST_LINK, TierHit, _Origin
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
@@ -679,118 +677,3 @@ class HostTierAPI:
     def host_blocks_stored(self) -> int:
         """Device blocks demoted into host slots (store transfers), cumulative."""
         return self.host_tier.num_stored if self.host_tier is not None else 0
-
-
-class _TieredPool:
-    """Mixin over a block pool: demotes evicted hashes to ``host_tier`` and keeps the
-    tiers exclusive when the device caches a hash the host holds."""
-
-    host_tier: HostTier
-    # The device pool's own eviction (no pool in between overrides it): a subclass over
-    # another pool (the hybrid pool's tiered mixin) names that pool's.
-    _device_evict = BlockPool._evict
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        h = block.block_hash
-        parent = block.parent_hash
-        self._device_evict(block)
-        # NOTE: a duplicate device block may still hold h: then it stays on the device.
-        if h not in self.cached_block_hash_to_block:
-            self.host_tier.store(block.block_id, h, parent)
-
-    def cache_full_blocks(self, request, blocks, block_hashes, num_cached_blocks,
-                          num_full_blocks, block_size) -> None:
-        super().cache_full_blocks(request, blocks, block_hashes, num_cached_blocks,
-                                  num_full_blocks, block_size)
-        tier = self.host_tier
-        if tier.track_origin:
-            pos_of = tier.device_position
-            prio_of = tier.device_priority
-            hint_of = tier.device_retention
-            prio = request.priority
-            hint = getattr(request, "retention", None)
-            for pos in range(num_cached_blocks, num_full_blocks):
-                bid = blocks[pos].block_id
-                pos_of[bid] = pos
-                prio_of[bid] = prio
-                hint_of[bid] = hint
-        on_host = tier.hash_to_slot
-        # NOTE: one C-level disjointness test; the per-hash loop only on an overlap.
-        if on_host and not on_host.keys().isdisjoint(
-                block_hashes[num_cached_blocks:num_full_blocks]):
-            for h in block_hashes[num_cached_blocks:num_full_blocks]:
-                if h in on_host:
-                    tier.discard(h)
-        if tier.lower is not None:
-            tier.lower.discard_cached(block_hashes[num_cached_blocks:num_full_blocks])
-
-    def reset_prefix_cache(self) -> bool:
-        if not super().reset_prefix_cache():
-            return False
-        self.host_tier.clear()
-        self.host_tier.evicted_by = self.evicted_by  # (the reset's new dict, or None)
-        if self.host_tier.lower is not None:
-            self.host_tier.lower.evicted_by = self.evicted_by
-        return True
-
-
-class TieredBlockPool(_TieredPool, BlockPool):
-    """``BlockPool`` (device lru) with a host tier under it."""
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """``BlockPool.get_new_blocks`` with the demotions of the host lru fast path
-        inlined (no events): one loop, no Python call per demoted block."""
-        tier = self.host_tier
-        if tier.policy is not None or self.enable_events or tier.lower is not None:
-            return super().get_new_blocks(num_blocks)  # -> _TieredPool._evict per block
-        q = self.free_block_queue
-        if num_blocks > q.num_free_blocks:
-            raise ValueError(f"cannot get {num_blocks} blocks: only {q.num_free_blocks} free")
-        ret = q.popleft_n(num_blocks)
-        self.num_blocks_allocated += num_blocks
-        cached = self.cached_block_hash_to_block
-        on_host = tier.hash_to_slot
-        free = tier.free_slots
-        slots = tier.slots
-        record = tier.transfers.append
-        popitem = on_host.popitem
-        evicted_by = self.evicted_by  # miss accounting's hook (None: off)
-        num_evicted = num_stored = num_host_evicted = 0
-        for block in ret:
-            h = block.block_hash
-            if h is not None:
-                cur = cached.pop(h)
-                if cur is not block:  # duplicates under h (or a bug): the general path
-                    cached[h] = cur
-                    self._evict(block)
-                else:
-                    block.block_hash = None
-                    num_evicted += 1
-                    if evicted_by is not None:
-                        evicted_by[h] = "device"
-                    if free:
-                        slot = slots[free.popleft()]
-                    elif on_host:
-                        # NOTE: positional: a keyword argument costs a keyword parse.
-                        old, slot = popitem(False)  # the least recently demoted
-                        num_host_evicted += 1
-                        if evicted_by is not None:
-                            evicted_by[old] = "host"
-                    else:  # every host entry is pinned by the promotion in progress
-                        tier.num_dropped += 1
-                        block.ref_cnt = 1
-                        continue
-                    slot.block_hash = h
-                    on_host[h] = slot
-                    record(block.block_id)
-                    record(slot.block_id)
-                    num_stored += 1
-            block.ref_cnt = 1
-        self.num_evictions += num_evicted
-        tier.num_stored += num_stored
-        tier.num_evicted += num_host_evicted
-        return ret
-
-
-class TieredPolicyBlockPool(_TieredPool, PolicyBlockPool):
-    """``PolicyBlockPool`` (any other device policy) with a host tier under it."""
