@@ -486,32 +486,21 @@ class BlockPool:
         ``request`` (the one adopting them) is for the eviction policy only."""
         n = 0
         policy = self.policy
-        if policy is None:
-            for block in blocks:
-                if block.ref_cnt == 0:
-                    # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
-                    # inlined: this runs once per hit block).
-                    prev = block.prev_free_block
-                    nxt = block.next_free_block
-                    prev.next_free_block = nxt
-                    nxt.prev_free_block = prev
-                    block.prev_free_block = block.next_free_block = None
-                    n += 1
-                block.ref_cnt += 1
-        else:
-            discard = policy.discard
-            on_hit = policy.on_hit
-            for block in blocks:
-                if block.ref_cnt == 0:
-                    prev = block.prev_free_block
-                    nxt = block.next_free_block
-                    prev.next_free_block = nxt
-                    nxt.prev_free_block = prev
-                    block.prev_free_block = block.next_free_block = None
-                    n += 1
-                    discard(block)
-                block.ref_cnt += 1
-                on_hit(block, request)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
+                # inlined: this runs once per hit block).
+                prev = block.prev_free_block
+                nxt = block.next_free_block
+                prev.next_free_block = nxt
+                nxt.prev_free_block = prev
+                block.prev_free_block = block.next_free_block = None
+                n += 1
+                if policy is not None:
+                    policy.discard(block)
+            block.ref_cnt += 1
+            if policy is not None:
+                policy.on_hit(block, request)
         self.free_block_queue.num_free_blocks -= n
 
     def cache_full_blocks(

@@ -350,7 +350,158 @@ class BlockPoolViews:
         }
 
 
-class HashKVCacheManager(HostTierAPI, BlockPoolViews):
+class _OneGroupManager(HostTierAPI):
+    """What the one-group indexes (the hash chain here, the radix tree) share: the
+    scheduler's ``allocate_slots`` with its decode fast path, and the end of an
+    admission. The index provides the request states (``_states_by_request``: each
+    with ``request``, ``blocks``, ``num_cached_blocks`` and ``idle_until``),
+    ``_allocate_slow`` (admission, lookahead, bad calls), ``_num_available()`` (blocks
+    it can hand out now), ``_take_blocks(n)`` and ``_cache(st, num_full, hashes)``
+    (enter the request's blocks up to ``num_full`` into the index)."""
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+
+        For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
+        the prefix hit from ``get_computed_blocks``: those blocks are adopted (ref
+        count +1, out of the free blocks; the radix tree locks their nodes) and start
+        its block table. New blocks come from the free blocks (evicting cached ones,
+        in the policy's order). Every block that is full after this step -- up to
+        ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` tokens,
+        capped at ``request.num_tokens`` -- is cached at once, so later requests in the
+        same batch can hit it.
+
+        Args:
+            request: the request (``request.num_computed_tokens`` tokens already
+                have KV; the caller advances it after the step).
+            num_new_tokens: tokens to compute in this step (>= 0).
+            num_new_computed_tokens: prefix-hit tokens (new requests only).
+            new_computed_blocks: the prefix-hit blocks (new requests only).
+            num_lookahead_tokens: extra slots to reserve (speculative tokens).
+
+        Returns:
+            The newly allocated blocks (possibly empty), or ``None`` when the free
+            blocks do not suffice -- in which case nothing changed.
+
+        Raises:
+            ValueError: negative counts, hit tokens that do not match the hit
+                blocks, hit blocks for a running request, a sequence beyond
+                ``max_model_len``, or ``request.num_computed_tokens`` not an int in
+                ``[0, num_tokens]``. Nothing changed.
+        """
+        try:
+            st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
+        except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
+            return self._allocate_slow(
+                request, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
+            )
+        nc = request.num_computed_tokens
+        if (
+            type(nc) is not int
+            or nc < 0
+            or num_new_computed_tokens
+            or new_computed_blocks
+            or num_lookahead_tokens
+            # NOTE: floats (np.float64(10.0) passes the idle bound below and would return
+            # [] silently), numpy ints, bools: the slow path, which converts or raises.
+            # Measured ~220 instructions per decode call (+1.1-1.4% of a decode-heavy
+            # replay, cachegrind); folding both type tests into one `type(nc + n)` would
+            # let bools through.
+            or type(num_new_tokens) is not int
+            or num_new_tokens <= 0
+        ):
+            return self._allocate_slow(
+                request, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks, num_lookahead_tokens,
+            )
+        # Fast path: a running request (a decode step or a later prefill chunk).
+        total = nc + num_new_tokens
+        if total <= st.idle_until:
+            return self._empty  # most decode steps: the last block has room, nothing fills
+        num_tokens = request.num_tokens
+        if nc > num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: num_computed_tokens={nc} > "
+                f"num_tokens={num_tokens}"
+            )
+        if total > self._max_len:
+            raise ValueError(
+                f"request {request.request_id!r} needs {total} tokens, beyond "
+                f"max_model_len={self.max_model_len}"
+            )
+        if type(request._priority) is not int:  # (the policy / tier read it when caching)
+            check_release_inputs(request)
+        bs = self.block_size
+        blocks = st.blocks
+        num_new_blocks = -(-total // bs) - len(blocks)
+        if num_new_blocks > 0:
+            if num_new_blocks > self._num_available():
+                self.num_failed_allocations += 1
+                return None
+            new_blocks = self._take_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        # NOTE: total // bs bounds the full blocks; only when it passes the cached
+        # ones are the hashes read.
+        if total // bs > st.num_cached_blocks and self.enable_caching:
+            num_full = (total if total < num_tokens else num_tokens) // bs
+            hashes = request.block_hashes
+            if num_full > len(hashes):
+                num_full = len(hashes)
+            if num_full > st.num_cached_blocks:
+                self._cache(st, num_full, hashes)
+        st.idle_until = self._idle_bound(st)
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
+
+    def _idle_bound(self, st: _RequestState) -> int:
+        """``st.idle_until`` for its current blocks and cached blocks (recomputed after
+        every allocation)."""
+        bs = self.block_size
+        limit = len(st.blocks) * bs
+        if self._max_len < limit:
+            limit = self._max_len
+        if self.enable_caching:
+            # One more token than this fills the next uncached block: cache it.
+            full = (st.num_cached_blocks + 1) * bs - 1
+            if full < limit:
+                limit = full
+        return limit
+
+    def _grow_and_cache(self, request, st, num_new_blocks: int, total: int):
+        """The end of an admission (plain or tiered): append ``num_new_blocks`` fresh
+        blocks to the request's table, cache its full blocks up to ``total`` tokens, and
+        return the new blocks."""
+        bs = self.block_size
+        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
+        st.blocks.extend(new_blocks)
+        if self.enable_caching:
+            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
+            hashes = request.block_hashes
+            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
+            if num_full > st.num_cached_blocks:
+                self._cache(st, num_full, hashes)
+        st.idle_until = self._idle_bound(st)
+        if not new_blocks:
+            return self._empty
+        r = _new(KVCacheBlocks)
+        r.blocks = (new_blocks,)
+        return r
+
+
+class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
     """The hash index over one full-attention group (``KVCacheManager``'s default
     implementation): allocates KV cache blocks to requests and reuses cached prefixes.
 
@@ -511,6 +662,7 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
         # NOTE: LRU keeps vLLM's intrusive free queue (policy None: no work added to
         # the decode path, free or touch); any other policy is the pool's component.
         self.block_pool = BlockPool(num_blocks, policy=policy, **pool_kwargs)
+        self._take_blocks = self.block_pool.get_new_blocks  # (no frame of ours)
         if host_tier is not None:
             self.block_pool.attach_tier(host_tier)
             # NOTE: instance attributes shadow the two methods that learn about host
@@ -624,129 +776,15 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
             return 0
         return len(self._hit_blocks(request)) * self.block_size
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
-    ) -> KVCacheBlocks | None:
-        """Give ``request`` slots for ``num_new_tokens`` more tokens.
+    def _num_available(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
 
-        For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
-        the prefix hit from ``get_computed_blocks``: those blocks are touched (ref
-        count +1, out of the free queue) and start its block table. New blocks come
-        from the free queue head (evicting cached ones). Every block that is full
-        after this step -- up to ``num_computed_tokens + num_new_computed_tokens +
-        num_new_tokens`` tokens, capped at ``request.num_tokens`` -- is cached at
-        once, so later requests in the same batch can hit it.
-
-        Args:
-            request: the request (``request.num_computed_tokens`` tokens already
-                have KV; the caller advances it after the step).
-            num_new_tokens: tokens to compute in this step (>= 0).
-            num_new_computed_tokens: prefix-hit tokens (new requests only).
-            new_computed_blocks: the prefix-hit blocks (new requests only).
-            num_lookahead_tokens: extra slots to reserve (speculative tokens).
-
-        Returns:
-            The newly allocated blocks (possibly empty), or ``None`` when the free
-            blocks do not suffice -- in which case nothing changed.
-
-        Raises:
-            ValueError: negative counts, hit tokens that do not match the hit
-                blocks, hit blocks for a running request, a sequence beyond
-                ``max_model_len``, or ``request.num_computed_tokens`` not an int in
-                ``[0, num_tokens]``. Nothing changed.
-        """
-        try:
-            st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
-        except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
-            return self._allocate_slow(
-                request, num_new_tokens, num_new_computed_tokens,
-                new_computed_blocks, num_lookahead_tokens,
-            )
-        nc = request.num_computed_tokens
-        if (
-            type(nc) is not int
-            or nc < 0
-            or num_new_computed_tokens
-            or new_computed_blocks
-            or num_lookahead_tokens
-            # NOTE: floats (np.float64(10.0) passes the idle bound below and would return
-            # [] silently), numpy ints, bools: the slow path, which converts or raises.
-            # Measured ~220 instructions per decode call (+1.1-1.4% of a decode-heavy
-            # replay, cachegrind); folding both type tests into one `type(nc + n)` would
-            # let bools through.
-            or type(num_new_tokens) is not int
-            or num_new_tokens <= 0
-        ):
-            return self._allocate_slow(
-                request, num_new_tokens, num_new_computed_tokens,
-                new_computed_blocks, num_lookahead_tokens,
-            )
-        # Fast path: a running request (a decode step or a later prefill chunk).
-        total = nc + num_new_tokens
-        if total <= st.idle_until:
-            return self._empty  # most decode steps: the last block has room, nothing fills
-        num_tokens = request.num_tokens
-        if nc > num_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: num_computed_tokens={nc} > "
-                f"num_tokens={num_tokens}"
-            )
-        if total > self._max_len:
-            raise ValueError(
-                f"request {request.request_id!r} needs {total} tokens, beyond "
-                f"max_model_len={self.max_model_len}"
-            )
-        if type(request._priority) is not int:  # (the policy / tier read it when caching)
-            check_release_inputs(request)
-        bs = self.block_size
-        blocks = st.blocks
-        num_new_blocks = -(-total // bs) - len(blocks)
-        if num_new_blocks > 0:
-            pool = self.block_pool
-            if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                self.num_failed_allocations += 1
-                return None
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-        else:
-            new_blocks = []
-        # NOTE: total // bs bounds the full blocks; only when it passes the cached
-        # ones are the hashes read.
-        if total // bs > st.num_cached_blocks and self.enable_caching:
-            num_full = (total if total < num_tokens else num_tokens) // bs
-            hashes = request.block_hashes
-            if num_full > len(hashes):
-                num_full = len(hashes)
-            if num_full > st.num_cached_blocks:
-                self.block_pool.cache_full_blocks(
-                    request, blocks, hashes, st.num_cached_blocks, num_full, bs
-                )
-                st.num_cached_blocks = num_full
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
-
-    def _idle_bound(self, st: _RequestState) -> int:
-        """``st.idle_until`` for its current blocks and cached blocks (recomputed after
-        every allocation)."""
-        bs = self.block_size
-        limit = len(st.blocks) * bs
-        if self._max_len < limit:
-            limit = self._max_len
-        if self.enable_caching:
-            # One more token than this fills the next uncached block: cache it.
-            full = (st.num_cached_blocks + 1) * bs - 1
-            if full < limit:
-                limit = full
-        return limit
+    def _cache(self, st: _RequestState, num_full: int, hashes) -> None:
+        """Enter the request's blocks ``st.num_cached_blocks .. num_full - 1`` into the
+        hash map."""
+        self.block_pool.cache_full_blocks(
+            st.request, st.blocks, hashes, st.num_cached_blocks, num_full, self.block_size)
+        st.num_cached_blocks = num_full
 
     @staticmethod
     def _check_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> None:
@@ -807,30 +845,6 @@ class HashKVCacheManager(HostTierAPI, BlockPoolViews):
                 )
             self.device_hit_tokens += num_new_computed_tokens
         return self._grow_and_cache(request, st, num_new_blocks, total)
-
-    def _grow_and_cache(self, request, st, num_new_blocks: int, total: int) -> list:
-        """The end of an admission (plain or tiered): append ``num_new_blocks`` fresh
-        blocks to the request's table, cache its full blocks up to ``total`` tokens, and
-        return the new blocks."""
-        pool = self.block_pool
-        bs = self.block_size
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        st.blocks.extend(new_blocks)
-        if self.enable_caching:
-            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
-            hashes = request.block_hashes
-            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
-            if num_full > st.num_cached_blocks:
-                pool.cache_full_blocks(
-                    request, st.blocks, hashes, st.num_cached_blocks, num_full, bs
-                )
-                st.num_cached_blocks = num_full
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
 
     def _allocate_slow_tiered(
         self, request, num_new_tokens, num_new_computed_tokens,

@@ -92,7 +92,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Sequence
 
-from prefixcache._validate import ArgumentTypeError, check_arrival, check_release_inputs
+from prefixcache._validate import ArgumentTypeError, check_arrival
 from prefixcache.core.block_pool import (
     KV_CACHE_SPEC_KIND,
     FreeKVCacheBlockQueue,
@@ -111,10 +111,10 @@ from prefixcache.core.events import (
 from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
 from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.tiers.host import (HostHit, HostTierAPI, check_tier_args,
+from prefixcache.core.tiers.host import (HostHit, check_tier_args,
                                         make_host_tier)
 from prefixcache.core.kv_cache_manager import (
-    KVCacheManager,
+    _OneGroupManager,
     _admission_checks,
     _build_lower_tiers,
     _check_computed_fit,
@@ -231,6 +231,11 @@ class _RadixState:
         self.plain_from = mm_blocks if mm_blocks > salted else salted
         self.idle_until = -1
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Leading blocks of ``blocks`` on the tree (the path's length)."""
+        return len(self.path)
+
 
 def _namespace(request) -> tuple[str, str] | None:
     """The root a request's blocks hang under: its LoRA adapter (name, path) or None."""
@@ -299,7 +304,7 @@ def _num_unlocked_suffix(nodes) -> int:
     return len(nodes) - lo
 
 
-class RadixKVCacheManager(HostTierAPI):
+class RadixKVCacheManager(_OneGroupManager):
     """Allocates KV cache blocks and reuses cached prefixes found in a radix tree.
 
     Same constructor keywords, calls, return values and errors as ``KVCacheManager``
@@ -556,95 +561,8 @@ class RadixKVCacheManager(HostTierAPI):
         self._lookup = (request, nodes, computed[:], self._epoch)
         return (computed,), len(computed) * self.block_size
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
-    ) -> KVCacheBlocks | None:
-        """Give ``request`` slots for ``num_new_tokens`` more tokens.
-
-        As ``KVCacheManager.allocate_slots`` (same arguments, ``None`` = does not fit
-        and nothing changed, same errors). A new request's hit blocks must be the
-        nodes of its own prefix, in order (what ``get_computed_blocks`` returned):
-        they are locked with their ancestors. Every block full after the step is
-        entered into the tree at once (or, for a duplicate key, the existing node is
-        locked instead).
-        """
-        try:
-            st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
-        except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
-            st = None
-        nc = request.num_computed_tokens if st is not None else None
-        if (
-            st is None
-            or type(nc) is not int
-            or nc < 0
-            or num_new_computed_tokens
-            or new_computed_blocks
-            or num_lookahead_tokens
-            or type(num_new_tokens) is not int  # floats, numpy ints, bools: the slow path
-            or num_new_tokens <= 0
-        ):
-            return self._allocate_slow(
-                request, num_new_tokens, num_new_computed_tokens,
-                new_computed_blocks, num_lookahead_tokens,
-            )
-        # Fast path: a running request (a decode step or a later prefill chunk).
-        total = nc + num_new_tokens
-        if total <= st.idle_until:
-            return self._empty
-        num_tokens = request.num_tokens
-        if nc > num_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: num_computed_tokens={nc} > "
-                f"num_tokens={num_tokens}"
-            )
-        if total > self._max_len:
-            raise ValueError(
-                f"request {request.request_id!r} needs {total} tokens, beyond "
-                f"max_model_len={self.max_model_len}"
-            )
-        if type(request._priority) is not int:  # (the policy / tier read it when caching)
-            check_release_inputs(request)
-        bs = self.block_size
-        blocks = st.blocks
-        num_new_blocks = -(-total // bs) - len(blocks)
-        if num_new_blocks > 0:
-            if num_new_blocks > self._num_free_unhashed + self._num_unlocked_nodes:
-                self.num_failed_allocations += 1
-                return None
-            new_blocks = self._take_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-        else:
-            new_blocks = []
-        if total // bs > len(st.path) and self.enable_caching:
-            num_full = (total if total < num_tokens else num_tokens) // bs
-            hashes = request.block_hashes
-            if num_full > len(hashes):
-                num_full = len(hashes)
-            if num_full > len(st.path):
-                self._cache(st, num_full, hashes)
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
-
-    def _idle_bound(self, st: _RadixState) -> int:
-        """``st.idle_until`` (see ``KVCacheManager._idle_bound``)."""
-        bs = self.block_size
-        limit = len(st.blocks) * bs
-        if self._max_len < limit:
-            limit = self._max_len
-        if self.enable_caching:
-            full = (len(st.path) + 1) * bs - 1
-            if full < limit:
-                limit = full
-        return limit
+    def _num_available(self) -> int:
+        return self._num_free_unhashed + self._num_unlocked_nodes
 
     def _allocate_slow(
         self, request, num_new_tokens, num_new_computed_tokens,
@@ -701,20 +619,7 @@ class RadixKVCacheManager(HostTierAPI):
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
                 )
             self.device_hit_tokens += num_new_computed_tokens
-        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
-        st.blocks.extend(new_blocks)
-        if self.enable_caching:
-            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
-            hashes = request.block_hashes
-            num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
-            if num_full > len(st.path):
-                self._cache(st, num_full, hashes)
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
+        return self._grow_and_cache(request, st, num_new_blocks, total)
 
     def _adopted_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
         """The nodes of the hit blocks ``computed``: from the request's last lookup when
@@ -1025,19 +930,7 @@ class RadixKVCacheManager(HostTierAPI):
                 )
             self.device_hit_tokens += len(device) * bs
             self.host_hit_tokens += (len(host) - num_lower if host else 0) * bs
-        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
-        st.blocks.extend(new_blocks)
-        request.bind_hasher(self.hasher, bs)
-        hashes = request.block_hashes
-        num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
-        if num_full > len(st.path):
-            self._cache(st, num_full, hashes)
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
+        return self._grow_and_cache(request, st, num_new_blocks, total)
 
     def _cache_tiered(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """``_cache`` with a host tier: a hash the tree now holds leaves the host
