@@ -374,14 +374,6 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         before its window are ``null_block``). Changes nothing, counts nothing."""
         return self._longest_hit(request)
 
-    def peek_computed_tokens(self, request) -> int:
-        """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
-        if type(request) is not Request:
-            _check_request(request)
-        if not self.enable_caching:
-            return 0
-        return self._longest_hit(request)[1]
-
     def prefill_chunks(self, request, num_computed_tokens: int) -> list[int]:
         """The chunk sizes a scheduler splits the rest of ``request``'s prompt into,
         from ``num_computed_tokens`` (the hit ``get_computed_blocks`` just returned):

@@ -764,18 +764,6 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
         return self.host_tier.hit_run(request.block_hashes, 0, max_blocks,
                                       self.block_pool.cached_block_hash_to_block)
 
-    def peek_computed_tokens(self, request) -> int:
-        """The prefix-hit tokens ``get_computed_blocks`` would return now.
-
-        Counts no lookup and changes nothing (a scheduler ordering its waiting queue
-        by cached prefix calls it for every waiting request, every step).
-        """
-        if type(request) is not Request:
-            _check_request(request)
-        if not self.enable_caching:
-            return 0
-        return len(self._hit_blocks(request)) * self.block_size
-
     def _num_available(self) -> int:
         return self.block_pool.free_block_queue.num_free_blocks
 
@@ -1323,7 +1311,12 @@ class KVCacheManager:
         """The prefix-hit tokens ``get_computed_blocks`` would return now; counts no
         lookup and changes nothing (a scheduler ordering its waiting queue by cached
         prefix calls it for every waiting request, every step)."""
-        return self._impl.peek_computed_tokens(request)
+        impl = self._impl
+        if type(request) is not Request:
+            _check_request(request)
+        if not impl.enable_caching:
+            return 0
+        return impl.find_longest_cache_hit(request)[1]
 
     def allocate_slots(
         self,

@@ -443,7 +443,6 @@ class RadixKVCacheManager(_OneGroupManager):
             # (lookup, admission) and the tree's caching (exclusive tiers); with no
             # tier the class methods run, unchanged.
             self.find_longest_cache_hit = self._find_longest_cache_hit_tiered
-            self.peek_computed_tokens = self._peek_computed_tokens_tiered
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
             if lower:  # the tiers below the host (prefixcache.core.tiers)
@@ -540,13 +539,6 @@ class RadixKVCacheManager(_OneGroupManager):
                         continue
                 break
         return nodes
-
-    def peek_computed_tokens(self, request) -> int:
-        """The prefix-hit tokens ``get_computed_blocks`` would return now; counts no
-        lookup and changes nothing (schedulers ordering their waiting queue)."""
-        if not self.enable_caching:
-            return 0
-        return len(self._lookup_nodes(request)) * self.block_size
 
     def find_longest_cache_hit(self, request: Request) -> tuple[tuple[list, ...], int]:
         """The blocks of the longest cached path that starts the request, as
@@ -830,13 +822,6 @@ class RadixKVCacheManager(_OneGroupManager):
         if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
             computed += self._host_hits(request, len(nodes))
         return (computed,), len(computed) * self.block_size
-
-    def _peek_computed_tokens_tiered(self, request) -> int:
-        """``peek_computed_tokens`` with a host tier (device + host hits)."""
-        n = len(self._lookup_nodes(request))
-        if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
-            n += len(self._host_hits(request, n))
-        return n * self.block_size
 
     def _allocate_slow_tiered(
         self, request, num_new_tokens, num_new_computed_tokens,

@@ -379,12 +379,6 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._lookup = (request, nodes[:hit], self._epoch)
         return tuple(lists), hit * self.block_size
 
-    def peek_computed_tokens(self, request) -> int:
-        """The prefix-hit tokens ``get_computed_blocks`` would return now (no stats)."""
-        if not self.enable_caching:
-            return 0
-        return self._longest_hit(self._lookup_nodes(request))[1] * self.block_size
-
     # ------------------------------------------------------- the waiting queue
     def on_waiting(self, request_id, block_hashes) -> None:
         """``request_id`` joined the waiting queue with the prompt block hashes it can

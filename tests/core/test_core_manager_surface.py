@@ -149,7 +149,7 @@ class _Recorder:
 
 
 # The methods the manager class itself implements over its index (the rest forward).
-OWN_METHODS = {"get_computed_blocks"}
+OWN_METHODS = {"get_computed_blocks", "peek_computed_tokens"}
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
