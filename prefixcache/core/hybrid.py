@@ -99,7 +99,7 @@ from prefixcache.core.groups.base import (
 from prefixcache.core.groups.base import group_suffix as _group_suffix
 from prefixcache.core.kv_groups import (
     check_kv_cache_groups,
-    group_manager_class,
+    spec_manager_class,
     lookup_groups,
 )
 from prefixcache.core.request import Request
@@ -280,7 +280,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         self._suffix = [_group_suffix(g) for g in range(self.num_groups)]
         # One single-type manager per group (kv_groups.GROUP_KINDS): every per-kind
         # rule below is a call on ``self._kinds[g]``.
-        self._kinds = [group_manager_class(g.spec.kind)(g.spec, i, self)
+        self._kinds = [spec_manager_class(g.spec)(g.spec, i, self)
                        for i, g in enumerate(groups)]
         # vLLM's SpecGroups: (the first group's manager, the group ids), full first.
         self._lookup = [(self._kinds[ids[0]], ids) for _, ids in lookup_groups(groups)]

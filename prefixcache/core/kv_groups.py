@@ -32,8 +32,9 @@ Group kinds. A kind is a spec class and a single-type manager class in one file 
 ``prefixcache.core.groups`` (``full_attention``, ``sliding_window``, ``mamba``: a
 state-space group whose per-request state is a fixed-size snapshot, vLLM's
 ``MambaSpec`` in "align" mode), registered once in ``GROUP_KINDS`` by the spec's
-``kind`` name as a lazy ``"module:ManagerClass"`` string. The hybrid manager
-(``core.hybrid``) is a coordinator over one such manager per group.
+``kind`` name as a lazy ``"module:ManagerClass"`` string. A kind of a user's own
+package needs no registration: its spec class names its manager (``manager_class``).
+The hybrid manager (``core.hybrid``) is a coordinator over one such manager per group.
 """
 
 from __future__ import annotations
@@ -78,11 +79,47 @@ def group_manager_class(kind: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
+def spec_manager_class(spec) -> type:
+    """The single-type manager class of ``spec``'s group kind: the one its class
+    names (``manager_class``: a kind of the user's own package, no registry edit), else
+    the registered one (``GROUP_KINDS``, by ``spec.kind``)."""
+    own = getattr(type(spec), "manager_class", None)
+    if own is not None:
+        return own
+    return group_manager_class(spec.kind)
+
+
+def _check_own_kind(spec_cls: type, manager) -> None:
+    """A spec class that names its manager: a ``SingleTypeManager`` subclass whose
+    ``spec_class`` the spec is, under a kind name of its own."""
+    from prefixcache.core.groups.base import SingleTypeManager  # noqa: PLC0415
+
+    name = spec_cls.__name__
+    if not (isinstance(manager, type) and issubclass(manager, SingleTypeManager)):
+        raise ArgumentTypeError(
+            f"{name}.manager_class must be a SingleTypeManager subclass, got {manager!r}")
+    if not issubclass(spec_cls, manager.spec_class):
+        raise ArgumentTypeError(
+            f"{name}.manager_class={manager.__name__} serves "
+            f"{manager.spec_class.__name__} specs (its spec_class), not {name}")
+    kind = getattr(spec_cls, "kind", None)
+    if type(kind) is not str or not kind:
+        raise ArgumentTypeError(f"{name} needs a kind (a non-empty str class attribute)")
+    if kind in GROUP_KINDS and group_manager_class(kind) is not manager:
+        raise ValueError(
+            f"{name}.kind={kind!r} is a registered group kind's name; give the kind a name "
+            f"of its own (not one of {sorted(GROUP_KINDS)})")
+
+
 def _spec_names() -> str:
     return " or ".join(group_manager_class(k).spec_class.__name__ for k in GROUP_KINDS)
 
 
 def _is_spec(spec) -> bool:
+    own = getattr(type(spec), "manager_class", None)
+    if own is not None:
+        _check_own_kind(type(spec), own)
+        return True
     kind = getattr(type(spec), "kind", None)
     if type(kind) is not str or kind not in GROUP_KINDS:
         return False
@@ -106,7 +143,8 @@ class KVCacheGroup:
         if not _is_spec(self.spec):
             raise ArgumentTypeError(
                 f"KVCacheGroup spec must be a {_spec_names()} "
-                f"(kv_groups.GROUP_KINDS), got {self.spec!r}")
+                f"(kv_groups.GROUP_KINDS), or a spec class naming its manager_class, "
+                f"got {self.spec!r}")
         names = self.layer_names
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
             raise ArgumentTypeError(
@@ -159,7 +197,7 @@ def needs_aligned_prefill(groups: Sequence[KVCacheGroup]) -> bool:
     """Whether a (checked) layout has a group kind whose prefills must stop where it
     keeps a state (``SingleTypeManager.aligned_prefill``: state-space groups), so a
     scheduler splits them (``HybridKVCacheManager.prefill_chunks``)."""
-    return any(group_manager_class(g.spec.kind).aligned_prefill for g in groups)
+    return any(spec_manager_class(g.spec).aligned_prefill for g in groups)
 
 
 def parse_kv_groups(text: str) -> tuple[KVCacheGroup, ...]:
@@ -227,6 +265,7 @@ __all__ = [
     "SlidingWindowSpec",
     "check_kv_cache_groups",
     "group_manager_class",
+    "spec_manager_class",
     "is_hybrid",
     "layout_manager_class",
     "lookup_groups",

@@ -442,7 +442,6 @@ class RadixKVCacheManager(_OneGroupManager):
             # NOTE: instance attributes shadow the methods that learn about host hits
             # (lookup, admission) and the tree's caching (exclusive tiers); with no
             # tier the class methods run, unchanged.
-            self.find_longest_cache_hit = self._find_longest_cache_hit_tiered
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
             if lower:  # the tiers below the host (prefixcache.core.tiers)
@@ -551,6 +550,11 @@ class RadixKVCacheManager(_OneGroupManager):
         # tree has lost no node since (the epoch counts removals); a copy of the list,
         # so that a caller changing the returned one in place is still checked.
         self._lookup = (request, nodes, computed[:], self._epoch)
+        tier = self.host_tier
+        if tier is not None and (tier.hash_to_slot or tier.lower is not None):
+            # The host's run (``HostHit`` placeholders, ``block_id == -1``), then the
+            # tiers' below it: the tokens count them all.
+            computed += self._host_hits(request, len(nodes))
         return (computed,), len(computed) * self.block_size
 
     def _num_available(self) -> int:
@@ -812,16 +816,6 @@ class RadixKVCacheManager(_OneGroupManager):
         if start >= max_blocks:
             return []
         return self.host_tier.hit_run(request.block_hashes, start, max_blocks)
-
-    def _find_longest_cache_hit_tiered(self, request) -> tuple[tuple[list, ...], int]:
-        """``find_longest_cache_hit`` with a host tier: the tree's nodes, then the host's
-        run (``HostHit`` placeholders, ``block_id == -1``); the tokens count both."""
-        nodes = self._lookup_nodes(request)
-        computed: list = [node.block for node in nodes]
-        self._lookup = (request, nodes, computed[:], self._epoch)
-        if self.host_tier.hash_to_slot or self.host_tier.lower is not None:
-            computed += self._host_hits(request, len(nodes))
-        return (computed,), len(computed) * self.block_size
 
     def _allocate_slow_tiered(
         self, request, num_new_tokens, num_new_computed_tokens,
