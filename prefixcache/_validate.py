@@ -11,6 +11,8 @@ the same message and BEFORE it changes any state:
   arrays, other ``Sequence`` types); sets, dicts and other mappings, strings and
   bytes are rejected because their iteration order or element type is not the
   caller's intent.
+* ``check_token_array(name, values)``: token ids given as a numpy array: 1-D, of an
+  integer dtype, none negative.
 * ``check_host_memory(what, nbytes)``: an allocation the caller is about to make
   (a block pool, a KV array) fits in the memory the machine has; refused up front
   with a message naming the sizes instead of exhausting memory part way.
@@ -59,6 +61,7 @@ __all__ = [
     "check_positive_int",
     "check_release_inputs",
     "check_request",
+    "check_token_array",
     "held_state",
 ]
 
@@ -118,6 +121,19 @@ def check_int_sequence(name: str, values: Any) -> None:
     if not hasattr(values, "__iter__"):
         raise ArgumentTypeError(
             f"{name} must be a sequence of int ids, got {type(values).__name__}")
+
+
+def check_token_array(name: str, values: np.ndarray) -> None:
+    """Raise unless the numpy array ``values`` holds token ids: 1-D, of an integer
+    dtype, none negative (one ``min`` at C speed; ids of an unsigned dtype skip it).
+
+    Raises:
+      ArgumentTypeError: not 1-D or not of an integer dtype (as `check_int_sequence`).
+      ValueError: a negative id (the message names the smallest).
+    """
+    check_int_sequence(name, values)
+    if values.size and values.dtype.kind == "i" and values.min() < 0:
+        raise ValueError(f"{name}: negative token id {int(values.min())}")
 
 
 def available_host_memory() -> int | None:

@@ -165,6 +165,60 @@ def _stream16(packed: bytes, n: int, cbor: bool) -> tuple[bytes, bytes, bytes, b
     return stream, b0, b1, high
 
 
+def _splice_small_ids(pieces, stream, b0, b1, bs, open_, sfx, small_item, run_op, skip=()):
+    """Rewrite in place each block of ``pieces`` that holds an id < 256 (its byte 1 is
+    zero): such an id's item is shorter than the 3 bytes ``stream`` holds for it, so the
+    block is joined again from ``open_``, the slices of ``stream`` between those ids,
+    their items and the block's suffix ``sfx[k]``. Shared by the CBOR and the pickle
+    chain (one call per chain, no call per block).
+
+    Args:
+      pieces: list of the ``len(b1) // bs`` blocks' messages (``open_`` + the block's
+        slice of ``stream`` + ``sfx[k]``), rewritten in place.
+      stream: 3 bytes per id (see `_stream16`).
+      b0, b1: the ids' bytes 0 / 1 (``packed[_BYTE0::8]`` / ``packed[_BYTE1::8]``).
+      bs: ids per block.
+      small_item: the item of each id < 256, indexed by the id.
+      run_op: the opcode written before each id's byte in a run of ids < 256 (pickle's
+        ``K``); None: CBOR, where a run of ids < 24 (multimodal placeholders,
+        typically) is its own items, i.e. the ids' low bytes: one slice of ``b0``.
+      skip: the indexes of blocks not to touch (CBOR's blocks with ids >= 65536, which
+        cbor2 writes).
+    """
+    i = b1.find(0)
+    while i >= 0:
+        k = i // bs
+        end = (k + 1) * bs
+        if k in skip:
+            i = b1.find(0, end)
+            continue
+        parts = [open_]
+        a = k * bs
+        while 0 <= i < end:
+            if a < i:
+                parts.append(stream[3 * a : 3 * i])
+            a = i + 1
+            if a < end and not b1[a]:
+                a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
+                low = b0[i:a]
+                if run_op is not None:
+                    run = bytearray(2 * (a - i))
+                    run[0::2] = run_op * (a - i)
+                    run[1::2] = low
+                    parts.append(run)
+                elif max(low) < 24:
+                    parts.append(low)
+                else:
+                    parts += map(small_item.__getitem__, low)
+            else:  # a single id < 256 (scattered among larger ids: most of them)
+                parts.append(small_item[b0[i]])
+            i = b1.find(0, a)
+        if a < end:
+            parts.append(stream[3 * a : 3 * end])
+        parts.append(sfx[k])
+        pieces[k] = b"".join(parts)
+
+
 def _has_high(packed: bytes) -> bool:
     """Whether some of the native u64 ids in ``packed`` is >= 65536."""
     if len(packed) >= 8 * _NUMPY_STREAM_MIN_IDS:
@@ -436,36 +490,8 @@ class FastWriters:
             ids = memoryview(packed).cast("Q")
             for k in big:
                 pieces[k] = cbor2.dumps(ids[k * bs : (k + 1) * bs].tolist()) + sfx[k]
-        # Ids < 256 (byte 1 zero) have shorter items: each run of them is spliced into
-        # the block's stream; a run of ids < 24 (multimodal placeholders, typically) is
-        # its own CBOR items, i.e. the ids' low bytes: one slice of the packed bytes.
-        i = b1.find(0)
-        while i >= 0:
-            k = i // bs
-            end = (k + 1) * bs
-            if k in big:
-                i = b1.find(0, end)
-                continue
-            parts = [arr]
-            a = k * bs
-            while 0 <= i < end:
-                if a < i:
-                    parts.append(stream[3 * a : 3 * i])
-                a = i + 1
-                if a < end and not b1[a]:
-                    a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
-                    low = packed[8 * i + _BYTE0 : 8 * a : 8]
-                    if max(low) < 24:
-                        parts.append(low)
-                    else:
-                        parts += map(_CBOR_SMALL_ITEM.__getitem__, low)
-                else:  # a single id < 256 (scattered among larger ids: most of them)
-                    parts.append(_CBOR_SMALL_ITEM[packed[8 * i + _BYTE0]])
-                i = b1.find(0, a)
-            if a < end:
-                parts.append(stream[3 * a : 3 * end])
-            parts.append(sfx[k])
-            pieces[k] = b"".join(parts)
+        # Ids < 256 (byte 1 zero) have shorter items: spliced into their blocks.
+        _splice_small_ids(pieces, stream, b0, b1, bs, arr, sfx, _CBOR_SMALL_ITEM, None, big)
         head = self._cbor_key_head
         out = []
         if len(parent) != ds:  # a foreign parent (not one of our digests): its own head
@@ -519,29 +545,7 @@ class FastWriters:
         open_ = b"\x94("  # MEMOIZE (the parent), MARK
         pieces = [open_ + stream[j : j + w] + t for j, t in zip(range(0, 3 * n, w), sfx)]
         # Ids < 256 (byte 1 zero): BININT1, one byte shorter; spliced per block.
-        i = b1.find(0)
-        while i >= 0:
-            k = i // bs
-            end = (k + 1) * bs
-            parts = [open_]
-            a = k * bs
-            while 0 <= i < end:
-                if a < i:
-                    parts.append(stream[3 * a : 3 * i])
-                a = i + 1
-                if a < end and not b1[a]:
-                    a = end - len(b1[i:end].lstrip(b"\0"))  # end of the run of ids < 256
-                    run = bytearray(2 * (a - i))
-                    run[0::2] = b"K" * (a - i)
-                    run[1::2] = b0[i:a]
-                    parts.append(run)
-                else:
-                    parts.append(_PICKLE_SMALL_ITEM[b0[i]])
-                i = b1.find(0, a)
-            if a < end:
-                parts.append(stream[3 * a : 3 * end])
-            parts.append(sfx[k])
-            pieces[k] = b"".join(parts)
+        _splice_small_ids(pieces, stream, b0, b1, bs, open_, sfx, _PICKLE_SMALL_ITEM, b"K")
         # PROTO, FRAME + the frame's length (all after these 11 bytes), SHORT_BINBYTES.
         heads: dict[int, bytes] = {}
         tag = b"C" + bytes((ds,))

@@ -62,7 +62,7 @@ from typing import Any, Callable
 import cbor2
 import numpy as np
 
-from prefixcache._validate import check_int_sequence
+from prefixcache._validate import check_int_sequence, check_token_array
 from prefixcache.core.hash_writers import (
     _MAX_STREAM_BLOCKS_CBOR,
     _MEMO_GROUP,
@@ -389,13 +389,7 @@ def _canonical_tokens(token_ids: Any) -> tuple[int, ...]:
     if isinstance(token_ids, array.array) and token_ids.typecode in "BHILQ":
         return tuple(token_ids)
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise ValueError(
-                f"token ids must be a 1-D array of integers, got dtype {token_ids.dtype} "
-                f"shape {token_ids.shape}"
-            )
-        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
-            raise ValueError(f"negative token id {int(token_ids.min())}")
+        check_token_array("token_ids", token_ids)
         return tuple(token_ids.tolist())
     check_int_sequence("token ids", token_ids)  # sets, dicts, str: ArgumentTypeError
     n = len(token_ids)
@@ -429,12 +423,7 @@ def _pack_tokens(token_ids: Any) -> bytes | None:
             raise ValueError(f"token ids must be integers, got array of {token_ids.typecode!r}")
         token_ids = np.frombuffer(token_ids, dtype=token_ids.typecode)
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
-        if token_ids.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
-            raise ValueError(f"negative token id {int(token_ids.min())}")
+        check_token_array("token_ids", token_ids)
         return token_ids.astype("=u8").tobytes()
     try:
         # NOTE: struct.pack checks every id at C speed: ints (and __index__ types such

@@ -78,6 +78,7 @@ import array
 import collections
 from typing import Any, Iterable, Mapping
 
+from prefixcache._validate import check_positive_int
 from prefixcache.core.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored
 
 REASONS = ("cold", "evicted", "isolated", "partial", "last_token", "window", "preempted")
@@ -170,9 +171,7 @@ class MissAccountant:
 
     def __init__(self, block_size: int, hasher=None, *, track_group: int = 0,
                  windowed: bool = False):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_positive_int("block_size", block_size)
         self.hasher = hasher
         self.track_group = track_group
         self.windowed = windowed

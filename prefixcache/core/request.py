@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache._validate import ArgumentTypeError, check_int, check_int_sequence, check_path
+from prefixcache._validate import (
+    ArgumentTypeError, check_int, check_int_sequence, check_path, check_token_array,
+)
 from prefixcache.core.hashing import BlockHasher, block_extra_keys
 
 __all__ = ["LoRARequest", "MultiModalFeature", "ReadOnlyList", "Request", "RetentionHints"]
@@ -286,13 +288,7 @@ def _validated_tokens(name: str, token_ids: Any) -> array.array:
         except (OverflowError, TypeError):
             pass  # below: the error names the first bad id
     if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise ValueError(
-                f"{name} must be a 1-D integer array, got dtype {token_ids.dtype} "
-                f"shape {token_ids.shape}"
-            )
-        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
-            raise ValueError(f"{name}: negative token id {int(token_ids.min())}")
+        check_token_array(name, token_ids)
         out = array.array("Q")
         out.frombytes(token_ids.astype(np.uint64).tobytes())
         return out

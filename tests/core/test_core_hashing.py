@@ -589,7 +589,7 @@ def test_incremental_equals_whole_sequence(algo, path):
         ([1, "2", 3, 4], "int"),
         ([1, None, 3, 4], "int"),
         (np.array([1, -3, 4, 5]), "negative"),
-        (np.array([1.0, 2.0, 3.0, 4.0]), "integers"),
+        (np.array([1.0, 2.0, 3.0, 4.0]), "integer array"),
         ([1, 2, 3, 4, -1], "negative"),  # in the partial tail too
     ],
 )

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from prefixcache.core.eviction.arc import ARCPolicy
 from prefixcache.core.eviction.base import (
     EvictionPolicy,
+    HitCounts,
     KeyedPolicy,
     PolicyError,
     TimedPolicy,
@@ -127,6 +128,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "TraceFuture",
     "EvictionPolicy",
+    "HitCounts",
     "KeyedPolicy",
     "POLICIES",
     "PolicyError",

@@ -294,6 +294,24 @@ class KeyedPolicy(EvictionPolicy):
                     )
 
 
+class HitCounts:
+    """Mixin of a ``KeyedPolicy`` (list it first among the bases): ``hits[block_id]``,
+    the block's hits (``on_hit``: a prefix lookup adopting it, whatever its ``ref_cnt``)
+    since it was cached (``on_cached`` resets it to 0). Used by ``lfu``, ``slru`` and
+    ``pgdsf``."""
+
+    def __init__(self, num_blocks: int, **kwargs):
+        super().__init__(num_blocks, **kwargs)
+        self.hits = [0] * num_blocks
+
+    def on_cached(self, block, block_hash, request, position) -> None:
+        super().on_cached(block, block_hash, request, position)
+        self.hits[block.block_id] = 0
+
+    def on_hit(self, block, request) -> None:
+        self.hits[block.block_id] += 1
+
+
 TIME_UNITS = ("s", "steps")  # what a time-varying policy's clock counts
 
 

@@ -21,10 +21,11 @@ popularity.
 
 from __future__ import annotations
 
+from prefixcache.core.eviction.base import HitCounts
 from prefixcache.core.eviction.cost import DEFAULT_MODEL, CostPolicy
 
 
-class PGDSFPolicy(CostPolicy):
+class PGDSFPolicy(HitCounts, CostPolicy):
     """GreedyDual-Size-Frequency over prefill FLOPs saved per byte (module docstring).
 
     Args:
@@ -45,14 +46,6 @@ class PGDSFPolicy(CostPolicy):
             raise ValueError(f"pgdsf: frequency_cap must be None or an int >= 1, "
                              f"got {frequency_cap!r}")
         self.frequency_cap = frequency_cap
-        self.hits = [0] * num_blocks
-
-    def on_cached(self, block, block_hash, request, position) -> None:
-        super().on_cached(block, block_hash, request, position)
-        self.hits[block.block_id] = 0
-
-    def on_hit(self, block, request) -> None:
-        self.hits[block.block_id] += 1
 
     def frequency(self, block_id: int) -> int:
         f = 1 + self.hits[block_id]

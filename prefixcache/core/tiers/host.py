@@ -391,11 +391,20 @@ class HostTier:
         free = self.free_slots
         if free:
             slot = self.slots[free.popleft()]
-        elif policy is None:
-            if not on_host:  # every host entry is pinned by the promotion in progress
+        else:
+            if policy is None:
+                if not on_host:  # every host entry is pinned by the promotion in progress
+                    self.num_dropped += 1
+                    return
+                old, slot = on_host.popitem(False)  # the least recently demoted
+            elif len(policy):
+                slot = policy.pop()
+                old = slot.block_hash
+                del on_host[old]
+                policy.on_evicted(slot)
+            else:
                 self.num_dropped += 1
                 return
-            old, slot = on_host.popitem(False)  # the least recently demoted
             self.num_evicted += 1
             if self.lower is not None:  # (recorded before this store reuses the slot)
                 so = self.slot_origin
@@ -405,23 +414,6 @@ class HostTier:
                 self.evicted_by[old] = "host"
             if self.enable_events:
                 self._removed(old)
-        elif len(policy):
-            slot = policy.pop()
-            old = slot.block_hash
-            del on_host[old]
-            policy.on_evicted(slot)
-            self.num_evicted += 1
-            if self.lower is not None:
-                so = self.slot_origin
-                self.lower.demote(old, "host", slot.block_id,
-                                  so[slot.block_id] if so is not None else None)
-            elif self.evicted_by is not None:
-                self.evicted_by[old] = "host"
-            if self.enable_events:
-                self._removed(old)
-        else:
-            self.num_dropped += 1
-            return
         slot.block_hash = h
         on_host[h] = slot
         if self.track_origin:
