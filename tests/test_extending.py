@@ -526,3 +526,130 @@ def test_time_varying_policy_recipe():
         sched.update_from_output(out, {r.request_id: 9 for r in out.scheduled
                                        if r.completes_sequence})
     assert m.policy.now == 2  # told before each step: steps 0, 1, 2
+
+
+# ----------------------------------------------- the recipes in the Engine and server
+def _server_thread(app):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "serve" / "serve_support.py"
+    spec = importlib.util.spec_from_file_location("_serve_support_for_recipes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ServerThread(app)
+
+
+def test_index_tier_and_time_varying_policy_recipes_serve_through_the_engine_and_server():
+    # The toy index, the toy slow-memory tier and the toy time-varying policy together
+    # in one Engine, driven through the OpenAI-compatible server: no edit of prefixcache/.
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixcache.engine import Engine
+    from prefixcache.model import ModelConfig
+    from prefixcache.serve.app import build_app
+
+    CountingRadix, _ = _counting_index()
+    cfg = CacheConfig(num_blocks=12, block_size=8, index=CountingRadix,
+                      eviction=_stale_first(), num_host_blocks=2,
+                      tiers=({"tier": _slow_memory(1e-4), "num_blocks": 64},))
+    eng = Engine(ModelConfig.tiny(), cache_config=cfg, max_num_seqs=2,
+                 max_num_batched_tokens=64)
+    srv = _server_thread(build_app(eng, served_model_name="tiny", tokenizer=None))
+    try:
+        # Five 3-block prompt families, twice: 12 device blocks and 2 host slots cannot
+        # keep them, so the second round hits blocks demoted to the toy tier.
+        families = [[f * 10 + k for k in range(24)] for f in range(1, 6)]
+        cached = []
+        for rnd in range(2):
+            for fam in families:
+                body = {"model": "tiny", "prompt": fam + [99, 98, rnd], "max_tokens": 2,
+                        "temperature": 0}
+                r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached[:5] == [0] * 5 and all(c == 24 for c in cached[5:])
+        by_tier = {}
+        for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+            for s in fam.samples:
+                if s.name == "prefixcache:prefix_cache_hits_total" and "tier" in s.labels:
+                    by_tier[s.labels["tier"]] = s.value
+        assert by_tier["slow"] > 0 and sum(by_tier.values()) == sum(cached)
+        impl, policy = srv.on_engine(lambda e: (e.kv_cache_manager.implementation,
+                                                e.kv_cache_manager.policy))
+        assert type(impl) is CountingRadix and impl.lookups >= 10
+        assert policy.name == "stale_first" and policy.now > 0  # the engine's step clock
+    finally:
+        srv.close()
+
+
+# --------------------------------------------------------------------- group kind
+def _toy_kind():
+    import dataclasses
+
+    from prefixcache.core.groups.full_attention import FullAttentionManager
+
+    class CountingFullManager(FullAttentionManager):
+        """Full attention's rules, counting the lookups it answers."""
+
+        lookups = 0
+
+        def find_longest_cache_hit(self, *args):
+            type(self).lookups += 1
+            return super().find_longest_cache_hit(*args)
+
+    @dataclasses.dataclass(frozen=True)
+    class CountingFullSpec:
+        """A toy kind: full attention under a name of its own."""
+
+        kind = "counting_full"
+        manager_class = CountingFullManager
+
+        @property
+        def sliding_window(self) -> None:
+            return None
+
+    CountingFullManager.spec_class = CountingFullSpec
+    return CountingFullSpec, CountingFullManager
+
+
+def test_group_kind_recipe_needs_no_registry_edit():
+    # A kind of one's own package: its spec class names its manager; then the layout
+    # runs through the manager and the replay like a registered kind. (The Engine takes
+    # its groups from the model's layers: a kind there is also the model's attention.)
+    from prefixcache.core import KVCacheManager, Request
+    from prefixcache.core import kv_groups
+    from prefixcache.sim.replay import replay
+
+    Spec, Manager = _toy_kind()
+    assert "counting_full" not in kv_groups.GROUP_KINDS
+    toy = (kv_groups.KVCacheGroup(kv_groups.FullAttentionSpec(), ["a"]),
+           kv_groups.KVCacheGroup(Spec(), ["b"]))
+    ref = kv_groups.parse_kv_groups("full,full")
+    m = KVCacheManager(32, 4, kv_cache_groups=toy)
+    assert [type(k) for k in m.implementation._kinds][1] is Manager
+    r = Request("r", list(range(21)))
+    m.get_computed_blocks(r)
+    assert Manager.lookups == 1
+    trace = _trace(12)
+    got = {}
+    for name, layout in (("toy", toy), ("ref", ref)):
+        cfg = CacheConfig(num_blocks=24, block_size=4, kv_cache_groups=layout)
+        s = replay(trace, cache_config=cfg)
+        got[name] = (s["hit_tokens"], s["evictions"])
+    assert got["toy"] == got["ref"] and got["toy"][0] > 0
+    assert Manager.lookups > 1
+
+    class Stray:  # a manager_class that is not a single-type manager
+        kind = "stray"
+        manager_class = object
+
+    with pytest.raises(TypeError, match="Stray.manager_class must be a SingleTypeManager"):
+        kv_groups.KVCacheGroup(Stray(), ["c"])
+
+    class Taken(Spec):  # a registered kind's name
+        kind = "sliding_window"
+
+    with pytest.raises(ValueError, match="registered group kind's name"):
+        kv_groups.KVCacheGroup(Taken(), ["c"])
