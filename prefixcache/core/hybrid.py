@@ -77,8 +77,9 @@ from prefixcache.core.tiers.host import (
     check_tier_args,
     make_host_tier,
 )
-from prefixcache.core.indexes import DEFAULT_INDEX, check_implementation
+from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_manager import (
+    manager_options,
     BlockPoolViews,
     _admission_checks,
     _check_request,
@@ -198,27 +199,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         null_block: the null slot's block (``block_id == num_blocks``).
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        kv_cache_groups,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        hash_seed=None,
-        free_order: str = "append",
-        log_stats: bool = True,
-        enable_events: bool = False,
-        max_model_len: int | None = None,
-        int_event_hashes: bool = True,
-        eviction: str = DEFAULT_POLICY,
-        eviction_options=None,
-        index: str = DEFAULT_INDEX,
-        num_host_blocks: int = 0,
-        host_eviction: str = DEFAULT_POLICY,
-        host_eviction_options=None,
-    ):
+    def __init__(self, num_blocks: int, block_size: int, **options):
+        (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
+         max_model_len, int_event_hashes, eviction, eviction_options, index,
+         kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
+         _) = manager_options(self, options, lower_tiers=False)
         groups = check_kv_cache_groups(kv_cache_groups)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)

@@ -58,6 +58,46 @@ from prefixcache.core.stats import PrefixCacheStats
 _new = object.__new__
 
 
+# The managers' constructor keywords besides num_blocks / block_size, in the order
+# ``manager_options`` returns them. Their defaults are ``CacheConfig``'s fields of the
+# same names (one table), and two of the manager's own.
+MANAGER_OPTION_NAMES = (
+    "enable_caching", "hash_algo", "hash_seed", "free_order", "log_stats", "enable_events",
+    "max_model_len", "int_event_hashes", "eviction", "eviction_options", "index",
+    "kv_cache_groups", "num_host_blocks", "host_eviction", "host_eviction_options")
+_OWN_DEFAULTS = {"log_stats": True, "int_event_hashes": True}
+
+
+def _manager_defaults() -> MappingProxyType:
+    import dataclasses  # noqa: PLC0415
+
+    from prefixcache.core.cache_config import CacheConfig  # noqa: PLC0415
+
+    fields = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+    return MappingProxyType({name: _OWN_DEFAULTS[name] if name in _OWN_DEFAULTS
+                             else fields[name] for name in MANAGER_OPTION_NAMES})
+
+
+MANAGER_DEFAULTS = _manager_defaults()
+
+
+def manager_options(manager, options: Mapping[str, Any], *, lower_tiers: bool) -> tuple:
+    """The constructor keywords of an index or layout class, defaults filled in
+    (``MANAGER_DEFAULTS``; ``index`` defaults to the class's ``INDEX_NAME``): their
+    values in ``MANAGER_OPTION_NAMES`` order, then the keywords of the tiers below the
+    host (a dict; ``TypeError`` for any keyword when the class takes none, as for an
+    unknown one)."""
+    values = [options.get(name, default) for name, default in MANAGER_DEFAULTS.items()]
+    if "index" not in options:
+        values[MANAGER_OPTION_NAMES.index("index")] = getattr(
+            type(manager), "INDEX_NAME", DEFAULT_INDEX)
+    rest = {k: v for k, v in options.items() if k not in MANAGER_DEFAULTS}
+    if rest and not lower_tiers:
+        raise TypeError(f"{type(manager).__name__}() got unexpected keyword arguments "
+                        f"{sorted(rest)}")
+    return (*values, rest)
+
+
 class _RequestState:
     """What the manager holds for a request that has blocks.
 
@@ -593,28 +633,11 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
     KEYS_BY_BLOCK_HASH = True
     INDEX_NAME = DEFAULT_INDEX
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        hash_seed=None,
-        free_order: str = "append",
-        log_stats: bool = True,
-        enable_events: bool = False,
-        max_model_len: int | None = None,
-        int_event_hashes: bool = True,
-        eviction: str = DEFAULT_POLICY,
-        eviction_options: Mapping[str, Any] | None = None,
-        index: str = DEFAULT_INDEX,
-        kv_cache_groups=None,
-        num_host_blocks: int = 0,
-        host_eviction: str = DEFAULT_POLICY,
-        host_eviction_options: Mapping[str, Any] | None = None,
-        **lower_tiers,
-    ):
+    def __init__(self, num_blocks: int, block_size: int, **options):
+        (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
+         max_model_len, int_event_hashes, eviction, eviction_options, index,
+         kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
+         lower_tiers) = manager_options(self, options, lower_tiers=True)
         # The one composition rule (an unknown index, a layout or tier this class does
         # not serve -> ValueError naming why); KVCacheManager has applied it already.
         index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)

@@ -114,6 +114,7 @@ from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.tiers.host import (HostHit, check_tier_args,
                                         make_host_tier)
 from prefixcache.core.kv_cache_manager import (
+    manager_options,
     _OneGroupManager,
     _admission_checks,
     _build_lower_tiers,
@@ -339,28 +340,11 @@ class RadixKVCacheManager(_OneGroupManager):
     INDEX_NAME = INDEX_NAME
     _NODE = _Node  # the tree's node class (_cache_start makes roots of it)
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        hash_seed=None,
-        free_order: str = "append",
-        log_stats: bool = True,
-        enable_events: bool = False,
-        max_model_len: int | None = None,
-        int_event_hashes: bool = True,
-        eviction: str = "lru",
-        eviction_options: Mapping[str, Any] | None = None,
-        index: str = INDEX_NAME,
-        kv_cache_groups=None,
-        num_host_blocks: int = 0,
-        host_eviction: str = "lru",
-        host_eviction_options: Mapping[str, Any] | None = None,
-        **lower_tiers,
-    ):
+    def __init__(self, num_blocks: int, block_size: int, **options):
+        (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
+         max_model_len, int_event_hashes, eviction, eviction_options, index,
+         kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
+         lower_tiers) = manager_options(self, options, lower_tiers=True)
         # The one composition rule (a refused layout or tier raises with its reason); a
         # sliding-window layout is another class's (radix_hybrid).
         index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)

@@ -78,7 +78,6 @@ per-group node values is not built: ``indexes.COMBINATION_RULES[("layout index",
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Sequence
 
 from prefixcache._validate import ArgumentTypeError
@@ -98,6 +97,7 @@ from prefixcache.core.hybrid import is_idle_step
 from prefixcache.core.tiers.host import check_host_args
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 from prefixcache.core.kv_cache_manager import (
+    manager_options,
     _admission_checks,
     _check_sizes,
     _held_states,
@@ -211,27 +211,11 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     KEYS_BY_BLOCK_HASH = False
     _NODE = _HybridNode
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        kv_cache_groups=None,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        hash_seed=None,
-        free_order: str = "append",
-        log_stats: bool = True,
-        enable_events: bool = False,
-        max_model_len: int | None = None,
-        int_event_hashes: bool = True,
-        eviction: str = "lru",
-        eviction_options: Mapping[str, Any] | None = None,
-        index: str = INDEX_NAME,
-        num_host_blocks: int = 0,
-        host_eviction: str = "lru",
-        host_eviction_options: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, num_blocks: int, block_size: int, **options):
+        (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
+         max_model_len, int_event_hashes, eviction, eviction_options, index,
+         kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
+         _) = manager_options(self, options, lower_tiers=False)
         from prefixcache.core.indexes import check_implementation
 
         # The one composition rule (a host tier is refused with its reason; one

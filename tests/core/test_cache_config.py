@@ -268,4 +268,15 @@ def test_driver_keyword_defaults_are_the_config_defaults():
                 continue
             assert p.default is cc.UNSET or p.default == defaults[name], (driver, name)
     # (the check sees every driver: each takes the pool's block size or the policy)
-    assert {d for d, _ in checked} == set(_driver_signatures())
+    managers = {"HashKVCacheManager", "RadixKVCacheManager", "HybridKVCacheManager",
+                "RadixHybridKVCacheManager"}
+    assert {d for d, _ in checked} == set(_driver_signatures()) - managers
+    # The index and layout classes spell no default: they read the one table.
+    from prefixcache.core.kv_cache_manager import MANAGER_DEFAULTS
+
+    for name in managers:
+        params = _driver_signatures()[name]
+        assert [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD
+        assert not set(params) & set(defaults) - {"num_blocks", "block_size"}, name
+    assert {k: v for k, v in MANAGER_DEFAULTS.items() if k in defaults} == {
+        k: defaults[k] for k in MANAGER_DEFAULTS if k in defaults}
