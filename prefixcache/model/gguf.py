@@ -260,7 +260,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
-              progress: bool = True) -> tuple[ModelConfig, Transformer]:
+              progress: bool = True, stacked: bool = True) -> tuple[ModelConfig, Transformer]:
     """Loads a llama / qwen2 / gemma3 GGUF file (weights dequantized; see the module
     docstring).
 
@@ -271,6 +271,8 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
       path: the .gguf file.
       dtype: "float32" (default) or "bfloat16".
       progress: show a tqdm bar over the tensors.
+      stacked: the layers' params in the stacked layout (`Transformer.stacked`: held
+        once, as the scanned step reads them; the default), or False: per layer.
 
     Returns:
       (config, model).
@@ -281,11 +283,13 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
         `gguf.quants.dequantize` does not cover (all named).
     """
     path = os.fspath(path)
-    return load_gguf_reader(read_gguf(path), path, dtype=dtype, progress=progress)
+    return load_gguf_reader(read_gguf(path), path, dtype=dtype, progress=progress,
+                            stacked=stacked)
 
 
 def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
-                     progress: bool = True) -> tuple[ModelConfig, Transformer]:
+                     progress: bool = True, stacked: bool = True
+                     ) -> tuple[ModelConfig, Transformer]:
     """`load_gguf` on an open `read_gguf(path)` reader (`path` names it in errors)."""
     gguf = _import_gguf()
     config = gguf_config(reader, dtype=dtype)
@@ -346,5 +350,5 @@ def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
         return w
 
     model = build_transformer(config, get, progress=progress,
-                              desc=f"load {os.path.basename(path)}")
+                              desc=f"load {os.path.basename(path)}", stacked=stacked)
     return config, model
