@@ -260,7 +260,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
-              progress: bool = True, stacked: bool = True) -> tuple[ModelConfig, Transformer]:
+              progress: bool = True, stacked: bool = True,
+              converted_cache: bool | str | os.PathLike = False
+              ) -> tuple[ModelConfig, Transformer]:
     """Loads a llama / qwen2 / gemma3 GGUF file (weights dequantized; see the module
     docstring).
 
@@ -273,6 +275,10 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
       progress: show a tqdm bar over the tensors.
       stacked: the layers' params in the stacked layout (`Transformer.stacked`: held
         once, as the scanned step reads them; the default), or False: per layer.
+      converted_cache: keep the converted (dequantized, stacked) weights on disk and
+        read them back on the next load of the same file bytes and dtype
+        (`prefixcache.model.converted`): a cache directory, True (`PREFIXCACHE_CACHE_DIR`
+        or ~/.cache/prefixcache), or False (convert every time). Stacked loads only.
 
     Returns:
       (config, model).
@@ -284,15 +290,30 @@ def load_gguf(path: str | os.PathLike, *, dtype: str | None = None,
     """
     path = os.fspath(path)
     return load_gguf_reader(read_gguf(path), path, dtype=dtype, progress=progress,
-                            stacked=stacked)
+                            stacked=stacked, converted_cache=converted_cache)
 
 
 def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
-                     progress: bool = True, stacked: bool = True
+                     progress: bool = True, stacked: bool = True,
+                     converted_cache: bool | str | os.PathLike = False
                      ) -> tuple[ModelConfig, Transformer]:
     """`load_gguf` on an open `read_gguf(path)` reader (`path` names it in errors)."""
     gguf = _import_gguf()
     config = gguf_config(reader, dtype=dtype)
+    if not isinstance(converted_cache, (bool, str, os.PathLike)):
+        raise ValueError(f"converted_cache must be a bool or a directory, got "
+                         f"{type(converted_cache).__name__}")
+    copy_dir = None
+    if converted_cache is not False and stacked:
+        from prefixcache.model import converted  # noqa: PLC0415
+
+        cache_dir = (converted.default_cache_dir() if converted_cache is True
+                     else os.fspath(converted_cache))
+        copy_dir = converted.converted_dir(cache_dir, converted.file_sha256(path),
+                                           config.dtype)
+        model = converted.load_converted(config, copy_dir)
+        if model is not None:
+            return config, model
     _, permuted = GGUF_ARCHITECTURES[_field(reader, "general.architecture")]
 
     to_hf = dict(_GLOBAL)
@@ -351,4 +372,9 @@ def load_gguf_reader(reader, path: str, *, dtype: str | None = None,
 
     model = build_transformer(config, get, progress=progress,
                               desc=f"load {os.path.basename(path)}", stacked=stacked)
+    if copy_dir is not None:
+        from prefixcache.model import converted  # noqa: PLC0415
+
+        os.makedirs(os.path.dirname(copy_dir), exist_ok=True)
+        converted.save_converted(model, copy_dir)
     return config, model

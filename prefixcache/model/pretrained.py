@@ -41,7 +41,8 @@ class Pretrained:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
-                    progress: bool = True, stacked: bool = True) -> Pretrained:
+                    progress: bool = True, stacked: bool = True,
+                    converted_cache: bool | str | os.PathLike = True) -> Pretrained:
     """Loads a checkpoint by path.
 
     Args:
@@ -53,6 +54,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
       progress: a progress bar while converting a GGUF file's tensors.
       stacked: the layers' params in the stacked layout (`Transformer.stacked`: held
         once, as the default scanned step reads them), or False: one array per layer.
+      converted_cache: GGUF files: keep the dequantized stacked weights on disk, keyed
+        by the file's sha256 and the dtype, and read them back on the next load
+        (`prefixcache.model.converted`; True: in `PREFIXCACHE_CACHE_DIR` or
+        ~/.cache/prefixcache; a directory; False: convert every time).
 
     Raises:
       ValueError: a path that does not exist, a file that is not GGUF, or any error of
@@ -75,5 +80,5 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
     reader = read_gguf(src)
     has_tok = "tokenizer.ggml.tokens" in reader.fields
     config, model = load_gguf_reader(reader, src, dtype=dtype, progress=progress,
-                                     stacked=stacked)
+                                     stacked=stacked, converted_cache=converted_cache)
     return Pretrained(config, model, src, "gguf", src if has_tok else None)
