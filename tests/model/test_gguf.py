@@ -337,3 +337,33 @@ def test_engine_from_pretrained_tokenizer_false_and_bad_kwargs():
     with pytest.raises(ValueError, match="do not pass"):
         Engine.from_pretrained(_file("tiny_qwen2"), num_blocks=8,
                                model_config=engine.model_config)
+
+
+def test_profile_decode_runs_on_a_tiny_file(tmp_path):
+    from experiments import profile_decode
+    from configs.profile_decode import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.decode_batches, cfg.prompt_len, cfg.decode_tokens, cfg.repeats = "2", 8, 2, 1
+    cfg.num_blocks, cfg.bandwidth_mib = 32, 4
+    (rec,) = profile_decode.run(cfg)["results"]
+    assert rec["batch"] == 2 and rec["weight_bytes"] > 0 and rec["read_gb_s"] > 0
+    assert {"lm_head", "sampler_greedy", "sampler_random"} <= set(rec["pieces"])
+    assert any(k.startswith("attention_") for k in rec["pieces"])
+    assert {"schedule_ms", "prepare_ms", "device_ms", "update_ms"} <= set(rec["step"])
+
+
+def test_bench_load_runs_on_a_tiny_file(tmp_path):
+    # ours alone (no transformers venv), two processes: the converted cache cold, warm
+    from experiments import bench_load
+    from configs.bench_load import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.modes = "cold_cache,warm_cache"
+    recs = bench_load.run(cfg)["results"]
+    assert [r["converted_cache"] for r in recs] == ["cold_cache", "warm_cache"]
+    assert all(r["load_wall_s"] > 0 and r["peak_rss_mb"] > 0 for r in recs)
