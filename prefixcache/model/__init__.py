@@ -77,12 +77,14 @@ Public API (the contract the engine codes against)::
   *.safetensors, sharded with
   model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
   path, *, max_shard_bytes=None)` writes one (f32).
-- `load_pretrained(path, *, dtype=None, progress=True, stacked=True) -> Pretrained(config,
-  model, source,
+- `load_pretrained(path, *, dtype=None, progress=True, stacked=True,
+  converted_cache=True) -> Pretrained(config, model, source,
   format "hf" | "gguf", tokenizer_path)`: an HF directory (`load_hf_checkpoint`) or a
   GGUF file (`prefixcache.model.gguf.load_gguf`: llama / qwen2 / gemma3, weights dequantized with
   the `gguf` package, the optional extra `[gguf]`; llama.cpp's Q/K RoPE row permutation
-  undone).
+  undone; `converted_cache`: the dequantized stacked weights kept on disk by the
+  file's sha256 and dtype and read back on the next load, `prefixcache.model.converted`,
+  in `PREFIXCACHE_CACHE_DIR` or ~/.cache/prefixcache).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
   "model" (see `prefixcache.model.sharding`); `make_step_fn(model, mesh=mesh)` runs the
   attention of each device's kv heads under `jax.shard_map`.

@@ -42,6 +42,7 @@ __all__ = [
     "is_stacked",
     "layer_period",
     "rope_inv_freq",
+    "set_layer_stack",
     "stack_layer_params",
     "stack_layers",
     "unstack_layers",
