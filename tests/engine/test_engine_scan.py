@@ -99,3 +99,19 @@ def test_scanned_engine_with_the_host_tier_matches_unrolled():
         assert engine.runner.host_pages.num_pages_loaded > 0, name
         outs[name] = [(o.token_ids, o.metrics.num_cached_tokens) for o in first + again]
     assert outs["scanned"] == outs["unrolled"]
+
+
+def test_disk_fingerprint_is_the_same_for_either_weight_layout():
+    # a disk tier's pages stay reusable whether the model's layers are stacked or not
+    from flax import nnx
+
+    from prefixcache.engine.engine import disk_fingerprint
+    from prefixcache.model import Transformer
+    from prefixcache.model.llama import stack_layers
+
+    config = ModelConfig.tiny(num_layers=3)
+    model = Transformer(config, rngs=nnx.Rngs(5))
+    kw = dict(kv_dtype=None, block_size=8, hash_algo="sha256", hash_seed=None)
+    per_layer = disk_fingerprint(model, config, **kw)
+    other = disk_fingerprint(Transformer(config, rngs=nnx.Rngs(6)), config, **kw)
+    assert disk_fingerprint(stack_layers(model), config, **kw) == per_layer != other
