@@ -187,7 +187,9 @@ def host_tier_promotion(model_config, *, num_blocks_loaded: int, num_device_bloc
     from prefixcache.model import make_kv_caches  # noqa: PLC0415
 
     n = num_blocks_loaded
-    kv = make_kv_caches(model_config, num_blocks=num_device_blocks, block_size=block_size)
+    # (the engine's layout: the scanned step's stacked KV [L, num_pages, ...])
+    kv = make_kv_caches(model_config, num_blocks=num_device_blocks, block_size=block_size,
+                        stacked=True)
     pages = HostPages(kv, num_blocks=num_device_blocks, num_host_blocks=n)
     rng = np.random.default_rng(seed)
     for p in pages.pages:

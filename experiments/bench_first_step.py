@@ -1,4 +1,5 @@
-r"""First step after load, unrolled vs scanned decoder layers, in fresh processes.
+r"""First step after load, unrolled vs scanned decoder layers, in fresh processes; each
+process's peak resident memory after load and after the engine is built.
 
   python -m experiments.bench_first_step --config=configs/bench_first_step.py \
       --workdir=/tmp/bench_first_step
@@ -29,9 +30,16 @@ def _since(t0) -> dict:
     return {"wall_s": round(wall - t0[0], 3), "cpu_s": round(cpu - t0[1], 3)}
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident set so far (MiB; Linux reports KiB)."""
+    import resource  # noqa: PLC0415
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def child(spec: dict) -> dict:
     """One process: load, then time the first and the steady steps (`spec`: the config
-    fields, `scan` and `cache_dir`)."""
+    fields, `scan`, `stacked` (the loader's layout) and `cache_dir`)."""
     import numpy as np  # noqa: PLC0415
 
     from prefixcache.engine import Engine, SamplingParams  # noqa: PLC0415
@@ -41,13 +49,15 @@ def child(spec: dict) -> dict:
     enable_compilation_cache(spec["cache_dir"])
     out = {}
     t = _clock()
-    pre = load_pretrained(spec["path"], dtype=spec["dtype"])
+    pre = load_pretrained(spec["path"], dtype=spec["dtype"], stacked=spec["stacked"])
     out["load"] = _since(t)
+    out["peak_rss_after_load_mb"] = _peak_rss_mb()
     engine = Engine(pre.config, model=pre.model, num_blocks=spec["num_blocks"],
                     block_size=spec["block_size"], enable_caching=False, max_num_seqs=1,
                     max_num_batched_tokens=spec["prompt_len"],
                     max_model_len=spec["prompt_len"] + spec["decode_tokens"] + 64,
                     seed=spec["seed"], scan_layers=spec["scan"])
+    out["peak_rss_after_engine_mb"] = _peak_rss_mb()
     rng = np.random.default_rng(spec["seed"])
 
     def prompt(n):
@@ -88,6 +98,12 @@ def _rates(tokens: int, times: list[dict]) -> dict:
             for k in ("wall_s", "cpu_s")}
 
 
+# mode -> (the engine's step, the loader's layout). "scan_copy": a per-layer load whose
+# scanned step holds a stacked copy (the layout before the loaders filled the stack).
+MODES = {"unrolled": dict(scan=False, stacked=False), "scan": dict(scan=True, stacked=True),
+         "scan_copy": dict(scan=True, stacked=False)}
+
+
 def run(config, *, progress: bool = False) -> dict:
     del progress
     from experiments.bench_real_model import default_checkpoint  # noqa: PLC0415
@@ -96,15 +112,15 @@ def run(config, *, progress: bool = False) -> dict:
     workdir = _common.prepare_workdir(config.workdir)
     path = checkpoint_path(config.checkpoint) if config.checkpoint else default_checkpoint()
     modes = [m.strip() for m in config.modes.split(",") if m.strip()]
-    bad = sorted(set(modes) - {"unrolled", "scan"})
+    bad = sorted(set(modes) - set(MODES))
     if bad:
-        raise ValueError(f"config.modes: unknown {bad}; expected unrolled and/or scan")
+        raise ValueError(f"config.modes: unknown {bad}; expected some of {sorted(MODES)}")
     results = []
     with _common.AtomicJsonlWriter(workdir / "bench_first_step.jsonl") as out:
         for mode in modes:
             with tempfile.TemporaryDirectory(dir=workdir) as cache_dir:
                 for process in ("first", "second"):
-                    spec = dict(path=path, dtype=config.dtype, scan=mode == "scan",
+                    spec = dict(path=path, dtype=config.dtype, **MODES[mode],
                                 cache_dir=cache_dir, num_blocks=config.num_blocks,
                                 block_size=config.block_size, prompt_len=config.prompt_len,
                                 decode_tokens=config.decode_tokens, repeats=config.repeats,

@@ -7,6 +7,16 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# Converted GGUF weights (`load_pretrained` keeps them by default) go to a directory of
+# this run, never the user's ~/.cache.
+if "PREFIXCACHE_CACHE_DIR" not in os.environ:
+    os.environ["PREFIXCACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="prefixcache-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PREFIXCACHE_CACHE_DIR"], True)
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402

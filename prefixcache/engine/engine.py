@@ -169,9 +169,11 @@ class Engine:
         (`window`: cached in the full-attention group, past the hit the windows allow;
         `misses.GroupProbeAccountant`); ValueError otherwise. False: no cost.
       scan_layers: run the decoder's layers under one `lax.scan` over stacked params
-        (`make_step_fn(scan_layers=True)`): compile time no longer grows with depth;
-        one device, no host tier. The program holds a stacked copy of the layer weights
-        besides the model's own.
+        (`make_step_fn`'s default): compile time does not grow with depth; the KV arrays
+        are one stacked array (`make_kv_caches(stacked=True)`). The weights are held
+        once for a stacked model (the loaders' default, and the engine's own random
+        model); a per-layer `model` gets a stacked copy. False: the unrolled step over
+        per-layer KV arrays (the plain path the scanned one is tested against).
 
     Sliding-window and hybrid models (`model_config.sliding_window`): the manager gets
     vLLM's KV cache groups (`model_config.kv_groups`: equal-size groups of one attention
@@ -238,7 +240,7 @@ class Engine:
                  tokenizer=None, cache_config=None, miss_reasons: bool = False,
                  residency: float | None = None,
                  disk_dir=None, disk_bytes: int | str = 0, disk_eviction: str = "lru",
-                 disk_reuse: bool = False, scan_layers: bool = False):
+                 disk_reuse: bool = False, scan_layers: bool = True):
         if cache_config is not None:  # its fields fill the cache keywords (see _ENGINE_CACHE)
             (num_blocks, block_size, enable_caching, max_model_len, hash_algo, hash_seed,
              eviction, index, num_host_blocks, host_eviction, kv_dtype, kv_cache_bytes,
@@ -449,6 +451,10 @@ class Engine:
             program = share_programs_with.runner.program
         if model is None:
             model = _init_model(model_config, seed)
+            if scan_layers:
+                from prefixcache.model.llama import stack_layers  # noqa: PLC0415
+
+                stack_layers(model)  # (the engine's own: its weights held once)
         elif getattr(model, "config", None) != model_config:
             raise ValueError("model.config differs from model_config: pass the loaded "
                              "model's own config (load_hf_checkpoint returns both)")
@@ -519,14 +525,24 @@ class Engine:
         if clash:
             raise ValueError(f"Engine.from_pretrained loads the model itself: do not pass "
                              f"{clash}")
-        pre = load_pretrained(path, dtype=dtype)
+        # (the layout the step reads: the weights are held once)
+        pre = load_pretrained(path, dtype=dtype,
+                              stacked=bool(engine_kwargs.get("scan_layers", True)))
         if tokenizer is not None and not isinstance(tokenizer, (bool, np.bool_)):
             engine_kwargs["tokenizer"] = tokenizer  # (the constructor checks it)
         elif (tokenizer and pre.tokenizer_path is not None
                 and importlib.util.find_spec("prefixcache.text") is not None):
             from prefixcache.text import Tokenizer  # noqa: PLC0415
 
-            engine_kwargs["tokenizer"] = Tokenizer.from_pretrained(pre.tokenizer_path)
+            if pre.format == "gguf":
+                from prefixcache.model.gguf import read_gguf  # noqa: PLC0415
+
+                # (the loader's reader parses the 49k-token vocabulary 3x faster than
+                # gguf's own; read again rather than kept: its fields are large)
+                engine_kwargs["tokenizer"] = Tokenizer.from_gguf(
+                    pre.tokenizer_path, reader=read_gguf(pre.tokenizer_path))
+            else:
+                engine_kwargs["tokenizer"] = Tokenizer.from_pretrained(pre.tokenizer_path)
         engine = cls(pre.config, model=pre.model, **engine_kwargs)
         engine.pretrained = pre
         return engine
@@ -1446,11 +1462,26 @@ def disk_fingerprint(model, model_config, *, kv_dtype: str, block_size: int, has
 
     from prefixcache.engine.page_files import FORMAT_VERSION, engine_fingerprint  # noqa: PLC0415
 
-    leaves = jax.tree_util.tree_leaves(nnx.state(model))
-    sample = [x[(0,) * (x.ndim - 1)][:8] if x.ndim else x for x in leaves
-              if hasattr(x, "ndim")]
+    from prefixcache.model.sharding import _leaf_path  # noqa: PLC0415
+
+    # NOTE: the same sample whatever the layers' layout (per layer or stacked): each
+    # param's first values by its per-layer path, in path order.
+    named = []
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        if not isinstance(x, jax.Array):
+            continue  # (a stacked model's per-layer shapes)
+        keys = _leaf_path(path)
+        if keys[0] == "layer_stack":  # [L, ...]: layer i's sample is row i
+            rows = x[(slice(None),) + (0,) * (x.ndim - 2)][:, :8]
+            named += [(("layers", i, *keys[1:]), rows, i) for i in range(x.shape[0])]
+        else:
+            named.append((keys, x[(0,) * (x.ndim - 1)][:8] if x.ndim else x, None))
+    named.sort(key=lambda kx: tuple(str(k) for k in kx[0]))
+    sample = [x for _, x, _ in named]
+    rows = [i for _, _, i in named]
     with jax.transfer_guard("allow"):
         sample = jax.device_get(sample)
+    sample = [x if i is None else x[i] for x, i in zip(sample, rows)]
     weights = hashlib.sha256()
     for x in sample:
         weights.update(np.asarray(x).tobytes())

@@ -206,9 +206,29 @@ def _needs_bits(kv) -> bool:
     return platform == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
 
 
+def _is_stacked(kv_caches) -> bool:
+    from prefixcache.model.llama import is_stacked  # noqa: PLC0415
+
+    return is_stacked(kv_caches)
+
+
+def _part_specs(kv_caches) -> tuple[int, tuple]:
+    """(arrays A, per part (one array of it, page shape, dtype)) of either KV layout."""
+    if _is_stacked(kv_caches):
+        parts = kv_caches if isinstance(kv_caches, tuple) else (kv_caches,)
+        return parts[0].shape[0], tuple((a, tuple(a.shape[2:]), np.dtype(a.dtype))
+                                        for a in parts)
+    return len(kv_caches), tuple((part[0], tuple(part[0].shape[1:]), np.dtype(part[0].dtype))
+                                 for part in _parts(kv_caches))
+
+
 def _parts(kv_caches) -> tuple[list, ...]:
     """Layer-major KV -> its parts, each a list over layers: (pages,) or, quantized
-    (layers are (pages, scales) pairs), (pages, scales)."""
+    (layers are (pages, scales) pairs), (pages, scales). The stacked layout
+    (`make_kv_caches(stacked=True)`): its parts as they are, (pages [A, ...],) or
+    (pages, scales)."""
+    if _is_stacked(kv_caches):
+        return kv_caches if isinstance(kv_caches, tuple) else (kv_caches,)
     if isinstance(kv_caches[0], tuple):
         return tuple(list(part) for part in zip(*kv_caches))
     return (list(kv_caches),)
@@ -230,7 +250,8 @@ def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *,
 
     Args:
       kv_caches: L arrays [num_pages, page, 2K, H], or L pairs (pages, scales
-        f32[num_pages, 2K]) (donated).
+        f32[num_pages, 2K]) (donated); or the stacked layout, pages [L, num_pages, page,
+        2K, H] (and scales [L, num_pages, 2K]): copied the same way, page axis 1.
       gather_ids: i32[Gp]; scatter_ids, scatter_src: i32[Sp].
       staged: one array per part: [L, Hp, page, 2K, H] (and [L, Hp, 2K]).
       bits: per part, move it as unsigned ints (`_needs_bits`).
@@ -239,12 +260,15 @@ def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *,
       (new kv_caches, gathered: one array per part, [L, Gp, page, 2K, H] (and
       [L, Gp, 2K])).
     """
+    stacked = _is_stacked(kv_caches)
     new_parts, gathered_parts = [], []
     for arrays, stage, as_bits in zip(_parts(kv_caches), staged, bits):
-        dtype = arrays[0].dtype
+        dtype = arrays.dtype if stacked else arrays[0].dtype
         if as_bits:
-            arrays, stage = [_as_bits(kv) for kv in arrays], _as_bits(stage)
-        gathered = jnp.stack([kv[gather_ids] for kv in arrays])
+            arrays = _as_bits(arrays) if stacked else [_as_bits(kv) for kv in arrays]
+            stage = _as_bits(stage)
+        gathered = arrays[:, gather_ids] if stacked else jnp.stack(
+            [kv[gather_ids] for kv in arrays])
         if gather_ids.shape[0] == 0:
             # NOTE: loads only (the common case): the staged rows ARE the scatter's
             # source rows, in order (`plan_host_transfers`); no row gather of them.
@@ -252,12 +276,20 @@ def _copy_pages(kv_caches, gather_ids, scatter_ids, scatter_src, staged, *,
             src = stage
         else:
             src = jnp.concatenate([gathered, stage], axis=1)[:, scatter_src]
-        new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(arrays)]
+        if stacked:
+            new = arrays.at[:, scatter_ids].set(src)
+            if as_bits:
+                new = jax.lax.bitcast_convert_type(new, dtype)
+        else:
+            new = [kv.at[scatter_ids].set(src[l]) for l, kv in enumerate(arrays)]
+            if as_bits:
+                new = [jax.lax.bitcast_convert_type(x, dtype) for x in new]
         if as_bits:
-            new = [jax.lax.bitcast_convert_type(x, dtype) for x in new]
             gathered = jax.lax.bitcast_convert_type(gathered, dtype)
         new_parts.append(new)
         gathered_parts.append(gathered)
+    if stacked:
+        return (tuple(new_parts) if len(new_parts) > 1 else new_parts[0]), tuple(gathered_parts)
     return _layers(new_parts), tuple(gathered_parts)
 
 
@@ -280,7 +312,9 @@ class HostPages:
 
     Args:
       kv_caches: the device KV arrays: L arrays, or L (pages, scales) pairs for a
-        quantized KV (shapes, dtypes and sharding are taken from them).
+        quantized KV, or the stacked layout (one array [L, ...] or one pair, the
+        scanned step's; `make_kv_caches(stacked=True)`) (shapes, dtypes and sharding
+        are taken from them; the host slots are per layer either way).
       num_blocks: allocatable device pages (padding page id = num_blocks).
       num_host_blocks: host slots (> 0; 0 with `files`: a disk tier right under the
         device).
@@ -303,11 +337,10 @@ class HostPages:
 
     def __init__(self, kv_caches, *, num_blocks: int, num_host_blocks: int, mesh=None,
                  files=None):
-        parts = _parts(kv_caches)
-        first = parts[0][0]
-        self.num_layers = len(kv_caches)
-        self.page_shape = tuple(first.shape[1:])
-        self.dtype = np.dtype(first.dtype)
+        self.num_layers, specs = _part_specs(kv_caches)
+        self.stacked = _is_stacked(kv_caches)
+        self.page_shape = specs[0][1]
+        self.dtype = specs[0][2]
         self.num_blocks = int(num_blocks)
         self.num_host_blocks = int(num_host_blocks)
         self.files = None
@@ -315,9 +348,8 @@ class HostPages:
         self._num_scratch = 0
         # One list of per-layer host arrays per part (pages, and scales if quantized).
         self._host = tuple(
-            [np.zeros((self.num_host_blocks + self._num_scratch, *part[0].shape[1:]),
-                      np.dtype(part[0].dtype))
-             for _ in range(self.num_layers)] for part in parts)
+            [np.zeros((self.num_host_blocks + self._num_scratch, *shape), dtype)
+             for _ in range(self.num_layers)] for _, shape, dtype in specs)
         self._validated: dict[tuple[int, int], tuple] = {}  # (key, group) -> part arrays
         # (tier, key, group) -> scratch slot of the batch's stores to a lower tier
         self._pending_files: dict[tuple[str, int, int], int] = {}
@@ -339,14 +371,15 @@ class HostPages:
             # stacked pages [L, n, page, 2K, H] (scales [L, n, 2K]): kv heads over
             # "model", as the KV.
             self._staged_sharding = (NamedSharding(mesh, P(None, None, None, "model", None)),
-                                     NamedSharding(mesh, P(None, None, "model")))[:len(parts)]
+                                     NamedSharding(mesh, P(None, None, "model")))[:len(specs)]
             self._index_sharding = NamedSharding(mesh, P())
-            out = ([kv_cache_sharding(mesh, self.dtype)] * self.num_layers,
+            kv_sharding = kv_cache_sharding(mesh, self.dtype, stacked=self.stacked)
+            out = (kv_sharding if self.stacked else [kv_sharding] * self.num_layers,
                    self._staged_sharding)
         else:
             self._staged_sharding = self._index_sharding = None
             out = None
-        bits = tuple(_needs_bits(part[0]) for part in parts)
+        bits = tuple(_needs_bits(a) for a, _, _ in specs)
         self._copy = jax.jit(functools.partial(_copy_pages, bits=bits),
                              donate_argnums=0, out_shardings=out)
 

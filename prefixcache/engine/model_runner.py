@@ -199,12 +199,13 @@ class StepProgram:
       model: a `prefixcache.model.Transformer` (with a mesh, laid out over it in place).
       attention_backend, interpret: passed to `make_step_fn`.
       mesh: a `jax.sharding.Mesh` or None (one device).
-      scan_layers: the layers under one `lax.scan` (`make_step_fn(scan_layers=True)`):
-        the KV arrays are then in the stacked layout (`make_kv_caches(stacked=True)`).
+      scan_layers: the layers under one `lax.scan` (`make_step_fn`'s default): the KV
+        arrays are then in the stacked layout (`make_kv_caches(stacked=True)`); False:
+        the unrolled step over a list of KV arrays.
     """
 
     def __init__(self, model, *, attention_backend: str = "auto", interpret: bool = False,
-                 mesh=None, kv_dtype=None, scan_layers: bool = False):
+                 mesh=None, kv_dtype=None, scan_layers: bool = True):
         from prefixcache.model import make_step_fn
 
         self.model = model
@@ -242,8 +243,10 @@ class StepProgram:
             from jax.sharding import NamedSharding, PartitionSpec
             from prefixcache.model import kv_cache_sharding
             replicated = NamedSharding(mesh, PartitionSpec())
+            kv_sharding = kv_cache_sharding(mesh, kv_dtype, stacked=self.scan_layers)
             out_shardings = (replicated, replicated,
-                             [kv_cache_sharding(mesh, kv_dtype)] * self.config.kv_group_size)
+                             kv_sharding if self.scan_layers
+                             else [kv_sharding] * self.config.kv_group_size)
             self.input_sharding = replicated
         else:
             out_shardings = None
@@ -337,16 +340,13 @@ class ModelRunner:
                  token_buckets=None, seq_buckets=None, page_buckets=None,
                  program: StepProgram | None = None, pack_transfers: bool = True,
                  lora_slots=None, lora_adapters=None, num_host_blocks: int = 0,
-                 kv_dtype=None, scan_layers: bool = False):
+                 kv_dtype=None, scan_layers: bool = True):
         from prefixcache.model import make_kv_caches
 
         if lora_adapters is not None and not isinstance(lora_adapters,
                                                         collections.OrderedDict):
             raise ValueError("lora_adapters must be a collections.OrderedDict (its order "
                              f"is the adapters' recency), got {type(lora_adapters).__name__}")
-        if scan_layers and num_host_blocks:
-            raise ValueError("scan_layers=True does not take num_host_blocks (the host tier "
-                             "copies pages of the per-array KV layout)")
         if program is None:
             program = StepProgram(model, attention_backend=attention_backend,
                                   interpret=interpret, mesh=mesh, kv_dtype=kv_dtype,

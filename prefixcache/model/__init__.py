@@ -33,10 +33,14 @@ Public API (the contract the engine codes against)::
 - `Transformer(config, *, rngs)`: `model(kv_caches, input_ids, metadata, logits_indices,
   mm_embeds=None, mm_mask=None, *, attend=None) -> (logits f32[S, V], kv_caches)`;
   `metadata` may be a tuple of `AttentionMetadata`, one per KV group (each layer reads
-  its group's `page_indices` / `slot_mapping`).
+  its group's `page_indices` / `slot_mapping`). Two layouts of the layer weights:
+  per layer (`model.layers[i]`, a model built by the constructor) or stacked
+  (`model.stacked`: `model.layer_stack` holds every layer param as one [L, ...] array,
+  `model.layers[i]` shapes only; the loaders' default). `llama.stack_layers(model)`
+  (in place), `llama.unstack_layers(model)` (a per-layer copy).
 - `make_kv_caches(config, num_pages=None, page_size=None, dtype=None, sharding=None, *,
   num_blocks=None, block_size=None, mesh=None, kv_dtype=None, per_layer=False,
-  stacked=False) -> list`:
+  stacked=False) -> list` (`stacked=True`: one array [A, ...], the scanned step's layout):
   one zeroed `[num_pages, page_size, 2*num_kv_heads, head_dim]` array per layer of a KV
   group (`kv_group_size`; every layer for a model with one attention kind; vLLM's
   layout: the i-th layers of all groups share array i, each group with its own block
@@ -48,7 +52,7 @@ Public API (the contract the engine codes against)::
   free memory are refused first (`check_kv_cache_memory(config, num_pages, page_size,
   dtype=None, mesh=None)`: device memory where reported, else host memory).
 - `make_step_fn(model, *, attention_backend="auto", interpret=False, mesh=None,
-  kv_dtype=None, scan_layers=False)` ->
+  kv_dtype=None, scan_layers=True)` ->
   `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None, mm_mask=None)
   -> (logits f32[S, vocab], kv_caches)`; jitted, kv_caches donated, params captured once
   (`nnx.split`: graphdef static, params passed as arguments). `input_ids i32[T]`,
@@ -58,23 +62,29 @@ Public API (the contract the engine codes against)::
   `step.pure(params, kv_caches, ...)` + `step.params`: the same, un-jitted, with params
   as an explicit argument, for callers that jit a larger function around the step (so the
   weights are arguments, not constants folded into the outer program).
-  `scan_layers=True`: the layers run under one `lax.scan` over their stacked params
-  (`llama.stack_layer_params`; Gemma 3: units of 5 sliding + 1 full layer,
-  `llama.layer_period`), so the program does not grow with depth; the caches are then
-  in the stacked layout (`make_kv_caches(..., stacked=True)`: one array [A, num_pages,
-  page_size, 2K, H], or one (pages, scales) pair); one device. `Engine(scan_layers=True)`
-  runs it (no host tier). On XLA:CPU each layer's weights are copied out of the stack
-  before its matmuls (SmolLM2's steps ran within about 10% of the unrolled ones).
-- `load_hf_checkpoint(path, dtype=None) -> (ModelConfig, Transformer)` for
+  `scan_layers=True` (the default): the layers run under one `lax.scan` over their
+  stacked params (a stacked model's own; else a stacked copy, `llama.stack_layer_params`;
+  Gemma 3: units of 5 sliding + 1 full layer, `llama.layer_period`), so the program does
+  not grow with depth; the caches best come in the stacked layout (`make_kv_caches(...,
+  stacked=True)`: one array [A, num_pages, page_size, 2K, H], or one (pages, scales)
+  pair; a list is stacked inside each call, one device only); on a mesh too, and the
+  engine's host tier copies pages of the stacked layout. `scan_layers=False`: the
+  unrolled step over a list of arrays (the reference the scan is tested against). On
+  XLA:CPU each layer's weights are copied out of the stack before its matmuls
+  (SmolLM2's steps ran within about 10% of the unrolled ones).
+- `load_hf_checkpoint(path, dtype=None, *, stacked=True) -> (ModelConfig, Transformer)` for
   `LlamaForCausalLM` / `Qwen2ForCausalLM` / `MistralForCausalLM` (config.json +
   *.safetensors, sharded with
   model.safetensors.index.json or not; bf16 files read too); `save_hf_checkpoint(model,
   path, *, max_shard_bytes=None)` writes one (f32).
-- `load_pretrained(path, *, dtype=None, progress=True) -> Pretrained(config, model, source,
+- `load_pretrained(path, *, dtype=None, progress=True, stacked=True,
+  converted_cache=True) -> Pretrained(config, model, source,
   format "hf" | "gguf", tokenizer_path)`: an HF directory (`load_hf_checkpoint`) or a
   GGUF file (`prefixcache.model.gguf.load_gguf`: llama / qwen2 / gemma3, weights dequantized with
   the `gguf` package, the optional extra `[gguf]`; llama.cpp's Q/K RoPE row permutation
-  undone).
+  undone; `converted_cache`: the dequantized stacked weights kept on disk by the
+  file's sha256 and dtype and read back on the next load, `prefixcache.model.converted`,
+  in `PREFIXCACHE_CACHE_DIR` or ~/.cache/prefixcache).
 - `shard_model(model, mesh)`: tensor parallelism over kv heads along the mesh axis
   "model" (see `prefixcache.model.sharding`); `make_step_fn(model, mesh=mesh)` runs the
   attention of each device's kv heads under `jax.shard_map`.

@@ -39,9 +39,13 @@ __all__ = [
     "Transformer",
     "abstract_transformer",
     "apply_rope",
+    "is_stacked",
     "layer_period",
     "rope_inv_freq",
+    "set_layer_stack",
     "stack_layer_params",
+    "stack_layers",
+    "unstack_layers",
 ]
 
 
@@ -317,6 +321,15 @@ class Transformer(nnx.Module):
       layers[i].mlp.gate_proj [D, F], .up_proj [D, F], .down_proj [F, D]
       final_norm.scale [D] (model.norm.weight)
       lm_head [V, D] (lm_head.weight; absent when `tie_embeddings`)
+
+    Two layouts of the layers' params (`stacked`):
+      per layer (a model built by `Transformer(...)`): `layers[i]` holds layer i's params
+        and `layer_stack` is None;
+      stacked (the checkpoint loaders' default, `stack_layers`): `layer_stack` is one
+        `Block` whose every param has a leading layer axis [L, ...] (layer i at index
+        i), and `layers[i]`'s params are shapes only (`jax.ShapeDtypeStruct`): the
+        modules still say each layer's kind (its sliding window), the weights live once,
+        in the stack. `unstack_layers` gives a per-layer copy.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -335,6 +348,12 @@ class Transformer(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = nnx.Param(
                 _init(rngs, (config.vocab_size, config.d_model), config.d_model, dt))
+        self.layer_stack = nnx.data(None)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers' params live in `layer_stack` (see the class doc)."""
+        return self.layer_stack is not None
 
     def __call__(self, kv_caches: Sequence[jax.Array], input_ids: jax.Array,
                  metadata: AttentionMetadata, logits_indices: jax.Array,
@@ -362,16 +381,17 @@ class Transformer(nnx.Module):
             `kernels.paged_attention(backend="auto")` on one device.
           lora: `prefixcache.model.lora.LoRABatch` (slots i32[T] + stacked adapter
             weights): each token's adapter is added to the targeted projections; None: none.
-          layer_params: the layers' params stacked (`stack_layer_params`), or None. Given,
-            the layers run under one `lax.scan` (compile time independent of depth; the
-            per-layer params in the module are not read) and `kv_caches` is in the stacked
-            layout (`make_kv_caches(stacked=True)`): one array [A, num_pages, page_size,
-            2K, H] for A = `config.kv_group_size` (quantized: the pair (pages, scales
-            f32[A, num_pages, 2K])).
+          layer_params: the layers' params stacked (`stack_layer_params`), or None (a
+            stacked model: its own `layer_stack`). Given, the layers run under one
+            `lax.scan` (compile time independent of depth; the per-layer params in the
+            module are not read); `kv_caches` then best comes in the stacked layout
+            (`make_kv_caches(stacked=True)`): one array [A, num_pages, page_size, 2K, H]
+            for A = `config.kv_group_size` (quantized: the pair (pages, scales f32[A,
+            num_pages, 2K])); a list is stacked first and returned as a list (a copy of
+            the caches each call).
 
         Returns:
-          (logits f32[S, V], the updated kv caches: a list of L arrays, or with
-          `layer_params` the stacked array (pair)).
+          (logits f32[S, V], the updated kv caches in the layout they came in).
         """
         cfg = self.config
         if attend is None:
@@ -394,9 +414,16 @@ class Transformer(nnx.Module):
             inv_freq = jnp.asarray(rope_inv_freq(cfg, theta))  # f32[H // 2], host constant
             freqs = positions.astype(jnp.float32)[:, None] * inv_freq
             tables[theta] = (jnp.cos(freqs), jnp.sin(freqs))
+        if layer_params is None and self.layer_stack is not None:
+            layer_params = nnx.state(self.layer_stack)
         if layer_params is not None:
+            listed = not is_stacked(kv_caches)
+            if listed:
+                kv_caches = _stack_kv(kv_caches)
             x, new_caches = self._scan_layers(layer_params, kv_caches, x, metadata, tables,
                                               attend, lora)
+            if listed:
+                new_caches = _unstack_kv(new_caches)
         else:
             # vLLM's layout: layer i reads and writes array `layer_kv_slots[i]` (shared by
             # the i-th layer of every KV group, each with its own block ids); per-layer
@@ -498,13 +525,38 @@ def layer_period(config: ModelConfig, *, per_group: bool = True) -> int:
     return config.num_layers
 
 
+def is_stacked(kv_caches) -> bool:
+    """Whether `kv_caches` is in the stacked layout (`make_kv_caches(stacked=True)`): one
+    array [A, num_pages, page_size, 2K, H], or one pair (pages, scales [A, num_pages, 2K])."""
+    if isinstance(kv_caches, tuple) and len(kv_caches) == 2 and hasattr(kv_caches[0], "ndim"):
+        return kv_caches[0].ndim == 5 and kv_caches[1].ndim == 3
+    return hasattr(kv_caches, "ndim") and kv_caches.ndim == 5
+
+
+def _stack_kv(kv_caches):
+    """A list of per-array caches (or (pages, scales) pairs) -> the stacked layout."""
+    if isinstance(kv_caches[0], tuple):
+        return (jnp.stack([c[0] for c in kv_caches]), jnp.stack([c[1] for c in kv_caches]))
+    return jnp.stack(list(kv_caches))
+
+
+def _unstack_kv(kv_stack) -> list:
+    """Inverse of `_stack_kv`."""
+    if isinstance(kv_stack, tuple):
+        return [(kv_stack[0][i], kv_stack[1][i]) for i in range(kv_stack[0].shape[0])]
+    return [kv_stack[i] for i in range(kv_stack.shape[0])]
+
+
 def stack_layer_params(model: Transformer) -> nnx.State:
     """The layers' params stacked on a new leading axis: each leaf [L, ...] (layer i at
-    index i), the `layer_params` of `Transformer.__call__`.
+    index i), the `layer_params` of `Transformer.__call__`. A stacked model's own
+    `layer_stack` state (no copy); else a new stacked copy.
 
     Raises:
       ValueError: layers whose params differ in structure (they cannot share a scan).
     """
+    if model.stacked:
+        return nnx.state(model.layer_stack)
     states = [nnx.state(layer) for layer in model.layers]
     structure = jax.tree.structure(states[0])
     for i, s in enumerate(states):
@@ -514,3 +566,57 @@ def stack_layer_params(model: Transformer) -> nnx.State:
     # (one jitted program for all leaves: eager `jnp.stack` would compile one per shape)
     return jax.jit(lambda states: jax.tree.map(lambda *leaves: jnp.stack(leaves), *states))(
         states)
+
+
+def set_layer_stack(model: Transformer, stacked_state: nnx.State) -> Transformer:
+    """Puts `stacked_state` (a layer's param tree, each leaf [L, ...]) into `model` as its
+    `layer_stack` and turns the per-layer params into shapes (in place); returns the model.
+
+    Raises:
+      ValueError: a stacked state whose tree or shapes are not the layers' (named).
+    """
+    L = model.config.num_layers
+    want = nnx.state(model.layers[0])
+    if jax.tree.structure(want) != jax.tree.structure(stacked_state):
+        raise ValueError("the stacked layer params' tree is not a layer's")
+    for (path, w), got in zip(jax.tree_util.tree_leaves_with_path(want),
+                              jax.tree.leaves(stacked_state)):
+        if tuple(got.shape) != (L, *w.shape) or jnp.dtype(got.dtype) != jnp.dtype(w.dtype):
+            raise ValueError(f"stacked layer param {jax.tree_util.keystr(path)}: "
+                             f"{got.dtype}{tuple(got.shape)}, expected "
+                             f"{jnp.dtype(w.dtype)}{(L, *w.shape)}")
+    block = Block(model.config, rngs=_AbstractRngs())
+    nnx.update(block, stacked_state)
+    # NOTE: new modules, not the old ones updated in place: a step built before from the
+    # per-layer params holds their variables, which keep their arrays.
+    model.layers = nnx.List([Block(model.config, rngs=_AbstractRngs(), sliding_window=w)
+                             for w in model.config.layer_windows])
+    model.layer_stack = block
+    return model
+
+
+def stack_layers(model: Transformer) -> Transformer:
+    """Moves `model`'s layer params into the stacked layout (in place; see
+    `Transformer`): one copy of the weights afterwards (two while stacking). A stacked
+    model is returned as is."""
+    if model.stacked:
+        return model
+    return set_layer_stack(model, stack_layer_params(model))
+
+
+def unstack_layers(model: Transformer) -> Transformer:
+    """A per-layer `Transformer` with `model`'s weights: `model` itself when it is not
+    stacked, else a new model holding a per-layer copy of the stack (the
+    `scan_layers=False` step and `save_hf_checkpoint` read it)."""
+    if not model.stacked:
+        return model
+    stack = nnx.state(model.layer_stack)
+    out = abstract_transformer(model.config)
+    # (one jitted program for all leaves: eager slicing would dispatch one op per slice)
+    per_layer = jax.jit(lambda s: [jax.tree.map(lambda a, i=i: a[i], s)
+                                   for i in range(model.config.num_layers)])(stack)
+    for layer, state in zip(out.layers, per_layer):
+        nnx.update(layer, state)
+    nnx.update(out, nnx.state(model, nnx.All(nnx.Not(nnx.PathContains("layers")),
+                                             nnx.Not(nnx.PathContains("layer_stack")))))
+    return out

@@ -128,13 +128,16 @@ def _checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, fn) for fn in files]
 
 
-def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[ModelConfig, Transformer]:
+def load_hf_checkpoint(path: str, dtype: str | None = None, *,
+                       stacked: bool = True) -> tuple[ModelConfig, Transformer]:
     """Loads a Llama / Qwen2 / Mistral / Gemma 3 (text) checkpoint directory.
 
     Args:
       path: a directory with config.json and *.safetensors (one file, or shards listed in
         model.safetensors.index.json).
       dtype: "float32" / "bfloat16" override of the checkpoint dtype.
+      stacked: the layers' params in the stacked layout (`Transformer.stacked`: held
+        once, as the scanned step reads them; the default), or False: per layer.
 
     Returns:
       (config, model) with the checkpoint's weights (cast to `config.dtype`).
@@ -167,21 +170,28 @@ def load_hf_checkpoint(path: str, dtype: str | None = None) -> tuple[ModelConfig
     if bad:
         raise ValueError(f"{path}: shape mismatch: " + "; ".join(bad))
 
-    return config, build_transformer(config, lambda name: tensors[name])
+    return config, build_transformer(config, lambda name: tensors[name], stacked=stacked)
 
 
 def build_transformer(config: ModelConfig, get: Callable[[str], np.ndarray], *,
-                      progress: bool = False, desc: str = "load") -> Transformer:
+                      progress: bool = False, desc: str = "load",
+                      stacked: bool = True) -> Transformer:
     """A `Transformer` whose params are `get(hf_name)` (HF layout, `hf_param_map`), cast
     to `config.dtype`. The caller checks names and shapes first; `get` is called once
     per param, so a loader may convert (e.g. dequantize) lazily, one tensor at a time.
 
+    `stacked` (default): the layers' params go straight into the stacked layout
+    (`Transformer.stacked`: one [L, ...] array per param, filled layer by layer in one
+    host buffer), so the weights are held once, in the layout of the scanned step;
+    False: one array per layer and param (the per-layer model).
+
     Raises:
       ValueError: a converted tensor whose shape is not the param's (named).
     """
+    from prefixcache.model.llama import set_layer_stack  # noqa: PLC0415
+
     mapping = hf_param_map(config)
     abstract = abstract_transformer(config)
-    graphdef, abs_state = nnx.split(abstract)
     dt = jnp.dtype(config.dtype)
     bar = None
     if progress:
@@ -189,25 +199,44 @@ def build_transformer(config: ModelConfig, get: Callable[[str], np.ndarray], *,
 
         bar = tqdm(total=len(mapping), desc=desc, unit="tensor")
 
-    def fill(p, leaf):
-        key = _path_key(p)
+    def convert(key, shape, out=None):
         if key not in mapping:
             raise ValueError(f"model param {key} has no checkpoint mapping")
         hf_name, _, to_ours, _ = mapping[key]
         arr = to_ours(np.asarray(get(hf_name)).astype(np.float32))
-        if arr.shape != tuple(leaf.shape):
-            raise ValueError(f"{hf_name}: converted shape {arr.shape} != param {leaf.shape}")
-        out = jnp.asarray(arr, dtype=dt)
+        if arr.shape != tuple(shape):
+            raise ValueError(f"{hf_name}: converted shape {arr.shape} != param {tuple(shape)}")
         if bar is not None:
             bar.update(1)
-        return out
+        if out is None:
+            return jnp.asarray(arr, dtype=dt)
+        out[...] = arr  # (cast to the buffer's dtype)
+        return None
+
+    def fill(p, leaf):
+        return convert(_path_key(p), leaf.shape)
+
+    def fill_stacked(p, leaf):
+        # NOTE: one host buffer [L, ...] in the param's dtype (ml_dtypes' bfloat16), each
+        # layer converted into its row, then one transfer: the layer tensors are never
+        # held as separate device arrays next to their stack.
+        key = _path_key(p)
+        buf = np.empty((config.num_layers, *leaf.shape), dt)
+        for i in range(config.num_layers):
+            convert(("layers", i, *key), leaf.shape, buf[i])
+        return jnp.asarray(buf)
 
     try:
-        state = jax.tree_util.tree_map_with_path(fill, abs_state)
+        if not stacked:
+            graphdef, abs_state = nnx.split(abstract)
+            return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abs_state))
+        rest = nnx.state(abstract, nnx.Not(nnx.PathContains("layers")))
+        nnx.update(abstract, jax.tree_util.tree_map_with_path(fill, rest))
+        layer = nnx.state(abstract.layers[0])
+        return set_layer_stack(abstract, jax.tree_util.tree_map_with_path(fill_stacked, layer))
     finally:
         if bar is not None:
             bar.close()
-    return nnx.merge(graphdef, state)
 
 
 def save_hf_checkpoint(model: Transformer, path: str, *,
@@ -219,7 +248,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *,
     `load_hf_checkpoint` restores the same config and, for bf16, the same values.
 
     Args:
-      model: the Transformer.
+      model: the Transformer (per-layer or stacked).
       path: the directory (created if needed).
       max_shard_bytes: split into model-0000i-of-0000n.safetensors files of at most about
         this size plus model.safetensors.index.json; None: one model.safetensors.
@@ -227,10 +256,12 @@ def save_hf_checkpoint(model: Transformer, path: str, *,
     Returns:
       The safetensors file names written.
     """
+    from prefixcache.model.llama import unstack_layers  # noqa: PLC0415
+
     config = model.config
     os.makedirs(path, exist_ok=True)
     mapping = hf_param_map(config)
-    state = nnx.state(model)
+    state = nnx.state(unstack_layers(model))
     tensors: dict[str, np.ndarray] = {}
 
     def grab(p, leaf):

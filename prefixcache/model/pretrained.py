@@ -41,7 +41,8 @@ class Pretrained:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
-                    progress: bool = True) -> Pretrained:
+                    progress: bool = True, stacked: bool = True,
+                    converted_cache: bool | str | os.PathLike = True) -> Pretrained:
     """Loads a checkpoint by path.
 
     Args:
@@ -51,6 +52,12 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
       dtype: "float32" / "bfloat16" override (default: the checkpoint's for HF: bf16 for
         bf16/f16 checkpoints; float32 for GGUF, i.e. the dequantized values exactly).
       progress: a progress bar while converting a GGUF file's tensors.
+      stacked: the layers' params in the stacked layout (`Transformer.stacked`: held
+        once, as the default scanned step reads them), or False: one array per layer.
+      converted_cache: GGUF files: keep the dequantized stacked weights on disk, keyed
+        by the file's sha256 and the dtype, and read them back on the next load
+        (`prefixcache.model.converted`; True: in `PREFIXCACHE_CACHE_DIR` or
+        ~/.cache/prefixcache; a directory; False: convert every time).
 
     Raises:
       ValueError: a path that does not exist, a file that is not GGUF, or any error of
@@ -62,7 +69,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
     if os.path.isdir(src):
         from prefixcache.model.loading import load_hf_checkpoint  # noqa: PLC0415
 
-        config, model = load_hf_checkpoint(src, dtype=dtype)
+        config, model = load_hf_checkpoint(src, dtype=dtype, stacked=stacked)
         has_tok = any(os.path.isfile(os.path.join(src, f)) for f in _HF_TOKENIZER_FILES)
         return Pretrained(config, model, src, "hf", src if has_tok else None)
     if not os.path.isfile(src):
@@ -72,5 +79,6 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None,
 
     reader = read_gguf(src)
     has_tok = "tokenizer.ggml.tokens" in reader.fields
-    config, model = load_gguf_reader(reader, src, dtype=dtype, progress=progress)
+    config, model = load_gguf_reader(reader, src, dtype=dtype, progress=progress,
+                                     stacked=stacked, converted_cache=converted_cache)
     return Pretrained(config, model, src, "gguf", src if has_tok else None)

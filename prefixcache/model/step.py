@@ -14,10 +14,17 @@ import prefixcache_kernels as kernels
 from prefixcache._validate import check_count, check_positive_int
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model.config import ModelConfig
-from prefixcache.model.llama import Transformer, _local_attend, stack_layer_params
+from prefixcache.model.llama import (
+    Transformer,
+    _local_attend,
+    is_stacked,
+    stack_layer_params,
+    unstack_layers,
+)
 from prefixcache.model.sharding import (
     MODEL_AXIS,
     kv_cache_sharding,
+    shard_layer_stack,
     shard_model,
     validate_mesh,
 )
@@ -126,7 +133,8 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         shardings are the shared layout's).
       stacked: the same L arrays as one array [L, num_pages, page_size, 2K, H] (quantized:
         one pair (pages [L, ...], scales f32[L, num_pages, 2K])), the layout of the
-        scanned step (`make_step_fn(scan_layers=True)`); not with a mesh.
+        scanned step (`make_step_fn(scan_layers=True)`, the default); with a mesh, axis 3
+        (2K) is split over "model" (scales: axis 2).
 
     Returns:
       L = `config.kv_group_size` (per_layer: `config.num_layers`) arrays [num_pages,
@@ -163,13 +171,11 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         size = check_positive_int("page_size", page_size)
     else:
         size = check_positive_int("block_size", block_size)
-    if stacked and (mesh is not None or sharding is not None):
-        raise ValueError("stacked caches take no mesh or sharding (one device)")
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give mesh or sharding, not both")
         validate_mesh(config, mesh)
-        sharding = kv_cache_sharding(mesh, dtype)
+        sharding = kv_cache_sharding(mesh, dtype, stacked=stacked)
     dtype = jnp.dtype(dtype if dtype is not None else config.dtype)
     check_kv_cache_memory(config, pages, size, dtype, mesh, per_layer=per_layer)
     arrays = config.num_layers if per_layer else config.kv_group_size
@@ -178,13 +184,13 @@ def make_kv_caches(config: ModelConfig, num_pages: int | None = None,
         page_sh, scale_sh = sharding if isinstance(sharding, tuple) else (sharding, None)
         scales = (pages, 2 * config.num_kv_heads)
         if stacked:
-            return (jnp.zeros((arrays, *shape), dtype),
-                    jnp.zeros((arrays, *scales), jnp.float32))
+            return (jnp.zeros((arrays, *shape), dtype, device=page_sh),
+                    jnp.zeros((arrays, *scales), jnp.float32, device=scale_sh))
         return [(jnp.zeros(shape, dtype, device=page_sh),
                  jnp.zeros(scales, jnp.float32, device=scale_sh))
                 for _ in range(arrays)]
     if stacked:
-        return jnp.zeros((arrays, *shape), dtype)
+        return jnp.zeros((arrays, *shape), dtype, device=sharding)
     return [jnp.zeros(shape, dtype, device=sharding) for _ in range(arrays)]
 
 
@@ -250,14 +256,6 @@ def _check_step_args(config: ModelConfig, kv_caches, input_ids, metadata, logits
             raise ValueError(f"mm_mask must be bool[{T}], got {mm_mask.dtype}{mm_mask.shape}")
 
 
-def is_stacked(kv_caches) -> bool:
-    """Whether `kv_caches` is in the stacked layout (`make_kv_caches(stacked=True)`): one
-    array [A, num_pages, page_size, 2K, H], or one pair (pages, scales [A, num_pages, 2K])."""
-    if isinstance(kv_caches, tuple) and len(kv_caches) == 2 and hasattr(kv_caches[0], "ndim"):
-        return kv_caches[0].ndim == 5 and kv_caches[1].ndim == 3
-    return hasattr(kv_caches, "ndim") and kv_caches.ndim == 5
-
-
 def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
     """Static checks of a LoRABatch (trace time)."""
     from prefixcache.model.lora import TARGET_MODULES, LoRABatch, module_dims
@@ -283,12 +281,16 @@ def _check_lora_args(config: ModelConfig, input_ids, lora) -> None:
 
 def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
                  interpret: bool = False, mesh: Mesh | None = None, kv_dtype=None,
-                 scan_layers: bool = False):
+                 scan_layers: bool = True):
     """Builds the jitted step of `model` (params captured now; graphdef static).
 
     Returns `step(kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
     mm_mask=None, lora=None) -> (logits f32[S, V], kv_caches)`:
-      kv_caches: L arrays [num_pages, page_size, 2K, H], donated (invalid after the call).
+      kv_caches: the KV arrays (`make_kv_caches`), donated (invalid after the call): the
+        scanned step (the default) takes the stacked layout (`stacked=True`: one array
+        [A, num_pages, page_size, 2K, H]) or, one device only, the list of A arrays
+        (stacked and unstacked inside the program: a copy of the caches per call, for
+        tests and references); the unrolled step takes the list.
       input_ids: i32[T]; metadata: `AttentionMetadata` (or a tuple of them, one per KV
         group of a hybrid model: `Transformer.__call__`); logits_indices: i32[S] (the
         `StepInputs` of `prefixcache.metadata`).
@@ -305,8 +307,8 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     argument, for callers that jit a larger function around it.
 
     Args:
-      model: the Transformer. With `mesh`, its params are laid out over the mesh first
-        (`shard_model`, in place).
+      model: the Transformer, per-layer or stacked (`Transformer.stacked`). With `mesh`,
+        its params are laid out over the mesh first (`shard_model`, in place).
       attention_backend: `kernels.paged_attention` backend ("auto", "reference", ...).
       interpret: run a Pallas backend in interpret mode.
       mesh: a Mesh with a "model" axis for tensor parallelism over kv heads, or None.
@@ -314,11 +316,12 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         mesh, whose output shardings follow the cache structure (None: unquantized).
       scan_layers: run the layers under one `lax.scan` over their stacked params
         (`stack_layer_params`; Gemma 3: over units of five sliding-window layers and one
-        full), so compile time does not grow with depth. The step then takes and
-        returns the stacked KV layout (`make_kv_caches(stacked=True)`); one device (no
-        mesh). Same numbers as the unrolled step.
-        NOTE: `step.params` then holds a stacked copy of the layer params (the model's
-        own are not freed while the model lives). On XLA:CPU each layer's weights are
+        full), so compile time does not grow with depth (the default). Same numbers as
+        the unrolled step (`scan_layers=False`, one copy of the layer code per layer:
+        the plain path the scanned one is tested against).
+        NOTE: the weights are held once when the model is stacked (the loaders'
+        default); a per-layer model gets a stacked copy in `step.params` (and a stacked
+        model run unrolled a per-layer copy). On XLA:CPU each layer's weights are
         copied out of the stack before its matmuls (a dynamic slice is not fused into
         the dot): a bare chain of matrix-vector products runs about 2x slower scanned;
         SmolLM2's engine steps, whose time goes mostly elsewhere, ran within about 10%
@@ -329,12 +332,13 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     """
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a Transformer, got {type(model).__name__}")
-    if scan_layers and mesh is not None:
-        raise ValueError("scan_layers runs on one device: give no mesh")
     if not (isinstance(attention_backend, kernels.KernelBackend)
             or attention_backend in kernels.BACKENDS):
         raise ValueError(f"unknown attention_backend {attention_backend!r}; expected one of "
                          f"{kernels.BACKENDS} or a kernels.KernelBackend record")
+    scan_layers = bool(scan_layers)
+    if not scan_layers:
+        model = unstack_layers(model)  # (itself when per-layer)
     config = model.config
     local = functools.partial(_local_attend, sm_scale=config.attention_scale,
                               backend=attention_backend, interpret=interpret)
@@ -347,7 +351,9 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
         heads = P(None, MODEL_AXIS, None)  # [T, heads, H]
         pages = P(None, None, MODEL_AXIS, None)  # [num_pages, page_size, 2K, H]
         # NOTE: metadata is replicated (P() as a prefix spec for the whole NamedTuple);
-        # each device writes and attends over its own kv heads only.
+        # each device writes and attends over its own kv heads only. The scanned step
+        # views its stacked caches as one pool [A * num_pages, page_size, 2K, H]: the
+        # same spec.
         def attend(q, k, v, kv_cache, metadata, sliding_window=None):
             fn = functools.partial(local, sliding_window=sliding_window)
             # Quantized caches are (pages, scales [num_pages, 2K]): scales split like pages.
@@ -356,29 +362,37 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
                                  out_specs=(heads, spec), check_vma=False)(
                                      q, k, v, kv_cache, metadata)
 
-        kv_sharding = kv_cache_sharding(mesh, kv_dtype)
-        out_shardings = (NamedSharding(mesh, P()), [kv_sharding] * config.kv_group_size)
+        kv_sharding = kv_cache_sharding(mesh, kv_dtype, stacked=scan_layers)
+        out_shardings = (NamedSharding(mesh, P()),
+                         kv_sharding if scan_layers else [kv_sharding] * config.kv_group_size)
     if scan_layers:
-        graphdef, layer_state, rest = nnx.split(model, nnx.PathContains("layers"), ...)
-        # The per-layer params are not read by the scanned call: shapes stand in for them.
-        abstract_layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                       layer_state)
-        params = {"layers": stack_layer_params(model), "rest": rest}
+        graphdef, layer_state, stack_state, rest = nnx.split(
+            model, nnx.PathContains("layers"), nnx.PathContains("layer_stack"), ...)
+        # The per-layer params are not read by the scanned call: shapes stand in for them
+        # (and for the model's own stack, passed as `layer_params`).
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                (layer_state, stack_state))
+        stack = stack_layer_params(model)  # (the model's own stack when stacked)
+        if mesh is not None:
+            stack = shard_layer_stack(stack, mesh)
+        params = {"layers": stack, "rest": rest}
     else:
         graphdef, params = nnx.split(model)
 
     def pure(params, kv_caches, input_ids, metadata, logits_indices, mm_embeds=None,
              mm_mask=None, lora=None):
-        if is_stacked(kv_caches) != scan_layers:
-            raise ValueError("the scanned step (scan_layers=True) takes the stacked KV layout "
-                             "(make_kv_caches(stacked=True)), the unrolled one a list of "
-                             "arrays; got " + ("stacked" if is_stacked(kv_caches) else "a list"))
+        if is_stacked(kv_caches) and not scan_layers:
+            raise ValueError("the unrolled step (scan_layers=False) takes a list of KV "
+                             "arrays, not the stacked KV layout (make_kv_caches(stacked=True))")
+        if mesh is not None and scan_layers and not is_stacked(kv_caches):
+            raise ValueError("the scanned step on a mesh takes the stacked KV layout "
+                             "(make_kv_caches(stacked=True, mesh=...)), got a list")
         _check_step_args(config, kv_caches, input_ids, metadata, logits_indices, mm_embeds,
                          mm_mask)
         if lora is not None:
             _check_lora_args(config, input_ids, lora)
         if scan_layers:
-            m = nnx.merge(graphdef, abstract_layers, params["rest"])
+            m = nnx.merge(graphdef, *abstract, params["rest"])
             return m(kv_caches, input_ids, metadata, logits_indices, mm_embeds, mm_mask,
                      attend=attend, lora=lora, layer_params=params["layers"])
         m = nnx.merge(graphdef, params)
@@ -398,4 +412,5 @@ def make_step_fn(model: Transformer, *, attention_backend: str = "auto",
     step.params = params
     step.graphdef = graphdef
     step.jitted = jitted
+    step.scan_layers = scan_layers
     return step

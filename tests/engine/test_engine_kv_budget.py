@@ -63,7 +63,8 @@ def test_engine_with_a_budget_holds_exactly_its_blocks_and_serves(kv_dtype):
     assert engine.runner.builder.num_blocks == 40
     # The KV arrays the runner allocated: 41 pages per layer (scales included), in budget.
     leaves = jax.tree_util.tree_leaves(engine.runner.kv_caches)
-    assert all(a.shape[0] == 41 for a in leaves)
+    assert engine.runner.stacked_kv  # (the scanned step's [A, num_pages, ...] arrays)
+    assert all(a.shape[:2] == (config.kv_group_size, 41) for a in leaves)
     nbytes = sum(a.nbytes for a in leaves)
     assert nbytes == engine.kv_pool_bytes == 41 * TINY[kv_dtype] <= budget
     m = engine.metrics()

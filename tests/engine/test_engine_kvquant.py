@@ -27,6 +27,13 @@ COMMON = dict(num_blocks=40, block_size=BS, seed=0, max_num_seqs=4,
               seq_buckets=(4,), page_buckets=(16,))
 
 
+def _arrays(kv):
+    """The runner's KV as a list of per-array caches (the scanned step keeps them stacked)."""
+    from prefixcache.model.llama import _unstack_kv, is_stacked
+
+    return _unstack_kv(kv) if is_stacked(kv) else list(kv)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """`compiled(kv_dtype)`: an engine of this module's shapes whose programs the tests'
@@ -49,7 +56,7 @@ def test_greedy_tokens_identical_cache_on_off_with_shared_quantized_pages(kv_dty
     off = Engine(config, enable_caching=False, kv_dtype=kv_dtype, share_programs_with=on,
                  **COMMON)
     assert on.kv_dtype == kv_dtype
-    pages0 = on.runner.kv_caches[0]
+    pages0 = _arrays(on.runner.kv_caches)[0]
     if kv_dtype == "bfloat16":
         assert pages0.dtype == jnp.bfloat16
     else:
@@ -80,11 +87,11 @@ def test_shared_full_pages_are_bit_stable(compiled):
     engine.generate([system + [5]], [greedy])
     full = sorted(_cached_block_ids(engine))
     assert len(full) == 2, "the system prompt's two full blocks are cached"
-    before = [(np.asarray(p)[full], np.asarray(s)[full]) for p, s in engine.runner.kv_caches]
+    before = [(np.asarray(p)[full], np.asarray(s)[full]) for p, s in _arrays(engine.runner.kv_caches)]
     outs = engine.generate([system + rng.integers(1, 500, n).tolist() for n in (3, 30)],
                            [greedy, greedy])
     assert [o.metrics.num_cached_tokens for o in outs] == [32, 32]
-    for (p0, s0), (p, s) in zip(before, engine.runner.kv_caches):
+    for (p0, s0), (p, s) in zip(before, _arrays(engine.runner.kv_caches)):
         np.testing.assert_array_equal(np.asarray(p)[full], p0)
         np.testing.assert_array_equal(np.asarray(s)[full], s0)
 
@@ -189,7 +196,7 @@ def test_two_device_int8_engine_matches_one_device(compiled):
     mesh = Mesh(np.array(devices[:2]), ("model",))
     one = Engine(config, kv_dtype="int8", share_programs_with=compiled("int8"), **COMMON)
     two = Engine(config, kv_dtype="int8", mesh=mesh, **COMMON)
-    pages, scales = two.runner.kv_caches[0]
+    pages, scales = _arrays(two.runner.kv_caches)[0]
     assert len(pages.sharding.device_set) == 2 and len(scales.sharding.device_set) == 2
     assert scales.addressable_shards[0].data.shape == (41, 2)  # K and V of one kv head
     rng = np.random.default_rng(2)
@@ -200,7 +207,8 @@ def test_two_device_int8_engine_matches_one_device(compiled):
     assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
     # The same pages up to the f32 rounding of the sharded matmuls (a scale's last
     # bit; a value one int8 step at a rounding boundary).
-    for (p1, s1), (p2, s2) in zip(one.runner.kv_caches, two.runner.kv_caches):
+    for (p1, s1), (p2, s2) in zip(_arrays(one.runner.kv_caches),
+                                    _arrays(two.runner.kv_caches)):
         diff = np.abs(np.asarray(p2, np.int32) - np.asarray(p1, np.int32))
         assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
         np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-5)

@@ -54,6 +54,22 @@ def test_top_k_and_top_p_restrict_support_and_seed_determinism():
     assert again.tolist() == [got[5], got[2], got[200], got[9]]
 
 
+def test_untruncated_rows_draw_the_same_beside_truncating_ones():
+    # rows with top_k 0 and top_p 1 skip the vocabulary sort; a batch where another row
+    # truncates (the sorted branch runs) gives them the same draws, and they sample
+    # the distribution's full support
+    rng = np.random.default_rng(2)
+    row = rng.normal(size=V).astype(np.float32)
+    n = 64
+    logits = np.tile(row, (n, 1))
+    free = [(1.0, 0, 1.0, s, 3) for s in range(n)]
+    alone = _run(logits, free)
+    mixed = _run(logits, free[:-1] + [(1.0, 2, 1.0, 99, 0)])
+    assert mixed[:-1].tolist() == alone[:-1].tolist()
+    assert set(mixed[-1:]) <= set(np.argsort(-row)[:2].tolist())
+    assert len(set(alone.tolist())) > 8
+
+
 def _state(rid, tokens, feats, emb):
     return EngineRequest(Request(rid, tokens, mm_features=feats), SamplingParams(), 0, emb)
 

@@ -117,8 +117,9 @@ def test_warmup_changes_no_cache_state_kv_metrics_or_events(warmed):
     mgr = engine.kv_cache_manager
 
     def snapshot():
-        kv = [np.asarray(x)[:engine.num_blocks] for x in jax.tree.leaves(
-            engine.runner.kv_caches)]
+        pages = (slice(None), slice(engine.num_blocks)) if engine.runner.stacked_kv else \
+            slice(engine.num_blocks)  # (the stacked layout: [A, num_pages, ...])
+        kv = [np.asarray(x)[pages] for x in jax.tree.leaves(engine.runner.kv_caches)]
         metrics = engine.metrics().to_dict()
         for k in ("num_compiled_programs", "num_programs_built", "num_compiles_after_warmup"):
             metrics.pop(k)

@@ -384,7 +384,8 @@ def test_tier_on_a_mesh_matches_off(off):
     assert spy.num_checked == eng.metrics().host_blocks_loaded > 0
     # The copies keep the KV laid out over the mesh (kv heads over "model").
     from prefixcache.model import kv_cache_sharding
-    assert all(x.sharding == kv_cache_sharding(mesh) for x in eng.runner.kv_caches)
+    # (the scanned step's stacked KV [A, num_pages, page, 2K, H], one array)
+    assert eng.runner.kv_caches.sharding == kv_cache_sharding(mesh, stacked=True)
 
 
 def test_serve_bench_rejects_a_bad_host_size_before_running(monkeypatch):

@@ -314,8 +314,9 @@ def test_tier_on_a_mesh_with_int8_pages_matches_off():
     assert _serve(eng) == want
     assert spy.num_checked == eng.metrics().host_blocks_loaded > 0
     # The copies keep pages and scales laid out over the mesh (kv heads over "model").
-    assert all((p.sharding, s.sharding) == kv_cache_sharding(mesh, "int8")
-               for p, s in eng.runner.kv_caches)
+    # (the scanned step's stacked pair: pages [A, ...] and scales [A, num_pages, 2K])
+    p, s = eng.runner.kv_caches
+    assert (p.sharding, s.sharding) == kv_cache_sharding(mesh, "int8", stacked=True)
 
 
 def test_host_memory_check_counts_quantized_bytes(monkeypatch):

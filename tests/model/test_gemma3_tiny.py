@@ -93,6 +93,24 @@ def test_prompt_logits_equal_transformers(logits_of):
                       f"prompt {j} ({len(p['prompt'])} tokens)")
 
 
+def test_scanned_engine_equals_unrolled(loaded, engine):
+    """The default scanned engine (one unit of 5 sliding + 1 full layer, stacked weights)
+    and the unrolled one over a per-layer load: the same greedy tokens and logits."""
+    config, model = loaded
+    _, per_layer = load_gguf(FILE, progress=False, stacked=False)
+    unrolled = Engine(config, model=per_layer, num_blocks=96, scan_layers=False, **ENGINE)
+    prompts = [p["prompt"] for p in GOLDEN["prompts"][:2]]
+    out = {}
+    for name, e in (("scanned", engine), ("unrolled", unrolled)):
+        e.record_logits, e.step_logits = True, []
+        got = e.generate(prompts, SamplingParams(max_tokens=4))
+        e.record_logits = False
+        out[name] = ([list(o.token_ids) for o in got],
+                     np.stack([row for s in e.step_logits for row in s.values()]))
+    assert out["scanned"][0] == out["unrolled"][0]
+    np.testing.assert_allclose(out["scanned"][1], out["unrolled"][1], rtol=1e-5, atol=1e-5)
+
+
 def test_engine_greedy_tokens_and_logits_equal_transformers(engine):
     """Through the engine: six KV cache groups (each sliding group holds only its window's
     blocks), block size 8, the 40-token prompt spanning five windows."""
@@ -151,10 +169,8 @@ def test_hf_directory_equals_transformers(loaded, logits_of, tmp_path):
     pre = load_pretrained(d)
     assert pre.format == "hf" and pre.config == config
     p = GOLDEN["prompts"][2]
-    from flax import nnx  # noqa: PLC0415
-
-    _assert_close(logits_of(p["prompt"], nnx.split(pre.model)[1]), ARRAYS["2/prompt_logits"],
-                  "HF directory")
+    _assert_close(logits_of(p["prompt"], make_step_fn(pre.model).params),
+                  ARRAYS["2/prompt_logits"], "HF directory")
     assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
 
@@ -171,7 +187,6 @@ def test_the_norm_offset_matters(loaded, logits_of):
     """Without the - 1 on the stored norms the logits are far off (the goldens check the
     conventions, not only the dequantization; the 40-token prompt checks the windows)."""
     import jax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
 
     _, model = loaded
 
@@ -179,7 +194,7 @@ def test_the_norm_offset_matters(loaded, logits_of):
         keys = [str(getattr(k, "key", "")) for k in path]
         return leaf + 1 if any(k.endswith("norm") for k in keys) else leaf
 
-    state = jax.tree_util.tree_map_with_path(plus_one, nnx.split(model)[1])
+    state = jax.tree_util.tree_map_with_path(plus_one, make_step_fn(model).params)
     got, want = logits_of(GOLDEN["prompts"][2]["prompt"], state), ARRAYS["2/prompt_logits"]
     assert (np.abs(got - want) / np.abs(want).max(-1, keepdims=True)).max() > 0.05
 

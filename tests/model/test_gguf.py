@@ -34,16 +34,17 @@ def _file(name):
     return str(DATA / GOLDEN["models"][name]["file"])
 
 
-def _all_logits(config, model, tokens):
-    """f32 logits of every position of `tokens` (one sequence, one step)."""
+def _all_logits(config, model, tokens, *, scan_layers=True):
+    """f32 logits of every position of `tokens` (one sequence, one step; the default
+    scanned step, or the unrolled one)."""
     bs, n = 16, len(tokens)
     builder = MetadataBuilder(block_size=bs, num_blocks=8, max_num_seqs=1,
                               max_num_tokens=64, max_pages_per_seq=8,
                               token_buckets=[64], seq_buckets=[1], page_buckets=[8])
     step_in = builder.build([ScheduledSeq(list(range(-(-n // bs))), 0, tokens)])
     kv = make_kv_caches(config, num_blocks=8, block_size=bs)
-    logits, _ = make_step_fn(model)(kv, step_in.input_ids, step_in.metadata,
-                                    jnp.arange(n, dtype=jnp.int32))
+    logits, _ = make_step_fn(model, scan_layers=scan_layers)(
+        kv, step_in.input_ids, step_in.metadata, jnp.arange(n, dtype=jnp.int32))
     return np.asarray(logits)
 
 
@@ -107,6 +108,19 @@ def test_engine_greedy_tokens_and_logits_equal_transformers(name, loaded):
         _assert_close(rows, ARRAYS[f"{name}/{j}/gen_logits"], f"{name} prompt {j} decode")
 
 
+def test_scanned_stacked_load_equals_unrolled_per_layer_load(loaded):
+    # the SmolLM2-shaped file (llama, tied, Q4_1): loaded into the stacked layout and run
+    # scanned (the defaults) == loaded per layer and run unrolled (the plain path)
+    name = "tiny_llama_q4_1"
+    config, stacked = loaded[name]
+    _, per_layer = load_gguf(_file(name), progress=False, stacked=False)
+    assert stacked.stacked and not per_layer.stacked
+    tokens = GOLDEN["models"][name]["prompts"][0]["prompt"]
+    np.testing.assert_allclose(
+        _all_logits(config, stacked, tokens),
+        _all_logits(config, per_layer, tokens, scan_layers=False), rtol=1e-5, atol=1e-5)
+
+
 def test_the_rope_permutation_matters(loaded, monkeypatch):
     """Without undoing llama.cpp's Q/K permutation the logits are far off (the goldens
     check the layout, not only the dequantization)."""
@@ -126,9 +140,10 @@ def test_weights_are_the_dequantized_values(loaded):
     np.testing.assert_array_equal(np.asarray(model.lm_head[...]), deq["output.weight"])
     np.testing.assert_array_equal(np.asarray(model.final_norm.scale[...]),
                                   deq["output_norm.weight"])
-    # v is not permuted: [K*H, D] -> [D, K, H]
+    # v is not permuted: [K*H, D] -> [D, K, H] (layer 0 of the stacked layout)
+    assert model.stacked
     np.testing.assert_array_equal(
-        np.asarray(model.layers[0].attn.v_proj[...]),
+        np.asarray(model.layer_stack.attn.v_proj[...])[0],
         deq["blk.0.attn_v.weight"].T.reshape(config.d_model, config.num_kv_heads,
                                              config.head_dim))
 
@@ -322,3 +337,33 @@ def test_engine_from_pretrained_tokenizer_false_and_bad_kwargs():
     with pytest.raises(ValueError, match="do not pass"):
         Engine.from_pretrained(_file("tiny_qwen2"), num_blocks=8,
                                model_config=engine.model_config)
+
+
+def test_profile_decode_runs_on_a_tiny_file(tmp_path):
+    from experiments import profile_decode
+    from configs.profile_decode import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.decode_batches, cfg.prompt_len, cfg.decode_tokens, cfg.repeats = "2", 8, 2, 1
+    cfg.num_blocks, cfg.bandwidth_mib = 32, 4
+    (rec,) = profile_decode.run(cfg)["results"]
+    assert rec["batch"] == 2 and rec["weight_bytes"] > 0 and rec["read_gb_s"] > 0
+    assert {"lm_head", "sampler_greedy", "sampler_random"} <= set(rec["pieces"])
+    assert any(k.startswith("attention_") for k in rec["pieces"])
+    assert {"schedule_ms", "prepare_ms", "device_ms", "update_ms"} <= set(rec["step"])
+
+
+def test_bench_load_runs_on_a_tiny_file(tmp_path):
+    # ours alone (no transformers venv), two processes: the converted cache cold, warm
+    from experiments import bench_load
+    from configs.bench_load import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.modes = "cold_cache,warm_cache"
+    recs = bench_load.run(cfg)["results"]
+    assert [r["converted_cache"] for r in recs] == ["cold_cache", "warm_cache"]
+    assert all(r["load_wall_s"] > 0 and r["peak_rss_mb"] > 0 for r in recs)

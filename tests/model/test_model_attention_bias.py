@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from prefixcache.model import ModelConfig, load_hf_checkpoint, save_hf_checkpoint
+from prefixcache.model.llama import unstack_layers
 from test_model_checkpoint import run_prefixes
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "llama_attention_bias")
@@ -32,6 +33,7 @@ def test_llama_attention_bias_checkpoint_matches_transformers(tmp_path):
         np.testing.assert_allclose(got[row], want[n - 1], rtol=2e-4, atol=2e-4,
                                    err_msg=f"prefix of {n} tokens")
     # Not vacuous: the biases are far from 0 (transformers' logits use them).
+    model = unstack_layers(model)  # (per-layer views of the loaded stack)
     assert min(np.abs(np.asarray(layer.attn.o_bias[...])).max() for layer in model.layers) > 0.1
     # Save / load round trip keeps the bias (attention_bias=True in config.json).
     save_hf_checkpoint(model, str(tmp_path))
@@ -39,7 +41,7 @@ def test_llama_attention_bias_checkpoint_matches_transformers(tmp_path):
         assert json.load(f)["attention_bias"] is True
     config2, model2 = load_hf_checkpoint(str(tmp_path), dtype="float32")
     assert config2 == config
-    for a, b in zip(model.layers, model2.layers):
+    for a, b in zip(model.layers, unstack_layers(model2).layers):
         np.testing.assert_array_equal(np.asarray(a.attn.o_bias[...]),
                                       np.asarray(b.attn.o_bias[...]))
 

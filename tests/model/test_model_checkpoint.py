@@ -71,7 +71,9 @@ def test_save_then_load_round_trip(tmp_path, dtype):
     names = save_hf_checkpoint(model, str(tmp_path), max_shard_bytes=200_000)
     assert len(names) > 1 and os.path.exists(tmp_path / "model.safetensors.index.json")
     config2, model2 = load_hf_checkpoint(str(tmp_path))
-    assert config2 == config
+    assert config2 == config and model2.stacked
+    from prefixcache.model.llama import unstack_layers
+    model2 = unstack_layers(model2)
     a = jax.tree_util.tree_leaves(nnx.state(model))
     b = jax.tree_util.tree_leaves(nnx.state(model2))
     assert len(a) == len(b)
@@ -109,7 +111,7 @@ def test_bf16_checkpoint_loads(tmp_path, hf_helpers):
     _write_bf16_safetensors(tmp_path / "model.safetensors", weights)
     config, model = load_hf_checkpoint(str(tmp_path))
     assert config.dtype == "bfloat16"
-    got = np.asarray(model.layers[0].attn.k_proj[...].astype(np.float32))
+    got = np.asarray(model.layer_stack.attn.k_proj[...][0].astype(np.float32))
     want = weights["model.layers.0.self_attn.k_proj.weight"].astype(ml_dtypes.bfloat16)
     want = want.astype(np.float32).T.reshape(64, 2, 64)
     np.testing.assert_array_equal(got, want)

@@ -1,7 +1,8 @@
-"""The scanned step (`make_step_fn(scan_layers=True)`, stacked params and KV): the same
-logits and KV as the unrolled step, for one attention kind, a hybrid model with shared KV
-arrays, Gemma 3's 5:1 units (a partial last unit too), int8 KV and LoRA; and one program
-whose size does not grow with depth."""
+"""The scanned step (`make_step_fn`'s default, stacked params and KV): the same logits and
+KV as the unrolled step (`scan_layers=False`), for one attention kind, a hybrid model with
+shared KV arrays, Gemma 3's 5:1 units (a partial last unit too), int8 KV and LoRA, from a
+per-layer and from a stacked model; and one program whose size does not grow with
+depth."""
 import re
 
 import jax
@@ -12,7 +13,12 @@ from flax import nnx
 from prefixcache.metadata import MetadataBuilder, ScheduledSeq
 from prefixcache.model import ModelConfig, Transformer, make_kv_caches, make_step_fn
 from prefixcache.model.config import gemma3_layer_types
-from prefixcache.model.llama import layer_period, stack_layer_params
+from prefixcache.model.llama import (
+    layer_period,
+    stack_layer_params,
+    stack_layers,
+    unstack_layers,
+)
 from prefixcache.model.lora import LoRABatch, LoRASlots
 
 BS = 8
@@ -53,10 +59,13 @@ def _random_lora(config):
             for m, ab in weights.items()}
 
 
-def _run_both(config, *, kv_dtype=None, lora=False, per_layer=False):
+def _run_both(config, *, kv_dtype=None, lora=False, per_layer=False, stacked_model=False):
     model = Transformer(config, rngs=nnx.Rngs(1))
-    unrolled = make_step_fn(model)
-    scanned = make_step_fn(model, scan_layers=True)
+    unrolled = make_step_fn(model, scan_layers=False)
+    if stacked_model:  # the loaders' layout: the step reads the model's own stack
+        stack_layers(model)
+        assert model.stacked
+    scanned = make_step_fn(model)
     kv_list = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, kv_dtype=kv_dtype,
                              per_layer=per_layer)
     kv_stack = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, kv_dtype=kv_dtype,
@@ -81,7 +90,7 @@ def test_scanned_step_equals_unrolled_gemma3_units():
     # Gemma 3, 12 layers: two scanned units of (5 sliding + 1 full), six KV groups of
     # two layers sharing two arrays (unit u's layers all use array u), one metadata per
     # group
-    kv_list, kv_stack = _run_both(_gemma(12))
+    kv_list, kv_stack = _run_both(_gemma(12), stacked_model=True)
     assert kv_stack.shape == (2, *kv_list[0].shape)
     for i, arr in enumerate(kv_list):
         np.testing.assert_allclose(np.asarray(kv_stack[i]), np.asarray(arr), rtol=1e-5,
@@ -113,10 +122,13 @@ def test_layer_period():
     assert stacked["mlp"]["down_proj"].shape == (3, 256, 128)
 
 
-def _hlo_ops(config, *, scan_layers):
-    """Op count of the step's lowered StableHLO and its number of while loops."""
+def _hlo_ops(config, *, scan_layers=None):
+    """Op count of the step's lowered StableHLO and its number of while loops (None:
+    `make_step_fn`'s default)."""
     model = Transformer(config, rngs=nnx.Rngs(0))
-    step = make_step_fn(model, scan_layers=scan_layers)
+    step = (make_step_fn(model) if scan_layers is None
+            else make_step_fn(model, scan_layers=scan_layers))
+    scan_layers = step.scan_layers
     kv = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, stacked=scan_layers)
     si = _builder().build([ScheduledSeq([0, 1], 0, list(range(1, 12)))])
     kv_arg = kv if scan_layers else list(kv)
@@ -128,8 +140,8 @@ def _hlo_ops(config, *, scan_layers):
 
 def test_one_program_whatever_the_depth():
     shallow, deep = ModelConfig.tiny(num_layers=2), ModelConfig.tiny(num_layers=8)
-    ops2, loops2 = _hlo_ops(shallow, scan_layers=True)
-    ops8, loops8 = _hlo_ops(deep, scan_layers=True)
+    ops2, loops2 = _hlo_ops(shallow)  # (the default step)
+    ops8, loops8 = _hlo_ops(deep)
     # (the attention itself loops too: the same whiles at either depth, one more than
     # the unrolled 2-layer step has per layer)
     assert ops2 == ops8 and loops2 == loops8
@@ -143,13 +155,35 @@ def test_layouts_must_match_the_step():
     si = _builder().build([ScheduledSeq([0], 0, [1, 2, 3])])
     args = (si.input_ids, si.metadata, si.logits_indices)
     stacked = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, stacked=True)
-    with pytest.raises(ValueError, match="stacked KV layout"):
-        make_step_fn(model)(stacked, *args)
+    with pytest.raises(ValueError, match="unrolled step .* not the stacked KV layout"):
+        make_step_fn(model, scan_layers=False)(stacked, *args)
+    # the scanned step takes a list too (stacked inside), and returns a list
     listed = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS)
-    with pytest.raises(ValueError, match="stacked KV layout"):
-        make_step_fn(model, scan_layers=True)(listed, *args)
+    got, listed = make_step_fn(model)(listed, *args)
+    want, stacked = make_step_fn(model)(stacked, *args)
+    assert isinstance(listed, list) and len(listed) == 2
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(listed[1]), np.asarray(stacked[1]))
     mesh = jax.make_mesh((1,), ("model",))
-    with pytest.raises(ValueError, match="scan_layers runs on one device"):
-        make_step_fn(model, scan_layers=True, mesh=mesh)
-    with pytest.raises(ValueError, match="stacked caches take no mesh"):
-        make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, stacked=True, mesh=mesh)
+    listed = make_kv_caches(config, num_blocks=NUM_BLOCKS, block_size=BS, mesh=mesh)
+    with pytest.raises(ValueError, match="scanned step on a mesh takes the stacked KV"):
+        make_step_fn(model, mesh=mesh)(listed, *args)
+
+
+def test_stacked_model_holds_the_weights_once():
+    config = ModelConfig.tiny(num_layers=3)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    want = np.asarray(model.layers[2].mlp.down_proj[...])
+    assert stack_layers(model) is model and model.stacked
+    # the per-layer modules keep shapes only; the stack holds the arrays
+    leaves = jax.tree.leaves(nnx.state(model.layers[2]))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    np.testing.assert_array_equal(np.asarray(model.layer_stack.mlp.down_proj[...])[2], want)
+    # the default step reads the model's own stack (no second copy)
+    step = make_step_fn(model)
+    own = jax.tree.leaves(nnx.state(model.layer_stack))
+    assert all(a is b for a, b in zip(jax.tree.leaves(step.params["layers"]), own))
+    back = unstack_layers(model)
+    assert not back.stacked and back is not model
+    np.testing.assert_array_equal(np.asarray(back.layers[2].mlp.down_proj[...]), want)
+    assert unstack_layers(back) is back
