@@ -28,6 +28,8 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from prefixcache._gguf import plain_array_reader
+
 _EXTRA_HINT = "pip install 'prefixcache[text]'"
 
 # GGUF token types (llama.cpp's llama_token_type / gguf.TokenType).
@@ -329,7 +331,7 @@ class Tokenizer:
         if reader is not None and not isinstance(reader, gguf.GGUFReader):
             raise ValueError(f"reader must be a gguf.GGUFReader, got {type(reader).__name__}")
         try:
-            reader = gguf.GGUFReader(p, "r") if reader is None else reader
+            reader = plain_array_reader(gguf)(p, "r") if reader is None else reader
         except Exception as e:  # the reader raises ValueError/struct errors on bad files
             raise ValueError(f"cannot read GGUF file {p}: {type(e).__name__}: {e}") from None
         fields = reader.fields

@@ -534,15 +534,7 @@ class Engine:
                 and importlib.util.find_spec("prefixcache.text") is not None):
             from prefixcache.text import Tokenizer  # noqa: PLC0415
 
-            if pre.format == "gguf":
-                from prefixcache.model.gguf import read_gguf  # noqa: PLC0415
-
-                # (the loader's reader parses the 49k-token vocabulary 3x faster than
-                # gguf's own; read again rather than kept: its fields are large)
-                engine_kwargs["tokenizer"] = Tokenizer.from_gguf(
-                    pre.tokenizer_path, reader=read_gguf(pre.tokenizer_path))
-            else:
-                engine_kwargs["tokenizer"] = Tokenizer.from_pretrained(pre.tokenizer_path)
+            engine_kwargs["tokenizer"] = Tokenizer.from_pretrained(pre.tokenizer_path)
         engine = cls(pre.config, model=pre.model, **engine_kwargs)
         engine.pretrained = pre
         return engine

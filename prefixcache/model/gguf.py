@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache._gguf import plain_array_reader
 from prefixcache.model.config import ModelConfig, gemma3_layer_types
 from prefixcache.model.llama import Transformer
 from prefixcache.model.loading import build_transformer, hf_param_map
@@ -108,27 +109,6 @@ def _import_gguf():
     return gguf
 
 
-def _plain_array_reader(gguf):
-    """A `gguf.GGUFReader` subclass whose file buffer is a plain ndarray view of the
-    memory map.
-
-    NOTE: the reader slices its buffer once per metadata value (SmolLM2's vocabulary
-    and merges: ~250k slices), and every slice of an `np.memmap` runs the subclass's
-    Python `__array_finalize__`: 4.8 s of its 7.6 s load here; a plain view of the same
-    pages reads the header in 1.7 s. Tensor data stay views of the map (not read).
-    """
-    class PlainArrayReader(gguf.GGUFReader):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, value):
-            self._plain = np.asarray(value)  # (a view: the memmap stays its base)
-
-    return PlainArrayReader
-
-
 def read_gguf(path: str | os.PathLike):
     """`gguf.GGUFReader(path)` (memory-mapped), with every failure as a ValueError.
 
@@ -145,7 +125,7 @@ def read_gguf(path: str | os.PathLike):
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return _plain_array_reader(gguf)(path, "r")
+        return plain_array_reader(gguf)(path, "r")
     except Exception as e:  # noqa: BLE001 (the reader raises ValueError, IndexError, ...)
         raise ValueError(f"{path}: unreadable GGUF file (truncated or corrupt?): "
                          f"{type(e).__name__}: {e}") from None
