@@ -32,4 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.decode_tokens = 64  # tokens timed per decode run (after the first)
     c.repeats = 3  # timed runs per measurement (the median is reported)
     c.attention_backend = "auto"
+    # transformers side by side (f32 only): the python of a venv with transformers, torch,
+    # gguf and accelerate (e.g. $HOME/.cache/prefixcache-peers/hf-load-venv/bin/python;
+    # experiments/peers/setup_hf_env.sh makes one); "": ours only.
+    c.peer_python = ""
+    c.threads = 2  # torch's threads (XLA uses the machine's cores)
     return c

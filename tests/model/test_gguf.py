@@ -330,6 +330,19 @@ def test_bench_real_model_runs_on_a_tiny_file(tmp_path):
     assert line["provenance"]["config"]["checkpoint"] == cfg.checkpoint
 
 
+def test_bench_real_model_refuses_a_missing_peer_before_loading(tmp_path):
+    from experiments import bench_real_model
+    from configs.bench_real_model import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.peer_python = str(tmp_path / "no-python")
+    with pytest.raises(ValueError, match="config.peer_python: no such file"):
+        bench_real_model.run(cfg)
+    assert not (tmp_path / "bench_real_model.jsonl").exists()
+
+
 def test_engine_from_pretrained_tokenizer_false_and_bad_kwargs():
     engine = Engine.from_pretrained(_file("tiny_qwen2"), tokenizer=False, num_blocks=8,
                                     block_size=16)
