@@ -38,7 +38,7 @@ from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.events import KVCacheEvent
 from prefixcache.core.groups.base import check_block_hash_list
 from prefixcache.core.hashing import BlockHasher
-from prefixcache.core.tiers import TierChain, TierHit, build_lower_tiers, lower_tiers_requested
+from prefixcache.core.tiers import TierHit, build_lower_tiers, lower_tiers_requested
 from prefixcache.core.tiers.host import (
     HostHit,
     HostTierAPI,
@@ -694,12 +694,8 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
             self._allocate_slow = self._allocate_slow_tiered
             if lower:
                 pool = self.block_pool
-                host_tier.lower = TierChain(
-                    lower, record=host_tier.record_tier_transfer,
-                    events_owner=pool if self.enable_events else None,
-                    event_hash=pool._event_hash, block_size=block_size)
-                if host_tier.lower.wants_origin:
-                    host_tier.keep_origins()
+                host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
+                                       event_hash=pool._event_hash, block_size=block_size)
                 self._hit_blocks = self._hit_blocks_chain
         self.host_tier = host_tier
         # Hit tokens adopted at admission from each tier below the host, by name.

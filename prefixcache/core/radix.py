@@ -133,7 +133,7 @@ from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
-from prefixcache.core.tiers import TierChain, TierHit
+from prefixcache.core.tiers import TierHit
 
 _new = object.__new__
 
@@ -429,12 +429,8 @@ class RadixKVCacheManager(_OneGroupManager):
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
             if lower:  # the tiers below the host (prefixcache.core.tiers)
-                host_tier.lower = TierChain(
-                    lower, record=host_tier.record_tier_transfer,
-                    events_owner=self if self.enable_events else None,
-                    event_hash=self._event_hash, block_size=block_size)
-                if host_tier.lower.wants_origin:
-                    host_tier.keep_origins()
+                host_tier.attach_lower(lower, events_owner=self if self.enable_events else None,
+                                       event_hash=self._event_hash, block_size=block_size)
         # Hit tokens adopted at admission from each tier below the host, by name.
         self._lower_hit_tokens = {t.name: 0 for t in lower}
 

@@ -91,7 +91,7 @@ from prefixcache.core.eviction import (
 from prefixcache.core.eviction.base import EvictionPolicy
 from prefixcache.core.events import MEDIUM_CPU, BlockRemoved, BlockStored
 from prefixcache.core.groups.base import _KEY_BYTES
-from prefixcache.core.tiers.base import HOST_LINK, TierHit, _Origin
+from prefixcache.core.tiers.base import HOST_LINK, TierChain, TierHit, _Origin
 
 HOST_STORE = "store"  # device page block_id -> host slot (at demotion)
 HOST_LOAD = "load"  # host slot -> device page block_id (at promotion)
@@ -430,6 +430,17 @@ class HostTier:
         self.num_stored += 1
         if self.enable_events:
             self._stored(h, parent)
+
+    def attach_lower(self, tiers, *, events_owner, event_hash, block_size: int) -> None:
+        """Put the tiers below the host (``tiers``, built by ``build_lower_tiers``) under
+        this tier as one ``TierChain``: what the host evicts goes down it, and its copies
+        join this tier's transfers. ``events_owner``: the object whose ``events`` the
+        chain's events join (None: events off)."""
+        self.lower = TierChain(tiers, record=self.record_tier_transfer,
+                               events_owner=events_owner, event_hash=event_hash,
+                               block_size=block_size)
+        if self.lower.wants_origin:
+            self.keep_origins()
 
     def keep_origins(self) -> None:
         """Keep each entry's ``_Origin`` (its request's priority and retention hints)
