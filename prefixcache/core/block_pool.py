@@ -170,16 +170,20 @@ class FreeKVCacheBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the tail, in the given order (last one becomes the tail)."""
+        tail = self.tail
+        self._link(tail.prev_free_block, tail, blocks)
+
+    def _link(self, prev: KVCacheBlock, nxt: KVCacheBlock,
+              blocks: Sequence[KVCacheBlock]) -> None:
+        """Link ``blocks``, in order, between the adjacent ``prev`` and ``nxt``."""
         if not blocks:
             return
-        tail = self.tail
-        last = tail.prev_free_block
         for block in blocks:
-            block.prev_free_block = last
-            last.next_free_block = block
-            last = block
-        last.next_free_block = tail
-        tail.prev_free_block = last
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def release(self, ordered_blocks: Iterable[KVCacheBlock], unhashed_first: bool) -> int:
@@ -220,18 +224,8 @@ class FreeKVCacheBlockQueue:
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put ``blocks`` at the head, in the given order (first one becomes the head)."""
-        if not blocks:
-            return
         head = self.head
-        first = head.next_free_block
-        prev = head
-        for block in blocks:
-            block.prev_free_block = prev
-            prev.next_free_block = block
-            prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        self._link(head, head.next_free_block, blocks)
 
     def block_ids(self) -> list[int]:
         """The free block ids, head (next to be reused) first."""
@@ -529,35 +523,17 @@ class BlockPool:
                 f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} "
                 "block hashes"
             )
-        cached = self.cached_block_hash_to_block
         # NOTE: one slice of each (a Request's hashes are a read-only view whose
         # per-item indexing is a Python-level call); the hashes' slice starts at the
         # parent of the first new block (kept as each block's parent_hash).
         if num_cached_blocks:
             hashes = block_hashes[num_cached_blocks - 1:num_full_blocks]
-            parent = hashes[0]
+            parents = hashes[:-1]
             hashes = hashes[1:]
         else:
             hashes = block_hashes[:num_full_blocks]
-            parent = None
-        for blk, h in zip(blocks[num_cached_blocks:num_full_blocks], hashes):
-            if blk.block_hash is not None:
-                raise InvariantError(
-                    f"block {blk.block_id} is being cached as {h.hex()} but already "
-                    f"has hash {blk.block_hash.hex()}"
-                )
-            blk.block_hash = h
-            blk.parent_hash = parent
-            parent = h
-            cur = cached.get(h)
-            if cur is None:
-                cached[h] = blk
-            elif type(cur) is dict:
-                cur[blk.block_id] = blk
-            else:
-                # NOTE: no de-duplication: block tables are append-only, so the
-                # same content may be cached twice under one key (seed example).
-                cached[h] = {cur.block_id: cur, blk.block_id: blk}
+            parents = [None, *hashes[:-1]]
+        self._insert(blocks[num_cached_blocks:num_full_blocks], hashes, parents)
         self.num_blocks_cached += num_full_blocks - num_cached_blocks
         if self.enable_events:
             eh = self._event_hash
@@ -580,54 +556,39 @@ class BlockPool:
             if tier.lower is not None:
                 tier.lower.discard_cached(new)
 
-    def cache_group_blocks(
-        self,
-        request,
-        blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[bytes],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        group_id: int,
-    ) -> None:
+    def cache_group_blocks(self, request, blocks: Sequence[KVCacheBlock],
+                           block_hashes: Sequence[bytes], num_cached_blocks: int,
+                           num_full_blocks: int, block_size: int, group_id: int) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` of group ``group_id``
         under ``(hash, group_id)`` keys, skipping null slots (vLLM's
         ``cache_full_blocks`` with a group id; a pool built with ``groups``)."""
         if len(block_hashes) < num_full_blocks:
             raise InvariantError(
                 f"caching blocks up to {num_full_blocks} with only {len(block_hashes)} hashes")
+        if num_full_blocks <= num_cached_blocks:
+            return
         null = self.null_block
         suffix = group_suffix(group_id)
-        cached = self.cached_block_hash_to_block
         hashes = block_hashes[:num_full_blocks]
-        stored: list[bytes] = []
-        n = 0
+        # (loops, not comprehensions: their free variables would be cells made on
+        # every call)
+        positions = []
+        new = []
+        keys = []
+        parents = []
         for i in range(num_cached_blocks, num_full_blocks):
             blk = blocks[i]
-            if blk is null:
-                continue
-            h = hashes[i]
-            key = h + suffix
-            if blk.block_hash is not None:
-                raise InvariantError(
-                    f"group {group_id} block {blk.block_id} is being cached as {key.hex()} "
-                    f"but already has key {blk.block_hash.hex()}")
-            blk.block_hash = key
-            blk.parent_hash = hashes[i - 1] + suffix if i else None
-            cur = cached.get(key)
-            if cur is None:
-                cached[key] = blk
-            elif type(cur) is dict:
-                cur[blk.block_id] = blk
-            else:
-                cached[key] = {cur.block_id: cur, blk.block_id: blk}
-            n += 1
-            if self.enable_events:
-                stored.append(h)
-        self.num_blocks_cached += n
-        if self.enable_events and stored:
-            # (loops, not comprehensions: their free variables would be cells made
-            # on every call, events off too)
+            if blk is not null:
+                positions.append(i)
+                new.append(blk)
+                keys.append(hashes[i] + suffix)
+                parents.append(hashes[i - 1] + suffix if i else None)
+        self._insert(new, keys, parents, group_id)
+        self.num_blocks_cached += len(positions)
+        if self.enable_events and positions:
+            stored = []
+            for i in positions:
+                stored.append(hashes[i])
             extra = []
             for i in range(num_cached_blocks, num_full_blocks):
                 if blocks[i] is not null:
@@ -645,8 +606,6 @@ class BlockPool:
         tier = self.host_tier
         if policy is None and tier is None:
             return
-        positions = [pos for pos in range(num_cached_blocks, num_full_blocks)
-                     if blocks[pos] is not null]
         if policy is not None:
             # The policy sees each cached block under its plain digest (the prefix it
             # holds, whatever group), so belady's next uses are the trace's; a policy
@@ -660,8 +619,28 @@ class BlockPool:
                 for pos in positions:
                     on_cached(blocks[pos], block_hashes[pos], request, pos)
         if tier is not None:
-            self._cached_on_tier(tier, request, blocks, positions,
-                                 [block_hashes[pos] + suffix for pos in positions])
+            self._cached_on_tier(tier, request, blocks, positions, keys)
+
+    def _insert(self, blocks, keys, parents, group_id: int | None = None) -> None:
+        """Enter each of ``blocks`` into the hash map under its key in ``keys`` (its
+        parent's key in ``parents``); ``group_id`` (for errors): their group."""
+        cached = self.cached_block_hash_to_block
+        for blk, key, parent in zip(blocks, keys, parents):
+            if blk.block_hash is not None:
+                raise InvariantError(
+                    f"{'' if group_id is None else f'group {group_id} '}block {blk.block_id} is being cached as {key.hex()} but "
+                    f"already has key {blk.block_hash.hex()}")
+            blk.block_hash = key
+            blk.parent_hash = parent
+            cur = cached.get(key)
+            if cur is None:
+                cached[key] = blk
+            elif type(cur) is dict:
+                cur[blk.block_id] = blk
+            else:
+                # NOTE: no de-duplication: block tables are append-only, so the
+                # same content may be cached twice under one key (seed example).
+                cached[key] = {cur.block_id: cur, blk.block_id: blk}
 
     @staticmethod
     def _cached_on_tier(tier, request, blocks, positions, keys) -> None:

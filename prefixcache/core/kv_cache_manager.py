@@ -399,43 +399,16 @@ class _OneGroupManager(HostTierAPI):
     it can hand out now), ``_take_blocks(n)`` and ``_cache(st, num_full, hashes)``
     (enter the request's blocks up to ``num_full`` into the index)."""
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
-    ) -> KVCacheBlocks | None:
-        """Give ``request`` slots for ``num_new_tokens`` more tokens.
-
-        For a new request, ``new_computed_blocks`` / ``num_new_computed_tokens`` are
-        the prefix hit from ``get_computed_blocks``: those blocks are adopted (ref
-        count +1, out of the free blocks; the radix tree locks their nodes) and start
-        its block table. New blocks come from the free blocks (evicting cached ones,
-        in the policy's order). Every block that is full after this step -- up to
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | Sequence[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """``KVCacheManager.allocate_slots`` for one group (the contract, arguments and
+        errors are documented there): adopted hit blocks get a reference (the radix
+        tree also locks their nodes), new blocks come from the free blocks in the
+        policy's order, and every block full after this step -- up to
         ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` tokens,
-        capped at ``request.num_tokens`` -- is cached at once, so later requests in the
-        same batch can hit it.
-
-        Args:
-            request: the request (``request.num_computed_tokens`` tokens already
-                have KV; the caller advances it after the step).
-            num_new_tokens: tokens to compute in this step (>= 0).
-            num_new_computed_tokens: prefix-hit tokens (new requests only).
-            new_computed_blocks: the prefix-hit blocks (new requests only).
-            num_lookahead_tokens: extra slots to reserve (speculative tokens).
-
-        Returns:
-            The newly allocated blocks (possibly empty), or ``None`` when the free
-            blocks do not suffice -- in which case nothing changed.
-
-        Raises:
-            ValueError: negative counts, hit tokens that do not match the hit
-                blocks, hit blocks for a running request, a sequence beyond
-                ``max_model_len``, or ``request.num_computed_tokens`` not an int in
-                ``[0, num_tokens]``. Nothing changed.
-        """
+        capped at ``request.num_tokens`` -- is cached at once."""
         try:
             st = self._states_by_request[request]  # NOTE: a subscript, not a .get() call
         except (KeyError, TypeError):  # (TypeError: unhashable, not a Request at all)
@@ -479,32 +452,11 @@ class _OneGroupManager(HostTierAPI):
             )
         if type(request._priority) is not int:  # (the policy / tier read it when caching)
             check_release_inputs(request)
-        bs = self.block_size
-        blocks = st.blocks
-        num_new_blocks = -(-total // bs) - len(blocks)
-        if num_new_blocks > 0:
-            if num_new_blocks > self._num_available():
-                self.num_failed_allocations += 1
-                return None
-            new_blocks = self._take_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-        else:
-            new_blocks = []
-        # NOTE: total // bs bounds the full blocks; only when it passes the cached
-        # ones are the hashes read.
-        if total // bs > st.num_cached_blocks and self.enable_caching:
-            num_full = (total if total < num_tokens else num_tokens) // bs
-            hashes = request.block_hashes
-            if num_full > len(hashes):
-                num_full = len(hashes)
-            if num_full > st.num_cached_blocks:
-                self._cache(st, num_full, hashes)
-        st.idle_until = self._idle_bound(st)
-        if not new_blocks:
-            return self._empty
-        r = _new(KVCacheBlocks)
-        r.blocks = (new_blocks,)
-        return r
+        num_new_blocks = -(-total // self.block_size) - len(st.blocks)
+        if num_new_blocks > 0 and num_new_blocks > self._num_available():
+            self.num_failed_allocations += 1
+            return None
+        return self._grow_and_cache(request, st, num_new_blocks, total)
 
     def _idle_bound(self, st: _RequestState) -> int:
         """``st.idle_until`` for its current blocks and cached blocks (recomputed after
@@ -521,14 +473,20 @@ class _OneGroupManager(HostTierAPI):
         return limit
 
     def _grow_and_cache(self, request, st, num_new_blocks: int, total: int):
-        """The end of an admission (plain or tiered): append ``num_new_blocks`` fresh
-        blocks to the request's table, cache its full blocks up to ``total`` tokens, and
-        return the new blocks."""
+        """The end of an admission (plain or tiered) and of a running request's growth:
+        append ``num_new_blocks`` fresh blocks to the request's table, cache its full
+        blocks up to ``total`` tokens, and return the new blocks."""
         bs = self.block_size
-        new_blocks = self._take_blocks(num_new_blocks) if num_new_blocks else []
-        st.blocks.extend(new_blocks)
-        if self.enable_caching:
-            request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
+        if num_new_blocks > 0:
+            new_blocks = self._take_blocks(num_new_blocks)
+            st.blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        # NOTE: total // bs bounds the full blocks; only when it passes the cached ones
+        # are the hashes read (a request is bound to the hasher at its first).
+        if total // bs > st.num_cached_blocks and self.enable_caching:
+            if not st.num_cached_blocks:
+                request.bind_hasher(self.hasher, bs)  # a no-op after get_computed_blocks
             hashes = request.block_hashes
             num_full = min(total, request.num_tokens, len(hashes) * bs) // bs
             if num_full > st.num_cached_blocks:

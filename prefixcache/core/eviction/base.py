@@ -220,14 +220,19 @@ class KeyedPolicy(EvictionPolicy):
 
     # -- candidates --------------------------------------------------------------
     def add(self, block) -> None:
+        self._push(block, self.key(block))
+
+    def _push(self, block, key) -> int:
+        """Make ``block`` a candidate keyed ``key``; its heap token."""
         bid = block.block_id
         if self._token[bid]:
             raise PolicyError(f"{self.name}: block {bid} is already a candidate")
         self._next_token += 1
         tok = self._next_token
         self._token[bid] = tok
-        heapq.heappush(self._heap, (self.key(block), tok, block))
+        heapq.heappush(self._heap, (key, tok, block))
         self._n += 1
+        return tok
 
     def discard(self, block) -> None:
         bid = block.block_id
@@ -391,16 +396,9 @@ class TimedPolicy(KeyedPolicy):
         self.now = self.time_of(now_s, step)
 
     def add(self, block) -> None:
-        bid = block.block_id
-        if self._token[bid]:
-            raise PolicyError(f"{self.name}: block {bid} is already a candidate")
-        self._next_token += 1
-        tok = self._next_token
-        self._token[bid] = tok
         key, until = self.priority(block, self.now)
-        heapq.heappush(self._heap, (key, tok, block))
-        self._n += 1
-        self._until[bid] = until
+        tok = self._push(block, key)
+        self._until[block.block_id] = until
         if until != math.inf:
             heapq.heappush(self._timers, (until, tok, block))
 
