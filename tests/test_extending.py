@@ -653,3 +653,45 @@ def test_group_kind_recipe_needs_no_registry_edit():
 
     with pytest.raises(ValueError, match="registered group kind's name"):
         kv_groups.KVCacheGroup(Taken(), ["c"])
+
+
+def test_group_kind_recipe_serves_through_the_engine_and_server():
+    # The toy kind in place of a sliding-window model's full-attention group, through
+    # the Engine and the OpenAI-compatible server: the same tokens and hits as the
+    # model's own layout, the toy manager answering the full group's lookups.
+    import httpx
+
+    from prefixcache.core.kv_groups import KVCacheGroup
+    from prefixcache.engine import Engine, SamplingParams, model_kv_cache_groups
+    from prefixcache.model import ModelConfig
+    from prefixcache.serve.app import build_app
+
+    Spec, Manager = _toy_kind()
+    model = ModelConfig.tiny_hybrid()
+    own = tuple(KVCacheGroup(Spec(), g.layer_names) if g.spec.sliding_window is None else g
+                for g in model_kv_cache_groups(model))
+    assert [type(g.spec) for g in own].count(Spec) == 1
+    kw = dict(num_blocks=48, block_size=4)
+    run = dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96)
+    ref = Engine(model, cache_config=CacheConfig(**kw), **run)
+    eng = Engine(model, cache_config=CacheConfig(**kw, kv_cache_groups=own),
+                 share_programs_with=ref, **run)
+    assert [type(k) for k in eng.kv_cache_manager.implementation._kinds].count(Manager) == 1
+    prompts = [[5 + i % 2] * 12 + [40 + i] * 3 for i in range(4)]
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    got = {}
+    for name, e in (("ref", ref), ("own", eng)):
+        outs = [e.generate([p], sp)[0] for p in prompts]
+        got[name] = [(o.token_ids, o.metrics.num_cached_tokens) for o in outs]
+    assert got["own"] == got["ref"] and sum(c for _, c in got["own"]) > 0
+    lookups = Manager.lookups
+    assert lookups > 0
+    srv = _server_thread(build_app(eng, served_model_name="tiny", tokenizer=None))
+    try:
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 3, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert Manager.lookups > lookups
+    finally:
+        srv.close()

@@ -13,7 +13,7 @@ metrics), `distributed` (one process per host), `faults` (fault injection points
 `warmup` (`Engine.warmup`: every step program compiled before any request; JAX's
 persistent compilation cache, `enable_compilation_cache`).
 """
-from prefixcache.engine.engine import Engine
+from prefixcache.engine.engine import Engine, model_kv_cache_groups
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.outputs import EngineMetrics, RequestMetrics, RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -31,4 +31,5 @@ __all__ = [
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",
+    "model_kv_cache_groups",
 ]

@@ -143,8 +143,9 @@ class Engine:
         (`page_bytes` must be unset or the engine's `kv_bytes_per_block`; a remote
         store or tiers of one's own, `remote_bytes` / `tiers`, keep their pages in host
         memory: `page_files.MemoryPages`); a cache keyword given with a
-        non-default value overrides its field. Its `kv_cache_groups` must be None (they
-        come from the model config).
+        non-default value overrides its field. Its `kv_cache_groups` is None (the
+        model's layers decide them: `model_kv_cache_groups`) or a layout of group
+        kinds of one's own over the same groups, layers and windows.
       kv_cache_bytes: the pool's size as a byte budget instead of `num_blocks` (an int
         or a string such as "2GiB", `prefixcache.kv_dtypes.parse_bytes`; as vLLM's
         `kv_cache_memory_bytes`, but for the whole pool over all devices of a mesh, not
@@ -281,23 +282,12 @@ class Engine:
                 raise ValueError(f"page_bytes={page!r}: the engine's page is "
                                  f"{kv_block_bytes} bytes (every layer, {kv_dtype}); leave "
                                  "page_bytes unset")
+        given_groups = None
         if manager_kwargs and "kv_cache_groups" in manager_kwargs:
-            from prefixcache.core.kv_groups import (  # noqa: PLC0415
-                check_kv_cache_groups,
-                needs_aligned_prefill,
-            )
-
-            try:
-                given = check_kv_cache_groups(manager_kwargs["kv_cache_groups"])
-            except (TypeError, ValueError):  # refused below either way
-                given = ()
-            if needs_aligned_prefill(given):
-                raise ValueError(
-                    "kv_cache_groups has a state-space (Mamba) group: the engine's model has "
-                    "no state-space layers, so it cannot run one; study the layout with "
-                    "prefixcache.sim.replay.replay(kv_cache_groups=...)")
-            raise ValueError("kv_cache_groups come from the model config (its sliding-window "
-                             "layers), not from manager_kwargs")
+            # A layout of the user's (group kinds of their own): it must group the
+            # model's layers as the model does (checked in _kv_cache_groups).
+            manager_kwargs = dict(manager_kwargs)
+            given_groups = manager_kwargs.pop("kv_cache_groups")
         num_host_blocks = check_count("num_host_blocks", num_host_blocks)
         if get_policy_class(host_eviction).needs_future:  # unknown name -> ValueError
             raise ValueError(f"host_eviction={host_eviction!r} needs the trace's future: "
@@ -306,7 +296,8 @@ class Engine:
                                  disk_eviction=disk_eviction, disk_reuse=disk_reuse,
                                  num_host_blocks=num_host_blocks, hash_algo=hash_algo,
                                  hash_seed=hash_seed, enable_caching=enable_caching)
-        kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index)
+        kv_cache_groups = _kv_cache_groups(model_config, eviction=eviction, index=index,
+                                           given=given_groups)
         if kv_cache_groups is not None and num_host_blocks:
             # NOTE: served by the hash index (per-group host slots, core/hybrid.py): a
             # block id is a page of every shared KV array, which holds one layer of each
@@ -1494,7 +1485,7 @@ _ENGINE_CACHE = {"num_blocks": None, "block_size": 16, "enable_caching": True,
 # must be the engine's own).
 _ENGINE_MANAGER_FIELDS = ("free_order", "eviction_options", "host_eviction_options",
                           "enable_events", "page_bytes", "remote_bytes", "remote_eviction",
-                          "tiers")
+                          "tiers", "kv_cache_groups")
 
 
 def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:
@@ -1511,13 +1502,11 @@ def _unpack_cache_config(cache_config, manager_kwargs, keywords: dict) -> tuple:
     if cfg.kv_cache_groups is not None:
         from prefixcache.core.kv_groups import needs_aligned_prefill  # noqa: PLC0415
 
-        if needs_aligned_prefill(cfg.kv_cache_groups):
+        if needs_aligned_prefill(cfg.kv_cache_groups):  # (before the model is read)
             raise ValueError(
                 "cache_config.kv_cache_groups has a state-space (Mamba) group: the engine's "
                 "model has no state-space layers, so it cannot run one; study the layout "
                 "with prefixcache.sim.replay.replay(kv_cache_groups=...)")
-        raise ValueError("cache_config.kv_cache_groups must be None: an Engine's KV cache "
-                         "groups come from its model config (sliding-window layers)")
     if manager_kwargs and set(_ENGINE_MANAGER_FIELDS) & set(manager_kwargs):
         raise ValueError(f"give {sorted(set(_ENGINE_MANAGER_FIELDS) & set(manager_kwargs))} "
                          "in cache_config or in manager_kwargs, not both")
@@ -1621,22 +1610,71 @@ def _replicated(mesh):
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _kv_cache_groups(config, *, eviction: str, index: str) -> tuple | None:
-    """The KV cache groups of a model with sliding-window layers (None otherwise):
-    `config.kv_groups`, built by vLLM's rule (equal-size groups whose i-th layers share
-    one KV array; the step's per-group metadata has the same order).
+def model_kv_cache_groups(config) -> tuple:
+    """The KV cache groups an Engine builds for `config`'s layers: `config.kv_groups`
+    (vLLM's rule: equal-size groups whose i-th layers share one KV array; the step's
+    per-group metadata has the same order) as `KVCacheGroup`s over the layer names
+    ``"layers.{i}"``, full attention or sliding window as each layer attends.
 
-    Raises:
-      ValueError: a sliding-window model with an index the hybrid managers do not
-        serve, or a combination the one rule refuses (checked before anything is built;
-        the policy's options are the manager's to check, before the model runner).
+    A layout of one's own for an Engine (``CacheConfig(kv_cache_groups=...)``: group
+    kinds of one's own package, whose spec class names its ``manager_class``) starts
+    from this one and keeps its groups, their layers and each group's
+    ``sliding_window``; only the spec's kind (which blocks its manager keeps, hits and
+    frees) is the user's.
     """
-    groups = getattr(config, "kv_groups", None)
-    if not groups or (len(groups) == 1 and groups[0][0] is None):
-        return None
     from prefixcache.core.kv_groups import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 
-    windows = sorted({w for w, _ in groups if w is not None})
+    groups = getattr(config, "kv_groups", None) or (
+        (None, tuple(range(config.num_layers))),)
+    return tuple(
+        KVCacheGroup(FullAttentionSpec() if w is None else SlidingWindowSpec(w),
+                     tuple(f"layers.{i}" for i in layers))
+        for w, layers in groups)
+
+
+def _check_given_groups(given, layout: tuple) -> tuple:
+    """A user's ``kv_cache_groups`` for the Engine: checked, and grouping the model's
+    layers as ``layout`` (`model_kv_cache_groups`) does, each group with its window."""
+    from prefixcache.core.kv_groups import (  # noqa: PLC0415
+        check_kv_cache_groups,
+        needs_aligned_prefill,
+    )
+
+    given = check_kv_cache_groups(given)
+    if needs_aligned_prefill(given):
+        raise ValueError(
+            "kv_cache_groups has a state-space (Mamba) group: the engine's model has no "
+            "state-space layers, so it cannot run one; study the layout with "
+            "prefixcache.sim.replay.replay(kv_cache_groups=...)")
+    want = [(tuple(g.layer_names), g.spec.sliding_window) for g in layout]
+    got = [(tuple(g.layer_names), getattr(g.spec, "sliding_window", None)) for g in given]
+    if got != want:
+        raise ValueError(
+            "kv_cache_groups must group the model's layers as the model attends: "
+            f"{[(list(n), w) for n, w in want]} as (layer names, sliding_window) per group, "
+            f"got {[(list(n), w) for n, w in got]} (start from "
+            "prefixcache.engine.model_kv_cache_groups(model_config) and change the specs' "
+            "kind only)")
+    return given
+
+
+def _kv_cache_groups(config, *, eviction: str, index: str, given=None) -> tuple | None:
+    """The KV cache groups of the Engine's manager: None for a model whose layers all
+    attend in full (the one-group manager) unless the user gave a layout (``given``:
+    group kinds of their own, `_check_given_groups`); else `model_kv_cache_groups`.
+
+    Raises:
+      ValueError: a layout that does not match the model's layers, a sliding-window
+        model with an index the hybrid managers do not serve, or a combination the one
+        rule refuses (checked before anything is built; the policy's options are the
+        manager's to check, before the model runner).
+    """
+    layout = model_kv_cache_groups(config)
+    if given is not None:
+        layout = _check_given_groups(given, layout)
+    elif len(layout) == 1 and layout[0].spec.sliding_window is None:
+        return None
+    windows = sorted({g.spec.sliding_window for g in layout} - {None})
     # NOTE: both indexes serve sliding-window layers (hash: vLLM's hybrid manager;
     # radix: core/radix_hybrid.py, SGLang's SWA radix cache), with every online eviction
     # policy and its options (the one rule below says what is refused, and why).
@@ -1644,15 +1682,12 @@ def _kv_cache_groups(config, *, eviction: str, index: str) -> tuple | None:
         raise ValueError(f"sliding-window layers (window {windows}) need index='hash' or "
                          f"'radix' (the hybrid KV cache managers) or an index class; got "
                          f"index={index!r}")
-    layout = tuple(
-        KVCacheGroup(FullAttentionSpec() if w is None else SlidingWindowSpec(w),
-                     tuple(f"layers.{i}" for i in layers))
-        for w, layers in groups)
     from prefixcache.core.indexes import refusal  # noqa: PLC0415
 
     why = refusal(index, layout, eviction, 0)  # (the host tier: checked by the caller)
     if why is not None:
-        raise ValueError(f"sliding-window layers (window {windows}): {why}")
+        what = f"sliding-window layers (window {windows})" if windows else "kv_cache_groups"
+        raise ValueError(f"{what}: {why}")
     return layout
 
 

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from prefixcache import CacheConfig
+
 from prefixcache.engine import Engine, SamplingParams
 from prefixcache.metadata import AttentionMetadata
 from prefixcache.model import ModelConfig
@@ -205,7 +207,12 @@ def test_plain_model_keeps_one_table_and_one_metadata():
     [
         (dict(index="nope"), "unknown index 'nope'"),
         (dict(eviction="belady"), "needs the trace's future"),
-        (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups come from the model"),
+        (dict(manager_kwargs={"kv_cache_groups": ()}), "kv_cache_groups is empty"),
+        (dict(manager_kwargs={"kv_cache_groups": "full,sw8"}),
+         "kv_cache_groups must be a list or tuple of KVCacheGroup"),
+        (dict(cache_config=CacheConfig(num_blocks=96, block_size=BS,
+                                       kv_cache_groups="full,sw8")),
+         "must group the model's layers as the model attends"),
         (dict(num_host_blocks=8, index="radix"), "radix layout index"),
     ],
 )
