@@ -223,7 +223,7 @@ def test_engine_takes_the_config(monkeypatch):
     s.calls.clear()
     engine_mod.Engine(ModelConfig.tiny(), cache_config=cfg, hash_algo="xxhash", model=eng.model)
     _assert_handed_on(s.calls, cfg.replace(hash_algo="xxhash"))
-    with pytest.raises(ValueError, match="kv_cache_groups must be None"):
+    with pytest.raises(ValueError, match="must group the model.s layers as the model attends"):
         engine_mod.Engine(ModelConfig.tiny(), cache_config=cfg.replace(kv_cache_groups="full"))
     with pytest.raises(ValueError, match="not both"):
         engine_mod.Engine(ModelConfig.tiny(), cache_config=cfg,
