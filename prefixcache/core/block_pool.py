@@ -660,8 +660,10 @@ class BlockPool:
                 for pos in positions:
                     on_cached(blocks[pos], block_hashes[pos], request, pos)
         if tier is not None:
-            self._cached_on_tier(tier, request, blocks, positions,
-                                 [block_hashes[pos] + suffix for pos in positions])
+            keys = [block_hashes[pos] + suffix for pos in positions]
+            self._cached_on_tier(tier, request, blocks, positions, keys)
+            if tier.lower is not None:
+                tier.lower.discard_cached(keys)
 
     @staticmethod
     def _cached_on_tier(tier, request, blocks, positions, keys) -> None:

@@ -8,6 +8,14 @@ else host hit? else the first lower tier that holds the hash? else stop. A hit b
 the host is a ``TierHit`` placeholder in ``get_computed_blocks``' list (``block_id ==
 -1`` until ``allocate_slots`` loads it into a fresh device block, as a ``HostHit``).
 
+Under a multi-group manager (``kv_cache_groups``: full attention + sliding window, state
+groups; ``core/hybrid.py``) every entry is one block of one group, held under the pool's
+``(block hash, group id)`` key (the digest followed by 4 group bytes), exactly as the
+host tier's ``GroupHostTier`` holds it: the chain is built with ``group_bytes=4``, and
+its transfers (``TierTransfer.key`` the plain digest, ``.group`` the group), KV events
+(the plain digest, ``group_idx``) and page names (``KeyTier.page_key``) split each key
+into its digest and group.
+
 Every tier below the host is a ``KeyTier``: a map of block hashes with a capacity in
 blocks, its own eviction policy (``prefixcache.core.eviction``: ``lru`` is an ordered
 map, any other policy a policy object over internal slots), and its ``link`` (a
@@ -94,10 +102,12 @@ class TierTransfer(NamedTuple):
             name).
         src_id, dst_id: a device block id, a host slot, or for the lower tiers the
             block's ``key``.
-        key: the block's cache key as an int (its content hash: the pool's hash key,
-            big-endian); file names ``f"{key:064x}"``-style are stable across restarts
+        key: the block's cache key as an int (its content hash: the block hash,
+            big-endian; under a multi-group manager the digest without the group
+            bytes); file names ``f"{key:064x}"``-style are stable across restarts
             for the same model, block size and hash algorithm.
-        group: the KV cache group (0 for one full-attention group).
+        group: the KV cache group (0 for one full-attention group); ``(key, group)``
+            names one page.
     """
 
     kind: str
@@ -252,6 +262,9 @@ class KeyTier:
     medium = "TIER"
     link = DISK_LINK
     inclusive = False
+    # Bytes of the group id at the end of each held hash: 0 under one full-attention
+    # group, 4 under a multi-group manager (set by its ``TierChain``).
+    group_bytes = 0
 
     def __init__(self, num_blocks: int, *, block_size: int = 16,
                  eviction: str | type = DEFAULT_POLICY,
@@ -304,6 +317,14 @@ class KeyTier:
     def keys(self):
         """The held hashes (pinned ones excepted)."""
         return self.entries.keys()
+
+    def page_key(self, h: bytes) -> tuple[int, int]:
+        """``(key, group)`` of the hash ``h``: its page's name in a page store (the
+        digest as a big-endian int, and the group id; group 0 under one group)."""
+        n = self.group_bytes
+        if n:
+            return int.from_bytes(h[:-n], "big"), int.from_bytes(h[-n:], "big")
+        return int.from_bytes(h, "big"), 0
 
     # ----------------------------------------------------------------- lookup
     def lookup(self, h: bytes) -> bool:
@@ -435,14 +456,26 @@ class TierChain:
             list), or ``None`` (events off).
         event_hash: the pool's digest -> event hash conversion.
         block_size: tokens per block (the event's ``block_size``).
+        group_bytes: the group id's bytes at the end of each hash (0: one
+            full-attention group; 4: a multi-group manager's ``(hash, group)`` keys).
     """
 
     def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
-                 events_owner=None, event_hash=None, block_size: int = 16):
+                 events_owner=None, event_hash=None, block_size: int = 16,
+                 group_bytes: int = 0):
         names = [t.name for t in tiers]
         dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
         if dup:
             raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
+        for t in tiers:  # (a store shared by managers holds one kind of key)
+            if vars(t).get("group_bytes", group_bytes) != group_bytes:
+                raise ValueError(
+                    f"the {t.name} tier is shared with a manager of another group layout "
+                    f"(keys with {t.group_bytes} group bytes, this one's {group_bytes}): "
+                    "managers sharing a tier need the same kind of KV cache groups")
+        for t in tiers:
+            t.group_bytes = group_bytes
+        self.group_bytes = group_bytes
         self.tiers = tiers
         self._record = record
         self._owner = events_owner
@@ -464,17 +497,25 @@ class TierChain:
         """The tier named ``name`` (``"disk"``, ``"remote"``, ...), or ``None``."""
         return next((t for t in self.tiers if t.name == name), None)
 
+    def _split(self, h: bytes) -> tuple[bytes, int]:
+        """``(digest, group id)`` of a held hash (``(h, 0)`` under one group)."""
+        n = self.group_bytes
+        if n:
+            return h[:-n], int.from_bytes(h[-n:], "big")
+        return h, 0
+
     # ------------------------------------------------------------------ events
     def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
-        eh = self._event_hash
+        digest, group = self._split(h)
         self._owner.events.append(BlockStored(
-            block_hashes=[eh(h)], parent_block_hash=None, token_ids=[],
+            block_hashes=[self._event_hash(digest)], parent_block_hash=None, token_ids=[],
             block_size=self.block_size, lora_id=None, medium=tier.medium, lora_name=None,
-            group_idx=0))
+            group_idx=group))
 
     def _removed(self, tier: KeyTier, h: bytes) -> None:
-        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
-                                        medium=tier.medium, group_idx=0))
+        digest, group = self._split(h)
+        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)],
+                                               medium=tier.medium, group_idx=group))
 
     # --------------------------------------------------------------- demotion
     def demote(self, h: bytes, src: str, src_id, origin: _Origin | None = None) -> None:
@@ -483,7 +524,8 @@ class TierChain:
         recording each copy; a hash no tier takes is dropped (miss accounting).
         ``origin``: the request that cached ``h`` (its priority and retention hints,
         for the tiers' policies), ``None`` when the tier above did not keep it."""
-        key = key_of(h)
+        digest, group = self._split(h)
+        key = key_of(digest)
         i = 0
         tiers = self.tiers
         while i < len(tiers):
@@ -501,7 +543,7 @@ class TierChain:
                     self._removed(tier, old)
                 self._cascade(old, i, tier.evicted_origin)
             self._record(TierTransfer(TIER_STORE, src, src_id if src == "host" else key,
-                                      tier.name, key, key, 0))
+                                      tier.name, key, key, group))
             if self.events:
                 self._stored(tier, h)
             return
@@ -512,7 +554,8 @@ class TierChain:
         """Tier ``i`` evicted ``h`` (demoted with ``origin``): demote it to tier
         ``i + 1`` and below."""
         tiers = self.tiers
-        key = key_of(h)
+        digest, group = self._split(h)
+        key = key_of(digest)
         src = tiers[i].name
         for j in range(i + 1, len(tiers)):
             tier = tiers[j]
@@ -525,7 +568,7 @@ class TierChain:
                 if self.events:
                     self._removed(tier, old)
                 self._cascade(old, j, tier.evicted_origin)
-            self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, 0))
+            self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, group))
             if self.events:
                 self._stored(tier, h)
             return
@@ -556,8 +599,9 @@ class TierChain:
         tier = hit.tier
         h = hit.block_hash
         tier.take(h)
-        key = key_of(h)
-        self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, 0))
+        digest, group = self._split(h)
+        key = key_of(digest)
+        self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, group))
         if self.events and not tier.inclusive:
             self._removed(tier, h)
 

@@ -279,6 +279,7 @@ class HostTier:
     name = "host"
     medium = MEDIUM_CPU
     link = HOST_LINK
+    group_bytes = 0  # (the group id's bytes at the end of each key: see GroupHostTier)
 
     def __init__(self, num_host_blocks: int, *, block_size: int, num_device_blocks: int,
                  eviction: str = DEFAULT_POLICY, eviction_options: Mapping[str, Any] | None = None,
@@ -438,7 +439,7 @@ class HostTier:
         chain's events join (None: events off)."""
         self.lower = TierChain(tiers, record=self.record_tier_transfer,
                                events_owner=events_owner, event_hash=event_hash,
-                               block_size=block_size)
+                               block_size=block_size, group_bytes=self.group_bytes)
         if self.lower.wants_origin:
             self.keep_origins()
 
@@ -588,8 +589,12 @@ class GroupHostTier(HostTier):
     one group (a page of that group's arrays; vLLM's hybrid layouts have one page
     size), and the exclusive contract (a key on the device or on the host, never both)
     holds per group. Events carry the plain digest and ``group_idx``; transfers are
-    ``GroupHostTransfer``s naming their group.
+    ``GroupHostTransfer``s naming their group. The tiers below it (``attach_lower``)
+    hold the same keys (``TierChain(group_bytes=4)``); their ``TierTransfer``s join the
+    list in order, each naming its group.
     """
+
+    group_bytes = _KEY_BYTES
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -614,6 +619,10 @@ class GroupHostTier(HostTier):
         super().load(slot_id, block_id)
         self.transfer_groups.append(g)
 
+    def record_tier_transfer(self, t) -> None:
+        super().record_tier_transfer(t)
+        self.transfer_groups.append(t.group)
+
     def take_transfers(self) -> list[HostTransfer]:
         out = self.pending_transfers()
         self.transfers = []
@@ -622,7 +631,7 @@ class GroupHostTier(HostTier):
 
     def pending_transfers(self) -> list[HostTransfer]:
         it = iter(self.transfers)
-        return [GroupHostTransfer(HOST_STORE, b, s, g) if b >= 0
+        return [b if type(b) is not int else GroupHostTransfer(HOST_STORE, b, s, g) if b >= 0
                 else GroupHostTransfer(HOST_LOAD, -1 - b, s, g)
                 for (b, s), g in zip(zip(it, it), self.transfer_groups)]
 
