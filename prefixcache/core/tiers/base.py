@@ -443,6 +443,47 @@ class KeyTier:
             self.policy.check_invariants([s.block_id for s in self.entries.values()])
 
 
+def blocks_for_bytes(arg: str, num_bytes, page_bytes) -> int:
+    """The pages of ``page_bytes`` that ``num_bytes`` holds (``ValueError`` naming
+    ``arg`` when that is not at least one)."""
+    if type(num_bytes) is not int or num_bytes < 0:
+        raise ValueError(f"{arg} must be a non-negative int (bytes), got {num_bytes!r}")
+    if type(page_bytes) is not int or page_bytes <= 0:
+        raise ValueError(f"{arg}={num_bytes} needs page_bytes (the bytes of one block's KV "
+                         f"page, every layer), a positive int; got {page_bytes!r}")
+    n = num_bytes // page_bytes
+    if n <= 0:
+        raise ValueError(f"{arg}={num_bytes} holds no page of page_bytes={page_bytes}")
+    return n
+
+
+class BudgetTier(KeyTier):
+    """A ``KeyTier`` sized by a byte budget: ``num_bytes // page_bytes`` blocks (the
+    disk tier and the remote store).
+
+    Class attributes:
+        budget_arg: the budget's keyword in the subclass's signature (``"disk_bytes"``,
+            ``"remote_bytes"``), named by the errors.
+
+    Args:
+        num_bytes: the budget in bytes.
+        page_bytes: one block's KV page (every layer), bytes.
+        block_size, eviction, eviction_options, link: as ``KeyTier``.
+    """
+
+    budget_arg = "num_bytes"
+
+    def __init__(self, num_bytes: int, *, page_bytes: int, block_size: int = 16,
+                 eviction: str | type = DEFAULT_POLICY,
+                 eviction_options: Mapping[str, Any] | None = None,
+                 link: TierLink | None = None):
+        super().__init__(blocks_for_bytes(self.budget_arg, num_bytes, page_bytes),
+                         block_size=block_size, eviction=eviction,
+                         eviction_options=eviction_options, link=link)
+        self.num_bytes = num_bytes
+        self.page_bytes = page_bytes
+
+
 class TierChain:
     """The tiers below a manager's host tier, top first, and the manager's view of
     them: demotion down the chain, lookup, promotion, attribution counters.
