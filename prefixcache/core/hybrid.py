@@ -50,6 +50,15 @@ hit list; the fixed-point alignment ``_lookup_hit`` is unchanged), and admission
 the one-group manager does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
 admitted hit by block position (a position loaded in any group is a host hit).
 
+Tiers below the host (``disk_bytes``, ``remote_bytes`` / ``remote``, ``tiers``; any layout
+the host tier serves). The host tier's chain (``tiers.TierChain``) holds the same
+``(hash, group)`` keys: a key the host evicts is demoted down it, each group's lookup
+falls through device -> host -> the chain (a ``TierHit``), admission loads the tier hits
+with the host hits (pinned first, ``TierTransfer`` naming the group) and the device
+caching a key drops the exclusive tiers' copies. ``hit_tokens_by_tier`` attributes each
+admitted block position to the slowest tier any group loaded it from (host before
+disk before remote), device if none did; they sum to the hit.
+
 Null slots. A sliding-window table slot whose block fell wholly before the window
 (or was skipped by a prefix hit) holds ``manager.null_block``, whose ``block_id`` is
 ``num_blocks``: the metadata builder's padding page (``MetadataBuilder(num_blocks=...)``
@@ -193,8 +202,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             free queue; others run through the policy pool); index: only ``"hash"``
             (others raise ``ValueError``).
         num_host_blocks, host_eviction, host_eviction_options: the per-group host tier
-            (as ``KVCacheManager``'s; full-attention and sliding-window groups only,
+            (as ``KVCacheManager``'s; the group kinds of ``indexes.TIER_GROUP_KINDS``,
             ``indexes.refusal``).
+        disk_bytes, disk_eviction, disk_eviction_options, page_bytes, remote_bytes,
+            remote_eviction, remote, tiers: the tiers below the host, per group key
+            (as ``HashKVCacheManager``'s; they need a host tier).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.

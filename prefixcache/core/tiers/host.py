@@ -38,8 +38,12 @@ events (plain digest + ``group_idx``). Its transfers are ``GroupHostTransfer``s 
 ``group`` names the group (``HostTransfer.group`` is 0 for one group). A replay or
 engine hit of L tokens is split by tier per block position: a position loaded in any
 group counts as host-hit tokens. A state-space (Mamba) group's block is one state
-snapshot, demoted and promoted whole under its key like any block. The radix index's
-layout manager does not take a host tier (``indexes.COMBINATION_RULES``).
+snapshot, demoted and promoted whole under its key like any block. The tiers below the
+host (``attach_lower``: disk, remote, a user's) hold the same keys (``TierChain(
+group_bytes=4)``): what the host evicts goes down the chain per key, a group's lookup
+falls through to them (a ``TierHit``), and a position loaded from several tiers counts
+for the slowest. The radix index's layout manager does not take a host tier
+(``indexes.COMBINATION_RULES``).
 
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host
