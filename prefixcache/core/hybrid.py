@@ -118,6 +118,7 @@ from prefixcache.core.request import Request
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 
 _new = object.__new__
+_PLACEHOLDERS = (HostHit, TierHit)  # (an admitted hit a tier below the device holds)
 
 
 def _overrides(kind, name: str) -> bool:
@@ -650,7 +651,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         attributed to the slowest tier any group loaded it from (the chain's order:
         host, then each tier below), device if none did."""
         loads = [(g, i) for g, table in enumerate(tables)
-                 for i, b in enumerate(table) if type(b) is HostHit or type(b) is TierHit]
+                 for i, b in enumerate(table) if type(b) in _PLACEHOLDERS]
         bs = self.block_size
         if not loads:
             self.device_hit_tokens += num_hit_tokens
@@ -665,19 +666,20 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             else:
                 hit.tier.pin(hit.block_hash)
         fresh = pool.get_new_blocks(len(loads))
-        # Per loaded block position: the rank of the slowest tier loaded there
-        # (0: the host, 1 + j: the chain's tier j).
-        rank: dict[int, int] = {}
+        # Per block position loaded from a tier below the host: the index in the chain
+        # of the slowest tier loaded there (None: none was).
+        lower_at: dict[int, int] | None = None
         for (g, i), blk in zip(loads, fresh):
             hit = tables[g][i]
             if type(hit) is HostHit:
                 tier.load(hit.host_slot, blk.block_id)
-                r = 0
             else:
                 chain.load(hit, blk.block_id)
-                r = 1 + chain.tiers.index(hit.tier)
-            if rank.get(i, -1) < r:
-                rank[i] = r
+                j = chain.tiers.index(hit.tier)
+                if lower_at is None:
+                    lower_at = {}
+                if lower_at.get(i, -1) < j:
+                    lower_at[i] = j
             hit.block_id = blk.block_id
             tables[g][i] = blk
         request.bind_hasher(self.hasher, bs)
@@ -691,16 +693,14 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 k += 1
             pool.cache_group_blocks(request, tables[g], hashes, start, loads[k][1] + 1, bs, g)
             j = k + 1
-        loaded = len(rank) * bs
-        if chain is None:
-            self.host_hit_tokens += loaded
-        else:
+        loaded = len({i for _, i in loads}) * bs
+        host = loaded
+        if lower_at is not None:
             lower = self._lower_hit_tokens
-            for r in rank.values():
-                if r:
-                    lower[chain.tiers[r - 1].name] += bs
-                else:
-                    self.host_hit_tokens += bs
+            for j in lower_at.values():
+                lower[chain.tiers[j].name] += bs
+            host -= len(lower_at) * bs
+        self.host_hit_tokens += host
         self.device_hit_tokens += num_hit_tokens - loaded
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:

@@ -62,17 +62,18 @@ def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,
                     f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
                     "full attention")
             continue
-        if is_host_hit is not None and type(b) in is_host_hit[0]:
+        t = type(b)
+        if t is not KVCacheBlock:
+            if is_host_hit is None or t not in is_host_hit[0]:
+                raise ArgumentTypeError(
+                    f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
             if not is_host_hit[1](b, g):
-                where = "host-tier" if type(b) is is_host_hit[0][0] else "lower-tier"
+                where = "host-tier" if t is is_host_hit[0][0] else "lower-tier"
                 raise ValueError(
                     f"{b!r} is not a current {where} hit of group {g} of this manager "
                     "(already promoted, or the tier's entry changed since "
                     "get_computed_blocks)")
             continue
-        if type(b) is not KVCacheBlock:
-            raise ArgumentTypeError(
-                f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
         if not is_cached(b, g):
             raise ValueError(
                 f"block {b.block_id} is not a cached block of group {g} of this manager")
@@ -165,8 +166,10 @@ class SingleTypeManager:
                 slot = on_host.get(key)
                 if slot is not None:
                     b = self._host_hit_class(key, slot.block_id)
+                elif find is None:
+                    return None
                 else:
-                    tier = find(key) if find is not None else None
+                    tier = find(key)
                     if tier is None:
                         return None
                     b = self._tier_hit_class(key, tier)
