@@ -118,7 +118,6 @@ from prefixcache.core.request import Request
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, PerGroupKVCacheBlocks, empty_blocks
 
 _new = object.__new__
-_PLACEHOLDERS = (HostHit, TierHit)  # (an admitted hit a tier below the device holds)
 
 
 def _overrides(kind, name: str) -> bool:
@@ -650,8 +649,9 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         Counts the hit's tokens by tier, per block position: a position is
         attributed to the slowest tier any group loaded it from (the chain's order:
         host, then each tier below), device if none did."""
+        # (a table holds blocks, the null block, and the HostHit / TierHit placeholders)
         loads = [(g, i) for g, table in enumerate(tables)
-                 for i, b in enumerate(table) if type(b) in _PLACEHOLDERS]
+                 for i, b in enumerate(table) if type(b) is not KVCacheBlock]
         bs = self.block_size
         if not loads:
             self.device_hit_tokens += num_hit_tokens
