@@ -269,7 +269,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             pool.attach_tier(host_tier)
             if lower:  # (the same (hash, group) keys: TierChain(group_bytes=4))
                 host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
-                                       event_hash=pool._event_hash, block_size=block_size)
+                                       event_hash=pool._event_hash, block_size=block_size,
+                                       layout=groups)
             self.host_eviction = host_eviction
             # Hit tokens adopted at admission, by tier (``_promote_host_hits``).
             self.device_hit_tokens = 0

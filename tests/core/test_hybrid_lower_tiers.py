@@ -141,9 +141,13 @@ def test_a_remote_store_shared_by_two_hybrid_managers():
     _, blocks, hit = _run(ms[1], "a", list(range(9)))
     assert hit == 8 and ms[1].hit_tokens_by_tier["remote"] == 8
     assert all(type(b) is TierHit for b in blocks.blocks[0])
-    # A one-group manager keys its blocks by the digest alone: it cannot share it.
+    # A one-group manager keys its blocks by the digest alone, another layout's group 1
+    # is another kind of group: neither can share it.
     with pytest.raises(ValueError, match="another group layout"):
         KVCacheManager(6, BS, num_host_blocks=2, remote=store)
+    with pytest.raises(ValueError, match="another group layout"):
+        KVCacheManager(6, BS, kv_cache_groups=parse_kv_groups("full,sw8"),
+                       num_host_blocks=2, remote=store)
 
 
 def test_a_foreign_tier_hit_is_refused_and_changes_nothing():

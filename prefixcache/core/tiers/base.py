@@ -499,23 +499,27 @@ class TierChain:
         block_size: tokens per block (the event's ``block_size``).
         group_bytes: the group id's bytes at the end of each hash (0: one
             full-attention group; 4: a multi-group manager's ``(hash, group)`` keys).
+        layout: the manager's KV cache groups (``None``: one full-attention group);
+            managers sharing a tier (a remote store) must have the same.
     """
 
     def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
                  events_owner=None, event_hash=None, block_size: int = 16,
-                 group_bytes: int = 0):
+                 group_bytes: int = 0, layout=None):
         names = [t.name for t in tiers]
         dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
         if dup:
             raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
-        for t in tiers:  # (a store shared by managers holds one kind of key)
-            if vars(t).get("group_bytes", group_bytes) != group_bytes:
+        for t in tiers:  # (a store shared by managers holds one layout's keys)
+            if "key_layout" in vars(t) and t.key_layout != layout:
                 raise ValueError(
                     f"the {t.name} tier is shared with a manager of another group layout "
-                    f"(keys with {t.group_bytes} group bytes, this one's {group_bytes}): "
-                    "managers sharing a tier need the same kind of KV cache groups")
+                    f"({t.key_layout!r}, this one's {layout!r}): a group id names a "
+                    "different group in each; managers sharing a tier need the same "
+                    "kv_cache_groups")
         for t in tiers:
             t.group_bytes = group_bytes
+            t.key_layout = layout
         self.group_bytes = group_bytes
         self.tiers = tiers
         self._record = record

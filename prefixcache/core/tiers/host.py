@@ -436,14 +436,17 @@ class HostTier:
         if self.enable_events:
             self._stored(h, parent)
 
-    def attach_lower(self, tiers, *, events_owner, event_hash, block_size: int) -> None:
+    def attach_lower(self, tiers, *, events_owner, event_hash, block_size: int,
+                     layout=None) -> None:
         """Put the tiers below the host (``tiers``, built by ``build_lower_tiers``) under
         this tier as one ``TierChain``: what the host evicts goes down it, and its copies
         join this tier's transfers. ``events_owner``: the object whose ``events`` the
-        chain's events join (None: events off)."""
+        chain's events join (None: events off); ``layout``: the manager's KV cache
+        groups (None: one full-attention group)."""
         self.lower = TierChain(tiers, record=self.record_tier_transfer,
                                events_owner=events_owner, event_hash=event_hash,
-                               block_size=block_size, group_bytes=self.group_bytes)
+                               block_size=block_size, group_bytes=self.group_bytes,
+                               layout=layout)
         if self.lower.wants_origin:
             self.keep_origins()
 
