@@ -174,3 +174,22 @@ def test_the_radix_layout_index_refuses_the_tiers_by_the_rule():
         KVCacheManager(6, BS, index="radix", kv_cache_groups=SW, num_host_blocks=2,
                        disk_bytes=400, page_bytes=100)
     assert str(e.value) == why
+
+
+def test_a_tier_of_ones_own_under_a_hybrid_host():
+    from prefixcache.core.tiers import KeyTier, TierLink
+
+    class Slow(KeyTier):
+        name = "slow"
+        medium = "SLOW"
+        link = TierLink(1e9, 1e-4)
+
+    m = KVCacheManager(6, BS, kv_cache_groups=SW, num_host_blocks=2, enable_events=True,
+                       tiers=({"tier": Slow, "num_blocks": 8},))
+    _run(m, "a", list(range(9)))
+    _run(m, "b", list(range(100, 109)))
+    m.take_events()
+    _, blocks, hit = _run(m, "a2", list(range(9)))
+    assert hit == 8 and m.hit_tokens_by_tier == {"device": 0, "host": 0, "slow": 8}
+    removed = [e for e in m.take_events() if e.medium == "SLOW"]
+    assert {e.group_idx for e in removed} == {0, 1}  # (both groups' keys loaded from it)
