@@ -620,6 +620,8 @@ class BlockPool:
                     on_cached(blocks[pos], block_hashes[pos], request, pos)
         if tier is not None:
             self._cached_on_tier(tier, request, blocks, positions, keys)
+            if tier.lower is not None:
+                tier.lower.discard_cached(keys)
 
     def _insert(self, blocks, keys, parents, group_id: int | None = None) -> None:
         """Enter each of ``blocks`` into the hash map under its key in ``keys`` (its
@@ -627,8 +629,9 @@ class BlockPool:
         cached = self.cached_block_hash_to_block
         for blk, key, parent in zip(blocks, keys, parents):
             if blk.block_hash is not None:
+                where = "" if group_id is None else f"group {group_id} "
                 raise InvariantError(
-                    f"{'' if group_id is None else f'group {group_id} '}block {blk.block_id} is being cached as {key.hex()} but "
+                    f"{where}block {blk.block_id} is being cached as {key.hex()} but "
                     f"already has key {blk.block_hash.hex()}")
             blk.block_hash = key
             blk.parent_hash = parent

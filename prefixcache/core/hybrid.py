@@ -50,6 +50,15 @@ hit list; the fixed-point alignment ``_lookup_hit`` is unchanged), and admission
 the one-group manager does. ``device_hit_tokens`` / ``host_hit_tokens`` split each
 admitted hit by block position (a position loaded in any group is a host hit).
 
+Tiers below the host (``disk_bytes``, ``remote_bytes`` / ``remote``, ``tiers``; any layout
+the host tier serves). The host tier's chain (``tiers.TierChain``) holds the same
+``(hash, group)`` keys: a key the host evicts is demoted down it, each group's lookup
+falls through device -> host -> the chain (a ``TierHit``), admission loads the tier hits
+with the host hits (pinned first, ``TierTransfer`` naming the group) and the device
+caching a key drops the exclusive tiers' copies. ``hit_tokens_by_tier`` attributes each
+admitted block position to the slowest tier any group loaded it from (host before
+disk before remote), device if none did; they sum to the hit.
+
 Null slots. A sliding-window table slot whose block fell wholly before the window
 (or was skipped by a prefix hit) holds ``manager.null_block``, whose ``block_id`` is
 ``num_blocks``: the metadata builder's padding page (``MetadataBuilder(num_blocks=...)``
@@ -70,6 +79,7 @@ from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 from prefixcache.core.eviction import DEFAULT_POLICY, get_policy_class, make_policy
 from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.hashing import BlockHasher
+from prefixcache.core.tiers.base import TierHit
 from prefixcache.core.tiers.host import (
     GroupHostTier,
     HostHit,
@@ -79,6 +89,7 @@ from prefixcache.core.tiers.host import (
 )
 from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_manager import (
+    _build_lower_tiers,
     manager_options,
     BlockPoolViews,
     _admission_checks,
@@ -191,8 +202,11 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             free queue; others run through the policy pool); index: only ``"hash"``
             (others raise ``ValueError``).
         num_host_blocks, host_eviction, host_eviction_options: the per-group host tier
-            (as ``KVCacheManager``'s; full-attention and sliding-window groups only,
+            (as ``KVCacheManager``'s; the group kinds of ``indexes.TIER_GROUP_KINDS``,
             ``indexes.refusal``).
+        disk_bytes, disk_eviction, disk_eviction_options, page_bytes, remote_bytes,
+            remote_eviction, remote, tiers: the tiers below the host, per group key
+            (as ``HashKVCacheManager``'s; they need a host tier).
 
     Attributes:
         kv_cache_groups: the checked groups (tuple); ``num_groups``.
@@ -203,7 +217,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
          max_model_len, int_event_hashes, eviction, eviction_options, index,
          kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
-         _) = manager_options(self, options, lower_tiers=False)
+         lower_tiers) = manager_options(self, options, lower_tiers=True)
         groups = check_kv_cache_groups(kv_cache_groups)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
@@ -220,6 +234,8 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         # or the LAYOUT_CLASS an index class declares (a subclass of this one).
         index = check_implementation(self, index, groups, eviction, num_host_blocks)
         self.hasher = BlockHasher(hash_algo, hash_seed)  # unknown algo -> ValueError
+        # The tiers below the host (disk, remote, a user's), built before any state.
+        lower = _build_lower_tiers(self, lower_tiers, num_host_blocks, block_size)
         self.kv_cache_groups = groups
         self.num_groups = len(groups)
         # NOTE: "lru" keeps vLLM's intrusive free queue (policy None, the goldens'
@@ -249,11 +265,17 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             int_event_hashes=int_event_hashes)  # bad free_order -> ValueError
         self.block_pool = BlockPool(num_blocks, policy=policy, **pool_kwargs)
         if host_tier is not None:
-            self.block_pool.attach_tier(host_tier)
+            pool = self.block_pool
+            pool.attach_tier(host_tier)
+            if lower:  # (the same (hash, group) keys: TierChain(group_bytes=4))
+                host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
+                                       event_hash=pool._event_hash, block_size=block_size,
+                                       layout=groups)
             self.host_eviction = host_eviction
             # Hit tokens adopted at admission, by tier (``_promote_host_hits``).
             self.device_hit_tokens = 0
             self.host_hit_tokens = 0
+            self._lower_hit_tokens = {t.name: 0 for t in lower}
         self.host_tier = host_tier
         self.num_host_blocks = num_host_blocks
         host_policy = host_tier.policy if host_tier is not None else None
@@ -413,7 +435,7 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         null = self.null_block
         kinds = self._kinds
         is_cached = self._is_cached_hit
-        is_host_hit = (HostHit, self._is_host_hit) if self.host_tier is not None else None
+        is_host_hit = ((HostHit, TierHit), self._is_host_hit) if self.host_tier is not None else None
         for g, blocks in enumerate(new_computed_blocks):
             if not isinstance(blocks, (list, tuple)):
                 raise ArgumentTypeError(
@@ -423,13 +445,17 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                                         kinds[g].allows_null_hits, is_cached, is_host_hit))
         return out
 
-    def _is_host_hit(self, b: HostHit, g: int) -> bool:
-        """``b`` is a current (unpromoted) host entry of group ``g`` of this manager."""
+    def _is_host_hit(self, b: HostHit | TierHit, g: int) -> bool:
+        """``b`` is a current (unpromoted) entry of group ``g`` in this manager's host
+        tier (a ``HostHit``) or in a tier below it (a ``TierHit``)."""
         tier = self.host_tier
-        sid = b.host_slot
         key = b.block_hash
+        if type(key) is not bytes or key[-_KEY_BYTES:] != self._suffix[g]:
+            return False
+        if type(b) is TierHit:
+            return tier.lower is not None and tier.lower.check_hit(b)
+        sid = b.host_slot
         return (b.block_id == -1 and type(sid) is int and 0 <= sid < tier.num_host_blocks
-                and type(key) is bytes and key[-_KEY_BYTES:] == self._suffix[g]
                 and tier.hash_to_slot.get(key) is tier.slots[sid])
 
     def _is_cached_hit(self, b: KVCacheBlock, g: int) -> bool:
@@ -611,30 +637,50 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
         return n
 
     def _promote_host_hits(self, request, tables, num_hit_tokens: int) -> None:
-        """Admission with a host tier: every ``HostHit`` left in the new request's
-        tables (the ones its groups keep: a sliding window's slots before the window
-        are null already, never loaded) gets a fresh device block, a recorded
-        ``load`` of its group, its ``block_id`` set, and the block cached under its
-        key (``BlockStored(medium="GPU")``); the host slot is freed. The device hits
-        were touched first (out of the free queue), and the host entries are pinned
-        while the device blocks are taken, so the demotions those evictions cause
-        never pick them (``host_tier`` module docstring). Capacity was counted
-        (``HostHit.ref_cnt``). Counts the hit's tokens by tier: a block position with
-        a load in any group is a host hit."""
+        """Admission with a host tier: every ``HostHit`` (and ``TierHit`` of a tier
+        below the host) left in the new request's tables (the ones its groups keep: a
+        sliding window's slots before the window are null already, never loaded) gets
+        a fresh device block, a recorded ``load`` of its group, its ``block_id`` set,
+        and the block cached under its key (``BlockStored(medium="GPU")``); the tier's
+        entry is freed (kept by an inclusive tier). The device hits were touched first
+        (out of the free queue), and the entries are pinned while the device blocks
+        are taken, so the demotions those evictions cause never pick them
+        (``host_tier`` module docstring). Capacity was counted (``ref_cnt`` 0).
+
+        Counts the hit's tokens by tier, per block position: a position is
+        attributed to the slowest tier any group loaded it from (the chain's order:
+        host, then each tier below), device if none did."""
+        # (a table holds blocks, the null block, and the HostHit / TierHit placeholders)
         loads = [(g, i) for g, table in enumerate(tables)
-                 for i, b in enumerate(table) if type(b) is HostHit]
+                 for i, b in enumerate(table) if type(b) is not KVCacheBlock]
         bs = self.block_size
         if not loads:
             self.device_hit_tokens += num_hit_tokens
             return
         tier = self.host_tier
+        chain = tier.lower
         pool = self.block_pool
         for g, i in loads:
-            tier.pin(tables[g][i].host_slot)
+            hit = tables[g][i]
+            if type(hit) is HostHit:
+                tier.pin(hit.host_slot)
+            else:
+                hit.tier.pin(hit.block_hash)
         fresh = pool.get_new_blocks(len(loads))
+        # Per block position loaded from a tier below the host: the index in the chain
+        # of the slowest tier loaded there (None: none was).
+        lower_at: dict[int, int] | None = None
         for (g, i), blk in zip(loads, fresh):
             hit = tables[g][i]
-            tier.load(hit.host_slot, blk.block_id)
+            if type(hit) is HostHit:
+                tier.load(hit.host_slot, blk.block_id)
+            else:
+                chain.load(hit, blk.block_id)
+                j = chain.tiers.index(hit.tier)
+                if lower_at is None:
+                    lower_at = {}
+                if lower_at.get(i, -1) < j:
+                    lower_at[i] = j
             hit.block_id = blk.block_id
             tables[g][i] = blk
         request.bind_hasher(self.hasher, bs)
@@ -648,9 +694,15 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 k += 1
             pool.cache_group_blocks(request, tables[g], hashes, start, loads[k][1] + 1, bs, g)
             j = k + 1
-        host = len({i for _, i in loads}) * bs
+        loaded = len({i for _, i in loads}) * bs
+        host = loaded
+        if lower_at is not None:
+            lower = self._lower_hit_tokens
+            for j in lower_at.values():
+                lower[chain.tiers[j].name] += bs
+            host -= len(lower_at) * bs
         self.host_hit_tokens += host
-        self.device_hit_tokens += num_hit_tokens - host
+        self.device_hit_tokens += num_hit_tokens - loaded
 
     def _idle_bounds(self, st: _HybridState) -> tuple[int, int]:
         """``(idle_until, idle_nc)`` for the state's tables now."""
@@ -704,6 +756,13 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
                 f"{len(tier.transfer_groups)} transfer groups")
         if any(not 0 <= g < self.num_groups for g in tier.transfer_groups):
             raise InvariantError(f"a host transfer of an unknown group: {tier.transfer_groups}")
+        for lower in (tier.lower.tiers if tier.lower is not None else ()):
+            for key in lower.entries:
+                g = int.from_bytes(key[-_KEY_BYTES:], "big")
+                if g >= self.num_groups or not self._caching[g]:
+                    raise InvariantError(
+                        f"the {lower.name} tier holds key {key.hex()} of group {g}, which "
+                        "caches no blocks in this layout")
 
     # ------------------------------------------------------------- inspection
     def _state(self, request_id) -> _HybridState:

@@ -109,7 +109,8 @@ LAYOUT_INDEX_KINDS = MappingProxyType({
 
 # The group kinds the host tier serves in a multi-group layout (the hash index's
 # ``GroupHostTier``: one host slot per block of one group; a state-space group's block
-# is one state snapshot, one page of the state arrays, demoted and promoted whole).
+# is one state snapshot, one page of the state arrays, demoted and promoted whole), and
+# the tiers below it (disk, remote, a user's: the same per-group keys).
 TIER_GROUP_KINDS = ("full_attention", "sliding_window", "mamba")
 
 

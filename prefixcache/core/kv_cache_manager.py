@@ -1072,15 +1072,18 @@ def _build_lower_tiers(manager, lower_tiers: dict, num_host_blocks: int, block_s
 def _check_lower_tiers_served(cls: type) -> None:
     """``ValueError`` unless ``cls`` (the implementation ``KVCacheManager`` resolved)
     serves the tiers below the host: the hash and radix indexes over one full-attention
-    group (a user's subclass of either too)."""
+    group, and the hash index's multi-group manager (``HybridKVCacheManager``: every
+    layout its host tier serves); a user's subclass of any of them too."""
+    from prefixcache.core.hybrid import HybridKVCacheManager  # noqa: PLC0415
     from prefixcache.core.radix import RadixKVCacheManager  # noqa: PLC0415
     from prefixcache.core.radix_hybrid import RadixHybridKVCacheManager  # noqa: PLC0415
 
-    if (not issubclass(cls, (HashKVCacheManager, RadixKVCacheManager))
+    if (not issubclass(cls, (HashKVCacheManager, RadixKVCacheManager, HybridKVCacheManager))
             or issubclass(cls, RadixHybridKVCacheManager)):
         raise ValueError(
             "the tiers below the host (disk_bytes, remote_bytes, remote, tiers) are "
-            "served by the hash and radix indexes with one full-attention group; "
+            "served by the hash and radix indexes with one full-attention group and by "
+            "the hash index with multi-group layouts; "
             f"{cls.__name__} does not demote past its host tier")
 
 

@@ -79,7 +79,13 @@ import collections
 from typing import Any, Iterable, Mapping
 
 from prefixcache._validate import check_positive_int
-from prefixcache.core.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored
+from prefixcache.core.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 
 REASONS = ("cold", "evicted", "isolated", "partial", "last_token", "window", "preempted")
 # Sub-counts of ``evicted`` (not reasons of their own: they do not add to the sum).
@@ -88,6 +94,10 @@ EVICTED_BY = ("evicted_device", "evicted_host")
 # last tier that held the block (``evicted_disk``, ``evicted_remote``, a user tier's
 # name), and ``corrupt_disk`` for a disk page that failed its check at a lookup (also
 # sub-counts of ``evicted``; present only when nonzero).
+# The tier a KV event's ``medium`` names (a tier of one's own: its medium, lowercased).
+_MEDIUM_TIERS = {MEDIUM_GPU: "device", MEDIUM_CPU: "host", "DISK": "disk", "REMOTE": "remote"}
+
+
 def _sub_name(tier: str) -> str:
     """The evicted sub-count of an ``evicted_by`` value (a tier's name, or
     ``corrupt_<tier>``)."""
@@ -109,6 +119,9 @@ class _ChainKeys:
 
     def __bool__(self) -> bool:
         return bool(self.host) or any(t.entries for t in self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.host) + sum(len(t.entries) for t in self.tiers)
 
     def keys(self):
         return self
@@ -183,8 +196,12 @@ class MissAccountant:
         self._radix = False  # probe mode on the radix tree (``_pool`` is the manager)
         self._tier = None  # probe mode: the host tier, if any
         self._device: collections.Counter = collections.Counter()  # events: key -> blocks
-        self._host: set = set()
-        self._dropped: dict = {}  # key -> "device" | "host": the tier that dropped it last
+        # events: key -> entries in the tiers below the device (the host's, and with
+        # tiers below it theirs: an inclusive store may hold a host entry's key too)
+        self._host: collections.Counter = collections.Counter()
+        self._lower_events = False  # events of a tier below the host were observed
+        self._medium_tiers = _MEDIUM_TIERS  # an event's medium -> its tier's name
+        self._dropped: dict = {}  # key -> the tier that dropped it last ("device", ...)
         # plain keys of the token prefixes requests with extra keys cached (module
         # docstring): a never-cached key was never registered, so "cached under another
         # key" is plain membership
@@ -250,7 +267,11 @@ class MissAccountant:
                 f"miss accounting follows the events of a {type(impl).__name__}: build "
                 "it with enable_events=True, int_event_hashes=False")
         g, windowed = _tracked_group(groups)
-        return cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
+        acct = cls(manager.block_size, manager.hasher, track_group=g, windowed=windowed)
+        chain = getattr(impl, "tier_chain", None)
+        if chain is not None:  # (a tier of one's own names its evictions by its name)
+            acct._medium_tiers = {**_MEDIUM_TIERS, **{t.medium: t.name for t in chain.tiers}}
+        return acct
 
     def _radix_cached(self, request, hit: int, num_full: int, n: int) -> dict:
         """The missed keys the radix tree holds: none, but for the whole-prompt hit a
@@ -292,26 +313,26 @@ class MissAccountant:
                 if ev.group_idx != group:
                     continue
                 hashes = ev.block_hashes
-                if ev.medium == MEDIUM_CPU:
-                    host.update(hashes)
-                else:
+                if ev.medium == MEDIUM_GPU:
                     dev.update(hashes)
+                else:  # (the host tier, or a tier below it: held off the device)
+                    host.update(hashes)
+                    if ev.medium != MEDIUM_CPU:
+                        self._lower_events = True
                 if dropped:
                     for k in hashes:
                         dropped.pop(k, None)
             elif t is BlockRemoved:
                 if ev.group_idx != group:
                     continue
-                on_host = ev.medium == MEDIUM_CPU
+                counts = dev if ev.medium == MEDIUM_GPU else host
                 for k in ev.block_hashes:
-                    if on_host:
-                        host.discard(k)
-                    elif dev[k] > 1:
-                        dev[k] -= 1
+                    if counts[k] > 1:
+                        counts[k] -= 1
                     else:
-                        dev.pop(k, None)
+                        counts.pop(k, None)
                     if k not in host and k not in dev:
-                        dropped[k] = "host" if on_host else "device"
+                        dropped[k] = self._medium_tiers.get(ev.medium) or ev.medium.lower()
             elif t is AllBlocksCleared:
                 dev.clear()
                 host.clear()
@@ -557,7 +578,8 @@ class MissAccountant:
                 # can be), so each one is classified alone (no chain): the ever-cached
                 # ones were evicted.
                 ne = lo
-                if ne and self._tier is not None and self._tier.lower is not None:
+                if ne and (self._lower_events or self._tier is not None
+                           and self._tier.lower is not None):
                     for t, c in collections.Counter(
                             map(dropped.__getitem__, ks[:ne])).items():
                         reasons[_sub_name(t)] = c
@@ -816,6 +838,21 @@ class _GroupKeys:
         return True
 
 
+class _TierKeys:
+    """The keys a host tier and the tiers below it hold now (``held``: a ``_ChainKeys``
+    made on each read, the tier's map being replaced by a reset), as ``_GroupKeys``'
+    owner."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier):
+        self._tier = tier
+
+    @property
+    def held(self) -> _ChainKeys:
+        return _ChainKeys(self._tier.hash_to_slot, self._tier.lower)
+
+
 class GroupEvictions:
     """The ``evicted_by`` hook of a hybrid pool and its host tier (``hook[key] = tier``,
     as ``BlockPool.evicted_by``): keeps the evictions of one group's ``(hash, group)``
@@ -843,7 +880,7 @@ class GroupProbeAccountant(MissAccountant):
     first full-attention group is followed as in events mode (``_tracked_group``).
 
     * The hash index (``core/hybrid.py``): its digests are probed in the pool's
-      ``(hash, group)`` map and the host tier's.
+      ``(hash, group)`` map and the host tier's (and the tiers' below it).
     * The radix index (``core/radix_hybrid.py``): a full-attention group holds a block
       on every node, so its cached missed blocks are the lookup's walked path past the
       hit (and, for the whole-prompt hit cut to ``num_tokens - 1`` tokens, the last
@@ -899,8 +936,10 @@ class GroupProbeAccountant(MissAccountant):
             acct._radix = True
         else:
             acct._device = _GroupKeys(pool, "cached_block_hash_to_block", suffix)
-        acct._host = (() if acct._tier is None
-                      else _GroupKeys(acct._tier, "hash_to_slot", suffix))
+        tier = acct._tier
+        acct._host = (() if tier is None
+                      else _GroupKeys(tier, "hash_to_slot", suffix) if tier.lower is None
+                      else _GroupKeys(_TierKeys(tier), "held", suffix))
         acct._install()
         return acct
 
@@ -911,6 +950,8 @@ class GroupProbeAccountant(MissAccountant):
         self._hpool.evicted_by = self._hook
         if self._tier is not None:
             self._tier.evicted_by = self._hook
+            if self._tier.lower is not None:
+                self._tier.lower.evicted_by = self._hook
 
     def observe(self, events: Iterable) -> None:
         raise TypeError("GroupProbeAccountant probes the manager: it takes no events")

@@ -894,8 +894,8 @@ class Engine:
         if reuse:
             # NOTE: oldest first, so the tier's policy evicts the oldest pages first
             # when the directory holds more than the budget.
-            tier.preload([k for k, g in files.keys_oldest_first()
-                          if g == 0 and 0 <= k < 1 << (8 * tier.key_bytes)])
+            tier.preload([kg for kg in files.keys_oldest_first()
+                          if tier.page_hash(*kg) is not None])
         else:
             files.clear()
         self.disk_files = files
@@ -927,8 +927,8 @@ class Engine:
         holds a quarter more pages than its tier's capacity."""
         for tier, store in self._memory_tiers:
             if len(store) > tier.num_blocks * 5 // 4 + 8:
-                live = {int.from_bytes(h, "big") for h in tier.entries}
-                store.retain(lambda key, group: key in live)
+                live = {tier.page_key(h) for h in tier.entries}
+                store.retain(lambda key, group: (key, group) in live)
 
     def _maybe_collect_disk(self, force: bool = False) -> None:
         """Deletes the page files of blocks the core disk tier no longer holds (loaded
@@ -938,9 +938,8 @@ class Engine:
         if files is None or not (force or files.nbytes > self._disk_collect_bytes):
             return
         tier = self._disk_tier()
-        width, entries = tier.key_bytes, tier.entries
-        files.retain(lambda key, group: group == 0 and 0 <= key < 1 << (8 * width)
-                     and key.to_bytes(width, "big") in entries)
+        page_hash, entries = tier.page_hash, tier.entries
+        files.retain(lambda key, group: page_hash(key, group) in entries)
 
     # -- stepping -------------------------------------------------------------------
 

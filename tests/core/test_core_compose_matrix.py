@@ -20,7 +20,8 @@ from prefixcache.core.kv_groups import parse_kv_groups
 BS = 4
 LAYOUTS = {"full": None, "full+sw": "full,sw6", "full+mamba": "full,mamba"}
 TIERS = {"none": 0, "host": 6}
-# The tiers below the host (hash index, one full-attention group): keyword sets.
+# The tiers below the host (the hash index with every layout, the radix index with one
+# full-attention group): keyword sets.
 LOWER = {"host+disk": {"disk_bytes": 800, "page_bytes": 100},
          "host+disk+remote": {"disk_bytes": 400, "page_bytes": 100, "remote_bytes": 1000}}
 
@@ -47,7 +48,7 @@ def _options(eviction: str, prompts) -> dict:
     return {"future": TraceFuture.from_hashes(h.hash_token_blocks(p, BS) for p in prompts)}
 
 
-def _run(index, eviction, tier, layout, num_blocks, lower=None):
+def _run(index, eviction, tier, layout, num_blocks, lower=None, num_host_blocks=None):
     """Replay the trace (2 running at once, 3 decode steps each); invariants after
     every call. Returns the hit tokens per request."""
     prompts = _trace()
@@ -55,7 +56,8 @@ def _run(index, eviction, tier, layout, num_blocks, lower=None):
     m = KVCacheManager(
         num_blocks, BS, index=index, eviction=eviction, kv_cache_groups=groups,
         eviction_options=_options(eviction, prompts) or None,
-        num_host_blocks=TIERS[tier], free_order="unhashed_first", **(lower or {}))
+        num_host_blocks=TIERS[tier] if num_host_blocks is None else num_host_blocks,
+        free_order="unhashed_first", **(lower or {}))
     assert isinstance(m, KVCacheManager)
     running: list[Request] = []
     hits = []
@@ -159,12 +161,23 @@ def test_indexes_hit_the_same_tokens_when_nothing_is_evicted(eviction, tier, lay
     assert any(got["hash"])  # the trace shares prefixes: some request hits
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("index", list(INDEXES))
 @pytest.mark.parametrize("eviction", list(POLICIES))
 @pytest.mark.parametrize("lower", list(LOWER))
-def test_every_policy_runs_over_the_tiers_below_the_host(index, eviction, lower):
-    # Bounded: the chain demotes past the host to the disk and the remote store.
-    _run(index, eviction, "host", "full", num_blocks=12, lower=LOWER[lower])
+def test_every_policy_runs_over_the_tiers_below_the_host(index, eviction, lower, layout):
+    # Bounded: the chain demotes past the host to the disk and the remote store (with
+    # group layouts, one (hash, group) key per entry); or the one rule refuses the
+    # layout with the index.
+    groups = parse_kv_groups(LAYOUTS[layout]) if LAYOUTS[layout] else None
+    why = refusal(index, groups, eviction, TIERS["host"])
+    if why is not None:
+        assert index != "hash" and layout != "full"
+        with pytest.raises(ValueError) as e:
+            _run(index, eviction, "host", layout, num_blocks=12, lower=LOWER[lower])
+        assert str(e.value) == why
+        return
+    _run(index, eviction, "host", layout, num_blocks=12, lower=LOWER[lower])
 
 
 @pytest.mark.parametrize("lower", list(LOWER))
@@ -174,11 +187,11 @@ def test_indexes_agree_over_the_tiers_below_the_host_when_nothing_is_evicted(low
     assert got["hash"] == got["radix"] == _run("hash", "lru", "host", "full", num_blocks=400)
 
 
-@pytest.mark.parametrize("index,layout", [(i, lay) for i in INDEXES for lay in LAYOUTS
-                                          if lay != "full"])
-def test_tiers_below_the_host_with_group_layouts_are_refused(index, layout):
-    groups = parse_kv_groups(LAYOUTS[layout])
-    if refusal(index, groups, "lru", 6) is not None:
-        return  # (refused already without them)
-    with pytest.raises(ValueError, match="served by the hash and radix indexes"):
-        _run(index, "lru", "host", layout, num_blocks=12, lower=LOWER["host+disk"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_host_and_disk_hit_as_one_host_of_their_size(layout):
+    # Exclusive lru tiers: the disk holds what the host evicted, older than every host
+    # entry, so host (6) + disk (8 pages) is one lru host of 14 slots, for every layout.
+    bounded = _run("hash", "lru", "host", layout, num_blocks=12,
+                   lower={"disk_bytes": 800, "page_bytes": 100})
+    assert bounded == _run("hash", "lru", "host", layout, num_blocks=12, num_host_blocks=14)
+    assert bounded != _run("hash", "lru", "host", layout, num_blocks=12)  # (the disk hits)

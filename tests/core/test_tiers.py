@@ -156,8 +156,9 @@ def test_user_tier_class_and_registry():
      "disk_eviction"),
     ({"num_host_blocks": 1, "remote": "shared"}, "remote must be a shared RemoteStore"),
     ({"num_host_blocks": 1, "tiers": ({"tier": "nope", "num_blocks": 2},)}, "unknown tier"),
-    ({"num_host_blocks": 1, "kv_cache_groups": "full,sw8", "disk_bytes": 100,
-      "page_bytes": 100}, "hash and radix indexes"),
+    ({"num_host_blocks": 1, "kv_cache_groups": "full,sw8", "disk_bytes": 100}, "page_bytes"),
+    ({"kv_cache_groups": "full,sw8", "disk_bytes": 100, "page_bytes": 100},
+     "need a host tier"),
     ({"num_host_blocks": 1, "index": "radix", "kv_cache_groups": "full,sw8",
       "disk_bytes": 100, "page_bytes": 100}, "not supported with KV cache groups"),
 ])

@@ -272,28 +272,69 @@ def test_hybrid_preemption_under_memory_pressure_keeps_tokens(engines, config):
     assert [outs[f"req-{i}"].token_ids for i in range(4)] == [o.token_ids for o in ample]
 
 
+def _three_systems(config):
+    """Six prompts over 3 system prompts of 40 tokens (5 blocks), each revisited."""
+    rng = np.random.default_rng(6)
+    systems = [rng.integers(1, config.vocab_size, 40).tolist() for _ in range(3)]
+    return [systems[i % 3] + rng.integers(1, config.vocab_size, 5).tolist()
+            for i in range(6)]
+
+
+def _serve_recording(engine, prompts):
+    """``(engine, the transfers it applied, its outputs)`` for ``prompts`` served one
+    after the other (invariants checked after every step)."""
+    seen = []
+    apply = engine.runner.apply_host_transfers
+    engine.runner.apply_host_transfers = lambda ts: (seen.extend(ts), apply(ts))[1]
+    outs = _run(engine, prompts, 4, check=lambda e: e.kv_cache_manager.check_invariants())
+    return engine, seen, outs
+
+
 def test_hybrid_host_tier_restores_each_groups_pages(engines, config):
     """A host tier under a hybrid model (per-group host slots, `core/hybrid.py`): a pool
     too small to keep 3 system prompts demotes their blocks of every group, later
     requests load them back (the page of the shared KV array = that group's layer), and
     the tokens equal the ample cached engine's; without the loads they would not."""
     cached, _ = engines
-    rng = np.random.default_rng(6)
-    systems = [rng.integers(1, config.vocab_size, 40).tolist() for _ in range(3)]
-    prompts = [systems[i % 3] + rng.integers(1, config.vocab_size, 5).tolist()
-               for i in range(6)]
-    small = Engine(config, share_programs_with=cached, num_host_blocks=200,
-                   **{**COMMON, "num_blocks": 40})
-    seen = []
-    apply = small.runner.apply_host_transfers
-    small.runner.apply_host_transfers = lambda ts: (seen.extend(ts), apply(ts))[1]
-    outs = _run(small, prompts, 4, check=lambda e: e.kv_cache_manager.check_invariants())
+    prompts = _three_systems(config)
+    small, seen, outs = _serve_recording(
+        Engine(config, share_programs_with=cached, num_host_blocks=200,
+               **{**COMMON, "num_blocks": 40}), prompts)
     m = small.kv_cache_manager
     assert m.host_hit_tokens > 0 and m.host_blocks_loaded > 0
     loads = {t.group for t in seen if t.kind == "load"}
     assert len(loads) > 1 and loads <= set(range(len(config.kv_groups)))
     ample = cached.generate(prompts, SamplingParams(max_tokens=4))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
+
+
+def test_hybrid_disk_tier_restores_each_groups_pages(engines, config, tmp_path):
+    """A disk tier under the host tier of a hybrid model: the host (8 slots) is too
+    small for the evicted blocks of every group, which go on to page files named by
+    (digest, group); later requests load them back (sliding groups' pages too) and the
+    tokens equal the ample cached engine's."""
+    cached, _ = engines
+    prompts = _three_systems(config)
+    small, seen, outs = _serve_recording(
+        Engine(config, share_programs_with=cached, num_host_blocks=8, disk_dir=tmp_path,
+               disk_bytes="64MiB", **{**COMMON, "num_blocks": 40}), prompts)
+    m = small.kv_cache_manager
+    assert m.hit_tokens_by_tier["disk"] > 0
+    disk_loads = {t.group for t in seen if t.kind == "load" and len(t) == 7}
+    assert len(disk_loads) > 1 and disk_loads <= set(range(len(config.kv_groups)))
+    small.runner.host_pages.flush_files()
+    assert any(g > 0 for _, g in small.disk_files.keys())
+    ample = cached.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
+    # A restart over the directory preloads every group's pages (disk_reuse) and
+    # serves them.
+    again = Engine(config, share_programs_with=cached, num_host_blocks=8, disk_dir=tmp_path,
+                   disk_bytes="64MiB", disk_reuse=True, **{**COMMON, "num_blocks": 40})
+    tier = again.kv_cache_manager.tier_chain.get("disk")
+    assert {tier.page_key(h)[1] for h in tier.entries} == set(range(len(config.kv_groups)))
+    out = again.generate(prompts[:1], SamplingParams(max_tokens=4))
+    assert out[0].token_ids == ample[0].token_ids
+    assert again.kv_cache_manager.hit_tokens_by_tier["disk"] > 0
 
 
 @pytest.mark.slow

@@ -176,9 +176,10 @@ class _EagerPlain(MissAccountant):
        num_host_blocks=st.sampled_from([0, 6]),
        num_blocks=st.integers(20, 120), seed=st.integers(0, 3),
        layout=st.sampled_from([None, "full,sw8", "sw8,full"]),
-       reset_at=st.integers(0, 14))
+       reset_at=st.integers(0, 14),
+       lower=st.sampled_from(["", "disk", "disk+remote"]))
 def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blocks, seed,
-                             layout, reset_at):
+                             layout, reset_at, lower):
     # The hash index and the radix tree are followed by probes (pool / tree / host
     # hash maps, evicted_by hooks; plain chains hashed lazily); the KV events of the
     # same manager give the same reasons at every admission.
@@ -195,10 +196,19 @@ def test_probes_equal_events(workload, eviction, index, num_host_blocks, num_blo
     groups = None if layout is None else parse_kv_groups(layout)
     if groups is not None and index == "radix":
         num_host_blocks = 0  # (the radix multi-group manager takes no host tier)
+    # The tiers below the host (with a host tier): a disk, and a remote store under it.
+    # NOTE: a reset keeps the (shared, inclusive) remote store, which the events of one
+    # manager cannot tell from its own tiers: no reset with one.
+    tiers = {}
+    if num_host_blocks and lower:
+        tiers = {"disk_bytes": 6 * 100, "page_bytes": 100}
+        if "remote" in lower:
+            tiers["remote_bytes"] = 8 * 100
+            reset_at = 0
     m = KVCacheManager(num_blocks * (1 if groups is None else 2), BS, eviction=eviction,
                        num_host_blocks=num_host_blocks, index=index, enable_events=True,
                        int_event_hashes=False, free_order="unhashed_first",
-                       kv_cache_groups=groups)
+                       kv_cache_groups=groups, **tiers)
     probe = MissAccountant.for_manager(m)  # (a layout with groups: GroupProbeAccountant)
     assert not probe.uses_events
     assert (type(probe) is GroupProbeAccountant) == (groups is not None)

@@ -45,9 +45,10 @@ def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,
     blocks (group 0's count), ``null`` slots only where ``null_ok``, else
     ``KVCacheBlock`` objects for which ``is_cached(block, g)`` (the index's "a cached
     block of group g of this manager") holds -- or, with a host tier
-    (``is_host_hit = (HostHit, predicate)``), ``HostHit`` placeholders for which
-    ``predicate(b, g)`` (a current host entry of group g) holds. ``ValueError`` /
-    ``ArgumentTypeError`` otherwise.
+    (``is_host_hit = (placeholder types, predicate)``: ``HostHit``, and ``TierHit``
+    with tiers below the host), placeholders for which ``predicate(b, g)`` (a current
+    entry of group g in a tier) holds. ``ValueError`` / ``ArgumentTypeError``
+    otherwise.
     """
     blocks = list(blocks)
     if len(blocks) != n:
@@ -61,16 +62,18 @@ def check_group_hits(blocks, g: int, n: int, null, null_ok: bool, is_cached,
                     f"new_computed_blocks[{g}] holds a null slot, but group {g} is "
                     "full attention")
             continue
-        if is_host_hit is not None and type(b) is is_host_hit[0]:
+        t = type(b)
+        if t is not KVCacheBlock:
+            if is_host_hit is None or t not in is_host_hit[0]:
+                raise ArgumentTypeError(
+                    f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
             if not is_host_hit[1](b, g):
+                where = "host-tier" if t is is_host_hit[0][0] else "lower-tier"
                 raise ValueError(
-                    f"{b!r} is not a current host-tier hit of group {g} of this manager "
-                    "(already promoted, or the host entry changed since "
+                    f"{b!r} is not a current {where} hit of group {g} of this manager "
+                    "(already promoted, or the tier's entry changed since "
                     "get_computed_blocks)")
             continue
-        if type(b) is not KVCacheBlock:
-            raise ArgumentTypeError(
-                f"new_computed_blocks must hold KVCacheBlock objects, got {b!r}")
         if not is_cached(b, g):
             raise ValueError(
                 f"block {b.block_id} is not a cached block of group {g} of this manager")
@@ -119,11 +122,18 @@ class SingleTypeManager:
         # The host tier (``core/host_tier.py``, keyed by this pool's group keys) or
         # None. With one, a lookup counts a host entry of the group as a hit (a
         # ``HostHit`` placeholder the coordinator promotes at admission).
+        # With tiers below the host (``host_tier.lower``, a ``TierChain``), a key
+        # neither on the device nor on the host is looked up there (a ``TierHit``).
         self.host_tier = getattr(coordinator, "host_tier", None)
+        self._find_lower = None
         if self.host_tier is not None:
-            from prefixcache.core.tiers.host import HostHit  # noqa: PLC0415 - (a cycle)
+            from prefixcache.core.tiers.base import TierHit  # noqa: PLC0415 - (a cycle)
+            from prefixcache.core.tiers.host import HostHit  # noqa: PLC0415
 
             self._host_hit_class = HostHit
+            self._tier_hit_class = TierHit
+            if self.host_tier.lower is not None:
+                self._find_lower = self.host_tier.lower.find
             self.get_cached = self._get_cached_tiered  # (shadows the method)
 
     # ---------------------------------------------------------------- lookups
@@ -143,18 +153,26 @@ class SingleTypeManager:
 
     def _get_cached_tiered(self, h: bytes, group_ids, suffixes) -> list | None:
         """``get_cached`` with a host tier: per group a device block, else a host entry
-        under the same key (a ``HostHit``), else None (the position misses)."""
+        under the same key (a ``HostHit``), else the first tier below the host that can
+        serve the key (a ``TierHit``), else None (the position misses)."""
         cached = self.block_pool.cached_block_hash_to_block  # (reset replaces it)
         on_host = self.host_tier.hash_to_slot
+        find = self._find_lower
         out = []
         for g in group_ids:
             key = h + suffixes[g]
             b = cached.get(key)
             if b is None:
                 slot = on_host.get(key)
-                if slot is None:
+                if slot is not None:
+                    b = self._host_hit_class(key, slot.block_id)
+                elif find is None:
                     return None
-                b = self._host_hit_class(key, slot.block_id)
+                else:
+                    tier = find(key)
+                    if tier is None:
+                        return None
+                    b = self._tier_hit_class(key, tier)
             elif type(b) is dict:
                 b = next(iter(b.values()))
             out.append(b)

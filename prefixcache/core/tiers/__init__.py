@@ -1,6 +1,7 @@
 """Storage tiers under the device pool: ``host`` -> ``disk`` -> ``remote`` (and any
-tier of one's own), as one chain (``base.py``: the ``KeyTier`` protocol, ``TierChain``,
-``TierTransfer``, ``TierLink``).
+tier of one's own), as one chain (``base.py``: the ``KeyTier`` protocol, ``BudgetTier``
+for tiers sized in bytes, ``TierChain``, ``TierTransfer``, ``TierLink``), served by the
+hash index with every group layout and the radix index with one full-attention group.
 
 ``TIERS`` is the registry (name -> ``"module:Class"``); a tier of one's own is one file
 (a ``KeyTier`` subclass) and one entry here, or its class passed where a name goes:
@@ -19,6 +20,7 @@ from prefixcache.core.tiers.base import (
     HOST_LINK,
     REMOTE_LINK,
     TIER_NAMES,
+    BudgetTier,
     KeyTier,
     Tier,
     TierChain,
@@ -113,6 +115,7 @@ def build_lower_tiers(*, block_size: int, key_bytes: int, disk_bytes: int = 0,
 
 
 __all__ = [
+    "BudgetTier",
     "DISK_LINK",
     "HOST_LINK",
     "LOWER_TIER_DEFAULTS",

@@ -8,6 +8,14 @@ else host hit? else the first lower tier that holds the hash? else stop. A hit b
 the host is a ``TierHit`` placeholder in ``get_computed_blocks``' list (``block_id ==
 -1`` until ``allocate_slots`` loads it into a fresh device block, as a ``HostHit``).
 
+Under a multi-group manager (``kv_cache_groups``: full attention + sliding window, state
+groups; ``core/hybrid.py``) every entry is one block of one group, held under the pool's
+``(block hash, group id)`` key (the digest followed by 4 group bytes), exactly as the
+host tier's ``GroupHostTier`` holds it: the chain is built with ``group_bytes=4``, and
+its transfers (``TierTransfer.key`` the plain digest, ``.group`` the group), KV events
+(the plain digest, ``group_idx``) and page names (``KeyTier.page_key``) split each key
+into its digest and group.
+
 Every tier below the host is a ``KeyTier``: a map of block hashes with a capacity in
 blocks, its own eviction policy (``prefixcache.core.eviction``: ``lru`` is an ordered
 map, any other policy a policy object over internal slots), and its ``link`` (a
@@ -94,10 +102,12 @@ class TierTransfer(NamedTuple):
             name).
         src_id, dst_id: a device block id, a host slot, or for the lower tiers the
             block's ``key``.
-        key: the block's cache key as an int (its content hash: the pool's hash key,
-            big-endian); file names ``f"{key:064x}"``-style are stable across restarts
+        key: the block's cache key as an int (its content hash: the block hash,
+            big-endian; under a multi-group manager the digest without the group
+            bytes); file names ``f"{key:064x}"``-style are stable across restarts
             for the same model, block size and hash algorithm.
-        group: the KV cache group (0 for one full-attention group).
+        group: the KV cache group (0 for one full-attention group); ``(key, group)``
+            names one page.
     """
 
     kind: str
@@ -252,6 +262,9 @@ class KeyTier:
     medium = "TIER"
     link = DISK_LINK
     inclusive = False
+    # Bytes of the group id at the end of each held hash: 0 under one full-attention
+    # group, 4 under a multi-group manager (set by its ``TierChain``).
+    group_bytes = 0
 
     def __init__(self, num_blocks: int, *, block_size: int = 16,
                  eviction: str | type = DEFAULT_POLICY,
@@ -304,6 +317,14 @@ class KeyTier:
     def keys(self):
         """The held hashes (pinned ones excepted)."""
         return self.entries.keys()
+
+    def page_key(self, h: bytes) -> tuple[int, int]:
+        """``(key, group)`` of the hash ``h``: its page's name in a page store (the
+        digest as a big-endian int, and the group id; group 0 under one group)."""
+        n = self.group_bytes
+        if n:
+            return int.from_bytes(h[:-n], "big"), int.from_bytes(h[-n:], "big")
+        return int.from_bytes(h, "big"), 0
 
     # ----------------------------------------------------------------- lookup
     def lookup(self, h: bytes) -> bool:
@@ -422,6 +443,47 @@ class KeyTier:
             self.policy.check_invariants([s.block_id for s in self.entries.values()])
 
 
+def blocks_for_bytes(arg: str, num_bytes, page_bytes) -> int:
+    """The pages of ``page_bytes`` that ``num_bytes`` holds (``ValueError`` naming
+    ``arg`` when that is not at least one)."""
+    if type(num_bytes) is not int or num_bytes < 0:
+        raise ValueError(f"{arg} must be a non-negative int (bytes), got {num_bytes!r}")
+    if type(page_bytes) is not int or page_bytes <= 0:
+        raise ValueError(f"{arg}={num_bytes} needs page_bytes (the bytes of one block's KV "
+                         f"page, every layer), a positive int; got {page_bytes!r}")
+    n = num_bytes // page_bytes
+    if n <= 0:
+        raise ValueError(f"{arg}={num_bytes} holds no page of page_bytes={page_bytes}")
+    return n
+
+
+class BudgetTier(KeyTier):
+    """A ``KeyTier`` sized by a byte budget: ``num_bytes // page_bytes`` blocks (the
+    disk tier and the remote store).
+
+    Class attributes:
+        budget_arg: the budget's keyword in the subclass's signature (``"disk_bytes"``,
+            ``"remote_bytes"``), named by the errors.
+
+    Args:
+        num_bytes: the budget in bytes.
+        page_bytes: one block's KV page (every layer), bytes.
+        block_size, eviction, eviction_options, link: as ``KeyTier``.
+    """
+
+    budget_arg = "num_bytes"
+
+    def __init__(self, num_bytes: int, *, page_bytes: int, block_size: int = 16,
+                 eviction: str | type = DEFAULT_POLICY,
+                 eviction_options: Mapping[str, Any] | None = None,
+                 link: TierLink | None = None):
+        super().__init__(blocks_for_bytes(self.budget_arg, num_bytes, page_bytes),
+                         block_size=block_size, eviction=eviction,
+                         eviction_options=eviction_options, link=link)
+        self.num_bytes = num_bytes
+        self.page_bytes = page_bytes
+
+
 class TierChain:
     """The tiers below a manager's host tier, top first, and the manager's view of
     them: demotion down the chain, lookup, promotion, attribution counters.
@@ -435,14 +497,30 @@ class TierChain:
             list), or ``None`` (events off).
         event_hash: the pool's digest -> event hash conversion.
         block_size: tokens per block (the event's ``block_size``).
+        group_bytes: the group id's bytes at the end of each hash (0: one
+            full-attention group; 4: a multi-group manager's ``(hash, group)`` keys).
+        layout: the manager's KV cache groups (``None``: one full-attention group);
+            managers sharing a tier (a remote store) must have the same.
     """
 
     def __init__(self, tiers: list[KeyTier], *, record: Callable[[TierTransfer], None],
-                 events_owner=None, event_hash=None, block_size: int = 16):
+                 events_owner=None, event_hash=None, block_size: int = 16,
+                 group_bytes: int = 0, layout=None):
         names = [t.name for t in tiers]
         dup = [n for n in names if names.count(n) > 1 or n in ("device", "host")]
         if dup:
             raise ValueError(f"tiers: each tier below the host needs its own name, got {names}")
+        for t in tiers:  # (a store shared by managers holds one layout's keys)
+            if "key_layout" in vars(t) and t.key_layout != layout:
+                raise ValueError(
+                    f"the {t.name} tier is shared with a manager of another group layout "
+                    f"({t.key_layout!r}, this one's {layout!r}): a group id names a "
+                    "different group in each; managers sharing a tier need the same "
+                    "kv_cache_groups")
+        for t in tiers:
+            t.group_bytes = group_bytes
+            t.key_layout = layout
+        self.group_bytes = group_bytes
         self.tiers = tiers
         self._record = record
         self._owner = events_owner
@@ -464,17 +542,25 @@ class TierChain:
         """The tier named ``name`` (``"disk"``, ``"remote"``, ...), or ``None``."""
         return next((t for t in self.tiers if t.name == name), None)
 
+    def _split(self, h: bytes) -> tuple[bytes, int]:
+        """``(digest, group id)`` of a held hash (``(h, 0)`` under one group)."""
+        n = self.group_bytes
+        if n:
+            return h[:-n], int.from_bytes(h[-n:], "big")
+        return h, 0
+
     # ------------------------------------------------------------------ events
     def _stored(self, tier: KeyTier, h: bytes, parent=None) -> None:
-        eh = self._event_hash
+        digest, group = self._split(h)
         self._owner.events.append(BlockStored(
-            block_hashes=[eh(h)], parent_block_hash=None, token_ids=[],
+            block_hashes=[self._event_hash(digest)], parent_block_hash=None, token_ids=[],
             block_size=self.block_size, lora_id=None, medium=tier.medium, lora_name=None,
-            group_idx=0))
+            group_idx=group))
 
     def _removed(self, tier: KeyTier, h: bytes) -> None:
-        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(h)],
-                                        medium=tier.medium, group_idx=0))
+        digest, group = self._split(h)
+        self._owner.events.append(BlockRemoved(block_hashes=[self._event_hash(digest)],
+                                               medium=tier.medium, group_idx=group))
 
     # --------------------------------------------------------------- demotion
     def demote(self, h: bytes, src: str, src_id, origin: _Origin | None = None) -> None:
@@ -483,7 +569,8 @@ class TierChain:
         recording each copy; a hash no tier takes is dropped (miss accounting).
         ``origin``: the request that cached ``h`` (its priority and retention hints,
         for the tiers' policies), ``None`` when the tier above did not keep it."""
-        key = key_of(h)
+        digest, group = self._split(h)
+        key = key_of(digest)
         i = 0
         tiers = self.tiers
         while i < len(tiers):
@@ -501,7 +588,7 @@ class TierChain:
                     self._removed(tier, old)
                 self._cascade(old, i, tier.evicted_origin)
             self._record(TierTransfer(TIER_STORE, src, src_id if src == "host" else key,
-                                      tier.name, key, key, 0))
+                                      tier.name, key, key, group))
             if self.events:
                 self._stored(tier, h)
             return
@@ -512,7 +599,8 @@ class TierChain:
         """Tier ``i`` evicted ``h`` (demoted with ``origin``): demote it to tier
         ``i + 1`` and below."""
         tiers = self.tiers
-        key = key_of(h)
+        digest, group = self._split(h)
+        key = key_of(digest)
         src = tiers[i].name
         for j in range(i + 1, len(tiers)):
             tier = tiers[j]
@@ -525,7 +613,7 @@ class TierChain:
                 if self.events:
                     self._removed(tier, old)
                 self._cascade(old, j, tier.evicted_origin)
-            self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, 0))
+            self._record(TierTransfer(TIER_STORE, src, key, tier.name, key, key, group))
             if self.events:
                 self._stored(tier, h)
             return
@@ -556,8 +644,9 @@ class TierChain:
         tier = hit.tier
         h = hit.block_hash
         tier.take(h)
-        key = key_of(h)
-        self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, 0))
+        digest, group = self._split(h)
+        key = key_of(digest)
+        self._record(TierTransfer(TIER_LOAD, tier.name, key, "device", block_id, key, group))
         if self.events and not tier.inclusive:
             self._removed(tier, h)
 

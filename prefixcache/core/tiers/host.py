@@ -38,8 +38,12 @@ events (plain digest + ``group_idx``). Its transfers are ``GroupHostTransfer``s 
 ``group`` names the group (``HostTransfer.group`` is 0 for one group). A replay or
 engine hit of L tokens is split by tier per block position: a position loaded in any
 group counts as host-hit tokens. A state-space (Mamba) group's block is one state
-snapshot, demoted and promoted whole under its key like any block. The radix index's
-layout manager does not take a host tier (``indexes.COMBINATION_RULES``).
+snapshot, demoted and promoted whole under its key like any block. The tiers below the
+host (``attach_lower``: disk, remote, a user's) hold the same keys (``TierChain(
+group_bytes=4)``): what the host evicts goes down the chain per key, a group's lookup
+falls through to them (a ``TierHit``), and a position loaded from several tiers counts
+for the slowest. The radix index's layout manager does not take a host tier
+(``indexes.COMBINATION_RULES``).
 
 The transfers are sequential copies, to apply in list order before the step computes
 (``KVCacheManager.take_host_transfers``). Their order is safe by construction: a host
@@ -279,6 +283,7 @@ class HostTier:
     name = "host"
     medium = MEDIUM_CPU
     link = HOST_LINK
+    group_bytes = 0  # (the group id's bytes at the end of each key: see GroupHostTier)
 
     def __init__(self, num_host_blocks: int, *, block_size: int, num_device_blocks: int,
                  eviction: str = DEFAULT_POLICY, eviction_options: Mapping[str, Any] | None = None,
@@ -431,14 +436,17 @@ class HostTier:
         if self.enable_events:
             self._stored(h, parent)
 
-    def attach_lower(self, tiers, *, events_owner, event_hash, block_size: int) -> None:
+    def attach_lower(self, tiers, *, events_owner, event_hash, block_size: int,
+                     layout=None) -> None:
         """Put the tiers below the host (``tiers``, built by ``build_lower_tiers``) under
         this tier as one ``TierChain``: what the host evicts goes down it, and its copies
         join this tier's transfers. ``events_owner``: the object whose ``events`` the
-        chain's events join (None: events off)."""
+        chain's events join (None: events off); ``layout``: the manager's KV cache
+        groups (None: one full-attention group)."""
         self.lower = TierChain(tiers, record=self.record_tier_transfer,
                                events_owner=events_owner, event_hash=event_hash,
-                               block_size=block_size)
+                               block_size=block_size, group_bytes=self.group_bytes,
+                               layout=layout)
         if self.lower.wants_origin:
             self.keep_origins()
 
@@ -588,8 +596,12 @@ class GroupHostTier(HostTier):
     one group (a page of that group's arrays; vLLM's hybrid layouts have one page
     size), and the exclusive contract (a key on the device or on the host, never both)
     holds per group. Events carry the plain digest and ``group_idx``; transfers are
-    ``GroupHostTransfer``s naming their group.
+    ``GroupHostTransfer``s naming their group. The tiers below it (``attach_lower``)
+    hold the same keys (``TierChain(group_bytes=4)``); their ``TierTransfer``s join the
+    list in order, each naming its group.
     """
+
+    group_bytes = _KEY_BYTES
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -614,6 +626,10 @@ class GroupHostTier(HostTier):
         super().load(slot_id, block_id)
         self.transfer_groups.append(g)
 
+    def record_tier_transfer(self, t) -> None:
+        super().record_tier_transfer(t)
+        self.transfer_groups.append(t.group)
+
     def take_transfers(self) -> list[HostTransfer]:
         out = self.pending_transfers()
         self.transfers = []
@@ -622,7 +638,7 @@ class GroupHostTier(HostTier):
 
     def pending_transfers(self) -> list[HostTransfer]:
         it = iter(self.transfers)
-        return [GroupHostTransfer(HOST_STORE, b, s, g) if b >= 0
+        return [b if type(b) is not int else GroupHostTransfer(HOST_STORE, b, s, g) if b >= 0
                 else GroupHostTransfer(HOST_LOAD, -1 - b, s, g)
                 for (b, s), g in zip(zip(it, it), self.transfer_groups)]
 
