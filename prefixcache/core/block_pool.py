@@ -23,7 +23,13 @@ There is one pool class. What varies is given to it as components:
   slots;
 * the **tier** under the pool (``attach_tier``, ``prefixcache.core.tiers``): an evicted
   block's key is demoted to it, and caching a key the tier holds drops it there (the
-  tiers stay exclusive).
+  tiers stay exclusive);
+* the **index** that finds cached blocks: by default the pool's own hash map (vLLM's);
+  an index that keeps its own keys (the radix tree, ``prefixcache.core.radix``) and
+  decides which free cached blocks the policy may evict (SGLang's unlocked leaves)
+  gives the pool two hooks (``on_evict``, ``on_reset``): the pool still owns the ids,
+  reference counts, the free queue, the touch, the release and the eviction (event,
+  demotion, miss accounting, counters), and tells the index each block it evicts.
 """
 
 from __future__ import annotations
@@ -194,7 +200,7 @@ class FreeKVCacheBlockQueue:
         (LIFO). Returns how many went to the head.
 
         NOTE: one pass, the tail linked in as blocks come (``append_n`` inlined: this
-        runs once per freed block); shared by ``BlockPool`` and the radix index.
+        runs once per freed block).
         """
         tail = self.tail
         last = tail.prev_free_block
@@ -268,6 +274,17 @@ class BlockPool:
         groups: ``None`` (one full-attention group, keys are digests) or the checked
             KV cache groups (``kv_groups.check_kv_cache_groups``): keys carry the
             group id, events name each group's spec.
+        on_evict, on_reset: ``None`` (the hash map is the index) or the hooks of an
+            index that keeps its own keys. Such an index sets ``block.block_hash``
+            (and ``block.parent_hash``, the key before it, for the tier's demotion) on
+            the blocks it caches, and hands the policy its candidates itself (``add``
+            / ``discard``; needs a policy); the pool evicts a candidate as a hash-map
+            block and calls ``on_evict(block)`` first (the index drops it; it returns
+            a block that became a candidate by this, added to the policy after
+            ``on_evicted``, or ``None``); ``on_reset()`` after a reset dropped every
+            key. Freed blocks without a key then always go to the queue's head and
+            ``num_free_unhashed`` counts them (the index's free cached blocks need not
+            all be candidates).
     """
 
     def __init__(
@@ -280,13 +297,15 @@ class BlockPool:
         int_event_hashes: bool = True,
         policy=None,
         groups=None,
+        on_evict=None,
+        on_reset=None,
     ):
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if free_order not in FREE_ORDERS:
             raise ValueError(f"unknown free_order {free_order!r}; expected one of {FREE_ORDERS}")
+        from prefixcache.core.eviction.base import EvictionPolicy
         if policy is not None:
-            from prefixcache.core.eviction.base import EvictionPolicy
             if not isinstance(policy, EvictionPolicy):
                 raise TypeError(
                     f"policy must be an EvictionPolicy, got {type(policy).__name__}")
@@ -294,6 +313,12 @@ class BlockPool:
                 raise ValueError(
                     f"policy was built for {policy.num_blocks} blocks, the pool has "
                     f"{num_blocks}")
+        if (on_evict is None) != (on_reset is None) or on_evict is not None and (
+                policy is None or groups is not None):
+            raise ValueError(
+                "a BlockPool's on_evict= and on_reset= come together, with a policy (the "
+                "index hands it the candidates) and no groups= (the group-keyed hash map "
+                "is the pool's own)")
         check_host_memory(f"a block pool of num_blocks={num_blocks}",
                           num_blocks * HOST_BYTES_PER_BLOCK)
         self.num_blocks = num_blocks
@@ -301,7 +326,15 @@ class BlockPool:
         self.enable_events = enable_events
         self.free_order = free_order
         self.policy = policy
+        # NOTE: most policies keep the protocol's no-op on_hit: touch skips the call
+        # per hit block then (None).
+        self._on_hit = (None if policy is None or type(policy).on_hit is EvictionPolicy.on_hit
+                        else policy.on_hit)
         self.groups = groups
+        self.on_evict = on_evict  # (None: the hash map is the index)
+        self.on_reset = on_reset
+        # With an index of its own: the free blocks without a key (the queue's head).
+        self.num_free_unhashed = num_blocks
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -416,14 +449,23 @@ class BlockPool:
                     self._evict(block)
                 block.ref_cnt = 1
             return ret
-        num_unhashed = q.num_free_blocks - len(policy)
+        on_evict = self.on_evict
+        if on_evict is None:
+            num_unhashed = q.num_free_blocks - len(policy)
+        else:
+            num_unhashed = self.num_free_unhashed
         k = num_blocks if num_blocks < num_unhashed else num_unhashed
         ret = q.popleft_n(k) if k > 0 else []
+        if on_evict is not None:
+            self.num_free_unhashed = num_unhashed - k
         for _ in range(num_blocks - k):
             victim = policy.pop()
             q.remove(victim)
+            leaf = on_evict(victim) if on_evict is not None else None
             self._evict(victim)
             policy.on_evicted(victim)
+            if leaf is not None:
+                policy.add(leaf)  # (the index's new candidate: an unlocked leaf)
             ret.append(victim)
         self.num_blocks_allocated += num_blocks
         for block in ret:
@@ -437,9 +479,12 @@ class BlockPool:
         cached = self.cached_block_hash_to_block
         cur = cached.pop(key, None)
         if cur is None:
-            raise InvariantError(
-                f"block {block.block_id} has hash {key.hex()} that is not in the hash map")
-        if type(cur) is dict:
+            if self.on_evict is None:
+                raise InvariantError(
+                    f"block {block.block_id} has hash {key.hex()} that is not in the "
+                    "hash map")
+            # (an index of its own: the key was never the map's; the rest is shared)
+        elif type(cur) is dict:
             if cur.pop(block.block_id, None) is None:
                 raise InvariantError(f"block {block.block_id} missing under its hash {key.hex()}")
             if cur:
@@ -480,6 +525,10 @@ class BlockPool:
         ``request`` (the one adopting them) is for the eviction policy only."""
         n = 0
         policy = self.policy
+        # NOTE: an index of its own takes its candidates out of the policy itself (a
+        # free cached block need not be one); the policy hears every hit either way.
+        discard = policy.discard if policy is not None and self.on_evict is None else None
+        on_hit = self._on_hit
         for block in blocks:
             if block.ref_cnt == 0:
                 # Unlink from the free queue in O(1) (FreeKVCacheBlockQueue.remove,
@@ -490,11 +539,11 @@ class BlockPool:
                 nxt.prev_free_block = prev
                 block.prev_free_block = block.next_free_block = None
                 n += 1
-                if policy is not None:
-                    policy.discard(block)
+                if discard is not None:
+                    discard(block)
             block.ref_cnt += 1
-            if policy is not None:
-                policy.on_hit(block, request)
+            if on_hit is not None:
+                on_hit(block, request)
         self.free_block_queue.num_free_blocks -= n
 
     def cache_full_blocks(
@@ -678,11 +727,15 @@ class BlockPool:
         ``first_position`` (where the freed run starts in the table: a sliding-window
         table frees its tail) are for the policy: blocks that reach 0 with a key are
         released to it (``on_release`` + ``add``) and queued at the tail, unkeyed ones
-        at the head.
+        at the head. With an index of its own, the index releases its candidates to
+        the policy itself: here the blocks only join the queue.
         """
         policy = self.policy
         if policy is None:
             self.free_block_queue.release(ordered_blocks, self.free_order == "unhashed_first")
+            return
+        if self.on_evict is not None:  # (the index releases candidates to the policy)
+            self.num_free_unhashed += self.free_block_queue.release(ordered_blocks, True)
             return
         ordered = list(ordered_blocks)
         n = len(ordered)
@@ -722,6 +775,9 @@ class BlockPool:
             self.events.append(AllBlocksCleared())
         if self.policy is not None:
             self.policy.clear()
+        if self.on_reset is not None:
+            self.num_free_unhashed = self.num_blocks
+            self.on_reset()
         tier = self.host_tier
         if tier is not None:
             tier.clear()
@@ -781,6 +837,9 @@ class BlockPool:
                 raise InvariantError(f"block {b.block_id} has ref_cnt 0 but is not in the free queue")
             if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
                 raise InvariantError(f"block {b.block_id} is not free but has queue links")
+        if self.on_evict is not None:
+            self._check_index_mode(q)
+            return
         # Hash map <-> block hashes.
         in_map: set[int] = set()
         for h, entry in self.cached_block_hash_to_block.items():
@@ -824,3 +883,27 @@ class BlockPool:
                         "block (unhashed free blocks must be the queue's head)")
             self.policy.check_invariants(
                 [bid for bid in ids if blocks[bid].block_hash is not None])
+
+    def _check_index_mode(self, q: FreeKVCacheBlockQueue) -> None:
+        """``check_invariants``' part for an index of its own (the index checks its
+        keys and its candidates): the map stays empty, the counters count the blocks
+        with a key, and the ``num_free_unhashed`` free blocks without one are the
+        queue's head."""
+        blocks = self.blocks
+        if self.cached_block_hash_to_block:
+            raise InvariantError("the hash map holds keys while an index keeps its own")
+        num_keyed = sum(1 for b in blocks if b.block_hash is not None)
+        if num_keyed != self.num_cached_blocks:
+            raise InvariantError(
+                f"{num_keyed} blocks hold a key but the counters say {self.num_cached_blocks}")
+        if not self.enable_caching and num_keyed:
+            raise InvariantError(f"caching is off but {num_keyed} blocks are cached")
+        for pos, bid in enumerate(q.block_ids()):
+            if (blocks[bid].block_hash is None) != (pos < self.num_free_unhashed):
+                raise InvariantError(
+                    f"free queue position {pos} (block {bid}) is outside its part: the "
+                    f"first {self.num_free_unhashed} free blocks are the unhashed ones")
+        if self.num_free_unhashed > q.num_free_blocks:
+            raise InvariantError(
+                f"{self.num_free_unhashed} free unhashed blocks counted, "
+                f"{q.num_free_blocks} free blocks")

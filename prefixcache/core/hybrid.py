@@ -855,21 +855,12 @@ class HybridKVCacheManager(HostTierAPI, BlockPoolViews):
             keys.extend((hashes[i], g) for i in range(lo, hi))
         return keys
 
-    def reset_prefix_cache(self) -> bool:
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        if self.log_stats:
-            self.prefix_cache_stats.reset = True
-        return True
-
+    # (reset_prefix_cache, take_events: BlockPoolViews')
     # Without a host tier (``HostTierAPI`` answers [] / 0): the hash index's counters.
     num_host_blocks = 0
     host_hit_tokens = 0
     host_tier = None
     device_hit_tokens = 0  # (an instance attribute from the first admission on)
-
-    def take_events(self):
-        return self.block_pool.take_events()
 
     make_prefix_cache_stats = _make_prefix_cache_stats
 

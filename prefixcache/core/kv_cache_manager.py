@@ -341,8 +341,9 @@ def _pop_held_state(manager, request):
 
 class BlockPoolViews:
     """Read-only views of a manager's ``self.block_pool`` (a ``BlockPool``) and
-    ``self._states`` (request id -> state, in allocation order), and the counters;
-    shared by the hash index and the hybrid manager."""
+    ``self._states`` (request id -> state, in allocation order), the counters, and the
+    two calls the pool answers (reset, events); shared by the hash and radix indexes
+    and the hybrid manager."""
 
     @property
     def running_request_ids(self) -> list[str]:
@@ -375,6 +376,22 @@ class BlockPoolViews:
     def num_evictions(self) -> int:
         """Cached blocks evicted (hash dropped to reuse the block), cumulative."""
         return self.block_pool.num_evictions
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight update).
+
+        Returns:
+            ``True`` on success; ``False`` (nothing changed) while any block is held.
+        """
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the queued KV cache events (``[]`` when disabled)."""
+        return self.block_pool.take_events()
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters since construction (never reset)."""
@@ -974,22 +991,6 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
         failed); a no-op unless the policy reads the queue or the request waits."""
         if self._waiting_policy is not None:
             self._waiting_policy.drop_waiting(request_id)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (e.g. after a weight update).
-
-        Returns:
-            ``True`` on success; ``False`` (nothing changed) while any block is held.
-        """
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        if self.log_stats:
-            self.prefix_cache_stats.reset = True
-        return True
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """Return and clear the queued KV cache events (``[]`` when disabled)."""
-        return self.block_pool.take_events()
 
     make_prefix_cache_stats = _make_prefix_cache_stats
 

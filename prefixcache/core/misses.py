@@ -193,7 +193,8 @@ class MissAccountant:
         # events' counts, or a subclass's own probe maps) rather than probing ``_pool``.
         self._reads_key_maps = True
         self._pool = None  # probe mode: the pool (its hash map is re-read: reset swaps it)
-        self._radix = False  # probe mode on the radix tree (``_pool`` is the manager)
+        self._radix = False  # probe mode on the radix tree (``_tree``: the manager)
+        self._tree = None
         self._tier = None  # probe mode: the host tier, if any
         self._device: collections.Counter = collections.Counter()  # events: key -> blocks
         # events: key -> entries in the tiers below the device (the host's, and with
@@ -245,7 +246,7 @@ class MissAccountant:
         radix = type(impl) is RadixKVCacheManager  # (not the sliding-window tree)
         if isinstance(impl, HashKVCacheManager) or radix:
             acct = cls(manager.block_size, manager.hasher)
-            pool = impl if radix else impl.block_pool
+            pool = impl.block_pool
             if pool.evicted_by is not None:
                 raise ValueError("this manager already has a miss accountant attached")
             acct.uses_events = False
@@ -254,7 +255,7 @@ class MissAccountant:
             pool.evicted_by = acct._dropped
             if radix:
                 acct._radix = True
-                impl._evict_extra = True  # (the eviction path that calls the hook)
+                acct._tree = impl
             tier = impl.host_tier
             if tier is not None:
                 acct._tier = tier
@@ -281,7 +282,7 @@ class MissAccountant:
             return {}
         from prefixcache.core.radix import _namespace, block_keys  # noqa: PLC0415
 
-        tree = self._pool
+        tree = self._tree
         nodes = tree._lookup_nodes(request)
         if len(nodes) != hit:  # (host hits: the last block is not below them in the tree)
             return {}
@@ -455,7 +456,7 @@ class MissAccountant:
     def _radix_plain_depth(self, tb: bytes, b: int) -> int:
         """How many of the blocks ``0 .. b - 1`` of token bytes ``tb`` the radix tree
         holds without extra keys (the base model's root, plain token keys)."""
-        root = self._pool._roots.get(None)
+        root = self._tree._roots.get(None)
         if root is None:
             return 0
         w = 8 * self.block_size
@@ -911,7 +912,7 @@ class GroupProbeAccountant(MissAccountant):
         why = probe_refusal(index, groups)
         if why is not None:
             raise ValueError(why)
-        pool = impl if tree else impl.block_pool
+        pool = impl.block_pool
         if pool.evicted_by is not None:
             raise ValueError("this manager already has a miss accountant attached")
         g, windowed = _tracked_group(groups)
@@ -926,13 +927,13 @@ class GroupProbeAccountant(MissAccountant):
         if acct._tier is None:
             acct._hook = None
             if tree:
-                pool.evicted_group = g
+                impl.evicted_group = g
             else:
                 pool.evicted_suffix = suffix
         else:
             acct._hook = GroupEvictions(acct._dropped, suffix)
         if tree:
-            acct._tree = acct._pool = impl  # (``_radix``: plain keys probed on the tree)
+            acct._tree = impl  # (``_radix``: plain keys probed on the tree)
             acct._radix = True
         else:
             acct._device = _GroupKeys(pool, "cached_block_hash_to_block", suffix)

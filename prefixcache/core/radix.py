@@ -48,19 +48,27 @@ Invariants (``check_invariants`` verifies all of them):
     * A block held by a request (``ref_cnt > 0``) that is a node's is locked (the
       holder's path contains it); each ``ref_cnt`` equals the number of block tables
       holding the block.
-    * The free queue holds exactly the blocks with ``ref_cnt == 0``: first the
-      ``_num_free_unhashed`` blocks without a hash, then the free node blocks.
+    * The pool's free queue holds exactly the blocks with ``ref_cnt == 0``: first the
+      ``num_free_unhashed`` blocks without a hash, then the free node blocks.
     * The policy's candidates are exactly the unlocked leaf nodes' blocks.
     * Available blocks (what ``allocate_slots`` may take) = free unhashed blocks +
       unlocked nodes (evictable leaf by leaf); free but locked node blocks are not.
     * A call that raises or returns ``None`` changes no state.
+
+One pool. The tree is an index over a ``BlockPool`` (its ``on_evict`` / ``on_reset``
+hooks): the pool owns the ids, reference counts, the free queue, allocation, touch,
+release and eviction (events, demotion, miss accounting, counters); the tree keeps the
+keys and the locks, hands the policy its candidates (unlocked leaves: ``add`` when a
+node becomes one, ``discard`` when it stops being one) and hears each leaf the pool
+evicts (``_unlink_leaf``: it unlinks the node and names its parent if that became a
+candidate), as SGLang's tree picks leaves and hands their pages back to the allocator.
 
 Host tier (``num_host_blocks > 0``; SGLang's HiCache: device L1, host L2).
 The shared ``HostTier`` (``prefixcache/core/host_tier.py``: slots, host policy,
 transfers, CPU events, its invariants) sits under the tree exactly as under the hash
 chain:
 
-* **Demotion** -- when ``_take_blocks`` evicts an unlocked leaf, its block's hash goes
+* **Demotion** -- when the pool evicts an unlocked leaf, its block's hash goes
   to a host slot (``HostTransfer("store", block_id, slot)``; a full host first evicts
   one entry by the host policy). The node leaves the tree: the host tier is keyed by
   the block hash (the request's chained digest, equal iff the tree keys are equal: see
@@ -95,25 +103,18 @@ from typing import Any, Sequence
 from prefixcache._validate import ArgumentTypeError, check_arrival
 from prefixcache.core.block_pool import (
     KV_CACHE_SPEC_KIND,
-    FreeKVCacheBlockQueue,
+    BlockPool,
     InvariantError,
     KVCacheBlock,
-    _bytes_block_hash,
-    _int_block_hash,
 )
-from prefixcache.core.events import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    KVCacheEvent,
-    device_block_stored,
-)
-from prefixcache.core.eviction import EvictionPolicy, KeyedPolicy, make_policy
+from prefixcache.core.events import device_block_stored
+from prefixcache.core.eviction import KeyedPolicy, make_policy
 from prefixcache.core.eviction.base import WaitingFanout
 from prefixcache.core.hashing import BlockHasher
 from prefixcache.core.tiers.host import (HostHit, check_tier_args,
                                         make_host_tier)
 from prefixcache.core.kv_cache_manager import (
+    BlockPoolViews,
     manager_options,
     _OneGroupManager,
     _admission_checks,
@@ -305,7 +306,7 @@ def _num_unlocked_suffix(nodes) -> int:
     return len(nodes) - lo
 
 
-class RadixKVCacheManager(_OneGroupManager):
+class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
     """Allocates KV cache blocks and reuses cached prefixes found in a radix tree.
 
     Same constructor keywords, calls, return values and errors as ``KVCacheManager``
@@ -358,17 +359,10 @@ class RadixKVCacheManager(_OneGroupManager):
                                    block_size=block_size, num_device_blocks=num_blocks,
                                    enable_events=enable_events)
         lower = _build_lower_tiers(self, lower_tiers, num_host_blocks, block_size)
-        # NOTE: most policies keep the protocol's no-op on_hit: skip one call per hit block.
-        self._on_hit = (
-            None if type(self.policy).on_hit is EvictionPolicy.on_hit else self.policy.on_hit
-        )
         # NOTE: keyed policies that keep KeyedPolicy's on_release / on_cached (a clock
         # tick and one stamp) get them inlined: a Python call per released node was the
         # tree's largest cost over the chain's free (whose LRU is the queue itself).
         cls = type(self.policy)
-        self._on_evicted = (
-            None if cls.on_evicted is EvictionPolicy.on_evicted else self.policy.on_evicted
-        )
         keyed = isinstance(self.policy, KeyedPolicy)
         # queue_aware reads the waiting queue: admission drops the request from it.
         self._waiting_policy = self.policy if cls.needs_waiting else None
@@ -384,13 +378,15 @@ class RadixKVCacheManager(_OneGroupManager):
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
-        self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free = FreeKVCacheBlockQueue(self.blocks)
-        self._num_free_unhashed = num_blocks  # the free queue's head part
+        # The one pool (module docstring, "One pool"): this tree is its index.
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=self.enable_caching, enable_events=self.enable_events,
+            free_order=free_order, int_event_hashes=int_event_hashes, policy=self.policy,
+            on_evict=self._unlink_leaf, on_reset=self._forget_all)
+        self.blocks: list[KVCacheBlock] = self.block_pool.blocks
+        self._take_blocks = self.block_pool.get_new_blocks  # (no frame of ours)
         self._nodes: list[_Node | None] = [None] * num_blocks  # block id -> its node
         self._roots: dict[Any, _Node] = {}  # namespace -> root (dropped when empty)
-        self._num_nodes = 0
         self._num_unlocked_nodes = 0
         self._epoch = 0  # node removals (evictions, resets): invalidates _lookup
         # (request, hit nodes, their blocks, epoch) of the last lookup
@@ -398,12 +394,8 @@ class RadixKVCacheManager(_OneGroupManager):
         self._extras_memo: dict[tuple, dict[int, tuple]] = {}  # see _extras
         self._states: dict[Any, _RadixState] = {}
         self._states_by_request: dict[Any, _RadixState] = {}
-        self.events: list[KVCacheEvent] = []
         _init_lookup_counters(self)
         self.device_hit_tokens = 0  # hit tokens adopted at admission (all on the device)
-        self.num_evictions = 0
-        self.num_blocks_cached = 0
-        self.num_blocks_allocated = 0
         # The host tier (module docstring, "Host tier"); None without one.
         self.host_tier = host_tier
         self.num_host_blocks = num_host_blocks
@@ -413,24 +405,17 @@ class RadixKVCacheManager(_OneGroupManager):
             # The host tier's policy reads the queue too (queue_aware; as the hash index).
             self._waiting_policy = WaitingFanout(self._waiting_policy, host_policy)
         self.host_hit_tokens = 0  # hit tokens adopted at admission from the host
-        # An evicted leaf needs more than unlinking (an event, a demotion, miss
-        # accounting's hook): fixed here.
-        self._evict_extra = self.enable_events or host_tier is not None
-        # Miss accounting's hook (as ``BlockPool.evicted_by``; ``MissAccountant`` sets
-        # it and ``_evict_extra``): evicted leaves' hashes -> "device"; a reset replaces
-        # it with a new dict.
-        self.evicted_by: dict | None = None
         if host_tier is not None:
-            host_tier.pool = self  # (the tier queues its CPU events on self.events)
-            host_tier._event_hash = self._event_hash
+            pool = self.block_pool
+            pool.attach_tier(host_tier)  # (the tier queues its CPU events on the pool's)
             # NOTE: instance attributes shadow the methods that learn about host hits
             # (lookup, admission) and the tree's caching (exclusive tiers); with no
             # tier the class methods run, unchanged.
             self._allocate_slow = self._allocate_slow_tiered
             self._cache = self._cache_tiered
             if lower:  # the tiers below the host (prefixcache.core.tiers)
-                host_tier.attach_lower(lower, events_owner=self if self.enable_events else None,
-                                       event_hash=self._event_hash, block_size=block_size)
+                host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
+                                       event_hash=pool._event_hash, block_size=block_size)
         # Hit tokens adopted at admission from each tier below the host, by name.
         self._lower_hit_tokens = {t.name: 0 for t in lower}
 
@@ -538,7 +523,7 @@ class RadixKVCacheManager(_OneGroupManager):
         return (computed,), len(computed) * self.block_size
 
     def _num_available(self) -> int:
-        return self._num_free_unhashed + self._num_unlocked_nodes
+        return self.block_pool.num_free_unhashed + self._num_unlocked_nodes
 
     def _allocate_slow(
         self, request, num_new_tokens, num_new_computed_tokens,
@@ -549,7 +534,6 @@ class RadixKVCacheManager(_OneGroupManager):
         st, computed, total, need, num_new_computed_tokens = _admission_checks(
             self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
             num_lookahead_tokens)
-        rid = request.request_id
         bs = self.block_size
         ns = _namespace(request)
         nodes = self._adopted_nodes(request, computed, ns) if computed else []
@@ -557,45 +541,39 @@ class RadixKVCacheManager(_OneGroupManager):
         num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
-        if num_new_blocks + num_unlocked_hits > self._num_free_unhashed + self._num_unlocked_nodes:
+        if num_new_blocks + num_unlocked_hits > self._num_available():
             self.num_failed_allocations += 1
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
-            if self._waiting_policy is not None:
-                self._waiting_policy.drop_waiting(request.request_id)
-            on_hit = self._on_hit
-            num_touched = 0
-            if num_unlocked_hits and not nodes[-1].children:
-                # NOTE: only the path's last node can be a leaf (each other has the
-                # next as a child), so only it can be a candidate.
-                self.policy.discard(nodes[-1].block)
-            for node in nodes:
-                b = node.block
-                node.lock += 1
-                if b.ref_cnt == 0:
-                    # FreeKVCacheBlockQueue.remove, inlined (once per hit block)
-                    prev = b.prev_free_block
-                    nxt = b.next_free_block
-                    prev.next_free_block = nxt
-                    nxt.prev_free_block = prev
-                    b.prev_free_block = b.next_free_block = None
-                    num_touched += 1
-                b.ref_cnt += 1
-                if on_hit is not None:
-                    on_hit(b, request)
-            self._num_unlocked_nodes -= num_unlocked_hits
-            self._free.num_free_blocks -= num_touched
-            self._lookup = None  # NOTE: holds no request past its admission
-            st = _RadixState(request, computed, nodes, ns, bs)
-            self._states[rid] = st
-            self._states_by_request[request] = st
+            st = self._admit(request, computed, nodes, num_unlocked_hits, ns)
             if self.log_stats and self.enable_caching:
                 self.prefix_cache_stats.record(
                     request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
                 )
             self.device_hit_tokens += num_new_computed_tokens
         return self._grow_and_cache(request, st, num_new_blocks, total)
+
+    def _admit(self, request, device: list[KVCacheBlock], nodes: list[_Node],
+               num_unlocked_hits: int, ns) -> _RadixState:
+        """Admit a new request with the device hits ``device`` (the blocks of
+        ``nodes``, whose last ``num_unlocked_hits`` are unlocked): lock its path, touch
+        the hits through the pool and register its state (a table of its own)."""
+        if self._waiting_policy is not None:
+            self._waiting_policy.drop_waiting(request.request_id)
+        if num_unlocked_hits and not nodes[-1].children:
+            # NOTE: only the path's last node can be a leaf (each other has the next
+            # as a child), so only it can be a candidate.
+            self.policy.discard(nodes[-1].block)
+        for node in nodes:
+            node.lock += 1
+        self.block_pool.touch(device, request)
+        self._num_unlocked_nodes -= num_unlocked_hits
+        self._lookup = None  # NOTE: holds no request past its admission
+        st = _RadixState(request, list(device), nodes, ns, self.block_size)
+        self._states[request.request_id] = st
+        self._states_by_request[request] = st
+        return st
 
     def _adopted_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
         """The nodes of the hit blocks ``computed``: from the request's last lookup when
@@ -641,73 +619,29 @@ class RadixKVCacheManager(_OneGroupManager):
             parent = node
         return nodes
 
-    def _take_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop ``n`` blocks (caller checked availability): unhashed free blocks first
-        (queue head), then the policy's victims (unlocked leaves, evicted)."""
-        q = self._free
-        k = self._num_free_unhashed
-        if k >= n:
-            out = q.popleft_n(n)
-            self._num_free_unhashed = k - n
-        else:
-            out = q.popleft_n(k) if k else []
-            self._num_free_unhashed = 0
-            policy = self.policy
-            pop = policy.pop
-            on_evicted = self._on_evicted
-            nodes = self._nodes
-            extra = self._evict_extra  # events or a host tier
-            for _ in range(n - k):
-                b = pop()
-                # Evict the unlocked leaf b (inlined: once per victim).
-                bid = b.block_id
-                node = nodes[bid]
-                if node.lock or node.children or b.ref_cnt:
-                    raise InvariantError(
-                        f"evicting block {bid}: lock {node.lock}, "
-                        f"{len(node.children)} children, ref_cnt {b.ref_cnt}"
-                    )
-                parent = node.parent
-                del parent.children[node.key]
-                node.parent = None
-                nodes[bid] = None
-                if extra:
-                    if self.evicted_by is not None:
-                        self.evicted_by[b.block_hash] = "device"
-                    if self.enable_events:
-                        self.events.append(BlockRemoved(
-                            block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
-                            group_idx=0,
-                        ))
-                    tier = self.host_tier
-                    if tier is not None:  # demote: the leaf's page goes to a host slot
-                        pb = parent.block
-                        tier.store(bid, b.block_hash, pb.block_hash if pb is not None else None)
-                b.block_hash = None
-                if on_evicted is not None:
-                    on_evicted(b)
-                if parent.block is None:
-                    if not parent.children:
-                        del self._roots[parent.key]
-                elif not parent.lock and not parent.children:
-                    policy.add(parent.block)  # an unlocked interior node became a leaf
-                # FreeKVCacheBlockQueue.remove, inlined
-                prev = b.prev_free_block
-                nxt = b.next_free_block
-                prev.next_free_block = nxt
-                nxt.prev_free_block = prev
-                b.prev_free_block = b.next_free_block = None
-                out.append(b)
-            victims = n - k
-            q.num_free_blocks -= victims
-            self._num_nodes -= victims
-            self._num_unlocked_nodes -= victims
-            self._epoch += victims
-            self.num_evictions += victims
-        for b in out:
-            b.ref_cnt = 1
-        self.num_blocks_allocated += n
-        return out
+    def _unlink_leaf(self, block: KVCacheBlock) -> KVCacheBlock | None:
+        """The pool reuses ``block``, an unlocked leaf's (the policy's victim): unlink
+        its node (the pool's ``on_evict`` hook). Returns the parent's block when the parent
+        became an unlocked leaf (a new candidate), else ``None``."""
+        bid = block.block_id
+        node = self._nodes[bid]
+        if node is None or node.lock or node.children or block.ref_cnt:
+            raise InvariantError(
+                f"evicting block {bid}: node {node!r}, ref_cnt {block.ref_cnt} (only an "
+                "unlocked leaf's free block can be evicted)")
+        parent = node.parent
+        del parent.children[node.key]
+        node.parent = None
+        self._nodes[bid] = None
+        self._num_unlocked_nodes -= 1
+        self._epoch += 1
+        if parent.block is None:
+            if not parent.children:
+                del self._roots[parent.key]
+            return None
+        if not parent.lock and not parent.children:
+            return parent.block  # an unlocked interior node became a leaf
+        return None
 
     def _cache_start(self, st: _RadixState, first: int, num_full: int) -> tuple:
         """``(parent, keys)`` for entering the request's blocks ``first .. num_full - 1``
@@ -738,6 +672,7 @@ class RadixKVCacheManager(_OneGroupManager):
         nodes = self._nodes
         events = self.enable_events
         run_start = -1  # first block of the current run of new nodes (events)
+        num_new = 0
         for i, key in enumerate(keys, first):
             children = parent.children
             child = children.get(key)
@@ -753,9 +688,10 @@ class RadixKVCacheManager(_OneGroupManager):
                 child.lock = 1
                 children[key] = child
                 b.block_hash = h
+                # (the key before it: what the pool demotes the block's key under)
+                b.parent_hash = hashes[i - 1] if i else None
                 nodes[b.block_id] = child
-                self._num_nodes += 1
-                self.num_blocks_cached += 1
+                num_new += 1
                 if self._stamp_cached:  # KeyedPolicy.on_cached, inlined
                     policy.clock += 1
                     policy.cached_at[b.block_id] = policy.clock
@@ -776,14 +712,16 @@ class RadixKVCacheManager(_OneGroupManager):
                 run_start = -1
             path.append(child)
             parent = child
+        self.block_pool.num_blocks_cached += num_new
         if events and run_start >= 0:
             self._stored_event(request, hashes, run_start, num_full)
 
     def _stored_event(self, request, hashes, start_block: int, end_block: int) -> None:
         """Queue ``BlockStored`` for the request's new nodes ``start .. end - 1``."""
         bs = self.block_size
-        eh = self._event_hash
-        self.events.append(device_block_stored(
+        pool = self.block_pool
+        eh = pool._event_hash
+        pool.events.append(device_block_stored(
             request, list(map(eh, hashes[start_block:end_block])),
             eh(hashes[start_block - 1]) if start_block else None, start_block * bs,
             end_block * bs, bs, spec_kind=KV_CACHE_SPEC_KIND))
@@ -837,31 +775,12 @@ class RadixKVCacheManager(_OneGroupManager):
         num_unlocked_hits = _num_unlocked_suffix(nodes)
         num_held = len(st.blocks) if st is not None else 0
         num_new_blocks = max(-(-need // bs) - num_held - len(computed), 0)
-        if (num_new_blocks + len(host) + num_unlocked_hits
-                > self._num_free_unhashed + self._num_unlocked_nodes):
+        if num_new_blocks + len(host) + num_unlocked_hits > self._num_available():
             self.num_failed_allocations += 1
             return None
         # --- state changes from here on -------------------------------------
         if st is None:
-            if self._waiting_policy is not None:
-                self._waiting_policy.drop_waiting(request.request_id)
-            if num_unlocked_hits and not nodes[-1].children:
-                self.policy.discard(nodes[-1].block)  # (only the last can be a leaf)
-            on_hit = self._on_hit
-            free = self._free
-            for node in nodes:
-                b = node.block
-                node.lock += 1
-                if b.ref_cnt == 0:
-                    free.remove(b)  # (counts itself out of num_free_blocks)
-                b.ref_cnt += 1
-                if on_hit is not None:
-                    on_hit(b, request)
-            self._num_unlocked_nodes -= num_unlocked_hits
-            self._lookup = None
-            st = _RadixState(request, list(device), nodes, ns, bs)  # (a table of its own)
-            self._states[request.request_id] = st
-            self._states_by_request[request] = st
+            st = self._admit(request, device, nodes, num_unlocked_hits, ns)
             if host:
                 # NOTE: pin the entries to load first: the device blocks taken for them
                 # may evict leaves, whose demotions then never pick these slots.
@@ -934,7 +853,7 @@ class RadixKVCacheManager(_OneGroupManager):
         st = _pop_held_state(self, request)
         req = st.request
         # Blocks: cached ones to the queue's tail, unhashed ones to its head.
-        self._num_free_unhashed += self._free.release(reversed(st.blocks), True)
+        self.block_pool.free_blocks(reversed(st.blocks))
         # Path: deepest first. Only its last node can be a leaf (each other node has
         # the next as a child), so only it can become a candidate.
         policy = self.policy
@@ -982,29 +901,9 @@ class RadixKVCacheManager(_OneGroupManager):
         return list(st.blocks)
 
     @property
-    def running_request_ids(self) -> list:
-        """Ids of the requests holding blocks, in allocation order."""
-        return list(self._states)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with ``ref_cnt == 0`` (including free blocks locked by a path)."""
-        return self._free.num_free_blocks
-
-    @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation may take now: free unhashed blocks + unlocked nodes."""
-        return self._num_free_unhashed + self._num_unlocked_nodes
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (0.0 .. 1.0)."""
-        return 1.0 - self._free.num_free_blocks / self.num_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks currently in the tree (its nodes)."""
-        return self._num_nodes
+        return self.block_pool.num_free_unhashed + self._num_unlocked_nodes
 
     def num_stranded_blocks(self) -> int:
         """Cached blocks no lookup can reach: those not reachable from a root (O(tree)).
@@ -1021,115 +920,22 @@ class RadixKVCacheManager(_OneGroupManager):
             stack.extend(children)
         return sum(1 for b in self.blocks if b.block_hash is not None) - reachable
 
-    def free_block_ids(self) -> list[int]:
-        """The free queue as block ids, head first: unhashed blocks (reused first),
-        then free cached blocks in release order (the policy picks among them)."""
-        return self._free.block_ids()
-
-    def cached_block_ids(self) -> list[int]:
-        """Ids of all blocks currently in the tree, ascending."""
-        return [i for i, node in enumerate(self._nodes) if node is not None]
-
-    def counters(self) -> dict[str, int]:
-        """Cumulative counters since construction (never reset)."""
-        return {
-            "lookups": self.num_lookups,
-            "lookup_tokens": self.num_lookup_tokens,
-            "hit_tokens": self.num_hit_tokens,
-            "evictions": self.num_evictions,
-            "blocks_cached": self.num_blocks_cached,
-            "blocks_allocated": self.num_blocks_allocated,
-            "failed_allocations": self.num_failed_allocations,
-        }
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. ``False`` (nothing changed) while any block is held."""
-        if self._free.num_free_blocks != self.num_blocks:
-            return False
+    def _forget_all(self) -> None:
+        """The pool dropped every key (``reset_prefix_cache``; its ``on_reset`` hook):
+        the tree forgets every node."""
         self._forget_tree()
         self._roots = {}
         self._epoch += 1
         self._lookup = None
-        self._num_nodes = 0
-        self._num_free_unhashed = self.num_blocks  # every queued block is unhashed now
-        self.policy.clear()
-        if self.evicted_by is not None:
-            self.evicted_by = {}
-        if self.host_tier is not None:
-            self.host_tier.clear()
-            self.host_tier.evicted_by = self.evicted_by
-            if self.host_tier.lower is not None:
-                self.host_tier.lower.evicted_by = self.evicted_by
-        if self.enable_events:
-            self.events.append(AllBlocksCleared())
-        if self.log_stats:
-            self.prefix_cache_stats.reset = True
-        return True
 
     def _forget_tree(self) -> None:
-        """``reset_prefix_cache``'s part that is the tree's own: no block is cached."""
-        for i, node in enumerate(self._nodes):
-            if node is not None:
-                node.block.block_hash = None
-                self._nodes[i] = None
+        """``_forget_all``'s part that is this tree's own (its node maps)."""
+        self._nodes = [None] * self.num_blocks
         self._num_unlocked_nodes = 0
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """Return and clear the queued KV cache events (``[]`` when disabled)."""
-        events = self.events
-        self.events = []
-        return events
 
     make_prefix_cache_stats = _make_prefix_cache_stats
 
     # -------------------------------------------------------------- checking
-    def _check_free_queue(self) -> None:
-        """The free queue holds exactly the ``ref_cnt == 0`` blocks, the
-        ``_num_free_unhashed`` unhashed ones first (``InvariantError`` if not); shared
-        with ``radix_hybrid``."""
-        blocks = self.blocks
-        n = self.num_blocks
-        q = self._free
-        seen: set[int] = set()
-        prev = q.head
-        cur = q.head.next_free_block
-        pos = 0
-        while cur is not q.tail:
-            if cur is None or cur.prev_free_block is not prev:
-                raise InvariantError(f"free queue broken after block {prev.block_id}")
-            bid = cur.block_id
-            if not 0 <= bid < n or blocks[bid] is not cur or bid in seen:
-                raise InvariantError(f"free queue holds block {bid} twice or foreign")
-            if cur.ref_cnt != 0:
-                raise InvariantError(f"block {bid} is in the free queue with ref_cnt {cur.ref_cnt}")
-            unhashed_part = pos < self._num_free_unhashed
-            if (cur.block_hash is None) != unhashed_part:
-                raise InvariantError(
-                    f"free queue position {pos} (block {bid}, hash "
-                    f"{'none' if cur.block_hash is None else 'set'}) is outside its part: "
-                    f"the first {self._num_free_unhashed} free blocks are the unhashed ones"
-                )
-            seen.add(bid)
-            prev = cur
-            cur = cur.next_free_block
-            pos += 1
-        if q.tail.prev_free_block is not prev or pos != q.num_free_blocks:
-            raise InvariantError(
-                f"free queue holds {pos} blocks, num_free_blocks {q.num_free_blocks}"
-            )
-        if pos < self._num_free_unhashed:
-            raise InvariantError(
-                f"{self._num_free_unhashed} free unhashed blocks counted, {pos} free blocks"
-            )
-        for b in blocks:
-            if (b.ref_cnt == 0) != (b.block_id in seen):
-                raise InvariantError(
-                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but is "
-                    f"{'' if b.block_id in seen else 'not '}in the free queue"
-                )
-            if b.block_id not in seen and (b.prev_free_block or b.next_free_block):
-                raise InvariantError(f"block {b.block_id} is not free but has queue links")
-
     def check_invariants(self) -> None:
         """Verify the tree, locks, pool and request bookkeeping (module docstring);
         raise ``InvariantError`` naming the block or request if broken."""
@@ -1139,7 +945,7 @@ class RadixKVCacheManager(_OneGroupManager):
         for i, b in enumerate(blocks):
             if b.block_id != i:
                 raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
-        self._check_free_queue()
+        self.block_pool.check_invariants()  # (the queue, unhashed blocks first)
         # Tree: every node reachable, one block each, keys consistent.
         locks: dict[int, int] = {}
         num_nodes = num_unlocked = 0
@@ -1175,18 +981,13 @@ class RadixKVCacheManager(_OneGroupManager):
             node = self._nodes[b.block_id]
             if node is not None and b.block_id not in locks:
                 raise InvariantError(f"block {b.block_id} maps to a detached node")
-        if num_nodes != self._num_nodes:
+        if num_nodes != self.num_cached_blocks:
             raise InvariantError(
-                f"tree holds {num_nodes} nodes, num_cached_blocks {self._num_nodes}"
+                f"tree holds {num_nodes} nodes, num_cached_blocks {self.num_cached_blocks}"
             )
         if num_unlocked != self._num_unlocked_nodes:
             raise InvariantError(
                 f"{num_unlocked} unlocked nodes, counted {self._num_unlocked_nodes}"
-            )
-        num_free_unhashed = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None)
-        if num_free_unhashed != self._num_free_unhashed:
-            raise InvariantError(
-                f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}"
             )
         # Requests: tables, paths, locks and ref counts.
         refs = [0] * n
@@ -1256,7 +1057,7 @@ class RadixKVCacheManager(_OneGroupManager):
                     )
                 if b.ref_cnt and not node.lock:
                     raise InvariantError(f"block {b.block_id} is held but its node is unlocked")
-        if not self.enable_caching and self._num_nodes:
+        if not self.enable_caching and num_nodes:
             raise InvariantError("caching is off but the tree holds blocks")
         self.policy.check_invariants(candidates)
         if self._waiting_policy is not None:  # admission drops a request's interest

@@ -81,13 +81,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from prefixcache._validate import ArgumentTypeError
-from prefixcache.core.block_pool import (
-    FreeKVCacheBlockQueue,
-    InvariantError,
-    KVCacheBlock,
-    _bytes_block_hash,
-    _int_block_hash,
-)
+from prefixcache.core.block_pool import BlockPool, InvariantError, KVCacheBlock
 from prefixcache.core.events import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -247,7 +241,6 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         _store_settings(self, num_blocks, block_size, enable_caching, free_order, log_stats,
                         enable_events, max_model_len)
         self._max_len = max_model_len if max_model_len is not None else 1 << 62
-        self._event_hash = _int_block_hash if int_event_hashes else _bytes_block_hash
         # Per group: the window W (None: full attention), whether its blocks are cached.
         self._windows = [g.spec.sliding_window for g in groups]
         self._cacheable = [w is None or w > 1 for w in self._windows]
@@ -256,18 +249,22 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._is_full = [w is None for w in self._windows]
         self._num_full = len(self._full_ids)
         self._specs = lookup_groups(groups)
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        # The one pool (radix.py's "One pool"): ids, ref counts, the free queue (its
+        # unhashed head counted by ``num_free_unhashed``), events and counters; this
+        # tree evicts its candidates into the queue's head before it allocates.
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=self.enable_caching, enable_events=self.enable_events,
+            free_order=free_order, int_event_hashes=int_event_hashes, policy=self.policy,
+            on_evict=self._unlink_leaf, on_reset=self._forget_all)
+        self.blocks: list[KVCacheBlock] = self.block_pool.blocks
         # NOTE: the padding page (hybrid.py's convention): never pooled, queued or cached.
         self.null_block = KVCacheBlock(num_blocks)
-        self._free = FreeKVCacheBlockQueue(self.blocks)
-        self._num_free_unhashed = num_blocks  # the free queue's head part
         self._num_free_sw = 0  # free cached sliding-window blocks (all candidates)
         self._num_unlocked_full = 0  # full-attention blocks of unlocked nodes
         self._owner: list[_HybridNode | None] = [None] * num_blocks  # block id -> node
         self._owner_group = [0] * num_blocks  # block id -> its group (while cached)
         self._roots: dict[Any, _HybridNode] = {}
         self._num_nodes = 0
-        self._num_cached = 0
         self._epoch = 0  # tree changes that can invalidate _lookup (evictions, resets)
         self._lookup: tuple | None = None  # (request, nodes, hit lists, epoch)
         self._extras_memo: dict[tuple, dict[int, tuple]] = {}
@@ -277,21 +274,16 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._empty = self._no_new_blocks
         self._empty_hit = self._no_new_blocks  # what a lookup answers with caching off
         self._hit_blocks_class = PerGroupKVCacheBlocks  # what get_computed_blocks wraps
-        self.events = []
         _init_lookup_counters(self)
         self.device_hit_tokens = 0
-        self.num_evictions = 0
-        self.num_blocks_cached = 0
-        self.num_blocks_allocated = 0
         self.host_tier = None
         self.num_host_blocks = 0
         self.host_eviction = host_eviction
         self.host_hit_tokens = 0
-        # Miss accounting's hook (``misses.GroupProbeAccountant``): a dict that each
-        # eviction of group ``evicted_group``'s blocks sets ``evicted_by[digest] =
-        # "device"`` in (the other groups' are not recorded); the shared reset
-        # (``RadixKVCacheManager.reset_prefix_cache``) replaces it with a new dict.
-        self.evicted_by = None
+        # Miss accounting's hook (``misses.GroupProbeAccountant``): each eviction of
+        # group ``evicted_group``'s blocks sets ``block_pool.evicted_by[digest] =
+        # "device"`` (the other groups' are not recorded; the pool's reset replaces the
+        # dict).
         self.evicted_group: int | None = None
 
     @property
@@ -568,23 +560,19 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         if st is None:
             for node in nodes:
                 self._lock(node)
-            q = self._free
-            on_hit = self.policy.on_hit
+            touch = self.block_pool.touch
             tables = []
             num_null = []
             for g in range(n_groups):
                 hit = hits[g] if hits is not None else []
                 skipped = self._skipped_tokens(g, num_local_computed) // bs
                 kept = hit[skipped:]
-                sliding = not self._is_full[g]
-                for b in kept:
-                    if b.ref_cnt == 0:
-                        q.remove(b)
-                        if sliding:
+                if not self._is_full[g]:  # (free cached sliding blocks are candidates)
+                    for b in kept:
+                        if b.ref_cnt == 0:
                             self._num_free_sw -= 1
                             self.policy.discard(b)
-                    b.ref_cnt += 1
-                    on_hit(b, request)
+                touch(kept, request)
                 tables.append([null] * skipped + kept)
                 num_null.append(skipped)
             st = _HybridRadixState(request, tables, list(nodes), _namespace(request), bs,
@@ -695,21 +683,21 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         it becomes a free unhashed block at the queue's head."""
         if b.ref_cnt:
             raise InvariantError(f"evicting block {b.block_id} with ref_cnt {b.ref_cnt}")
+        pool = self.block_pool
         if self.enable_events:
-            self.events.append(BlockRemoved(
-                block_hashes=[self._event_hash(b.block_hash)], medium=MEDIUM_GPU,
+            pool.events.append(BlockRemoved(
+                block_hashes=[pool._event_hash(b.block_hash)], medium=MEDIUM_GPU,
                 group_idx=g))
-        if self.evicted_by is not None and g == self.evicted_group:
-            self.evicted_by[b.block_hash] = "device"  # miss accounting's hook: the digest
+        if pool.evicted_by is not None and g == self.evicted_group:
+            pool.evicted_by[b.block_hash] = "device"  # miss accounting's hook: the digest
         b.block_hash = None
         self._owner[b.block_id] = None
-        self._num_cached -= 1
-        self.num_evictions += 1
+        pool.num_evictions += 1
         self.policy.on_evicted(b)
-        q = self._free
+        q = pool.free_block_queue
         q.remove(b)
         q.prepend_n((b,))
-        self._num_free_unhashed += 1
+        pool.num_free_unhashed += 1
 
     def _evict(self, b: KVCacheBlock) -> None:
         """Evict the candidate ``b`` (just popped from the policy): a sliding-window
@@ -744,16 +732,19 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         self._drop_node(node)
 
     def _take_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop ``n`` blocks (caller checked availability): unhashed free blocks first,
-        then the policy's victims, evicted."""
-        while self._num_free_unhashed < n:
+        """Take ``n`` blocks (caller checked availability): the policy's victims are
+        evicted into the queue's head until ``n`` free blocks hold no hash, then the
+        pool hands out its head (no victim of its own: ``_unlink_leaf``)."""
+        pool = self.block_pool
+        while pool.num_free_unhashed < n:
             self._evict(self.policy.pop())
-        out = self._free.popleft_n(n)
-        self._num_free_unhashed -= n
-        for b in out:
-            b.ref_cnt = 1
-        self.num_blocks_allocated += n
-        return out
+        return pool.get_new_blocks(n)
+
+    def _unlink_leaf(self, block: KVCacheBlock):
+        """Never called: ``_take_blocks`` leaves the pool enough unhashed blocks (a
+        node's blocks are evicted together, into the queue's head)."""
+        raise InvariantError(
+            f"the pool evicted block {block.block_id}: this tree evicts before it allocates")
 
     def _release(self, st: _HybridRadixState, slots) -> None:
         """Drop one reference from each table slot ``(group, position)`` of ``slots``
@@ -762,32 +753,16 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         head."""
         tables = st.tables
         null = self.null_block
+        held = [(g, i, tables[g][i]) for g, i in slots if tables[g][i] is not null]
+        self.block_pool.free_blocks([b for _, _, b in held])
         is_full = self._is_full
         policy = self.policy
         request = st.request
-        tail = []
-        head = []
-        for g, i in slots:
-            b = tables[g][i]
-            if b is null:
-                continue
-            rc = b.ref_cnt - 1
-            b.ref_cnt = rc
-            if rc:
-                continue
-            if b.block_hash is None:
-                head.append(b)
-            else:
-                tail.append(b)
-                if not is_full[g]:
-                    self._num_free_sw += 1
-                    policy.on_release(b, request, i)
-                    policy.add(b)
-        q = self._free
-        q.append_n(tail)
-        if head:
-            q.prepend_n(head)
-            self._num_free_unhashed += len(head)
+        for g, i, b in held:
+            if not b.ref_cnt and not is_full[g] and b.block_hash is not None:
+                self._num_free_sw += 1
+                policy.on_release(b, request, i)
+                policy.add(b)
 
     def _remove_skipped(self, st: _HybridRadixState, num_computed_tokens: int) -> None:
         """vLLM's ``remove_skipped_blocks``: release each sliding-window table's blocks
@@ -848,8 +823,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                 cb[g] = b
                 owner[b.block_id] = child
                 owner_group[b.block_id] = g
-                self._num_cached += 1
-                self.num_blocks_cached += 1
+                self.block_pool.num_blocks_cached += 1
                 if grouped:
                     on_cached_group(b, h, request, i, g)
                 else:
@@ -872,14 +846,15 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         """``BlockStored`` for group ``g``'s newly cached positions, one per run."""
         spec = self.kv_cache_groups[g].spec
         bs = self.block_size
-        eh = self._event_hash
+        pool = self.block_pool
+        eh = pool._event_hash
         k = 0
         while k < len(positions):
             j = k
             while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
                 j += 1
             a, b = positions[k], positions[j] + 1
-            self.events.append(device_block_stored(
+            pool.events.append(device_block_stored(
                 request, list(map(eh, hashes[a:b])), eh(hashes[a - 1]) if a else None,
                 a * bs, b * bs, bs, group_idx=g, spec_kind=spec.kind,
                 sliding_window=spec.sliding_window))
@@ -941,21 +916,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     def num_available_blocks(self) -> int:
         """Blocks an allocation may take now: free unhashed blocks, free cached
         sliding-window blocks and the full blocks of unlocked nodes."""
-        return self._num_free_unhashed + self._num_free_sw + self._num_unlocked_full
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks currently in the tree (every group's)."""
-        return self._num_cached
+        return self.block_pool.num_free_unhashed + self._num_free_sw + self._num_unlocked_full
 
     @property
     def num_nodes(self) -> int:
         """Nodes in the tree (block positions, tombstones included)."""
         return self._num_nodes
-
-    def cached_block_ids(self) -> list[int]:
-        """Ids of all blocks currently in the tree, ascending."""
-        return [i for i, node in enumerate(self._owner) if node is not None]
 
     def num_stranded_blocks(self) -> int:
         """Cached blocks no lookup can reach (O(tree)); always 0: only leaves lose their
@@ -972,11 +938,8 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
     def _forget_tree(self) -> None:
         """``reset_prefix_cache``'s part that is this tree's own (radix.py's method does
         the rest)."""
-        for i, node in enumerate(self._owner):
-            if node is not None:
-                self.blocks[i].block_hash = None
-                self._owner[i] = None
-        self._num_cached = self._num_free_sw = self._num_unlocked_full = 0
+        self._owner = [None] * self.num_blocks
+        self._num_nodes = self._num_free_sw = self._num_unlocked_full = 0
         if self._node_by_hash is not None:
             self._node_by_hash = {}
 
@@ -993,7 +956,7 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         for i, b in enumerate(blocks):
             if b.block_id != i:
                 raise InvariantError(f"blocks[{i}] has block_id {b.block_id}")
-        self._check_free_queue()  # (radix.py's: the queue, unhashed blocks first)
+        self.block_pool.check_invariants()  # (the queue, unhashed blocks first)
         # Tree.
         in_tree: dict[int, _HybridNode] = {}
         locks: dict[int, int] = {}  # id(node) -> paths counted below
@@ -1049,16 +1012,12 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
             if self._owner[b.block_id] is not None and b.block_id not in in_tree:
                 raise InvariantError(f"block {b.block_id} maps to a detached node")
         for name, got, want in (("nodes", num_nodes, self._num_nodes),
-                                ("cached blocks", len(in_tree), self._num_cached),
+                                ("cached blocks", len(in_tree), self.num_cached_blocks),
                                 ("free cached sliding blocks", num_free_sw, self._num_free_sw),
                                 ("unlocked full blocks", num_unlocked_full,
                                  self._num_unlocked_full)):
             if got != want:
                 raise InvariantError(f"tree holds {got} {name}, counted {want}")
-        num_free_unhashed = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_hash is None)
-        if num_free_unhashed != self._num_free_unhashed:
-            raise InvariantError(
-                f"{num_free_unhashed} free unhashed blocks, counted {self._num_free_unhashed}")
         # Requests.
         refs = [0] * n
         for rid, st, req in _held_states(self):
