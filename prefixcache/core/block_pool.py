@@ -326,10 +326,13 @@ class BlockPool:
         self.enable_events = enable_events
         self.free_order = free_order
         self.policy = policy
-        # NOTE: most policies keep the protocol's no-op on_hit: touch skips the call
-        # per hit block then (None).
-        self._on_hit = (None if policy is None or type(policy).on_hit is EvictionPolicy.on_hit
+        # NOTE: most policies keep the protocol's no-op on_hit / on_evicted: touch and
+        # eviction skip the call per block then (None).
+        cls = type(policy)
+        self._on_hit = (None if policy is None or cls.on_hit is EvictionPolicy.on_hit
                         else policy.on_hit)
+        self._on_evicted = (None if policy is None or cls.on_evicted is EvictionPolicy.on_evicted
+                            else policy.on_evicted)
         self.groups = groups
         self.on_evict = on_evict  # (None: the hash map is the index)
         self.on_reset = on_reset
@@ -458,12 +461,14 @@ class BlockPool:
         ret = q.popleft_n(k) if k > 0 else []
         if on_evict is not None:
             self.num_free_unhashed = num_unhashed - k
+        on_evicted = self._on_evicted
         for _ in range(num_blocks - k):
             victim = policy.pop()
             q.remove(victim)
             leaf = on_evict(victim) if on_evict is not None else None
             self._evict(victim)
-            policy.on_evicted(victim)
+            if on_evicted is not None:
+                on_evicted(victim)
             if leaf is not None:
                 policy.add(leaf)  # (the index's new candidate: an unlocked leaf)
             ret.append(victim)

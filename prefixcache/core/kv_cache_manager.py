@@ -412,7 +412,8 @@ class _OneGroupManager(HostTierAPI):
     scheduler's ``allocate_slots`` with its decode fast path, and the end of an
     admission. The index provides the request states (``_states_by_request``: each
     with ``request``, ``blocks``, ``num_cached_blocks`` and ``idle_until``),
-    ``_allocate_slow`` (admission, lookahead, bad calls), ``_num_available()`` (blocks
+    ``_allocate_checked`` (admission, lookahead, bad calls: past the shared checks),
+    ``_num_available()`` (blocks
     it can hand out now), ``_take_blocks(n)`` and ``_cache(st, num_full, hashes)``
     (enter the request's blocks up to ``num_full`` into the index)."""
 
@@ -474,6 +475,25 @@ class _OneGroupManager(HostTierAPI):
             self.num_failed_allocations += 1
             return None
         return self._grow_and_cache(request, st, num_new_blocks, total)
+
+    def _allocate_slow(
+        self, request, num_new_tokens, num_new_computed_tokens,
+        new_computed_blocks, num_lookahead_tokens,
+    ):
+        """``allocate_slots`` for a new request, lookahead slots, or any bad call: the
+        admission checks every index shares, then the index's ``_allocate_checked``."""
+        return self._allocate_checked(request, *_admission_checks(
+            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+            num_lookahead_tokens))
+
+    def _register(self, request, st, num_new_computed_tokens: int) -> None:
+        """A new request is admitted with state ``st``: file it, and record its lookup
+        (``log_stats``: its tokens and hit tokens, vLLM's record at admission)."""
+        self._states[request.request_id] = st
+        self._states_by_request[request] = st
+        if self.log_stats and self.enable_caching:
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
 
     def _idle_bound(self, st: _RequestState) -> int:
         """``st.idle_until`` for its current blocks and cached blocks (recomputed after
@@ -666,7 +686,7 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
             # NOTE: instance attributes shadow the two methods that learn about host
             # hits (lookup and admission); the decode fast path is shared.
             self._hit_blocks = self._hit_blocks_tiered
-            self._allocate_slow = self._allocate_slow_tiered
+            self._allocate_checked = self._allocate_checked_tiered
             if lower:
                 pool = self.block_pool
                 host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
@@ -779,14 +799,10 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when no computed tokens are adopted")
 
-    def _allocate_slow(
-        self, request, num_new_tokens, num_new_computed_tokens,
-        new_computed_blocks, num_lookahead_tokens,
-    ):
-        """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
-        st, computed, total, need, num_new_computed_tokens = _admission_checks(
-            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens)
+    def _allocate_checked(self, request, st, computed, total: int, need: int,
+                          num_new_computed_tokens: int):
+        """``_allocate_slow`` past the shared admission checks (``_admission_checks``'
+        results): the hit blocks checked as this index's, then admitted."""
         bs = self.block_size
         # Hit blocks that sit in the free queue leave it when touched: they count
         # against the free blocks too (vLLM's num_evictable_computed_blocks).
@@ -818,25 +834,14 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
                 self._waiting_policy.drop_waiting(request.request_id)
             pool.touch(computed, request)
             st = _RequestState(request, computed, len(computed))
-            self._states[request.request_id] = st
-            self._states_by_request[request] = st
-            if self.log_stats and self.enable_caching:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens,
-                    request.num_preemptions > 0,
-                )
+            self._register(request, st, num_new_computed_tokens)
             self.device_hit_tokens += num_new_computed_tokens
         return self._grow_and_cache(request, st, num_new_blocks, total)
 
-    def _allocate_slow_tiered(
-        self, request, num_new_tokens, num_new_computed_tokens,
-        new_computed_blocks, num_lookahead_tokens,
-    ):
-        """``_allocate_slow`` with a host tier: host hits among the computed blocks
+    def _allocate_checked_tiered(self, request, st, computed, total: int, need: int,
+                                 num_new_computed_tokens: int):
+        """``_allocate_checked`` with a host tier: host hits among the computed blocks
         get fresh device blocks (loads recorded) before the new blocks are taken."""
-        st, computed, total, need, num_new_computed_tokens = _admission_checks(
-            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens)
         bs = self.block_size
         pool = self.block_pool
         tier = self.host_tier
@@ -917,13 +922,7 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
                     pool.cache_full_blocks(request, table, hashes, loads[j], loads[k] + 1, bs)
                     j = k + 1
             st = _RequestState(request, table, len(table))
-            self._states[request.request_id] = st
-            self._states_by_request[request] = st
-            if self.log_stats:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens,
-                    request.num_preemptions > 0,
-                )
+            self._register(request, st, num_new_computed_tokens)
             self.device_hit_tokens += len(device_hits) * bs
             if lower_hits is None:
                 self.host_hit_tokens += len(loads) * bs

@@ -117,7 +117,6 @@ from prefixcache.core.kv_cache_manager import (
     BlockPoolViews,
     manager_options,
     _OneGroupManager,
-    _admission_checks,
     _build_lower_tiers,
     _check_computed_fit,
     _check_host_hit,
@@ -411,7 +410,7 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
             # NOTE: instance attributes shadow the methods that learn about host hits
             # (lookup, admission) and the tree's caching (exclusive tiers); with no
             # tier the class methods run, unchanged.
-            self._allocate_slow = self._allocate_slow_tiered
+            self._allocate_checked = self._allocate_checked_tiered
             self._cache = self._cache_tiered
             if lower:  # the tiers below the host (prefixcache.core.tiers)
                 host_tier.attach_lower(lower, events_owner=pool if self.enable_events else None,
@@ -471,36 +470,20 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
             append = nodes.append
             children = root.children
             extras = self._extras(request)
-            token_bytes = request.token_bytes
-            w = 8 * bs
-            # Tokens are copied in chunks of 4, 8, 16, ... blocks: a lookup that stops
+            # Tokens are keyed in chunks of 4, 8, 16, ... blocks: a lookup that stops
             # early copies little, a long hit one chunk per doubling.
             start, chunk = 0, 4
             while start < max_blocks:
                 end = start + chunk if start + chunk < max_blocks else max_blocks
-                kb = token_bytes(start * bs, end * bs)
-                if extras:
-                    get = extras.get
-                    for i, j in enumerate(range(0, len(kb), w), start):
-                        e = get(i)
-                        node = children.get(kb[j : j + w] if e is None else (kb[j : j + w], e))
-                        if node is None:
-                            break
-                        append(node)
-                        children = node.children
-                    else:
-                        start, chunk = end, 2 * chunk
-                        continue
+                for key in block_keys(request, start, end, bs, extras):
+                    node = children.get(key)
+                    if node is None:
+                        break
+                    append(node)
+                    children = node.children
                 else:
-                    for j in range(0, len(kb), w):
-                        node = children.get(kb[j : j + w])
-                        if node is None:
-                            break
-                        append(node)
-                        children = node.children
-                    else:
-                        start, chunk = end, 2 * chunk
-                        continue
+                    start, chunk = end, 2 * chunk
+                    continue
                 break
         return nodes
 
@@ -525,15 +508,10 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
     def _num_available(self) -> int:
         return self.block_pool.num_free_unhashed + self._num_unlocked_nodes
 
-    def _allocate_slow(
-        self, request, num_new_tokens, num_new_computed_tokens,
-        new_computed_blocks, num_lookahead_tokens,
-    ):
-        """``allocate_slots`` for a new request, lookahead slots, or any bad call."""
-        # NOTE: the same admission checks (and errors) as the hash chain's.
-        st, computed, total, need, num_new_computed_tokens = _admission_checks(
-            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens)
+    def _allocate_checked(self, request, st, computed, total: int, need: int,
+                          num_new_computed_tokens: int):
+        """``_allocate_slow`` past the shared admission checks (the hash chain's, with
+        its errors): the hit blocks' nodes found, locked and admitted."""
         bs = self.block_size
         ns = _namespace(request)
         nodes = self._adopted_nodes(request, computed, ns) if computed else []
@@ -547,10 +525,7 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
         # --- state changes from here on -------------------------------------
         if st is None:
             st = self._admit(request, computed, nodes, num_unlocked_hits, ns)
-            if self.log_stats and self.enable_caching:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
-                )
+            self._register(request, st, num_new_computed_tokens)
             self.device_hit_tokens += num_new_computed_tokens
         return self._grow_and_cache(request, st, num_new_blocks, total)
 
@@ -570,10 +545,7 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
         self.block_pool.touch(device, request)
         self._num_unlocked_nodes -= num_unlocked_hits
         self._lookup = None  # NOTE: holds no request past its admission
-        st = _RadixState(request, list(device), nodes, ns, self.block_size)
-        self._states[request.request_id] = st
-        self._states_by_request[request] = st
-        return st
+        return _RadixState(request, list(device), nodes, ns, self.block_size)
 
     def _adopted_nodes(self, request, computed: list[KVCacheBlock], ns) -> list[_Node]:
         """The nodes of the hit blocks ``computed``: from the request's last lookup when
@@ -663,16 +635,14 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
 
     def _cache(self, st: _RadixState, num_full: int, hashes: Sequence[bytes]) -> None:
         """Enter the request's blocks ``len(st.path) .. num_full - 1`` into the tree."""
-        request = st.request
-        path = st.path
-        blocks = st.blocks
-        first = len(path)
-        parent, keys = self._cache_start(st, first, num_full)
         policy = self.policy
         nodes = self._nodes
         events = self.enable_events
         run_start = -1  # first block of the current run of new nodes (events)
         num_new = 0
+        path, blocks, request = st.path, st.blocks, st.request
+        first = len(path)
+        parent, keys = self._cache_start(st, first, num_full)
         for i, key in enumerate(keys, first):
             children = parent.children
             child = children.get(key)
@@ -735,16 +705,11 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
             return []
         return self.host_tier.hit_run(request.block_hashes, start, max_blocks)
 
-    def _allocate_slow_tiered(
-        self, request, num_new_tokens, num_new_computed_tokens,
-        new_computed_blocks, num_lookahead_tokens,
-    ):
-        """``_allocate_slow`` with a host tier: the hit list is the tree's nodes then
+    def _allocate_checked_tiered(self, request, st, computed, total: int, need: int,
+                                 num_new_computed_tokens: int):
+        """``_allocate_checked`` with a host tier: the hit list is the tree's nodes then
         host hits; each host hit gets a fresh device block (a load recorded) and becomes
         a node, locked by the request, before its new blocks are taken."""
-        st, computed, total, need, num_new_computed_tokens = _admission_checks(
-            self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-            num_lookahead_tokens)
         bs = self.block_size
         ns = _namespace(request)
         tier = self.host_tier
@@ -802,10 +767,7 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
                 st.blocks.extend(fresh)
                 # The loaded blocks become nodes below the device hits (GPU BlockStored).
                 self._cache(st, len(st.blocks), hashes)
-            if self.log_stats:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0,
-                )
+            self._register(request, st, num_new_computed_tokens)
             self.device_hit_tokens += len(device) * bs
             self.host_hit_tokens += (len(host) - num_lower if host else 0) * bs
         return self._grow_and_cache(request, st, num_new_blocks, total)
@@ -858,28 +820,22 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
         # the next as a child), so only it can become a candidate.
         policy = self.policy
         path = st.path
-        num_unlocked = 0
+        for node in path:
+            node.lock -= 1
+        # (locks never grow with depth: the nodes this release unlocks are a suffix)
+        num_unlocked = _num_unlocked_suffix(path)
+        positions = range(len(path) - 1, len(path) - 1 - num_unlocked, -1)
         if self._stamp_release:  # KeyedPolicy.on_release, inlined
             clock = policy.clock
             released_at = policy.released_at
-            for i in range(len(path) - 1, -1, -1):
-                node = path[i]
-                lock = node.lock - 1
-                node.lock = lock
-                if not lock:
-                    num_unlocked += 1
-                    clock += 1
-                    released_at[node.block.block_id] = clock
+            for i in positions:
+                clock += 1
+                released_at[path[i].block.block_id] = clock
             policy.clock = clock
         else:
             on_release = policy.on_release
-            for i in range(len(path) - 1, -1, -1):
-                node = path[i]
-                lock = node.lock - 1
-                node.lock = lock
-                if not lock:
-                    num_unlocked += 1
-                    on_release(node.block, req, i)
+            for i in positions:
+                on_release(path[i].block, req, i)
         if num_unlocked:
             self._num_unlocked_nodes += num_unlocked
             if not path[-1].children:

@@ -63,10 +63,10 @@ def test_off_is_the_plain_manager(index):
     assert m.host_tier is None
     if index == "hash":
         assert type(m.block_pool) is BlockPool
-        swapped = ("_hit_blocks", "_allocate_slow")
+        swapped = ("_hit_blocks", "_allocate_checked")
     else:
         assert type(m.implementation) is RadixKVCacheManager
-        swapped = ("get_computed_blocks", "peek_computed_tokens", "_allocate_slow", "_cache")
+        swapped = ("get_computed_blocks", "peek_computed_tokens", "_allocate_checked", "_cache")
     assert not any(name in vars(m.implementation) for name in swapped)
     assert m.take_host_transfers() == [] and m.num_host_cached_blocks == 0
     assert (m.host_hit_tokens, m.host_blocks_loaded, m.host_blocks_stored) == (0, 0, 0)
