@@ -81,20 +81,27 @@ def _manager_defaults() -> MappingProxyType:
 MANAGER_DEFAULTS = _manager_defaults()
 
 
-def manager_options(manager, options: Mapping[str, Any], *, lower_tiers: bool) -> tuple:
+def manager_options(manager, options: Mapping[str, Any], *, lower_tiers: bool,
+                    checked: bool = False) -> tuple:
     """The constructor keywords of an index or layout class, defaults filled in
     (``MANAGER_DEFAULTS``; ``index`` defaults to the class's ``INDEX_NAME``): their
     values in ``MANAGER_OPTION_NAMES`` order, then the keywords of the tiers below the
     host (a dict; ``TypeError`` for any keyword when the class takes none, as for an
-    unknown one)."""
+    unknown one). ``checked``: the one composition rule is applied first
+    (``indexes.check_implementation``: an unknown index, a layout or tier the class
+    does not serve -> ``ValueError`` naming why) and ``index`` is its name."""
     values = [options.get(name, default) for name, default in MANAGER_DEFAULTS.items()]
+    i = MANAGER_OPTION_NAMES.index("index")
     if "index" not in options:
-        values[MANAGER_OPTION_NAMES.index("index")] = getattr(
-            type(manager), "INDEX_NAME", DEFAULT_INDEX)
+        values[i] = getattr(type(manager), "INDEX_NAME", DEFAULT_INDEX)
     rest = {k: v for k, v in options.items() if k not in MANAGER_DEFAULTS}
     if rest and not lower_tiers:
         raise TypeError(f"{type(manager).__name__}() got unexpected keyword arguments "
                         f"{sorted(rest)}")
+    if checked:
+        o = dict(zip(MANAGER_OPTION_NAMES, values))
+        values[i] = check_implementation(manager, o["index"], o["kv_cache_groups"],
+                                         o["eviction"], o["num_host_blocks"])
     return (*values, rest)
 
 
@@ -632,10 +639,9 @@ class HashKVCacheManager(_OneGroupManager, BlockPoolViews):
         (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
          max_model_len, int_event_hashes, eviction, eviction_options, index,
          kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
-         lower_tiers) = manager_options(self, options, lower_tiers=True)
-        # The one composition rule (an unknown index, a layout or tier this class does
-        # not serve -> ValueError naming why); KVCacheManager has applied it already.
-        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
+         lower_tiers) = manager_options(self, options, lower_tiers=True, checked=True)
+        # (an unknown index, a layout or tier this class does not serve raised naming
+        # why; KVCacheManager has applied that rule already)
         num_blocks, block_size, max_model_len = _check_sizes(
             num_blocks, block_size, max_model_len, free_order)
         policy_cls = get_policy_class(eviction)  # unknown name -> ValueError

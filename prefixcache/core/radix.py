@@ -129,7 +129,6 @@ from prefixcache.core.kv_cache_manager import (
     _pop_held_state,
     _store_settings,
 )
-from prefixcache.core.indexes import check_implementation
 from prefixcache.core.kv_cache_blocks import KVCacheBlocks, empty_blocks
 from prefixcache.core.kv_groups import FULL_ATTENTION_LAYOUT
 from prefixcache.core.request import Request
@@ -344,10 +343,9 @@ class RadixKVCacheManager(_OneGroupManager, BlockPoolViews):
         (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
          max_model_len, int_event_hashes, eviction, eviction_options, index,
          kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
-         lower_tiers) = manager_options(self, options, lower_tiers=True)
-        # The one composition rule (a refused layout or tier raises with its reason); a
-        # sliding-window layout is another class's (radix_hybrid).
-        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
+         lower_tiers) = manager_options(self, options, lower_tiers=True, checked=True)
+        # (a refused layout or tier raised with its reason; a sliding-window layout is
+        # another class's: radix_hybrid)
         num_host_blocks, host_options = check_tier_args(
             num_host_blocks, host_eviction, host_eviction_options, enable_caching)
         num_blocks, block_size, max_model_len = _check_sizes(

@@ -209,12 +209,9 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
         (enable_caching, hash_algo, hash_seed, free_order, log_stats, enable_events,
          max_model_len, int_event_hashes, eviction, eviction_options, index,
          kv_cache_groups, num_host_blocks, host_eviction, host_eviction_options,
-         _) = manager_options(self, options, lower_tiers=False)
-        from prefixcache.core.indexes import check_implementation
-
-        # The one composition rule (a host tier is refused with its reason; one
-        # full-attention group is RadixKVCacheManager's).
-        index = check_implementation(self, index, kv_cache_groups, eviction, num_host_blocks)
+         _) = manager_options(self, options, lower_tiers=False, checked=True)
+        # (a host tier was refused with its reason; one full-attention group is
+        # RadixKVCacheManager's)
         groups = check_kv_cache_groups(kv_cache_groups)
         check_host_args(num_host_blocks, host_eviction, host_eviction_options)  # (0 here)
         num_blocks, block_size, max_model_len = _check_sizes(
