@@ -576,22 +576,15 @@ class RadixHybridKVCacheManager(RadixKVCacheManager):
                                    num_null)
             if self._waiting_policy is not None:  # admitted: no longer waiting
                 self._waiting_policy.drop_waiting(request.request_id)
-            self._states[request.request_id] = st
-            self._states_by_request[request] = st
             self._lookup = None  # NOTE: holds no request past its admission
-            if self.log_stats and self.enable_caching:
-                self.prefix_cache_stats.record(
-                    request.num_tokens, num_new_computed_tokens, request.num_preemptions > 0)
+            self._register(request, st, num_new_computed_tokens)
             self.device_hit_tokens += num_new_computed_tokens
         new_blocks = []
-        for table in st.tables:
+        for table in st.tables:  # (each grows to num_required slots)
             n = num_required - len(table)
-            if n > 0:
-                got = self._take_blocks(n)
-                table.extend(got)
-                new_blocks.append(got)
-            else:
-                new_blocks.append([])
+            got = self._take_blocks(n) if n > 0 else []
+            table.extend(got)
+            new_blocks.append(got)
         if self.enable_caching:
             request.bind_hasher(self.hasher, bs)
             hashes = request.block_hashes
