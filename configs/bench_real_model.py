@@ -32,6 +32,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.decode_tokens = 64  # tokens timed per decode run (after the first)
     c.repeats = 3  # timed runs per measurement (the median is reported)
     c.attention_backend = "auto"
+    # The engine's smallest token / sequence shape buckets (0: the engine's defaults, 16
+    # tokens and 4 sequences). 1 and 1: a batch-1 decode step runs one token row, not 16
+    # (on CPU every padding row costs its share of each matmul).
+    c.min_token_bucket = 0
+    c.min_seq_bucket = 0
+    c.scan_layers = True  # False: the unrolled step (one program copy per layer)
     # transformers side by side (f32 only): the python of a venv with transformers, torch,
     # gguf and accelerate (e.g. $HOME/.cache/prefixcache-peers/hf-load-venv/bin/python;
     # experiments/peers/setup_hf_env.sh makes one); "": ours only.

@@ -35,4 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_blocks = 256
     c.bandwidth_mib = 512
     c.repeats = 3
+    # The engine's smallest token / sequence shape buckets (0: the engine's defaults, 16
+    # tokens and 4 sequences). 1 and 1: a batch-1 decode step runs one token row, not 16
+    # (on CPU every padding row costs its share of each matmul).
+    c.min_token_bucket = 0
+    c.min_seq_bucket = 0
+    c.scan_layers = True  # False: the unrolled step (one program copy per layer)
     return c

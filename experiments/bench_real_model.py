@@ -91,12 +91,29 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
+def engine_buckets(config, max_num_tokens: int, max_num_seqs: int) -> dict:
+    """`Engine` keyword arguments for `config.min_token_bucket` / `min_seq_bucket`
+    (powers of two from each up to the maxima; 0: the engine's default buckets)."""
+    from prefixcache.metadata import pow2_buckets  # noqa: PLC0415
+
+    out = {}
+    for key, name, hi in (("min_token_bucket", "token_buckets", max_num_tokens),
+                          ("min_seq_bucket", "seq_buckets", max_num_seqs)):
+        lo = int(config[key])
+        if lo < 0:
+            raise ValueError(f"config.{key} must be >= 0 (0: the engine's default), got {lo}")
+        if lo:
+            out[name] = pow2_buckets(lo, hi)
+    return out
+
+
 def run(config, *, progress: bool = False) -> dict:
     import numpy as np  # noqa: PLC0415
 
     from prefixcache.engine import Engine, SamplingParams  # noqa: PLC0415
     from prefixcache.model import load_pretrained  # noqa: PLC0415
 
+    engine_buckets(config, 1, 1)  # (bad bucket minima refused before the load)
     workdir = _common.prepare_workdir(config.workdir)
     from experiments.chat import checkpoint_path  # noqa: PLC0415
 
@@ -113,12 +130,14 @@ def run(config, *, progress: bool = False) -> dict:
             pre = load_pretrained(path, dtype=dtype, progress=progress)
             load_s = time.perf_counter() - t0
             V = pre.config.vocab_size
+            max_tokens = max(config.prompt_len, 32 * max(batches))
             engine = Engine(pre.config, model=pre.model, num_blocks=config.num_blocks,
                             block_size=config.block_size, enable_caching=False,
-                            max_num_seqs=max(batches), max_num_batched_tokens=max(
-                                config.prompt_len, 32 * max(batches)),
+                            max_num_seqs=max(batches), max_num_batched_tokens=max_tokens,
                             max_model_len=config.prompt_len + config.decode_tokens + 64,
-                            attention_backend=config.attention_backend, seed=config.seed)
+                            attention_backend=config.attention_backend, seed=config.seed,
+                            scan_layers=config.scan_layers,
+                            **engine_buckets(config, max_tokens, max(batches)))
 
             def prompt(n):
                 return rng.integers(0, V, n).tolist()

@@ -45,21 +45,26 @@ def run(config, *, progress: bool = False) -> dict:
 
     import prefixcache_kernels as kernels  # noqa: PLC0415
     from experiments.bench_real_model import default_checkpoint  # noqa: PLC0415
+    from experiments.bench_real_model import engine_buckets  # noqa: PLC0415
     from experiments.chat import checkpoint_path  # noqa: PLC0415
     from prefixcache.engine import Engine, SamplingParams  # noqa: PLC0415
     from prefixcache.engine.sampler import SamplingArrays, sample  # noqa: PLC0415
     from prefixcache.model import load_pretrained  # noqa: PLC0415
 
+    engine_buckets(config, 1, 1)  # (bad bucket minima refused before the load)
     workdir = _common.prepare_workdir(config.workdir)
     path = checkpoint_path(config.checkpoint) if config.checkpoint else default_checkpoint()
     pre = load_pretrained(path, dtype=config.dtype, progress=progress)
     cfg = pre.config
     batches = [int(b) for b in config.decode_batches.split(",") if b.strip()]
     N, prompt_len, bs = config.decode_tokens, config.prompt_len, config.block_size
+    max_tokens = max(prompt_len * max(batches), 64)
     engine = Engine(cfg, model=pre.model, num_blocks=config.num_blocks, block_size=bs,
                     enable_caching=False, max_num_seqs=max(batches),
-                    max_num_batched_tokens=max(prompt_len * max(batches), 64),
-                    max_model_len=prompt_len + N + 64, seed=config.seed)
+                    max_num_batched_tokens=max_tokens,
+                    max_model_len=prompt_len + N + 64, seed=config.seed,
+                    scan_layers=config.scan_layers,
+                    **engine_buckets(config, max_tokens, max(batches)))
     rng = np.random.default_rng(config.seed)
     weights = [x for x in jax.tree.leaves(nnx.state(pre.model)) if isinstance(x, jax.Array)]
     weight_bytes = sum(x.nbytes for x in weights)

@@ -81,15 +81,38 @@ def write_kv(kv_pages, k, v, slot_mapping, kv_scales=None, *, num_blocks=None):
   # [T, num_kv_heads, 2, head_dim] -> [T, 2*num_kv_heads, head_dim]: K at 2h, V at 2h+1.
   kv_new = jnp.stack([k, v], axis=2).reshape(k.shape[0], num_combined, head_dim)
   flat = kv_pages.reshape(num_pages * page_size, num_combined, head_dim)
+  flat = _set_rows(flat, slot_mapping, kv_new.astype(kv_pages.dtype))
+  return flat.reshape(kv_pages.shape)
+
+
+def _set_rows(rows, index, values):
+  """`rows` with row `index[t]` set to `values[t]`; an index outside [0, len(rows))
+  (negative ones included) writes nothing.
+
+  Args:
+    rows: [R, ...] the buffer (donated by the caller's jit: updated in place).
+    index: i32[T] row per value.
+    values: [T, ...] in rows' dtype.
+
+  NOTE: XLA rewrites a scatter of one row (T = 1: a batch-1 decode step) into a
+  `dynamic_update_slice`, which its fusion pass then duplicates into each consumer of
+  the updated buffer (the attention's page gather and the returned cache); each copy
+  needs a copy of the whole buffer first: for the scanned step four copies of the KV
+  pool per layer, a step 10x slower. One row is therefore written as two identical
+  rows (the same index and value twice: a well-defined scatter XLA keeps as one, in
+  place).
+  """
+  num_rows = rows.shape[0]
+  if index.shape[0] == 1:
+    index = jnp.concatenate([index, index])
+    values = jnp.concatenate([values, values])
   # NOTE: mode="drop" makes an out-of-range slot a no-op instead of clamping it onto a
   # live page; the host-side builder checks slots, this is the device-side backstop.
   # jax normalises negative indices (numpy style: -1 is the last slot) BEFORE the drop
   # mode applies, so a negative slot would wrap around onto a live page: map it past
   # the end first.
-  num_slots = num_pages * page_size
-  slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
-  flat = flat.at[slots].set(kv_new.astype(kv_pages.dtype), mode="drop")
-  return flat.reshape(kv_pages.shape)
+  index = jnp.where(index < 0, num_rows, index)
+  return rows.at[index].set(values, mode="drop")
 
 
 def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
@@ -121,12 +144,11 @@ def _write_quantized(kv_pages, kv_scales, k, v, slot_mapping):
     factor = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)[page_c]  # [T, C]
     vals = pages[page_c].astype(f32) * factor[:, None, :, None]
     vals = quantize(vals, jnp.ones((), f32), pages.dtype)
-    return pages.at[page].set(vals, mode="drop")
+    return _set_rows(pages, page, vals)
 
   rises = jnp.any((new > old) & (old > 0))
   kv_pages = lax.cond(rises, requantize, lambda pages: pages, kv_pages)
   q_new = quantize(kv_new, new[page_c][:, :, None], kv_pages.dtype)
   flat = kv_pages.reshape(num_slots, num_combined, head_dim)
-  slots = jnp.where(valid, slot_mapping, num_slots)
-  flat = flat.at[slots].set(q_new, mode="drop")
+  flat = _set_rows(flat, jnp.where(valid, slot_mapping, num_slots), q_new)
   return flat.reshape(kv_pages.shape), new

@@ -115,3 +115,25 @@ def test_disk_fingerprint_is_the_same_for_either_weight_layout():
     per_layer = disk_fingerprint(model, config, **kw)
     other = disk_fingerprint(Transformer(config, rngs=nnx.Rngs(6)), config, **kw)
     assert disk_fingerprint(stack_layers(model), config, **kw) == per_layer != other
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_one_token_decode_steps_match_the_padded_ones(kv_dtype):
+    """Buckets from one token and one sequence (a batch-1 decode step writes one K/V row
+    into the scanned step's pool: `write_kv`'s one-row path) give the tokens and logits
+    of the padded 64-token steps."""
+    config = ModelConfig.tiny(num_layers=3)
+    padded = Engine(config, kv_dtype=kv_dtype, **COMMON)
+    small = Engine(config, model=padded.model, kv_dtype=kv_dtype,
+                   **{**COMMON, "token_buckets": (1, 64), "seq_buckets": (1, 2)})
+    prompt = np.random.default_rng(1).integers(1, config.vocab_size, 13).tolist()
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    outs = {}
+    for name, engine in (("padded", padded), ("small", small)):
+        engine.record_logits = True
+        tokens = engine.generate([prompt], params)[0].token_ids
+        outs[name] = (tokens, np.stack([row for step in engine.step_logits
+                                        for row in step.values()]))
+    assert small.runner.program.num_programs_built >= 2  # the 1-token decode program ran
+    assert outs["small"][0] == outs["padded"][0]
+    np.testing.assert_allclose(outs["small"][1], outs["padded"][1], rtol=1e-5, atol=1e-5)

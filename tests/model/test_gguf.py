@@ -323,6 +323,7 @@ def test_bench_real_model_runs_on_a_tiny_file(tmp_path):
     cfg.dtypes = "float32"
     cfg.prompt_len, cfg.decode_batches, cfg.decode_tokens, cfg.repeats = 16, "2", 2, 1
     cfg.num_blocks = 16
+    cfg.min_token_bucket = cfg.min_seq_bucket = 1  # (decode b2 runs 2 token rows)
     (rec,) = bench_real_model.run(cfg)["results"]
     assert rec["format"] == "gguf" and rec["prompt_len"] == 16
     assert {"load_s", "prefill_tok_s", "decode_b2_tok_s", "first_prefill_s"} <= set(rec)
@@ -339,6 +340,19 @@ def test_bench_real_model_refuses_a_missing_peer_before_loading(tmp_path):
     cfg.checkpoint = _file("tiny_llama_q4_1")
     cfg.peer_python = str(tmp_path / "no-python")
     with pytest.raises(ValueError, match="config.peer_python: no such file"):
+        bench_real_model.run(cfg)
+    assert not (tmp_path / "bench_real_model.jsonl").exists()
+
+
+def test_bench_real_model_refuses_a_negative_bucket_before_loading(tmp_path):
+    from experiments import bench_real_model
+    from configs.bench_real_model import get_config
+
+    cfg = get_config()
+    cfg.workdir = str(tmp_path)
+    cfg.checkpoint = _file("tiny_llama_q4_1")
+    cfg.min_token_bucket = -1
+    with pytest.raises(ValueError, match="config.min_token_bucket must be >= 0"):
         bench_real_model.run(cfg)
     assert not (tmp_path / "bench_real_model.jsonl").exists()
 
