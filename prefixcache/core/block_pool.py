@@ -592,7 +592,7 @@ class BlockPool:
         if self.enable_events:
             eh = self._event_hash
             self.events.append(device_block_stored(
-                request, list(map(eh, block_hashes[num_cached_blocks:num_full_blocks])),
+                request, list(map(eh, hashes)),
                 eh(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None,
                 num_cached_blocks * block_size, num_full_blocks * block_size, block_size,
                 spec_kind=KV_CACHE_SPEC_KIND))
@@ -603,12 +603,11 @@ class BlockPool:
                 blk = blocks[pos]
                 on_cached(blk, blk.block_hash, request, pos)
         tier = self.host_tier
-        if tier is not None:
-            new = block_hashes[num_cached_blocks:num_full_blocks]
+        if tier is not None:  # (hashes: the new blocks' keys)
             self._cached_on_tier(tier, request, blocks, range(num_cached_blocks,
-                                                             num_full_blocks), new)
+                                                             num_full_blocks), hashes)
             if tier.lower is not None:
-                tier.lower.discard_cached(new)
+                tier.lower.discard_cached(hashes)
 
     def cache_group_blocks(self, request, blocks: Sequence[KVCacheBlock],
                            block_hashes: Sequence[bytes], num_cached_blocks: int,
